@@ -1,0 +1,212 @@
+"""``fxshard.parallelize``: trace once per input signature, run the passes, run every rank.
+
+    pm = fxshard.parallelize(model, mesh)
+    out = pm(input_ids)          # same value and structure as model(input_ids)
+    pm.rank_module(3)            # the GraphModule rank 3 runs
+    print(pm.explain())          # placements, collectives, bytes, parameters per rank
+
+On a simulated mesh ``pm(x)`` runs every rank as a thread of this process and returns the
+global output. Under ``torchrun`` (a real ``DeviceMesh``) each process builds and runs only its
+own rank; every rank passes the same global input and gets the full output back.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from .mesh import MeshSpec, is_simulated, mesh_spec
+from .passes import PLAN_STYLES, PassCtx
+from .passes.emit import Program, build_rank_module, emit_pass
+from .passes.insert_collectives import insert_collectives_pass
+from .passes.localize import localize_pass
+from .passes.lower_attention import lower_attention_pass
+from .passes.propagate import propagate_pass
+from .trace import Traced, cleanup_pass, trace
+
+__all__ = ["parallelize", "ParallelModule"]
+
+_WHERE = "fxshard.parallelize"
+
+
+@dataclass
+class Compiled:
+    """Everything built for one input signature."""
+
+    traced: Traced
+    ctx: PassCtx
+    program: Program
+    modules: dict = field(default_factory=dict)     # rank -> GraphModule
+
+
+def _signature(flat) -> tuple:
+    return tuple((tuple(x.shape), x.dtype, x.device.type) if isinstance(x, torch.Tensor)
+                 else ("const", repr(x)) for x in flat)
+
+
+def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx) -> Compiled:
+    """Trace ``model`` on ``args``/``kwargs`` and run the pass pipeline under ``ctx``."""
+    traced = trace(model, args, kwargs)
+    gm = traced.gm
+    for p in (cleanup_pass, propagate_pass, insert_collectives_pass):
+        gm = p(gm, ctx=ctx)
+    gm = lower_attention_pass(gm, ctx=ctx, constants=traced.constants)
+    gm = localize_pass(gm, ctx=ctx)
+    program = emit_pass(gm, ctx=ctx)
+    return Compiled(traced=traced, ctx=ctx, program=program)
+
+
+class ParallelModule:
+    """A model parallelized over a mesh; see :func:`parallelize`."""
+
+    def __init__(self, model: torch.nn.Module, mesh, *, plan: dict, sequence_parallel: bool,
+                 microbatches: int, strict: bool, embedding: str):
+        self.model = model
+        self.mesh = mesh
+        self.spec: MeshSpec = mesh_spec(mesh, where=_WHERE)
+        self.plan = dict(plan)
+        self.sequence_parallel = sequence_parallel
+        self.microbatches = microbatches
+        self.strict = strict
+        self.embedding = embedding
+        self._values = {k: v for k, v in model.state_dict(keep_vars=True).items()}
+        self._expected = {k: (tuple(v.shape), v.dtype) for k, v in self._values.items()}
+        self._compiled: dict[tuple, Compiled] = {}
+        self._last: Compiled | None = None
+        self._world = None
+        self._device = torch.device(self.spec.device_type)
+
+    # -- building ----------------------------------------------------------------------
+    def _build(self, args: tuple, kwargs: dict) -> Compiled:
+        ctx = PassCtx(mesh=self.spec, sequence_parallel=self.sequence_parallel,
+                      strict=self.strict, plan=self.plan, embedding_style=self.embedding)
+        c = compile_program(self.model, args, kwargs, ctx)
+        for fqn, value in c.traced.constants.items():
+            if value is not None:
+                self._values.setdefault(fqn, value)
+        return c
+
+    def _get(self, args: tuple, kwargs: dict) -> tuple[Compiled, list]:
+        flat, _ = pytree.tree_flatten((args, kwargs))
+        key = _signature(flat)
+        if key not in self._compiled:
+            self._compiled[key] = self._build(args, kwargs)
+        self._last = self._compiled[key]
+        return self._last, flat
+
+    def _module(self, c: Compiled, rank: int) -> fx.GraphModule:
+        if rank not in c.modules:
+            c.modules[rank] = build_rank_module(c.program, rank, self.spec, self._values,
+                                                self._device)
+        return c.modules[rank]
+
+    # -- running -----------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        c, flat = self._get(args, kwargs)
+        inputs = [x for x in flat if isinstance(x, torch.Tensor)]
+        if any(self._values.get(fqn) is None or self._values[fqn].device.type == "meta"
+               for fqn in c.program.slots):
+            raise ValueError(f"{_WHERE}: the model was built on the meta device and has no "
+                             f"weights yet; call pm.load_state_dict(full_state_dict) or "
+                             f"fxshard.load_safetensors(pm, path) before running it")
+        if is_simulated(self.mesh):
+            from .runtime.simulated import SimulatedWorld
+            if self._world is None:
+                self._world = SimulatedWorld(self.spec)
+            for r in range(self.spec.world_size):
+                self._module(c, r)
+            results = self._world.run(lambda r: c.modules[r](*inputs))
+            out = results[0]
+        else:
+            from .runtime.context import use_backend
+            from .runtime.distributed import backend_for
+            backend = backend_for(self.mesh)
+            with use_backend(backend):
+                out = self._module(c, backend.rank)(*inputs)
+        return pytree.tree_unflatten(list(out), c.traced.out_spec)
+
+    # -- inspection --------------------------------------------------------------------
+    def _require_compiled(self, what: str) -> Compiled:
+        if self._last is None:
+            raise ValueError(f"ParallelModule.{what}: nothing is traced yet; call pm(x) once or "
+                             f"pass example_inputs= to fxshard.parallelize")
+        return self._last
+
+    def rank_module(self, rank: int) -> fx.GraphModule:
+        """The GraphModule rank ``rank`` runs for the most recent input signature."""
+        c = self._require_compiled("rank_module")
+        self.spec.coords(rank)
+        return self._module(c, rank)
+
+    def explain(self):
+        from .explain import explain
+        return explain(self, self._require_compiled("explain"))
+
+    # -- weights -----------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load the unsharded model's state dict; each rank keeps only its slices."""
+        missing = sorted(set(self._expected) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(self._expected))
+        if missing or unexpected:
+            raise ValueError(
+                f"ParallelModule.load_state_dict: the state dict does not match the model: "
+                f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}, unexpected "
+                f"keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}. Pass the "
+                f"unsharded model's state_dict() with the same parameter names.")
+        for k, (shape, _) in self._expected.items():
+            got = tuple(state_dict[k].shape)
+            if got != shape:
+                raise ValueError(
+                    f"ParallelModule.load_state_dict: {k!r} has shape {got} but the model "
+                    f"expects {shape}; load a checkpoint of the same configuration")
+        self._values.update(state_dict)
+        for c in self._compiled.values():
+            c.modules.clear()
+
+    def close(self) -> None:
+        if self._world is not None:
+            self._world.close()
+            self._world = None
+
+
+def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = None,
+                example_kwargs: dict | None = None, plan: dict | None = None,
+                sequence_parallel: bool = False, microbatches: int = 1, strict: bool = False,
+                embedding: str = "embed_dim") -> ParallelModule:
+    """Parallelize an unmodified ``model`` over ``mesh`` by rewriting its traced ATen graph.
+
+    Args:
+        mesh: from :func:`fxshard.init_device_mesh`, or a torch ``DeviceMesh``.
+        example_inputs / example_kwargs: trace now; otherwise at the first call (one program
+            per input signature).
+        plan: tensor-parallel overrides by module-name glob, e.g.
+            ``{"model.layers.*.mlp.up_proj": "colwise"}``; styles colwise, rowwise, vocab,
+            embed_dim, replicate.
+        sequence_parallel: keep activations between blocks sharded on the sequence on ``tp``.
+        microbatches: pipeline microbatches (GPipe schedule).
+        strict: an op without a sharding rule is an error instead of a replicated fallback.
+        embedding: default tp style of embeddings: ``"embed_dim"`` or ``"vocab"``.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"{_WHERE}: model must be a torch.nn.Module, got {type(model).__name__}")
+    spec = mesh_spec(mesh, where=_WHERE)
+    for pattern, style in (plan or {}).items():
+        if style not in PLAN_STYLES:
+            raise ValueError(f"{_WHERE}: plan[{pattern!r}] = {style!r} is not a style; use one "
+                             f"of {', '.join(PLAN_STYLES)}")
+    if embedding not in ("embed_dim", "vocab"):
+        raise ValueError(f"{_WHERE}: embedding={embedding!r}; use 'embed_dim' or 'vocab'")
+    if microbatches < 1:
+        raise ValueError(f"{_WHERE}: microbatches={microbatches} must be >= 1")
+    if microbatches > 1 and spec.axis_size("pp") == 1:
+        warnings.warn(f"{_WHERE}: microbatches={microbatches} has no effect without a pp axis",
+                      stacklevel=2)
+    model.eval()
+    pm = ParallelModule(model, mesh, plan=plan or {}, sequence_parallel=sequence_parallel,
+                        microbatches=microbatches, strict=strict, embedding=embedding)
+    if example_inputs is not None or example_kwargs is not None:
+        pm._get(tuple(example_inputs or ()), dict(example_kwargs or {}))
+    return pm

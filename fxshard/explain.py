@@ -1,0 +1,151 @@
+"""``pm.explain()``: what each rank runs, communicates and holds, as data and as tables.
+
+Bytes are per rank and per forward. ``tensor bytes`` is the size of the local tensor handed to
+the collective; ``wire bytes`` is what a ring algorithm sends per rank: ``2(n-1)/n`` of it for
+an all-reduce, ``(n-1)/n`` of the gathered/scattered/exchanged size otherwise. With tensor
+parallelism over ``t`` ranks that gives the textbook ``4(t-1)/t * b*s*h*B`` per layer.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from .placement import local_shape, short_spec
+
+__all__ = ["Explanation", "explain", "COLLECTIVES"]
+
+COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "local_shard",
+               "send", "recv")
+
+
+@dataclass
+class CollectiveInfo:
+    node: str
+    op: str
+    axis: str
+    size: int
+    shape: tuple            # local input shape
+    tensor_bytes: int
+    wire_bytes: int
+
+
+@dataclass
+class Explanation:
+    mesh: str
+    ranks: int
+    collectives: dict = field(default_factory=dict)     # rank -> [CollectiveInfo]
+    param_bytes: dict = field(default_factory=dict)     # rank -> bytes
+    total_param_bytes: int = 0
+    placements: list = field(default_factory=list)      # (fqn, spec, local shape)
+    fallbacks: list = field(default_factory=list)
+    edits: list = field(default_factory=list)
+
+    def counts(self, rank: int = 0) -> Counter:
+        """``{(op, axis): count}`` of rank ``rank``'s collectives (local slices excluded)."""
+        return Counter((c.op, c.axis) for c in self.collectives[rank] if c.op != "local_shard")
+
+    def __str__(self) -> str:
+        lines = [f"fxshard plan on mesh {self.mesh} ({self.ranks} ranks)", ""]
+        lines.append("Collectives per rank (op, axis: count, tensor bytes, wire bytes)")
+        shown: dict[tuple, list] = {}
+        for r, cs in self.collectives.items():
+            key = tuple((c.op, c.axis, c.tensor_bytes) for c in cs)
+            shown.setdefault(key, []).append(r)
+        for key, ranks in shown.items():
+            cs = self.collectives[ranks[0]]
+            agg: dict[tuple, list] = {}
+            for c in cs:
+                a = agg.setdefault((c.op, c.axis), [0, 0, 0])
+                a[0] += 1
+                a[1] += c.tensor_bytes
+                a[2] += c.wire_bytes
+            lines.append(f"  ranks {_ranges(ranks)}:")
+            if not agg:
+                lines.append("    (none)")
+            for (op, axis), (n, tb, wb) in sorted(agg.items()):
+                lines.append(f"    {op:15s} {axis:11s} {n:5d}  {tb:>14,d}  {wb:>14,d}")
+        lines += ["", f"Parameter bytes per rank (total unsharded {self.total_param_bytes:,d})"]
+        by_bytes: dict[int, list] = {}
+        for r, b in self.param_bytes.items():
+            by_bytes.setdefault(b, []).append(r)
+        for b, ranks in by_bytes.items():
+            lines.append(f"  ranks {_ranges(ranks)}: {b:,d}")
+        lines += ["", "Placements of weights (tp/dp/... : placement, local shape)"]
+        for fqn, spec, shape in self.placements:
+            lines.append(f"  {fqn:50s} {spec:20s} {shape}")
+        lines += ["", f"Ops without a sharding rule (run replicated): {len(self.fallbacks)}"]
+        lines += [f"  {f}" for f in self.fallbacks]
+        lines += ["", "Passes"] + [f"  {p}: {m}" for p, m in self.edits]
+        return "\n".join(lines)
+
+
+def _ranges(ranks: list[int]) -> str:
+    if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def _wire(op: str, n: int, in_bytes: int) -> int:
+    if op == "all_reduce":
+        return 2 * (n - 1) * in_bytes // n
+    if op == "all_gather":
+        return (n - 1) * in_bytes
+    if op in ("reduce_scatter", "all_to_all"):
+        return (n - 1) * in_bytes // n
+    if op in ("send", "recv"):
+        return in_bytes
+    return 0
+
+
+def collectives_of(graph, mesh) -> list[CollectiveInfo]:
+    out = []
+    for node in graph.nodes:
+        if node.op != "call_function" or not str(node.target).startswith("fxshard."):
+            continue
+        op = str(node.target).split(".")[1]
+        if op not in COLLECTIVES:
+            continue
+        x = node.args[0]
+        if op == "recv":
+            shape, dtype = tuple(node.args[0]), node.args[1]
+            axis, size = node.args[3], mesh.axis_size(node.args[3])
+        else:
+            val, spec = x.meta["val"], x.meta["fxshard_spec"]
+            shape, dtype = local_shape(tuple(val.shape), spec, mesh), val.dtype
+            axis = node.args[-2] if op != "send" else node.args[1]
+            size = mesh.axis_size(axis)
+        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        out.append(CollectiveInfo(node.name, op, axis, size, shape, nbytes,
+                                  _wire(op, size, nbytes)))
+    return out
+
+
+def explain(pm, compiled) -> Explanation:
+    mesh = pm.spec
+    programs = getattr(compiled, "programs", None) or [compiled.program]
+    ex = Explanation(mesh=mesh.describe(), ranks=mesh.world_size,
+                     fallbacks=list(compiled.ctx.fallbacks), edits=list(compiled.ctx.edits))
+    stage_of = pm.stage_of if hasattr(pm, "stage_of") else (lambda r: 0)
+    per_stage = {p.stage: collectives_of(p.graph, mesh) for p in programs}
+    seen = set()
+    for r in range(mesh.world_size):
+        prog = programs[stage_of(r)] if len(programs) > 1 else programs[0]
+        ex.collectives[r] = per_stage[prog.stage]
+        total = 0
+        for s in prog.slots.values():
+            if s.kind != "param":
+                continue
+            numel = int(torch.Size(local_shape(s.shape, s.spec, mesh)).numel())
+            total += numel * torch.empty((), dtype=s.dtype).element_size()
+        ex.param_bytes[r] = total
+    for prog in programs:
+        for s in prog.slots.values():
+            if s.kind == "param" and s.fqn not in seen:
+                seen.add(s.fqn)
+                ex.total_param_bytes += int(torch.Size(s.shape).numel()) * \
+                    torch.empty((), dtype=s.dtype).element_size()
+                ex.placements.append((s.fqn, short_spec(s.spec, mesh),
+                                      local_shape(s.shape, s.spec, mesh)))
+    return ex

@@ -1,0 +1,301 @@
+"""Fused attention with the contract context parallelism needs, and the online-softmax merge.
+
+``attention(q, k, v)`` returns ``(out, lse)``: the softmax-attention output and the natural-log
+logsumexp of every row of scaled scores. Causal masking compares *absolute* positions
+(``q_offset + i`` against ``kv_offset + j``), so a ring step can attend a query chunk to any
+key chunk; a row that sees no key gives ``out = 0``, ``lse = -inf``, and ``merge_attention``
+combines partial results exactly (the rule ring attention uses).
+
+Backends share one contract:
+
+- ``"triton"``: the flash-attention kernel in :mod:`fxshard.kernels.triton_attention` (CUDA, or
+  Triton's CPU interpreter when ``TRITON_INTERPRET=1``);
+- ``"torch"``: a reference in plain torch ops, computed in float32 (float64 for float64 inputs);
+  it is also the CPU implementation of the whole system, so it reshapes q to
+  ``[B, Hkv, G, Sq, D]`` for GQA instead of repeating K/V, and it is differentiable;
+- ``"auto"``: the custom op ``torch.ops.fxshard.attention`` (Triton on CUDA tensors without a
+  mask, torch otherwise), which FX graphs, ``torch.export`` and ``torch.compile`` see as one op.
+  Its backward is computed with the torch reference (explicit formulas, no Triton backward).
+
+Shape legend: B batch, Hq query heads, Hkv key/value heads, G = Hq // Hkv query heads per KV
+head, Sq query length, Skv key/value length, D head dim. ``q_BHSD`` is ``[B, Hq, Sq, D]``;
+``k_BHSD``/``v_BHSD`` are ``[B, Hkv, Skv, D]``; ``q_BKGSD`` is q viewed as
+``[B, Hkv, G, Sq, D]``; ``s_BKGST`` holds scores ``[B, Hkv, G, Sq, Skv]`` (T for the key axis);
+``lse_BHS`` is ``[B, Hq, Sq]``.
+"""
+import functools
+import math
+import numbers
+from typing import Optional
+
+import torch
+
+__all__ = ["attention", "merge_attention"]
+
+_NAME = "fxshard.kernels.attention"
+_BACKENDS = ("auto", "torch", "triton")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+              scale: Optional[float] = None, q_offset: int = 0, kv_offset: int = 0,
+              mask: Optional[torch.Tensor] = None, backend: str = "auto"):
+    """Scaled dot-product attention returning ``(out, lse)``.
+
+    Args:
+        q: ``[B, Hq, Sq, D]``; k, v: ``[B, Hkv, Skv, D]`` with ``Hq % Hkv == 0`` (query head
+            ``h`` uses KV head ``h // (Hq // Hkv)``), all of one floating dtype and device.
+        causal: query ``i`` sees key ``j`` iff ``kv_offset + j <= q_offset + i``.
+        scale: multiplies ``q @ k^T``; defaults to ``1 / sqrt(D)``.
+        q_offset, kv_offset: absolute positions of the first query and the first key.
+        mask: broadcastable to ``[B, Hq, Sq, Skv]``; bool (True = attend, as torch SDPA) or an
+            additive float mask; combined with ``causal``. Only the torch backend takes a mask.
+        backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
+
+    Returns:
+        ``out`` with q's shape and dtype, ``lse`` ``[B, Hq, Sq]`` float32 (natural log). Rows that
+        see no key give ``out = 0`` and ``lse = -inf``.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"{_NAME}: backend={backend!r}; choose one of {_BACKENDS}.")
+    _check_inputs(q, k, v, mask, scale, q_offset, kv_offset)
+    if backend == "auto":
+        out, lse = torch.ops.fxshard.attention(q, k, v, mask, bool(causal), scale, q_offset,
+                                               kv_offset)
+        return out, lse
+    if backend == "torch":
+        return _torch_attention(q, k, v, mask, causal, scale, q_offset, kv_offset)
+    if mask is not None:
+        raise ValueError(f"{_NAME}: backend='triton' does not take an explicit mask (got a mask "
+                         f"of shape {tuple(mask.shape)}); express it with causal/q_offset/"
+                         f"kv_offset, or use backend='torch' (or 'auto') for explicit masks.")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise ValueError(f"{_NAME}: backend='triton' is forward-only and its inputs require "
+                         f"grad; use backend='auto' (custom op with a backward) or run under "
+                         f"torch.no_grad().")
+    return _triton_attention(q, k, v, causal, scale, q_offset, kv_offset)
+
+
+def merge_attention(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
+                    lse2: torch.Tensor):
+    """Merge two attention results over disjoint key sets (the online-softmax rule).
+
+    ``out*`` are ``[..., S, D]``, ``lse*`` ``[..., S]``. Returns ``(out, lse)`` equal to attention
+    over the union of the keys: exact when one side is ``-inf`` (saw no key); ``out = 0``,
+    ``lse = -inf`` when both are. Computed in float32 (float64 for float64); ``out`` has
+    ``out1``'s dtype, ``lse`` is float32.
+    """
+    name = "fxshard.kernels.merge_attention"
+    if out1.shape != out2.shape:
+        raise ValueError(f"{name}: out1 has shape {tuple(out1.shape)}, out2 "
+                         f"{tuple(out2.shape)}; merge results of the same queries.")
+    for arg, lse in (("lse1", lse1), ("lse2", lse2)):
+        if lse.shape != out1.shape[:-1]:
+            raise ValueError(f"{name}: {arg} has shape {tuple(lse.shape)}, expected "
+                             f"{tuple(out1.shape[:-1])} (out's shape without head_dim).")
+    cdtype = torch.float64 if torch.float64 in (out1.dtype, lse1.dtype) else torch.float32
+    lse1, lse2 = lse1.to(cdtype), lse2.to(cdtype)
+    lse_max = torch.maximum(lse1, lse2)
+    lse_max = torch.where(torch.isneginf(lse_max), 0.0, lse_max)
+    w1, w2 = torch.exp(lse1 - lse_max), torch.exp(lse2 - lse_max)
+    total = w1 + w2
+    empty = total == 0
+    total_safe = torch.where(empty, 1.0, total)
+    out = (out1.to(cdtype) * (w1 / total_safe).unsqueeze(-1)
+           + out2.to(cdtype) * (w2 / total_safe).unsqueeze(-1))
+    lse = torch.where(empty, -math.inf, lse_max + torch.log(total_safe))
+    return out.to(out1.dtype), lse.to(torch.float32)
+
+
+def _check_inputs(q, k, v, mask, scale, q_offset, kv_offset) -> None:
+    """Shape, dtype and device checks shared by every backend (and the fake impl)."""
+    for arg, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{_NAME}: {arg} must be a torch.Tensor, got {type(t).__name__}.")
+        if t.dim() != 4:
+            raise ValueError(f"{_NAME}: {arg} has shape {tuple(t.shape)}; expected 4 dims "
+                             f"[batch, heads, seq, head_dim] (transpose a [B, S, H, D] tensor "
+                             f"with .transpose(1, 2)).")
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"{_NAME}: {arg} has dtype {t.dtype}; expected a floating dtype.")
+    if k.shape != v.shape:
+        raise ValueError(f"{_NAME}: k has shape {tuple(k.shape)}, v has shape "
+                         f"{tuple(v.shape)}; k and v must both be [B, Hkv, Skv, D].")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"{_NAME}: q has batch size {q.shape[0]}, k has {k.shape[0]}; "
+                         f"pass q, k and v of the same batch.")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{_NAME}: q has head_dim {q.shape[-1]}, k has {k.shape[-1]}; "
+                         f"q, k and v must share the head dim.")
+    heads_q, heads_kv = q.shape[1], k.shape[1]
+    if heads_kv == 0 or heads_q % heads_kv != 0:
+        raise ValueError(f"{_NAME}: q has {heads_q} heads, k has {heads_kv}; Hq must be a "
+                         f"multiple of Hkv (query head h uses KV head h // (Hq // Hkv)); use "
+                         f"a number of query heads divisible by {heads_kv}.")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"{_NAME}: q is {q.dtype}, k is {k.dtype}, v is {v.dtype}; cast them "
+                         f"to one dtype.")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"{_NAME}: q is on {q.device}, k on {k.device}, v on {v.device}; "
+                         f"move them to one device.")
+    if mask is not None:
+        target = (q.shape[0], heads_q, q.shape[2], k.shape[2])
+        if not isinstance(mask, torch.Tensor) or not (
+                mask.dtype == torch.bool or mask.dtype.is_floating_point):
+            raise ValueError(f"{_NAME}: mask must be a bool tensor (True = attend) or an "
+                             f"additive float tensor, got "
+                             f"{getattr(mask, 'dtype', type(mask).__name__)}.")
+        try:
+            ok = mask.dim() <= 4 and torch.broadcast_shapes(mask.shape, target) == target
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{_NAME}: mask has shape {tuple(mask.shape)}, which does not "
+                             f"broadcast to [B, Hq, Sq, Skv] = {list(target)}; give it size "
+                             f"1 or the full size in each of those dims.")
+        if mask.device != q.device:
+            raise ValueError(f"{_NAME}: mask is on {mask.device}, q on {q.device}; move the "
+                             f"mask to q's device.")
+    for arg, off in (("q_offset", q_offset), ("kv_offset", kv_offset)):
+        if isinstance(off, bool) or not isinstance(off, (numbers.Integral, torch.SymInt)):
+            raise ValueError(f"{_NAME}: {arg}={off!r}; expected a Python int (absolute "
+                             f"position of the chunk's first token).")
+    if scale is not None and (isinstance(scale, bool)
+                              or not isinstance(scale, (numbers.Real, torch.SymFloat))):
+        raise ValueError(f"{_NAME}: scale={scale!r}; expected a float or None "
+                         f"(None means 1/sqrt(head_dim)).")
+
+
+def _scale_of(q: torch.Tensor, scale: Optional[float]) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _masked_scores(q_BHSD, k_BHSD, mask, causal, scale, q_offset, kv_offset):
+    """Scaled scores ``s_BKGST`` in the compute dtype, ``-inf`` where a key is masked out."""
+    batch, heads_q, seq_q, head_dim = q_BHSD.shape
+    heads_kv, seq_kv = k_BHSD.shape[1], k_BHSD.shape[2]
+    group = heads_q // heads_kv
+    cdtype = _compute_dtype(q_BHSD.dtype)
+    q_BKMD = q_BHSD.to(cdtype).reshape(batch, heads_kv, group * seq_q, head_dim)
+    s_BKMT = torch.matmul(q_BKMD, k_BHSD.to(cdtype).transpose(-1, -2)) * scale
+    s_BKGST = s_BKMT.view(batch, heads_kv, group, seq_q, seq_kv)
+    if mask is not None:
+        mask_BKGST = mask.expand(batch, heads_q, seq_q, seq_kv).reshape(
+            batch, heads_kv, group, seq_q, seq_kv)
+        if mask.dtype == torch.bool:
+            s_BKGST = s_BKGST.masked_fill(~mask_BKGST, -math.inf)
+        else:
+            s_BKGST = s_BKGST + mask_BKGST.to(cdtype)
+    if causal:
+        pos_q = torch.arange(seq_q, device=q_BHSD.device) + q_offset
+        pos_kv = torch.arange(seq_kv, device=q_BHSD.device) + kv_offset
+        s_BKGST = s_BKGST.masked_fill(pos_kv[None, :] > pos_q[:, None], -math.inf)
+    return s_BKGST
+
+
+def _torch_attention(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_offset):
+    """The torch backend: plain ops, NaN-free (also in autograd) for rows that see no key."""
+    batch, heads_q, seq_q, head_dim = q_BHSD.shape
+    heads_kv, seq_kv = k_BHSD.shape[1], k_BHSD.shape[2]
+    if seq_kv == 0:
+        out = torch.zeros(q_BHSD.shape, dtype=q_BHSD.dtype, device=q_BHSD.device)
+        lse = torch.full(q_BHSD.shape[:3], -math.inf, dtype=torch.float32,
+                         device=q_BHSD.device)
+        return out, lse
+    s_BKGST = _masked_scores(q_BHSD, k_BHSD, mask, causal, _scale_of(q_BHSD, scale),
+                             q_offset, kv_offset)
+    row_max = s_BKGST.detach().amax(-1, keepdim=True)
+    row_max = torch.where(torch.isneginf(row_max), 0.0, row_max)
+    cdtype = s_BKGST.dtype
+    e_BKGST = torch.exp(s_BKGST - row_max)
+    denom = e_BKGST.sum(-1, keepdim=True)
+    empty = denom == 0
+    denom_safe = torch.where(empty, 1.0, denom)
+    e_BKMT = e_BKGST.view(batch, heads_kv, -1, seq_kv)
+    o_BKMD = torch.matmul(e_BKMT, v_BHSD.to(cdtype))
+    out_BKGSD = o_BKMD.view(batch, heads_kv, -1, seq_q, head_dim) / denom_safe
+    lse_BKGS = torch.where(empty, -math.inf, row_max + torch.log(denom_safe)).squeeze(-1)
+    out_BHSD = out_BKGSD.reshape(batch, heads_q, seq_q, head_dim).to(q_BHSD.dtype)
+    return out_BHSD, lse_BKGS.reshape(batch, heads_q, seq_q).to(torch.float32)
+
+
+@functools.cache
+def _triton_module():
+    """The Triton kernel module, or None when triton is not installed."""
+    try:
+        from . import triton_attention
+    except ModuleNotFoundError as err:
+        if err.name is None or err.name.split(".")[0] != "triton":
+            raise
+        return None
+    return triton_attention
+
+
+def _triton_attention(q, k, v, causal, scale, q_offset, kv_offset, **launch):
+    module = _triton_module()
+    if module is None:
+        raise ValueError(f"{_NAME}: the Triton backend needs the triton package, which is not "
+                         f"installed; install triton or use backend='torch'.")
+    return module.attention_fwd(q, k, v, causal=bool(causal), scale=_scale_of(q, scale),
+                                q_offset=int(q_offset), kv_offset=int(kv_offset), **launch)
+
+
+@torch.library.custom_op("fxshard::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: Optional[torch.Tensor], causal: bool, scale: Optional[float],
+                  q_offset: int, kv_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fxshard::attention``: backend="auto" dispatch (Triton on CUDA without mask, else torch)."""
+    _check_inputs(q, k, v, mask, scale, q_offset, kv_offset)
+    if q.device.type == "cuda" and mask is None:
+        return _triton_attention(q, k, v, causal, scale, q_offset, kv_offset)
+    return _torch_attention(q, k, v, mask, causal, scale, q_offset, kv_offset)
+
+
+@_attention_op.register_fake
+def _attention_fake(q, k, v, mask, causal, scale, q_offset, kv_offset):
+    _check_inputs(q, k, v, mask, scale, q_offset, kv_offset)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _attention_setup_context(ctx, inputs, output):
+    q, k, v, mask, causal, scale, q_offset, kv_offset = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, mask, out, lse)
+    ctx.options = (causal, scale, q_offset, kv_offset)
+
+
+def _attention_backward(ctx, dout_BHSD, dlse_BHS):
+    """Flash-attention backward in torch ops: recompute p from the saved lse, then
+    ``dv = pᵀ·do``, ``ds = p ∘ (do·vᵀ − rowsum(do ∘ out) + dlse)``, ``dq = ds·k·scale``,
+    ``dk = dsᵀ·q·scale``, summed over the G query heads of each KV head. No mask gradient."""
+    q_BHSD, k_BHSD, v_BHSD, mask, out_BHSD, lse_BHS = ctx.saved_tensors
+    causal, scale, q_offset, kv_offset = ctx.options
+    batch, heads_q, seq_q, head_dim = q_BHSD.shape
+    group = heads_q // k_BHSD.shape[1]
+    cdtype = _compute_dtype(q_BHSD.dtype)
+    scale = _scale_of(q_BHSD, scale)
+    shape_5d = (batch, k_BHSD.shape[1], group, seq_q)
+    s_BKGST = _masked_scores(q_BHSD, k_BHSD, mask, causal, scale, q_offset, kv_offset)
+    lse_BKGS = lse_BHS.to(cdtype).view(shape_5d)
+    p_BKGST = torch.exp(s_BKGST - torch.where(torch.isneginf(lse_BKGS), 0.0,
+                                              lse_BKGS).unsqueeze(-1))
+    do_BKGSD = dout_BHSD.to(cdtype).reshape(*shape_5d, head_dim)
+    o_BKGSD = out_BHSD.to(cdtype).reshape(*shape_5d, head_dim)
+    k_c, v_c = k_BHSD.to(cdtype), v_BHSD.to(cdtype)
+    q_BKGSD = q_BHSD.to(cdtype).reshape(*shape_5d, head_dim)
+    dv_BHSD = torch.einsum("bhgqk,bhgqd->bhkd", p_BKGST, do_BKGSD)
+    dp_BKGST = torch.einsum("bhgqd,bhkd->bhgqk", do_BKGSD, v_c)
+    row_term = (do_BKGSD * o_BKGSD).sum(-1)
+    if dlse_BHS is not None:
+        row_term = row_term - dlse_BHS.to(cdtype).view(shape_5d)
+    ds_BKGST = p_BKGST * (dp_BKGST - row_term.unsqueeze(-1))
+    dq_BHSD = torch.einsum("bhgqk,bhkd->bhgqd", ds_BKGST, k_c).reshape(q_BHSD.shape) * scale
+    dk_BHSD = torch.einsum("bhgqk,bhgqd->bhkd", ds_BKGST, q_BKGSD) * scale
+    return (dq_BHSD.to(q_BHSD.dtype), dk_BHSD.to(k_BHSD.dtype), dv_BHSD.to(v_BHSD.dtype),
+            None, None, None, None, None)
+
+
+_attention_op.register_autograd(_attention_backward, setup_context=_attention_setup_context)

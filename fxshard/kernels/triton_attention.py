@@ -1,0 +1,230 @@
+"""Triton flash-attention forward kernel and its host-side launcher.
+
+The kernel follows the structure of Triton's fused-attention tutorial (``_attn_fwd``): one
+program computes ``BLOCK_M`` query rows of one (batch, query head) pair, streams the key/value
+blocks of the matching KV head through an online softmax with fp32 accumulators and writes the
+normalised output plus the natural-log logsumexp of every row. What it adds for context
+parallelism:
+
+- causal masking between *absolute* positions: query row ``i`` of this chunk sits at
+  ``Q_OFFSET + i``, key ``j`` at ``KV_OFFSET + j``; it sees the key iff
+  ``KV_OFFSET + j <= Q_OFFSET + i``. Key blocks wholly above the diagonal are never loaded (the
+  loop bound comes from the offsets); blocks wholly below it and inside ``SEQ_KV`` run a
+  mask-free loop, the rest a masked one (two loops of one body via ``tl.static_range``).
+- a row that sees no key ends with ``l_i == 0``: it stores ``out = 0`` and ``lse = -inf``, so a
+  later online-softmax merge stays exact, and no NaN is produced anywhere;
+- grouped-query attention by index arithmetic: query head ``h`` reads KV head ``h // GROUP``.
+
+Scores are scaled by ``scale * log2(e)`` so the softmax uses ``exp2``; the stored ``lse`` is
+converted back to natural log.
+
+The kernel is a single ``@triton.jit`` function (no jit helpers), so the launcher can pick the
+compiled or the interpreted version of it at call time from ``TRITON_INTERPRET``, whatever the
+variable was when this module was imported.
+
+Shape legend: B batch, Hq query heads, Hkv key/value heads, Sq query length, Skv key/value
+length, D head dim; ``q_BHSD`` is ``[B, Hq, Sq, D]``, ``k_BHSD``/``v_BHSD`` are
+``[B, Hkv, Skv, D]``, ``lse_BHS`` is ``[B, Hq, Sq]``.
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+__all__ = ["HEAD_DIMS", "attention_fwd", "interpreting"]
+
+HEAD_DIMS = (16, 32, 64, 128, 256)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LOG2E = 1.4426950408889634
+_SMEM_BUDGET = 160 * 1024
+
+
+@triton.jit
+def _attn_fwd(Q, K, V, Out, Lse,
+              stride_qz, stride_qh, stride_qm, stride_qk,
+              stride_kz, stride_kh, stride_kn, stride_kk,
+              stride_vz, stride_vh, stride_vn, stride_vk,
+              stride_oz, stride_oh, stride_om, stride_ok,
+              stride_lz, stride_lh, stride_lm,
+              H, GROUP, SEQ_Q, SEQ_KV, Q_OFFSET, KV_OFFSET, qk_scale,
+              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    start_m = tl.program_id(0)
+    off_hz = tl.program_id(1)
+    off_z = off_hz // H
+    off_h = off_hz % H
+    off_kvh = off_h // GROUP
+
+    q_base = Q + off_z.to(tl.int64) * stride_qz + off_h.to(tl.int64) * stride_qh
+    k_base = K + off_z.to(tl.int64) * stride_kz + off_kvh.to(tl.int64) * stride_kh
+    v_base = V + off_z.to(tl.int64) * stride_vz + off_kvh.to(tl.int64) * stride_vh
+    o_base = Out + off_z.to(tl.int64) * stride_oz + off_h.to(tl.int64) * stride_oh
+    l_base = Lse + off_z.to(tl.int64) * stride_lz + off_h.to(tl.int64) * stride_lh
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < SEQ_Q
+    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk,
+                mask=row_ok[:, None], other=0.0)
+    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kk
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vk
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # Key j is visible from query row r iff j <= r + delta (and j < SEQ_KV).
+    # hi: end of the keys any row of this block sees; full_end: end of the key blocks that
+    # every row of this block sees in full (no mask needed).
+    delta = Q_OFFSET - KV_OFFSET
+    if CAUSAL:
+        hi = tl.minimum(SEQ_KV, tl.minimum((start_m + 1) * BLOCK_M, SEQ_Q) + delta)
+        full_end = tl.minimum(SEQ_KV, start_m * BLOCK_M + delta + 1)
+    else:
+        hi = SEQ_KV
+        full_end = SEQ_KV
+    hi = tl.maximum(hi, 0)
+    full_end = (tl.maximum(full_end, 0) // BLOCK_N) * BLOCK_N
+
+    for phase in tl.static_range(2):
+        if phase == 0:
+            lo = 0
+            end = full_end
+        else:
+            lo = full_end
+            end = hi
+        for start_n in range(lo, end, BLOCK_N):
+            offs_kv = start_n + offs_n
+            if phase == 0:
+                k = tl.load(k_ptrs + start_n * stride_kn)
+                v = tl.load(v_ptrs + start_n * stride_vn)
+            else:
+                kv_ok = offs_kv < SEQ_KV
+                k = tl.load(k_ptrs + start_n * stride_kn, mask=kv_ok[:, None], other=0.0)
+                v = tl.load(v_ptrs + start_n * stride_vn, mask=kv_ok[:, None], other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+            if phase == 1:
+                valid = offs_kv[None, :] < SEQ_KV
+                if CAUSAL:
+                    valid = valid & (offs_kv[None, :] <= offs_m[:, None] + delta)
+                qk = tl.where(valid, qk, float("-inf"))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+            p = tl.math.exp2(qk - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
+            m_i = m_ij
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), 
+                   (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_ok,
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(l_base + offs_m * stride_lm, lse, mask=row_ok)
+
+
+def interpreting() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks for Triton's CPU interpreter right now."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+@functools.cache
+def _kernel(interpret: bool):
+    """``_attn_fwd`` as an interpreted or compiled function, whichever ``interpret`` asks for."""
+    if interpret == isinstance(_attn_fwd, InterpretedFunction):
+        return _attn_fwd
+    return InterpretedFunction(_attn_fwd.fn) if interpret else JITFunction(_attn_fwd.fn)
+
+
+def _default_config(head_dim: int, itemsize: int, interpret: bool):
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)``: small blocks for the interpreter, H100/H200
+    sized ones on the GPU, shrunk until Q plus the pipelined K/V tiles fit in shared memory."""
+    if interpret:
+        return 16, 16, 4, 1
+    if head_dim <= 64:
+        block_m, block_n, num_warps, num_stages = 128, 64, 4, 3
+    elif head_dim == 128:
+        block_m, block_n, num_warps, num_stages = 128, 64, 8, 3
+    else:
+        block_m, block_n, num_warps, num_stages = 64, 32, 4, 2
+
+    def smem(bm, bn, stages):
+        return (bm * head_dim + 2 * stages * bn * head_dim) * itemsize
+
+    while smem(block_m, block_n, num_stages) > _SMEM_BUDGET:
+        if num_stages > 2:
+            num_stages -= 1
+        elif block_n > 16:
+            block_n //= 2
+        else:
+            block_m //= 2
+    return block_m, block_n, num_warps, num_stages
+
+
+def _check_block(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 16 or value & (value - 1):
+        raise ValueError(f"fxshard.kernels.attention: {name}={value!r}; block sizes must be "
+                         f"powers of two >= 16 (tl.dot needs at least 16 rows and columns).")
+
+
+def attention_fwd(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, *,
+                  causal: bool, scale: float, q_offset: int, kv_offset: int,
+                  block_m: int | None = None, block_n: int | None = None,
+                  num_warps: int | None = None, num_stages: int | None = None):
+    """Launch ``_attn_fwd``; returns ``(out_BHSD, lse_BHS)``.
+
+    Generic shape checks (ranks, GQA divisibility, dtypes agreeing) are done by
+    ``fxshard.kernels.attention`` before this; here are the kernel's own host-side checks.
+    Block sizes and launch options default to :func:`_default_config`.
+    """
+    interpret = interpreting()
+    if q_BHSD.device.type != "cuda" and not interpret:
+        raise ValueError(
+            f"fxshard.kernels.attention: backend='triton' got tensors on {q_BHSD.device}, but the "
+            f"Triton kernel runs on CUDA only; set the environment variable TRITON_INTERPRET=1 to "
+            f"run it in Triton's CPU interpreter (slow, for tests), or use backend='torch'.")
+    head_dim_q, head_dim_k, head_dim_v = q_BHSD.shape[-1], k_BHSD.shape[-1], v_BHSD.shape[-1]
+    assert head_dim_q == head_dim_k == head_dim_v
+    if head_dim_k not in HEAD_DIMS:
+        raise ValueError(
+            f"fxshard.kernels.attention: head_dim is {head_dim_k}, but backend='triton' supports "
+            f"head_dim in {{16, 32, 64, 128, 256}}; pad q, k and v to the next supported size "
+            f"(and pass scale=1/sqrt({head_dim_k})) or use backend='torch'.")
+    if q_BHSD.dtype not in _DTYPES:
+        raise ValueError(
+            f"fxshard.kernels.attention: q has dtype {q_BHSD.dtype}, but backend='triton' supports "
+            f"torch.float16, torch.bfloat16 and torch.float32; cast the inputs or use "
+            f"backend='torch'.")
+    batch, heads_q, seq_q, _ = q_BHSD.shape
+    heads_kv, seq_kv = k_BHSD.shape[1], k_BHSD.shape[2]
+    config = _default_config(head_dim_k, q_BHSD.element_size(), interpret)
+    block_m = config[0] if block_m is None else block_m
+    block_n = config[1] if block_n is None else block_n
+    num_warps = config[2] if num_warps is None else num_warps
+    num_stages = config[3] if num_stages is None else num_stages
+    _check_block("block_m", block_m)
+    _check_block("block_n", block_n)
+
+    out_BHSD = torch.empty(q_BHSD.shape, dtype=q_BHSD.dtype, device=q_BHSD.device)
+    lse_BHS = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=q_BHSD.device)
+    if out_BHSD.numel() == 0:
+        return out_BHSD, lse_BHS
+    grid = (triton.cdiv(seq_q, block_m), batch * heads_q, 1)
+    precision = "ieee" if q_BHSD.dtype == torch.float32 else "tf32"
+    _kernel(interpret)[grid](
+        q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS,
+        *q_BHSD.stride(), *k_BHSD.stride(), *v_BHSD.stride(), *out_BHSD.stride(),
+        *lse_BHS.stride(),
+        heads_q, heads_q // heads_kv, seq_q, seq_kv, int(q_offset), int(kv_offset),
+        float(scale) * _LOG2E,
+        HEAD_DIM=head_dim_k, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal),
+        INPUT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
+    return out_BHSD, lse_BHS
+

@@ -1,0 +1,170 @@
+"""Device meshes: axis names and roles, the simulated mesh, the torch DeviceMesh adapter.
+
+A mesh is a grid of ranks with one named axis per kind of parallelism::
+
+    axis name    role
+    dp           data parallel: inputs sharded on the batch dim
+    tp           tensor parallel: Linear / Embedding weights sharded (Megatron)
+    pp           pipeline parallel: layers in contiguous stages
+    ulysses_cp   context parallel (Ulysses): sequence sharded, all-to-all around attention
+    ring_cp      context parallel (ring): sequence sharded, K/V passed around a ring
+
+Ranks are laid out row-major over the mesh shape, as in ``torch.distributed.DeviceMesh``:
+on a ``(dp=2, tp=2)`` mesh rank 3 has coordinates ``(1, 1)``.
+
+``init_device_mesh`` returns a real ``DeviceMesh`` when torch.distributed is initialised
+(under ``torchrun``) and a :class:`SimulatedMesh` otherwise, where every rank runs as a thread
+of this process. Passes only need the geometry, which :func:`mesh_spec` extracts from either.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = ["AXIS_NAMES", "MeshSpec", "SimulatedMesh", "init_device_mesh", "mesh_spec",
+           "canonical_axis"]
+
+AXIS_NAMES = ("dp", "tp", "pp", "ulysses_cp", "ring_cp")
+_ALIASES = {"ulysess_cp": "ulysses_cp"}  # the seed article's spelling
+
+
+def canonical_axis(name: str, *, where: str = "fxshard") -> str:
+    """Return the canonical spelling of a mesh axis name or raise a ValueError naming the set."""
+    name = _ALIASES.get(name, name)
+    if name not in AXIS_NAMES:
+        raise ValueError(
+            f"{where}: unknown mesh axis name {name!r}; the allowed names are "
+            f"{', '.join(AXIS_NAMES)} (and the alias 'ulysess_cp'). Rename the mesh dimension.")
+    return name
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """The geometry of a mesh: what every pass needs and nothing that talks to devices."""
+
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    device_type: str = "cpu"
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.shape)
+
+    def axis_size(self, axis: str) -> int:
+        """Size of ``axis``; an axis the mesh does not have has size 1 (it is off)."""
+        return self.shape[self.axis_names.index(axis)] if axis in self.axis_names else 1
+
+    def active_axes(self) -> tuple[str, ...]:
+        return tuple(a for a, n in zip(self.axis_names, self.shape) if n > 1)
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the mesh {self.describe()} "
+                             f"(ranks 0..{self.world_size - 1})")
+        out = []
+        for n in reversed(self.shape):
+            out.append(rank % n)
+            rank //= n
+        return tuple(reversed(out))
+
+    def rank_of(self, coords: Sequence[int]) -> int:
+        rank = 0
+        for c, n in zip(coords, self.shape):
+            rank = rank * n + c
+        return rank
+
+    def axis_index(self, rank: int, axis: str) -> int:
+        """Coordinate of ``rank`` along ``axis`` (0 for an axis the mesh does not have)."""
+        if axis not in self.axis_names:
+            return 0
+        return self.coords(rank)[self.axis_names.index(axis)]
+
+    def axis_group(self, rank: int, axis: str) -> list[int]:
+        """Ranks that differ from ``rank`` only along ``axis``, ordered by their coordinate."""
+        if axis not in self.axis_names:
+            return [rank]
+        i = self.axis_names.index(axis)
+        c = list(self.coords(rank))
+        group = []
+        for k in range(self.shape[i]):
+            c[i] = k
+            group.append(self.rank_of(c))
+        return group
+
+    def describe(self) -> str:
+        return "(" + ", ".join(f"{a}={n}" for a, n in zip(self.axis_names, self.shape)) + ")"
+
+
+class SimulatedMesh(MeshSpec):
+    """A mesh whose ranks all run in this process, one thread per rank.
+
+    The seed article's "single-device distributed simulation": the same script runs on a laptop
+    and, with the same mesh shape under ``torchrun``, on real ranks.
+    """
+
+    def __repr__(self) -> str:
+        return f"SimulatedMesh({self.device_type!r}, {self.describe()})"
+
+
+def _validate(where: str, mesh_shape, mesh_dim_names) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    shape = tuple(int(n) for n in mesh_shape)
+    if mesh_dim_names is None:
+        raise ValueError(f"{where}: mesh_dim_names is required, e.g. "
+                         f"mesh_dim_names=(\"dp\", \"tp\") for a mesh of shape {shape}")
+    names = tuple(canonical_axis(n, where=where) for n in mesh_dim_names)
+    if len(names) != len(shape):
+        raise ValueError(f"{where}: mesh_shape {shape} has {len(shape)} dimensions but "
+                         f"mesh_dim_names {tuple(mesh_dim_names)} has {len(names)}; give one name "
+                         f"per dimension")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{where}: mesh_dim_names {names} repeats a name; each axis once")
+    if any(n < 1 for n in shape):
+        raise ValueError(f"{where}: every mesh dimension must be >= 1, got {shape}")
+    return shape, names
+
+
+def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
+                     mesh_dim_names: Sequence[str]):
+    """Mirror of ``torch.distributed.device_mesh.init_device_mesh`` with fxshard's axis names.
+
+    Under ``torchrun`` (torch.distributed initialised) this returns a real ``DeviceMesh`` and the
+    world size must equal the product of ``mesh_shape``. In a plain process it returns a
+    :class:`SimulatedMesh` whose ranks run as threads on ``device_type``.
+    """
+    where = "fxshard.init_device_mesh"
+    shape, names = _validate(where, mesh_shape, mesh_dim_names)
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        if world != math.prod(shape):
+            raise ValueError(
+                f"{where}: mesh_shape {shape} holds {math.prod(shape)} ranks but "
+                f"torch.distributed was started with world size {world}; launch "
+                f"torchrun --nproc_per_node={math.prod(shape)} or change the mesh shape")
+        from torch.distributed.device_mesh import init_device_mesh as torch_init
+        return torch_init(device_type, shape, mesh_dim_names=names)
+    return SimulatedMesh(shape, names, device_type)
+
+
+def mesh_spec(mesh, *, where: str = "fxshard") -> MeshSpec:
+    """The geometry of a :class:`SimulatedMesh`, a :class:`MeshSpec` or a torch ``DeviceMesh``."""
+    if isinstance(mesh, MeshSpec):
+        _validate(where, mesh.shape, mesh.axis_names)
+        return mesh
+    from torch.distributed.device_mesh import DeviceMesh
+    if isinstance(mesh, DeviceMesh):
+        shape, names = _validate(where, tuple(mesh.mesh.shape), mesh.mesh_dim_names)
+        return MeshSpec(shape, names, mesh.device_type)
+    raise ValueError(f"{where}: expected a mesh from fxshard.init_device_mesh or a torch "
+                     f"DeviceMesh, got {type(mesh).__name__}")
+
+
+def is_simulated(mesh) -> bool:
+    return isinstance(mesh, MeshSpec)
+
+
+def default_device(mesh) -> torch.device:
+    return torch.device(mesh_spec(mesh).device_type)

@@ -1,0 +1,51 @@
+"""Graph passes. Each is ``def name_pass(gm, *, ctx: PassCtx) -> GraphModule`` and reports
+what it changed through ``ctx.report``; the order is fixed by ``fxshard.api``::
+
+    cleanup -> propagate -> insert_collectives -> lower_attention -> split_stages
+            -> localize -> emit
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+from ..mesh import MeshSpec
+from ..placement import P, R, Shard
+
+__all__ = ["PassCtx", "PLAN_STYLES"]
+
+# plan style -> placement on the tp axis of (weight, bias)
+PLAN_STYLES = {
+    "colwise": (Shard(0), Shard(0)),
+    "rowwise": (Shard(1), P),
+    "vocab": (Shard(0), None),
+    "embed_dim": (Shard(1), None),
+    "replicate": (R, R),
+}
+
+
+@dataclass
+class PassCtx:
+    """Options and bookkeeping shared by the passes of one ``parallelize`` call."""
+
+    mesh: MeshSpec
+    sequence_parallel: bool = False
+    strict: bool = False
+    plan: dict = field(default_factory=dict)
+    embedding_style: str = "embed_dim"
+    input_specs: dict | None = None       # user input index -> spec (default: input_spec)
+    keep_output_placement: bool = False   # leave outputs sharded (rule tests read the blocks)
+    edits: list = field(default_factory=list)
+    fallbacks: list = field(default_factory=list)
+
+    def report(self, pass_name: str, message: str) -> None:
+        self.edits.append((pass_name, message))
+
+    def plan_for(self, fqn: str) -> tuple | None:
+        """(weight, bias) tp placements the user's ``plan`` gives the module owning ``fqn``."""
+        module, _, leaf = fqn.rpartition(".")
+        for pattern, style in self.plan.items():
+            if fnmatch.fnmatchcase(module, pattern):
+                w, b = PLAN_STYLES[style]
+                return w if leaf == "weight" else (b if b is not None else R)
+        return None

@@ -1,0 +1,106 @@
+"""Emit per-rank ``torch.fx.GraphModule``s: the localized graph with weights as attributes.
+
+Parameters and buffers stop being graph inputs and become attributes under their original
+FQNs, holding only the rank's slice, so ``rank_module(r).state_dict()`` reads like the model's
+own state dict with smaller tensors. Ranks of one stage share the graph; collectives name mesh
+axes, and each rank's coordinate comes from the runtime.
+
+Before::  forward(self, p_model_layers_0_self_attn_q_proj_weight, ..., input_ids)
+After::   forward(self, input_ids)
+              model_layers_0_self_attn_q_proj_weight = self.model.layers.0.self_attn.q_proj.weight
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from ..placement import local_block, local_shape, short_spec
+from ..mesh import MeshSpec
+from . import PassCtx
+
+__all__ = ["Program", "Slot", "emit_pass", "build_rank_module"]
+
+
+@dataclass
+class Slot:
+    """One weight of the program: where it lives and how it is split."""
+
+    fqn: str
+    kind: str               # "param" | "buffer"
+    spec: tuple
+    shape: tuple
+    dtype: torch.dtype
+
+
+@dataclass
+class Program:
+    """A graph every rank of one stage runs, and the weights it reads."""
+
+    graph: fx.Graph
+    slots: dict = field(default_factory=dict)   # fqn -> Slot
+    stage: int = 0
+
+
+def emit_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> Program:
+    """Turn weight placeholders into attributes; drop the ones nothing reads."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    slots: dict[str, Slot] = {}
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    dropped = 0
+    for node in list(graph.nodes):
+        if node.op != "placeholder":
+            continue
+        fqn = node.meta.get("fxshard_param") or node.meta.get("fxshard_buffer")
+        if fqn is None:
+            continue
+        if not node.users:
+            graph.erase_node(node)
+            dropped += 1
+            continue
+        val = node.meta["val"]
+        spec = node.meta["fxshard_spec"]
+        kind = "param" if node.meta.get("fxshard_param") is not None else "buffer"
+        slots[fqn] = Slot(fqn, kind, spec, tuple(val.shape), val.dtype)
+        with graph.inserting_before(first):
+            attr = graph.get_attr(fqn)
+        attr.meta.update(node.meta)
+        node.replace_all_uses_with(attr)
+        graph.erase_node(node)
+    graph.lint()
+    ctx.report("emit_pass", f"{len(slots)} weights as attributes, {dropped} unused inputs "
+                            f"dropped")
+    return Program(graph=graph, slots=slots)
+
+
+def build_rank_module(program: Program, rank: int, mesh: MeshSpec, values: dict,
+                      device: torch.device) -> fx.GraphModule:
+    """Rank ``rank``'s GraphModule, holding its blocks of ``values`` (FQN -> global tensor;
+    a missing or meta value gives a meta tensor of the local shape)."""
+    root = torch.nn.Module()
+    for fqn, slot in program.slots.items():
+        full = values.get(fqn)
+        if full is None or full.device.type == "meta":
+            shape = local_shape(slot.shape, slot.spec, mesh, what=fqn)
+            t = torch.empty(shape, dtype=slot.dtype, device="meta")
+        else:
+            t = local_block(full, slot.spec, mesh, rank).to(device)
+        owner_path, _, leaf = fqn.rpartition(".")
+        owner = root
+        for part in owner_path.split(".") if owner_path else []:
+            if not hasattr(owner, part):
+                owner.add_module(part, torch.nn.Module())
+            owner = getattr(owner, part)
+        if slot.kind == "param":
+            owner.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+        else:
+            owner.register_buffer(leaf, t)
+    gm = fx.GraphModule(root, program.graph, class_name=f"Rank{rank}Stage{program.stage}")
+    return gm
+
+
+def describe_slots(program: Program, mesh: MeshSpec) -> list[tuple[str, str, tuple]]:
+    return [(s.fqn, short_spec(s.spec, mesh), local_shape(s.shape, s.spec, mesh))
+            for s in program.slots.values()]

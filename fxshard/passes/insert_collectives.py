@@ -1,0 +1,112 @@
+"""Insert the collectives that move each value to the placement its consumer needs.
+
+Reads ``fxshard_spec`` / ``fxshard_need`` / ``fxshard_then`` from propagation and adds
+``torch.ops.fxshard.*`` nodes from the redistribution table. A value needed in the same
+placement by several consumers is redistributed once (q/k/v projections share one all-gather).
+
+Before (tp=2, no sequence parallelism)::
+
+    o = linear(a, w_o)            # spec P
+    h = add(res, o)               # needs (R, R)
+
+After::
+
+    o = linear(a, w_o)
+    all_reduce = torch.ops.fxshard.all_reduce(o, "tp", 2)
+    h = add(res, all_reduce)
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from ..placement import short_spec
+from . import PassCtx
+from .redistribute import plan_redistribution
+from .rules import is_tensor_node
+
+__all__ = ["insert_collectives_pass", "collective_target"]
+
+
+def collective_target(op: str):
+    import fxshard.runtime.ops  # noqa: F401  (registers torch.ops.fxshard.*)
+    return getattr(torch.ops.fxshard, op).default
+
+
+def _chain(graph: fx.Graph, src: fx.Node, spec, need, ctx: PassCtx) -> tuple[fx.Node, int]:
+    """Emit the steps from ``spec`` to ``need`` at the graph's insert point; return the end."""
+    x = src
+    steps = plan_redistribution(spec, need, ctx.mesh)
+    for step in steps:
+        x = graph.call_function(collective_target(step.op),
+                                (x, *step.args, step.axis, step.size))
+        x.meta["val"] = src.meta["val"]
+        x.meta["fxshard_spec"] = step.after
+        x.meta["fxshard_need"] = [spec]
+        x.meta["fxshard_stage"] = src.meta.get("fxshard_stage")
+        x.meta["fxshard_collective"] = step
+        spec = step.after
+    return x, len(steps)
+
+
+def _current(node: fx.Node):
+    return node.meta.get("fxshard_spec")
+
+
+def insert_collectives_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
+    graph = gm.graph
+    added = 0
+    # 1. values that move right after they are made (user inputs, embedding outputs)
+    for node in list(graph.nodes):
+        then = node.meta.pop("fxshard_then", None)
+        if then is None or then == node.meta.get("fxshard_spec"):
+            continue
+        users = list(node.users)
+        if node.op == "placeholder":  # keep the placeholders together at the top
+            where = graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder"))
+        else:
+            where = graph.inserting_before(node.next)
+        with where:
+            end, k = _chain(graph, node, node.meta["fxshard_spec"], then, ctx)
+        added += k
+        for u in users:
+            u.replace_input_with(node, end)
+    # 2. values their consumers need elsewhere
+    cache: dict[tuple, fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.op not in ("call_function", "output"):
+            continue
+        needs = node.meta.get("fxshard_need")
+        if not needs:
+            continue
+        flat, spec_tree = pytree.tree_flatten((node.args, node.kwargs))
+        k = 0
+        changed = False
+        for j, a in enumerate(flat):
+            if not is_tensor_node(a):
+                continue
+            need = needs[k]
+            k += 1
+            have = _current(a)
+            if need is None or have is None or tuple(have) == tuple(need):
+                continue
+            key = (a, tuple(need))
+            if key not in cache:
+                with graph.inserting_before(node):
+                    cache[key], n = _chain(graph, a, tuple(have), tuple(need), ctx)
+                added += n
+            flat[j] = cache[key]
+            changed = True
+        if changed:
+            args, kwargs = pytree.tree_unflatten(flat, spec_tree)
+            node.args, node.kwargs = args, kwargs
+    if added:
+        graph.lint()
+        gm.recompile()
+    ctx.report("insert_collectives_pass", f"inserted {added} collective/slice nodes")
+    return gm
+
+
+def describe(node: fx.Node, ctx: PassCtx) -> str:
+    return f"{node.name}: {short_spec(_current(node), ctx.mesh)}"

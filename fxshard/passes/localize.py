@@ -1,0 +1,93 @@
+"""Rewrite global shape constants to the local ones of each rank's block.
+
+Every rank of a stage runs the same program, so the local shapes depend only on the specs:
+
+Before (tp=2, 4 heads, hidden 64)::
+
+    view = aten.view(linear, [2, 8, -1, 16])      # global [2, 8, 4, 16], spec S(2)
+    expand = aten.expand(unsqueeze, [2, 4, 8, 16])
+
+After::
+
+    view = aten.view(linear, [2, 8, 2, 16])
+    expand = aten.expand(unsqueeze, [2, 2, 8, 16])
+
+A vocab-sharded embedding becomes ``fxshard.vocab_embedding`` (ids outside the rank's rows
+give zeros, summed by the following all-reduce). Every tensor's local shape is checked here:
+a dim that does not divide evenly is a ``ValueError`` naming the node, dim, size and axis.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.fx as fx
+
+from ..placement import Shard, local_shape
+from . import PassCtx
+
+aten = torch.ops.aten
+
+__all__ = ["localize_pass"]
+
+_SHAPE_ARG = {aten.view.default: 1, aten.reshape.default: 1, aten._unsafe_view.default: 1,
+              aten.expand.default: 1}
+
+
+def _local(node: fx.Node, ctx: PassCtx) -> tuple[int, ...] | None:
+    val, spec = node.meta.get("val"), node.meta.get("fxshard_spec")
+    if not isinstance(val, torch.Tensor) or not isinstance(spec, tuple):
+        return None
+    return local_shape(tuple(val.shape), spec, ctx.mesh, what=f"value {node.name} ({node.target})")
+
+
+def localize_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
+    changed = 0
+    for node in list(gm.graph.nodes):
+        local = _local(node, ctx)
+        for a in node.all_input_nodes:
+            _local(a, ctx)
+        if node.op != "call_function" or local is None:
+            continue
+        val = node.meta["val"]
+        if node.target in _SHAPE_ARG and tuple(val.shape) != local:
+            node.update_arg(_SHAPE_ARG[node.target], list(local))
+            changed += 1
+        elif node.target is aten.unflatten.int and tuple(val.shape) != local:
+            dim = node.args[1] % len(local)
+            n_new = len(node.args[2])
+            node.update_arg(2, list(local[dim:dim + n_new]))
+            changed += 1
+        elif node.target is aten.slice.Tensor:
+            x = node.args[0]
+            dim = (node.args[1] if len(node.args) > 1 else 0) % x.meta["val"].dim()
+            spec = x.meta.get("fxshard_spec")
+            if any(isinstance(p, Shard) and p.dim == dim for p in spec or ()):
+                node.update_arg(3, sys.maxsize)  # a whole slice of a sharded dim
+                changed += 1
+        elif node.target is aten.embedding.default:
+            changed += _vocab_embedding(node, ctx)
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    ctx.report("localize_pass", f"rewrote {changed} shape-dependent nodes")
+    return gm
+
+
+def _vocab_embedding(node: fx.Node, ctx: PassCtx) -> int:
+    weight = node.args[0]
+    spec = weight.meta.get("fxshard_spec") or ()
+    axes = [a for a, n, p in zip(ctx.mesh.axis_names, ctx.mesh.shape, spec)
+            if n > 1 and isinstance(p, Shard) and p.dim == 0]
+    if not axes:
+        return 0
+    if len(axes) > 1 or len(node.args) > 2:
+        raise NotImplementedError(
+            f"fxshard.parallelize: embedding {node.name} is vocab-sharded over {axes} with "
+            f"extra arguments {node.args[2:]}; only one vocab axis without padding_idx is "
+            f"supported. Use plan={{...: 'embed_dim'}} for this embedding.")
+    import fxshard.runtime.local_ops  # noqa: F401  (registers fxshard::vocab_embedding)
+    axis = axes[0]
+    node.target = torch.ops.fxshard.vocab_embedding.default
+    node.args = (weight, node.args[1], axis, ctx.mesh.axis_size(axis))
+    return 1

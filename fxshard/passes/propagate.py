@@ -1,0 +1,219 @@
+"""Placement propagation: annotate every node with its spec (one placement per mesh axis).
+
+Walks the graph once, in order, running each node's rule once per active mesh axis. Results go
+to ``node.meta``::
+
+    fxshard_spec   placement(s) of the node's output            (S(0), S(2))
+    fxshard_need   placements its tensor inputs must arrive in  [(S(0), R), (R, S(0))]
+    fxshard_then   placement the output moves to right after it (embedding's all-gather)
+
+User inputs arrive whole (every rank is given the global input) and are sharded right away:
+``dp`` takes the batch (dim 0), the context-parallel axes the sequence (dim 1). Outputs are
+gathered back to Replicate. Parameters get the placement their first consumer asks for
+(a plan override wins); the rest stay Replicate.
+
+One refinement runs until nothing changes: a column-parallel weight whose output every consumer
+immediately gathers back (e.g. K/V projections when ``tp`` exceeds the KV heads) is replicated
+instead, and the graph is propagated again.
+
+Before (tp=2)::  linear(x, w_q) -> view [B,S,H,D] -> sdpa ... -> linear(a, w_o) -> add(res, .)
+After::          w_q: S(0) out S(2) -> S(2) -> S(1) ... w_o: S(1) out P -> add needs (R, R)
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..placement import R, Replicate, Shard, short_spec
+from . import PassCtx
+from .rules import (UNDECIDED, Decision, RuleCtx, fallback, lookup, tensor_inputs,
+                    warn_fallback)
+from .rules.embedding import embedding_rule
+from .rules.linear import linear_rule
+
+__all__ = ["propagate_pass", "input_spec"]
+
+_OWNS_WEIGHTS = (linear_rule, embedding_rule)
+_MAX_REFINEMENTS = 8
+
+
+def input_spec(val: torch.Tensor, ctx: PassCtx) -> tuple:
+    """Where a user input goes: batch on ``dp``, sequence on the CP axes, whole elsewhere."""
+    out = []
+    for axis, n in zip(ctx.mesh.axis_names, ctx.mesh.shape):
+        if n > 1 and axis == "dp" and val.dim() >= 1:
+            out.append(Shard(0))
+        elif n > 1 and axis in ("ulysses_cp", "ring_cp") and val.dim() >= 2:
+            out.append(Shard(1))
+        else:
+            out.append(R)
+    return tuple(out)
+
+
+def _spec_of(node: fx.Node, param_spec: dict) -> object:
+    if node.meta.get("fxshard_param") is not None:
+        return param_spec[node.name]
+    then = node.meta.get("fxshard_then")
+    return then if then is not None else node.meta.get("fxshard_spec")
+
+
+def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str]) -> dict:
+    mesh = ctx.mesh
+    axes = [(i, a, n) for i, (a, n) in enumerate(zip(mesh.axis_names, mesh.shape)) if n > 1]
+    rctx = {a: RuleCtx(axis=a, size=n, mesh=mesh, sequence_parallel=ctx.sequence_parallel,
+                       embedding_style=ctx.embedding_style) for _, a, n in axes}
+    param_spec: dict[str, list] = {}
+    auto_colwise: dict[str, fx.Node] = {}
+    ctx.fallbacks.clear()
+    for node in gm.graph.nodes:
+        node.meta.pop("fxshard_then", None)
+        node.meta.pop("fxshard_notes", None)
+        if node.op == "placeholder":
+            fqn = node.meta.get("fxshard_param")
+            val = node.meta.get("val")
+            if fqn is not None:
+                spec = []
+                for a, n in zip(mesh.axis_names, mesh.shape):
+                    planned = ctx.plan_for(fqn) if a == "tp" else None
+                    if n == 1:
+                        spec.append(R)
+                    elif fqn in replicate:
+                        spec.append(R)
+                    elif planned is not None:
+                        spec.append(planned)
+                    else:
+                        spec.append(UNDECIDED)
+                param_spec[node.name] = spec
+                node.meta["fxshard_spec"] = None
+            elif node.meta.get("fxshard_input") is not None and isinstance(val, torch.Tensor):
+                node.meta["fxshard_spec"] = tuple(R for _ in mesh.shape)
+                given = (ctx.input_specs or {}).get(node.meta["fxshard_input"])
+                node.meta["fxshard_then"] = tuple(given) if given else input_spec(val, ctx)
+            else:
+                node.meta["fxshard_spec"] = tuple(R for _ in mesh.shape) \
+                    if isinstance(val, torch.Tensor) else None
+            continue
+        if node.op == "output":
+            ins = tensor_inputs(node)
+            node.meta["fxshard_need"] = [
+                _spec_of(t, param_spec) if ctx.keep_output_placement
+                else tuple(R for _ in mesh.shape) for t in ins]
+            continue
+        if node.op != "call_function":
+            node.meta["fxshard_spec"] = None
+            continue
+        if node.target is operator.getitem:
+            src = _spec_of(node.args[0], param_spec)
+            node.meta["fxshard_spec"] = src[node.args[1]] if isinstance(src, list) else None
+            node.meta["fxshard_need"] = []
+            continue
+        val = node.meta.get("val")
+        ins_nodes = tensor_inputs(node)
+        if not isinstance(val, (torch.Tensor, list, tuple)):
+            node.meta["fxshard_spec"] = None
+            node.meta["fxshard_need"] = [_spec_of(t, param_spec) for t in ins_nodes]
+            continue
+        rule_fn = lookup(node.target)
+        n_out = len(val) if isinstance(val, (list, tuple)) else None
+        out = [[R] * len(mesh.shape) for _ in range(n_out)] if n_out is not None \
+            else [R] * len(mesh.shape)
+        need = [[R] * len(mesh.shape) for _ in ins_nodes]
+        then_axes: dict[int, object] = {}
+        fell_back = False
+        for i, a, n in axes:
+            cur = [_spec_of(t, param_spec)[i] for t in ins_nodes]
+            if rule_fn is None:
+                if ctx.strict:
+                    raise NotImplementedError(
+                        f"fxshard.parallelize(strict=True): no sharding rule for {node.target} "
+                        f"(node {node.name}); register one with "
+                        f"@fxshard.passes.rules.rule({node.target}) or drop strict=True")
+                d = fallback(node, cur, rctx[a])
+            else:
+                if rule_fn not in _OWNS_WEIGHTS:
+                    cur = [R if p is UNDECIDED else p for p in cur]
+                d: Decision = rule_fn(node, cur, rctx[a])
+                assert len(d.ins) == len(ins_nodes), (node.format_node(), d)
+            if rule_fn is None and any(c is not UNDECIDED and c != R for c in cur):
+                fell_back = True
+            for k, t in enumerate(ins_nodes):
+                need[k][i] = d.ins[k]
+                if t.meta.get("fxshard_param") is not None:
+                    ps = param_spec[t.name]
+                    if ps[i] is UNDECIDED:
+                        ps[i] = d.ins[k]
+                        if (rule_fn is linear_rule and k == 1 and a == "tp"
+                                and isinstance(d.ins[k], Shard) and d.ins[k].dim == 0):
+                            auto_colwise[t.meta["fxshard_param"]] = node
+            if n_out is not None:
+                for k in range(n_out):
+                    out[k][i] = d.out[k]
+            else:
+                out[i] = d.out
+            if d.then is not None and n_out is None:
+                then_axes[i] = d.then
+        if rule_fn is None:
+            ctx.fallbacks.append(f"{node.name}: {node.target}")
+            if fell_back:
+                warn_fallback(node, "has no sharding rule")
+        node.meta["fxshard_spec"] = [tuple(o) for o in out] if n_out is not None else tuple(out)
+        node.meta["fxshard_need"] = [tuple(x) for x in need]
+        if then_axes:
+            node.meta["fxshard_then"] = tuple(then_axes.get(i, p) for i, p in enumerate(out))
+    for name, spec in param_spec.items():
+        for i, p in enumerate(spec):
+            if p is UNDECIDED:
+                spec[i] = R
+    for node in gm.graph.nodes:
+        if node.meta.get("fxshard_param") is not None:
+            node.meta["fxshard_spec"] = tuple(param_spec[node.name])
+    return auto_colwise
+
+
+def _gathered_right_away(node: fx.Node, tp: int) -> bool:
+    """Every consumer of ``node`` needs it replicated on mesh axis index ``tp``."""
+    users = list(node.users)
+    if not users or any(u.op == "output" for u in users):
+        return False  # the model's output is gathered anyway; the shard saves memory
+    for u in users:
+        ins = tensor_inputs(u)
+        needs = u.meta.get("fxshard_need") or []
+        for t, nd in zip(ins, needs):
+            if t is node and not isinstance(nd[tp], Replicate):
+                return False
+    return True
+
+
+def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
+    replicate: set[str] = set()
+    mesh = ctx.mesh
+    tp = mesh.axis_names.index("tp") if "tp" in mesh.axis_names else None
+    for _ in range(_MAX_REFINEMENTS):
+        auto_colwise = _run_once(gm, ctx, replicate)
+        if tp is None or mesh.shape[tp] == 1:
+            break
+        wasted = {fqn for fqn, lin in auto_colwise.items() if _gathered_right_away(lin, tp)}
+        if not wasted - replicate:
+            break
+        for fqn in sorted(wasted - replicate):
+            ctx.report("propagate_pass", f"replicate {fqn} on tp: its column-parallel output "
+                                         f"would be gathered right away")
+        replicate |= wasted
+    sharded = sum(1 for n in gm.graph.nodes
+                  if isinstance(n.meta.get("fxshard_spec"), tuple)
+                  and any(not isinstance(p, Replicate) for p in n.meta["fxshard_spec"]))
+    ctx.report("propagate_pass", f"annotated {len(gm.graph.nodes)} nodes, {sharded} not "
+                                 f"replicated, {len(ctx.fallbacks)} without a rule")
+    return gm
+
+
+def describe_specs(gm: fx.GraphModule, ctx: PassCtx) -> str:
+    """One line per node: name, op and spec (for debugging and explain)."""
+    lines = []
+    for n in gm.graph.nodes:
+        spec = n.meta.get("fxshard_spec")
+        lines.append(f"{n.name:30s} {str(n.target)[:40]:40s} {short_spec(spec, ctx.mesh)}")
+    return "\n".join(lines)
+

@@ -1,0 +1,92 @@
+"""The redistribution table: from one spec to another as a list of collective steps.
+
+Per mesh axis::
+
+    S(d) -> R      all_gather(dim=d)
+    P    -> R      all_reduce
+    P    -> S(d)   reduce_scatter(dim=d)
+    S(a) -> S(b)   all_to_all(split_dim=b, concat_dim=a)
+    R    -> S(d)   local_shard(dim=d)            (no communication)
+
+Several axes change one at a time. Shards of one dim by several axes nest in mesh order, so an
+outer axis may only be gathered (or sliced) while no inner axis shards that dim: gathers run
+innermost axis first, slices outermost first, and an inner shard that is in the way is
+gathered and sliced again. Example, mesh (a=2, b=2)::
+
+    (S(1), S(1)) -> (R, S(1))    all_gather(1, b); all_gather(1, a); local_shard(1, b)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..mesh import MeshSpec
+from ..placement import R, Partial, Replicate, Shard
+
+__all__ = ["Step", "plan_redistribution"]
+
+
+@dataclass(frozen=True)
+class Step:
+    """One collective (or local slice) on one mesh axis; ``after`` is the spec it produces."""
+
+    op: str
+    axis: str
+    size: int
+    args: tuple
+    after: tuple
+
+
+def _touches(p, dim) -> bool:
+    return isinstance(p, Shard) and p.dim == dim
+
+
+def plan_redistribution(src: tuple, dst: tuple, mesh: MeshSpec) -> list[Step]:
+    """Steps that turn a tensor laid out as ``src`` into ``dst`` (both one placement per axis)."""
+    axes = [i for i, n in enumerate(mesh.shape) if n > 1]
+    cur = list(src)
+    changing = [i for i in axes if src[i] != dst[i]]
+    if not changing:
+        return []
+    # axes whose current placement must be undone (gathered / reduced) first
+    undo = {i for i in changing if not isinstance(src[i], Replicate)}
+    for i in changing:
+        dims = {p.dim for p in (src[i], dst[i]) if isinstance(p, Shard)}
+        for j in axes:
+            if j > i and any(_touches(cur[j], d) for d in dims):
+                undo.add(j)
+    steps: list[Step] = []
+
+    def emit(op, i, args, new):
+        cur[i] = new
+        steps.append(Step(op, mesh.axis_names[i], mesh.shape[i], args, tuple(cur)))
+
+    def alone(i, dims) -> bool:
+        """No other axis shards any of ``dims`` now or in the target."""
+        return not any(_touches(cur[j], d) or _touches(dst[j], d)
+                       for j in axes if j != i for d in dims)
+
+    for i in sorted(undo, reverse=True):
+        s, t = cur[i], dst[i]
+        if isinstance(s, Partial):
+            if isinstance(t, Shard) and alone(i, [t.dim]):
+                emit("reduce_scatter", i, (t.dim,), t)
+            else:
+                emit("all_reduce", i, (), R)
+        elif isinstance(s, Shard):
+            if isinstance(t, Shard) and t.dim != s.dim and alone(i, [s.dim, t.dim]):
+                emit("all_to_all", i, (t.dim, s.dim), t)
+            else:
+                emit("all_gather", i, (s.dim,), R)
+    for i in axes:
+        if cur[i] == dst[i]:
+            continue
+        assert isinstance(cur[i], Replicate), (src, dst, cur)
+        t = dst[i]
+        if isinstance(t, Shard):
+            emit("local_shard", i, (t.dim,), t)
+        else:
+            raise NotImplementedError(
+                f"fxshard: redistributing Replicate to {t} on mesh axis "
+                f"{mesh.axis_names[i]!r} is not supported")
+    assert tuple(cur) == tuple(dst), (src, dst, cur)
+    return steps

@@ -1,0 +1,140 @@
+"""Sharding rules: a decorator registry from ATen op to a per-axis rule.
+
+A rule looks at one node and the current placements of its tensor inputs *on one mesh axis*
+and returns the placements it needs its inputs in and the placement of its output::
+
+    @rule(aten.linear.default)
+    def linear_rule(node, ins, ctx) -> Decision:   # ins: [x, weight, bias] placements on ctx.axis
+        ...
+        return Decision(ins=[R, Shard(0), Shard(0)], out=Shard(2))   # column-parallel
+
+Axes are independent (a Llama shards batch on ``dp``, heads on ``tp``, sequence on the CP
+axes), so rules are written for one axis and the propagation pass runs them once per axis.
+``ins[i]`` is ``UNDECIDED`` for a parameter whose placement no earlier rule fixed: rules that
+own weights (linear, embedding) choose one, every other rule sees ``Replicate()``.
+
+An op without a rule falls back to "every input Replicate, output Replicate" (always correct),
+is warned about and listed by ``explain()``; ``strict=True`` turns the fallback into an error.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from ...mesh import MeshSpec
+from ...placement import R
+
+__all__ = ["rule", "lookup", "Decision", "RuleCtx", "UNDECIDED", "tensor_inputs", "fallback",
+           "FallbackWarning"]
+
+aten = torch.ops.aten
+
+
+class _Undecided:
+    """Placement of a parameter that no consumer has chosen yet."""
+
+    def __repr__(self) -> str:
+        return "UNDECIDED"
+
+
+UNDECIDED = _Undecided()
+
+
+class FallbackWarning(UserWarning):
+    """An op had no sharding rule and was computed replicated."""
+
+
+@dataclass
+class Decision:
+    """What a rule needs: input placements (aligned with ``tensor_inputs``), the output placement
+    (a list for ops returning several tensors) and, optionally, the placement the output is
+    redistributed to right after the op (``then``: e.g. the embedding's all-gather)."""
+
+    ins: list
+    out: Any
+    then: Any = None
+
+
+@dataclass
+class RuleCtx:
+    axis: str
+    size: int
+    mesh: MeshSpec
+    sequence_parallel: bool = False
+    embedding_style: str = "embed_dim"
+
+    @property
+    def is_tp(self) -> bool:
+        return self.axis == "tp"
+
+    @staticmethod
+    def shape(n) -> tuple[int, ...]:
+        return tuple(n.meta["val"].shape)
+
+    @staticmethod
+    def ndim(n) -> int:
+        return n.meta["val"].dim()
+
+
+Rule = Callable[[fx.Node, list, RuleCtx], Decision]
+_RULES: dict[Any, Rule] = {}
+
+
+def rule(*ops) -> Callable[[Rule], Rule]:
+    """Register ``fn`` as the rule of each op (an OpOverload, or a packet for all overloads)."""
+    def register(fn: Rule) -> Rule:
+        for op in ops:
+            if op in _RULES:
+                raise AssertionError(f"two sharding rules for {op}")
+            _RULES[op] = fn
+        return fn
+    return register
+
+
+def lookup(target) -> Rule | None:
+    """The rule of ``target``: registered for the overload, its packet, or pointwise by tag."""
+    if target in _RULES:
+        return _RULES[target]
+    packet = getattr(target, "overloadpacket", None)
+    if packet in _RULES:
+        return _RULES[packet]
+    if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+        return pointwise.pointwise_rule
+    return None
+
+
+def is_tensor_node(a) -> bool:
+    return isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The tensor-valued inputs of ``node`` in argument order (lists flattened, kwargs last)."""
+    flat, _ = pytree.tree_flatten((node.args, node.kwargs))
+    return [a for a in flat if is_tensor_node(a)]
+
+
+def out_count(node: fx.Node):
+    val = node.meta.get("val")
+    if isinstance(val, (list, tuple)):
+        return len(val)
+    return None
+
+
+def fallback(node: fx.Node, ins: list, ctx: RuleCtx, *, why: str = "no sharding rule") -> Decision:
+    """Gather every input to Replicate and compute the op whole on every rank."""
+    n = out_count(node)
+    return Decision(ins=[R] * len(ins), out=[R] * n if n is not None else R)
+
+
+def warn_fallback(node: fx.Node, why: str) -> None:
+    warnings.warn(f"fxshard: {node.target} ({node.name}) {why}; it runs replicated (correct, "
+                  f"but every rank computes it whole)", FallbackWarning, stacklevel=3)
+
+
+# Import the rule families so that they register themselves.
+from . import pointwise, views, reductions, linear, embedding, attention, factory  # noqa: E402,F401

@@ -1,0 +1,27 @@
+"""Factory ops: tensors made from constants are replicated (a consumer that needs a shard
+slices it locally, which is how ``arange(S)`` position ids follow a sequence shard)."""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ...placement import R, Shard
+from . import Decision, RuleCtx, rule
+
+aten = torch.ops.aten
+
+
+@rule(aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
+      aten.zeros.default, aten.ones.default, aten.empty.memory_format,
+      aten.scalar_tensor.default, aten.new_zeros.default, aten.new_ones.default,
+      aten.new_full.default, aten.new_empty.default, aten.tril.default, aten.triu.default)
+def factory_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    return Decision(ins=[R] * len(ins), out=R)
+
+
+@rule(aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+      aten.empty_like.default)
+def like_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``*_like`` keeps the shard of its input (its values do not depend on the input's)."""
+    p = ins[0]
+    return Decision(ins=[p], out=p) if isinstance(p, Shard) else Decision(ins=[R], out=R)

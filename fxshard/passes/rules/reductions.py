@@ -1,0 +1,70 @@
+"""Reductions and softmax: reduced dims must be whole, except sums, which turn a shard into a
+partial sum::
+
+    mean(x: S(1) [B,S,H], dim=-1, keepdim)   -> S(1)     (RMSNorm on sequence shards)
+    sum(x: S(2) [B,S,H], dim=-1)             -> P        (all-reduce deferred to the consumer)
+    softmax(x: S(3), dim=-1)                 -> needs R on dim 3
+    mean(x: P, dim=-1)                       -> P        (mean is linear)
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ...placement import P, R, Partial, Shard
+from . import Decision, RuleCtx, rule
+
+aten = torch.ops.aten
+
+_LINEAR = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default}
+
+
+def _reduced_dims(node: fx.Node, ndim: int) -> tuple[list[int], bool]:
+    """(reduced dims, keepdim) of a reduction node."""
+    args = list(node.args) + [None] * 3
+    if node.target in (aten.sum.default, aten.mean.default):
+        return list(range(ndim)), False
+    dims = args[1] if args[1] is not None else node.kwargs.get("dim")
+    keep = args[2] if args[2] is not None else node.kwargs.get("keepdim", False)
+    if dims is None or dims == []:
+        dims = list(range(ndim))
+    if isinstance(dims, int):
+        dims = [dims]
+    return sorted(d % ndim if ndim else 0 for d in dims), bool(keep)
+
+
+@rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default,
+      aten.amax.default, aten.amin.default, aten.any.dim, aten.all.dim,
+      aten.argmax.default, aten.argmin.default, aten.var.correction, aten.std.correction,
+      aten.max.dim, aten.min.dim)
+def reduction_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    p = ins[0]
+    ndim = ctx.ndim(node.args[0])
+    dims, keep = _reduced_dims(node, ndim)
+    multi = isinstance(node.meta["val"], (list, tuple))
+
+    def outs(q):
+        return [q, q] if multi else q
+
+    if isinstance(p, Partial):
+        if node.target in _LINEAR:
+            return Decision(ins=[P], out=P)
+        return Decision(ins=[R], out=outs(R))
+    if isinstance(p, Shard):
+        if p.dim in dims:
+            if node.target in (aten.sum.dim_IntList, aten.sum.default):
+                return Decision(ins=[p], out=P)
+            return Decision(ins=[R], out=outs(R))
+        out_dim = p.dim if keep else p.dim - sum(d < p.dim for d in dims)
+        return Decision(ins=[p], out=outs(Shard(out_dim)))
+    return Decision(ins=[R], out=outs(R))
+
+
+@rule(aten._softmax.default, aten.softmax.int, aten._log_softmax.default,
+      aten.log_softmax.int, aten.cumsum.default)
+def softmax_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    p = ins[0]
+    dim = node.args[1] % ctx.ndim(node.args[0])
+    if isinstance(p, Shard) and p.dim != dim:
+        return Decision(ins=[p], out=p)
+    return Decision(ins=[R], out=R)

@@ -1,0 +1,160 @@
+"""View and layout ops: dimension maps from input dims to output dims.
+
+Reshapes use one rule: a shard on input dim ``d`` survives as a shard on output dim ``e`` when
+the dims before them hold the same number of elements and ``e`` divides by the axis size, so
+each rank's block is the same elements before and after. That covers merging and splitting::
+
+    view([B, S, H*D] -> [B, S, H, D])     S(2) -> S(2)   (heads; H % tp == 0)
+    reshape([B, H, S, D] -> [B, H*S, D])  S(1) -> S(1)
+    view([B, S, H*D] -> [B, S, H, D])     S(2) -> needs R when H % tp != 0
+
+Transpose/permute map dims; unsqueeze/squeeze/expand shift them; slicing, selecting, splitting
+or concatenating along a sharded dim needs it whole first.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from ...placement import P, R, Partial, Shard
+from . import Decision, RuleCtx, rule
+
+aten = torch.ops.aten
+
+
+def _norm(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def reshape_dim_map(in_shape, out_shape, d: int, size: int) -> int | None:
+    """Output dim that carries a ``size``-way shard of input dim ``d``, or None."""
+    prefix = math.prod(in_shape[:d])
+    acc = 1
+    for e, n in enumerate(out_shape):
+        if acc == prefix and n != 1:
+            return e if n % size == 0 and math.prod(out_shape[e:]) == math.prod(in_shape[d:]) \
+                else None
+        acc *= n
+        if acc > prefix:
+            return None
+    return None
+
+
+@rule(aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+      aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
+      aten.flatten.using_ints, aten.unflatten.int)
+def reshape_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    p = ins[0]
+    if isinstance(p, Partial):
+        return Decision(ins=[P], out=P)
+    if isinstance(p, Shard):
+        e = reshape_dim_map(ctx.shape(node.args[0]), ctx.shape(node), p.dim, ctx.size)
+        if e is not None:
+            return Decision(ins=[p], out=Shard(e))
+    return Decision(ins=[R], out=R)
+
+
+@rule(aten.expand.default)
+def expand_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    p = ins[0]
+    if isinstance(p, Partial):
+        return Decision(ins=[P], out=P)
+    if isinstance(p, Shard):
+        in_shape, out_shape = ctx.shape(node.args[0]), ctx.shape(node)
+        e = p.dim + len(out_shape) - len(in_shape)
+        if in_shape[p.dim] == out_shape[e]:
+            return Decision(ins=[p], out=Shard(e))
+    return Decision(ins=[R], out=R)
+
+
+def _permutation(node: fx.Node, ndim: int) -> list[int]:
+    """perm[out_dim] = in_dim."""
+    if node.target is aten.permute.default:
+        return [_norm(d, ndim) for d in node.args[1]]
+    perm = list(range(ndim))
+    if node.target is aten.t.default:
+        d0, d1 = 0, ndim - 1
+    else:
+        d0, d1 = _norm(node.args[1], ndim), _norm(node.args[2], ndim)
+    perm[d0], perm[d1] = perm[d1], perm[d0]
+    return perm
+
+
+@rule(aten.transpose.int, aten.permute.default, aten.t.default)
+def permute_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    p = ins[0]
+    if isinstance(p, Shard):
+        perm = _permutation(node, ctx.ndim(node.args[0]))
+        return Decision(ins=[p], out=Shard(perm.index(p.dim)))
+    return Decision(ins=[p], out=p)
+
+
+@rule(aten.slice.Tensor)
+def slice_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    p = ins[0]
+    x = node.args[0]
+    ndim = ctx.ndim(x)
+    dim = _norm(node.args[1] if len(node.args) > 1 else 0, ndim)
+    if isinstance(p, Shard) and p.dim == dim:
+        start = node.args[2] if len(node.args) > 2 else None
+        end = node.args[3] if len(node.args) > 3 else None
+        step = node.args[4] if len(node.args) > 4 else 1
+        whole = (start in (None, 0)) and (end is None or end >= ctx.shape(x)[dim]) and step == 1
+        if not whole:
+            return Decision(ins=[R], out=R)
+    return Decision(ins=[p], out=p)
+
+
+@rule(aten.select.int)
+def select_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    p = ins[0]
+    dim = _norm(node.args[1], ctx.ndim(node.args[0]))
+    if isinstance(p, Shard):
+        if p.dim == dim:
+            return Decision(ins=[R], out=R)
+        return Decision(ins=[p], out=Shard(p.dim - (p.dim > dim)))
+    return Decision(ins=[p], out=p)
+
+
+@rule(aten.cat.default)
+def cat_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    from . import tensor_inputs
+    tensors = tensor_inputs(node)
+    ndim = ctx.ndim(node)
+    dim = _norm(node.args[1] if len(node.args) > 1 else 0, ndim)
+    live = [t.meta["val"].dim() == ndim for t in tensors]  # cat skips legacy empty [0] inputs
+    for t, p, ok in zip(tensors, ins, live):
+        if ok and isinstance(p, Shard) and p.dim != dim:
+            return Decision(ins=[Shard(p.dim) if o else R for o in live], out=Shard(p.dim))
+    if all(isinstance(p, Partial) for p in ins):
+        return Decision(ins=[P] * len(ins), out=P)
+    return Decision(ins=[R] * len(ins), out=R)
+
+
+@rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+      aten.unbind.int, aten.narrow.default)
+def split_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    p = ins[0]
+    x = node.args[0]
+    ndim = ctx.ndim(x)
+    default = 0
+    if node.target is aten.narrow.default:
+        dim = _norm(node.args[1], ndim)
+    elif node.target is aten.unbind.int:
+        dim = _norm(node.args[1] if len(node.args) > 1 else default, ndim)
+    else:
+        dim = _norm(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), ndim)
+    val = node.meta["val"]
+    n = len(val) if isinstance(val, (list, tuple)) else None
+
+    def outs(q):
+        return [q] * n if n is not None else q
+
+    if isinstance(p, Shard):
+        if p.dim == dim:
+            return Decision(ins=[R], out=outs(R))
+        if node.target is aten.unbind.int:
+            return Decision(ins=[p], out=outs(Shard(p.dim - (p.dim > dim))))
+    return Decision(ins=[p], out=outs(p))

@@ -1,0 +1,97 @@
+"""Placements of one tensor over a mesh: one torch placement per mesh axis.
+
+A *spec* is a tuple with one ``Shard(dim)`` / ``Replicate()`` / ``Partial()`` per mesh axis, in
+mesh order, as in DTensor. Several axes may shard the same dim; they nest in mesh order (the
+first axis splits the dim into chunks, the next splits each chunk), exactly as DTensor lays
+out ``(Shard(1), Shard(1))``.
+
+Example on a ``(dp=2, tp=2)`` mesh: a ``[4, 6, 8]`` activation with spec ``(S(0), S(2))`` holds
+a ``[2, 6, 4]`` block on every rank; rank 3 (dp=1, tp=1) holds ``x[2:4, :, 4:8]``.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from .mesh import MeshSpec
+
+__all__ = ["Shard", "Replicate", "Partial", "Placement", "Spec", "R", "P", "short",
+           "short_spec", "local_shape", "shard_slices", "is_shard", "replicated"]
+
+Spec = tuple  # tuple[Placement, ...], one per mesh axis
+
+R = Replicate()
+P = Partial()
+
+
+def is_shard(p, dim: int | None = None) -> bool:
+    return isinstance(p, Shard) and (dim is None or p.dim == dim)
+
+
+def replicated(mesh: MeshSpec) -> Spec:
+    return tuple(R for _ in mesh.shape)
+
+
+def short(p) -> str:
+    """``S(1)``, ``R`` or ``P``: the short spelling used in explain tables."""
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Partial):
+        return "P"
+    if isinstance(p, Replicate):
+        return "R"
+    return str(p)
+
+
+def short_spec(spec, mesh: MeshSpec) -> str:
+    if spec is None:
+        return "-"
+    if isinstance(spec, list):
+        return "[" + ", ".join(short_spec(s, mesh) for s in spec) + "]"
+    parts = [f"{a}:{short(p)}" for a, n, p in zip(mesh.axis_names, mesh.shape, spec) if n > 1]
+    return " ".join(parts) if parts else "R"
+
+
+def local_shape(shape: Sequence[int], spec: Spec, mesh: MeshSpec, *, what: str = "tensor"
+                ) -> tuple[int, ...]:
+    """Shape of one rank's block; a dim that does not split evenly is a ValueError."""
+    out = list(shape)
+    for axis, n, p in zip(mesh.axis_names, mesh.shape, spec):
+        if n > 1 and isinstance(p, Shard):
+            d = p.dim
+            if out[d] % n:
+                raise ValueError(
+                    f"fxshard: {what} of global shape {tuple(shape)} is sharded on dim {d} over "
+                    f"mesh axis {axis!r} of size {n} (mesh {mesh.describe()}), but dim {d} has "
+                    f"{out[d]} elements per shard at that point, which does not divide by {n}. "
+                    f"Make dim {d} a multiple of {n} or use a smaller {axis} axis.")
+            out[d] //= n
+    return tuple(out)
+
+
+def shard_slices(shape: Sequence[int], spec: Spec, mesh: MeshSpec, rank: int) -> tuple[slice, ...]:
+    """The index of rank ``rank``'s block in the global tensor (Partial/Replicate: whole dims)."""
+    coords = mesh.coords(rank)
+    start = [0] * len(shape)
+    size = list(shape)
+    for n, c, p in zip(mesh.shape, coords, spec):
+        if n > 1 and isinstance(p, Shard):
+            d = p.dim
+            size[d] //= n
+            start[d] += c * size[d]
+    return tuple(slice(s, s + k) for s, k in zip(start, size))
+
+
+def local_block(t: torch.Tensor, spec: Spec, mesh: MeshSpec, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s block of the global tensor ``t`` (Partial: the full value on coordinate 0
+    of each partial axis, zeros elsewhere, so the sum over the axis is ``t``)."""
+    local_shape(t.shape, spec, mesh)
+    block = t[shard_slices(t.shape, spec, mesh, rank)]
+    coords = mesh.coords(rank)
+    if any(isinstance(p, Partial) and n > 1 and c != 0
+           for n, c, p in zip(mesh.shape, coords, spec)):
+        return torch.zeros_like(block)
+    return block.clone()

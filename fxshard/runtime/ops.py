@@ -1,0 +1,224 @@
+"""Collectives and point-to-point messages as ``torch.library`` custom ops.
+
+The graph passes emit these calls into per-rank programs; each names a mesh axis and carries
+the axis size, so the fake (meta) impls need no runtime state and the graphs stay exportable
+and compilable::
+
+    fxshard::all_gather(Tensor x, int dim, str axis, int size) -> Tensor
+    fxshard::all_reduce(Tensor x, str axis, int size) -> Tensor
+    fxshard::reduce_scatter(Tensor x, int dim, str axis, int size) -> Tensor
+    fxshard::all_to_all(Tensor x, int split_dim, int concat_dim, str axis, int size) -> Tensor
+    fxshard::local_shard(Tensor x, int dim, str axis, int size) -> Tensor
+    fxshard::send(Tensor x, str axis, int peer) -> ()
+    fxshard::recv(int[] shape, ScalarType dtype, Device device, str axis, int peer) -> Tensor
+
+In a graph: ``all_gather = torch.ops.fxshard.all_gather.default(mm, 2, 'tp', 2)``.
+
+The real impls dispatch to the current backend (``fxshard.runtime.context``). A size-1 axis is
+the identity (a copy: custom ops never return views of their inputs).
+
+Purity. The collectives are pure functions of their inputs (every rank of a group runs the same
+program, so an unused collective is dropped on all of them alike). ``send`` and ``recv`` are
+registered with torch's effect system (``EffectType.ORDERED``): ``Node.is_impure`` is true for
+them, so ``Graph.eliminate_dead_code`` keeps them, and under ``torch.export`` / AOTAutograd /
+``torch.compile`` they are threaded with effect tokens, so two identical ``recv`` calls stay two
+messages and keep their order. A hand-written CSE over a raw graph must skip them too: use
+:func:`is_point_to_point`.
+"""
+from __future__ import annotations
+
+import torch
+from torch._library.effects import EffectType
+
+from fxshard.runtime.context import Backend, current_backend
+
+__all__ = ["COLLECTIVE_OPS", "POINT_TO_POINT_OPS", "is_communication", "is_point_to_point"]
+
+_LIB = "fxshard"
+
+
+def _checked_backend(op: str, axis: str, size: int) -> Backend:
+    """The current backend, after checking that ``size`` is the size of ``axis`` on it."""
+    backend = current_backend(f"torch.ops.fxshard.{op}")
+    actual = backend.axis_size(axis)
+    if size != actual:
+        raise ValueError(
+            f"torch.ops.fxshard.{op}: the program says mesh axis {axis!r} has size {size}, but "
+            f"the backend's mesh {backend.mesh.describe()} gives it size {actual}. The per-rank "
+            f"program was built for another mesh; rebuild it with fxshard.parallelize for this "
+            f"mesh.")
+    return backend
+
+
+def _norm_dim(op: str, x: torch.Tensor, dim: int, name: str = "dim") -> int:
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"torch.ops.fxshard.{op}: {name}={dim} is out of range for a tensor "
+                         f"of shape {list(x.shape)}")
+    return dim % x.dim()
+
+
+def _chunk(op: str, x: torch.Tensor, dim: int, axis: str, size: int, name: str = "dim") -> int:
+    """Length of one of ``size`` equal chunks of ``x`` along ``dim``, or a ValueError."""
+    if size < 1:
+        raise ValueError(f"torch.ops.fxshard.{op}: size={size} for mesh axis {axis!r}; an axis "
+                         f"size is >= 1")
+    n = x.shape[dim]
+    if n % size:
+        raise ValueError(
+            f"torch.ops.fxshard.{op}: {name}={dim} of a tensor of shape {list(x.shape)} has "
+            f"size {n}, which mesh axis {axis!r} of size {size} cannot split into equal chunks; "
+            f"pad that dim to a multiple of {size} or do not shard it on {axis!r}")
+    return n // size
+
+
+def _check_peer(op: str, backend: Backend, axis: str, peer: int) -> None:
+    size, me = backend.axis_size(axis), backend.axis_index(axis)
+    if not 0 <= peer < size or peer == me:
+        raise ValueError(
+            f"torch.ops.fxshard.{op}: peer={peer} on mesh axis {axis!r} of size {size} from "
+            f"coordinate {me}; the peer must be another coordinate in 0..{size - 1}")
+
+
+def _define(name: str, schema: str):
+    return torch.library.custom_op(f"{_LIB}::{name}", mutates_args=(), schema=schema)
+
+
+# --- all_gather ---------------------------------------------------------------------------
+
+@_define("all_gather", "(Tensor x, int dim, str axis, int size) -> Tensor")
+def _all_gather(x, dim, axis, size):
+    backend = _checked_backend("all_gather", axis, size)
+    dim = _norm_dim("all_gather", x, dim)
+    return x.clone() if size == 1 else backend.all_gather(x, dim, axis)
+
+
+@_all_gather.register_fake
+def _(x, dim, axis, size):
+    dim = _norm_dim("all_gather", x, dim)
+    shape = list(x.shape)
+    shape[dim] *= size
+    return x.new_empty(shape)
+
+
+# --- all_reduce ---------------------------------------------------------------------------
+
+@_define("all_reduce", "(Tensor x, str axis, int size) -> Tensor")
+def _all_reduce(x, axis, size):
+    backend = _checked_backend("all_reduce", axis, size)
+    return x.clone() if size == 1 else backend.all_reduce(x, axis)
+
+
+@_all_reduce.register_fake
+def _(x, axis, size):
+    return x.new_empty(x.shape)
+
+
+# --- reduce_scatter -----------------------------------------------------------------------
+
+@_define("reduce_scatter", "(Tensor x, int dim, str axis, int size) -> Tensor")
+def _reduce_scatter(x, dim, axis, size):
+    backend = _checked_backend("reduce_scatter", axis, size)
+    dim = _norm_dim("reduce_scatter", x, dim)
+    _chunk("reduce_scatter", x, dim, axis, size)
+    return x.clone() if size == 1 else backend.reduce_scatter(x, dim, axis)
+
+
+@_reduce_scatter.register_fake
+def _(x, dim, axis, size):
+    dim = _norm_dim("reduce_scatter", x, dim)
+    shape = list(x.shape)
+    shape[dim] = _chunk("reduce_scatter", x, dim, axis, size)
+    return x.new_empty(shape)
+
+
+# --- all_to_all ---------------------------------------------------------------------------
+
+@_define("all_to_all", "(Tensor x, int split_dim, int concat_dim, str axis, int size) -> Tensor")
+def _all_to_all(x, split_dim, concat_dim, axis, size):
+    backend = _checked_backend("all_to_all", axis, size)
+    split_dim = _norm_dim("all_to_all", x, split_dim, "split_dim")
+    concat_dim = _norm_dim("all_to_all", x, concat_dim, "concat_dim")
+    _chunk("all_to_all", x, split_dim, axis, size, "split_dim")
+    if size == 1:
+        return x.clone()
+    return backend.all_to_all(x, split_dim, concat_dim, axis)
+
+
+@_all_to_all.register_fake
+def _(x, split_dim, concat_dim, axis, size):
+    split_dim = _norm_dim("all_to_all", x, split_dim, "split_dim")
+    concat_dim = _norm_dim("all_to_all", x, concat_dim, "concat_dim")
+    shape = list(x.shape)
+    shape[split_dim] = _chunk("all_to_all", x, split_dim, axis, size, "split_dim")
+    shape[concat_dim] *= size
+    return x.new_empty(shape)
+
+
+# --- local_shard --------------------------------------------------------------------------
+
+@_define("local_shard", "(Tensor x, int dim, str axis, int size) -> Tensor")
+def _local_shard(x, dim, axis, size):
+    backend = _checked_backend("local_shard", axis, size)
+    dim = _norm_dim("local_shard", x, dim)
+    n = _chunk("local_shard", x, dim, axis, size)
+    start = backend.axis_index(axis) * n
+    return x.narrow(dim, start, n).clone(memory_format=torch.contiguous_format)
+
+
+@_local_shard.register_fake
+def _(x, dim, axis, size):
+    dim = _norm_dim("local_shard", x, dim)
+    shape = list(x.shape)
+    shape[dim] = _chunk("local_shard", x, dim, axis, size)
+    return x.new_empty(shape)
+
+
+# --- send / recv --------------------------------------------------------------------------
+
+@_define("send", "(Tensor x, str axis, int peer) -> ()")
+def _send(x, axis, peer):
+    backend = current_backend("torch.ops.fxshard.send")
+    _check_peer("send", backend, axis, peer)
+    backend.send(x, axis, peer)
+
+
+@_send.register_fake
+def _(x, axis, peer):
+    return None
+
+
+@_define("recv", "(int[] shape, ScalarType dtype, Device device, str axis, int peer) -> Tensor")
+def _recv(shape, dtype, device, axis, peer):
+    backend = current_backend("torch.ops.fxshard.recv")
+    _check_peer("recv", backend, axis, peer)
+    return backend.recv(list(shape), dtype, device, axis, peer)
+
+
+@_recv.register_fake
+def _(shape, dtype, device, axis, peer):
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+_ops = torch.ops.fxshard
+for _p2p in (_ops.send.default, _ops.recv.default):
+    torch.library._register_effectful_op(_p2p, EffectType.ORDERED)
+
+COLLECTIVE_OPS = frozenset({
+    _ops.all_gather.default, _ops.all_reduce.default, _ops.reduce_scatter.default,
+    _ops.all_to_all.default,
+})
+"""The ops that communicate within a mesh-axis group (``local_shard`` does not)."""
+
+POINT_TO_POINT_OPS = frozenset({_ops.send.default, _ops.recv.default})
+"""``send`` and ``recv``: effectful, never dead-code eliminated or merged."""
+
+
+def is_communication(node: torch.fx.Node) -> bool:
+    """Whether ``node`` calls a collective or a point-to-point op."""
+    return node.op == "call_function" and (node.target in COLLECTIVE_OPS
+                                           or node.target in POINT_TO_POINT_OPS)
+
+
+def is_point_to_point(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a ``send``/``recv``: a CSE must never merge two of them."""
+    return node.op == "call_function" and node.target in POINT_TO_POINT_OPS

@@ -1,0 +1,128 @@
+"""torch.export front end: an ATen FX graph with global shapes, parameters named by FQN.
+
+``trace`` exports non-strict on fake inputs, so a model built on the ``meta`` device traces
+without weights. Each placeholder is tagged with what it is::
+
+    node.meta["fxshard_param"]  = "model.layers.0.self_attn.q_proj.weight"   (parameter)
+    node.meta["fxshard_buffer"] = "model.rotary_emb.inv_freq"                (buffer/constant)
+    node.meta["fxshard_input"]  = 0                                           (user input #0)
+
+``cleanup_pass`` then drops export's no-op artefacts::
+
+    before: _assert_tensor_metadata(x, dtype=float32); y = to(x, float32); z = mul(y, w)
+    after:  z = mul(x, w)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+aten = torch.ops.aten
+
+__all__ = ["Traced", "trace", "cleanup_pass"]
+
+
+@dataclass
+class Traced:
+    """One exported program and what the passes need from its signature."""
+
+    gm: fx.GraphModule
+    in_spec: Any            # pytree spec of (args, kwargs)
+    out_spec: Any           # pytree spec of the output
+    constants: dict         # FQN -> tensor, buffers and lifted constants (real values)
+    param_names: dict       # placeholder name -> parameter FQN
+
+
+def _fake_like(x):
+    if isinstance(x, torch.Tensor):
+        return torch.empty_like(x, device="meta")
+    return x
+
+
+def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Traced:
+    """Export ``model`` on meta copies of ``args``/``kwargs`` (no compute, no weights needed)."""
+    kwargs = kwargs or {}
+    meta_args = torch.utils._pytree.tree_map(_fake_like, args)
+    meta_kwargs = torch.utils._pytree.tree_map(_fake_like, kwargs)
+    try:
+        ep = torch.export.export(model, tuple(meta_args), meta_kwargs, strict=False)
+    except Exception as e:  # meta inputs on a model with real weights: export on real inputs
+        if not any(p.device.type == "meta" for p in model.parameters()):
+            ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+        else:
+            raise ValueError(f"fxshard.parallelize: torch.export could not trace "
+                             f"{type(model).__name__} on meta inputs: {e}") from e
+    return _from_exported(ep, model)
+
+
+def _from_exported(ep: ExportedProgram, model: torch.nn.Module) -> Traced:
+    sig = ep.graph_signature
+    gm = ep.graph_module
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    state = dict(model.state_dict(keep_vars=True))
+    state.update(dict(model.named_buffers(remove_duplicate=False)))
+    constants, params = {}, {}
+    user_index = 0
+    for node, spec in zip(placeholders, sig.input_specs):
+        if spec.kind == InputKind.PARAMETER:
+            node.meta["fxshard_param"] = spec.target
+            params[node.name] = spec.target
+        elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            node.meta["fxshard_buffer"] = spec.target
+            value = ep.constants.get(spec.target)
+            if value is None:
+                value = ep.state_dict.get(spec.target, state.get(spec.target))
+            constants[spec.target] = value
+        elif spec.kind == InputKind.USER_INPUT:
+            node.meta["fxshard_input"] = user_index
+            user_index += 1
+        else:
+            raise NotImplementedError(
+                f"fxshard.parallelize: exported input {node.name} of kind {spec.kind.name} "
+                f"is not supported (only parameters, buffers, constants and user inputs)")
+    for spec in sig.output_specs:
+        if spec.kind != OutputKind.USER_OUTPUT:
+            raise NotImplementedError(
+                f"fxshard.parallelize: the model's forward mutates {spec.target} "
+                f"({spec.kind.name}); fxshard runs inference graphs without buffer mutation")
+    return Traced(gm=gm, in_spec=ep.call_spec.in_spec, out_spec=ep.call_spec.out_spec,
+                  constants=constants, param_names=params)
+
+
+def _is_noop_to(node: fx.Node) -> bool:
+    if node.target not in (aten.to.dtype, aten.to.device, aten.to.dtype_layout,
+                           aten._to_copy.default, aten.alias.default, aten.clone.default,
+                           aten.contiguous.default):
+        return False
+    src = node.args[0]
+    if not isinstance(src, fx.Node):
+        return False
+    a, b = src.meta.get("val"), node.meta.get("val")
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype and a.device == b.device and a.shape == b.shape)
+
+
+def cleanup_pass(gm: fx.GraphModule, *, ctx=None) -> fx.GraphModule:
+    """Drop ``_assert_tensor_metadata`` and casts/copies that change nothing."""
+    changed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)
+            changed += 1
+        elif _is_noop_to(node):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            changed += 1
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+    if ctx is not None:
+        ctx.report("cleanup_pass", f"removed {changed} no-op nodes")
+    return gm

@@ -1,0 +1,362 @@
+"""Tests for fxshard.kernels: attention (torch backend, Triton kernel under TRITON_INTERPRET=1),
+merge_attention, the fxshard::attention custom op, error messages and the benchmark's report.
+
+Every number is checked against ``reference_attention``: float64, scores materialised, K/V
+repeated per query head, masked scores set to -inf, softmax per row, rows that see no key set
+to out = 0 and lse = -inf by hand.
+
+The Triton tests run the kernel in Triton's CPU interpreter: the module-scoped fixture
+``triton_interpret`` sets TRITON_INTERPRET=1 for them (the launcher reads the variable at call
+time, so it does not matter whether triton was imported before), and tests that need the
+variable unset remove it with ``monkeypatch``.
+"""
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fxshard.kernels import attention, merge_attention
+
+SCHEMA = ("fxshard::attention(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, "
+          "float? scale, SymInt q_offset, SymInt kv_offset) -> (Tensor, Tensor)")
+
+
+def reference_attention(q, k, v, *, causal=False, scale=None, q_offset=0, kv_offset=0,
+                        mask=None):
+    """Plain softmax attention in float64: returns (out, lse)."""
+    q, k, v = q.double(), k.double(), v.double()
+    batch, heads_q, seq_q, head_dim = q.shape
+    seq_kv = k.shape[2]
+    group = heads_q // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    allowed = torch.ones(batch, heads_q, seq_q, seq_kv, dtype=torch.bool)
+    if causal:
+        allowed = allowed & torch.tensor([[kv_offset + j <= q_offset + i for j in range(seq_kv)]
+                                          for i in range(seq_q)], dtype=torch.bool)
+    if mask is not None and mask.dtype == torch.bool:
+        allowed = allowed & mask
+    elif mask is not None:
+        scores = scores + mask.double()
+    scores = scores.masked_fill(~allowed, -math.inf)
+    seen = ~torch.isneginf(scores).all(dim=-1)
+    probs = torch.nan_to_num(torch.softmax(scores, dim=-1))  # NaN only in rows that see nothing
+    out = torch.where(seen.unsqueeze(-1), probs @ v, 0.0)
+    lse = torch.logsumexp(scores, dim=-1)  # -inf in rows that see nothing
+    return out, lse
+
+
+def assert_matches(out, lse, ref_out, ref_lse, *, tol):
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    finite = ~torch.isneginf(ref_lse)
+    torch.testing.assert_close(lse.double()[finite], ref_lse[finite], rtol=tol, atol=tol)
+
+
+@st.composite
+def attention_cases(draw, *, head_dims, max_len, masks=True, max_offset=None):
+    """Random shapes (GQA included), causal flag, offsets that may hide whole rows, a mask."""
+    max_offset = 2 * max_len if max_offset is None else max_offset
+    heads_kv = draw(st.integers(1, 3))
+    case = {
+        "batch": draw(st.integers(1, 2)),
+        "heads_kv": heads_kv,
+        "heads_q": heads_kv * draw(st.integers(1, 3)),
+        "seq_q": draw(st.integers(1, max_len)),
+        "seq_kv": draw(st.integers(1, max_len)),
+        "head_dim": draw(st.sampled_from(head_dims)),
+        "causal": draw(st.booleans()),
+        "q_offset": draw(st.integers(0, max_offset)),
+        "kv_offset": draw(st.integers(0, max_offset)),
+        "scale": draw(st.sampled_from([None, 0.3])),
+        "mask": draw(st.sampled_from(["none", "bool", "float"])) if masks else "none",
+        "seed": draw(st.integers(0, 2**16)),
+    }
+    return case
+
+
+def make_inputs(case, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(case["seed"])
+    b, hq, hkv, d = case["batch"], case["heads_q"], case["heads_kv"], case["head_dim"]
+    q = torch.randn(b, hq, case["seq_q"], d, generator=gen).to(dtype)
+    k = torch.randn(b, hkv, case["seq_kv"], d, generator=gen).to(dtype)
+    v = torch.randn(b, hkv, case["seq_kv"], d, generator=gen).to(dtype)
+    mask = None
+    if case["mask"] == "bool":
+        mask = torch.rand(b, 1, case["seq_q"], case["seq_kv"], generator=gen) < 0.7
+    elif case["mask"] == "float":
+        mask = torch.randn(1, hq, case["seq_q"], case["seq_kv"], generator=gen)
+        mask = mask.masked_fill(mask < -1.0, -math.inf)
+    return q, k, v, mask
+
+
+def options(case):
+    return {name: case[name] for name in ("causal", "scale", "q_offset", "kv_offset")}
+
+
+@pytest.fixture(scope="module")
+def triton_interpret():
+    pytest.importorskip("triton")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+# ---------------------------------------------------------------- torch backend
+
+
+@given(attention_cases(head_dims=[1, 4, 8, 16], max_len=40))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_torch_backend_matches_reference(dtype, case):
+    q, k, v, mask = make_inputs(case, dtype)
+    out, lse = attention(q, k, v, mask=mask, backend="torch", **options(case))
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == q.shape[:3]
+    ref_out, ref_lse = reference_attention(q, k, v, mask=mask, **options(case))
+    assert_matches(out, lse, ref_out, ref_lse, tol=1e-4 if dtype == torch.float32 else 1e-6)
+
+
+def test_torch_backend_edge_cases():
+    q = torch.randn(1, 2, 3, 8)
+    k = v = torch.randn(1, 1, 0, 8)
+    out, lse = attention(q, k, v, backend="torch")
+    assert torch.equal(out, torch.zeros_like(q)) and torch.isneginf(lse).all()
+    k = v = torch.randn(1, 1, 4, 8)
+    out, lse = attention(q, k, v, causal=True, q_offset=0, kv_offset=3, backend="torch")
+    ref_out, ref_lse = reference_attention(q, k, v, causal=True, q_offset=0, kv_offset=3)
+    assert torch.isneginf(lse[:, :, :3]).all() and torch.equal(out[:, :, :3], q[:, :, :3] * 0)
+    assert_matches(out, lse, ref_out, ref_lse, tol=1e-4)
+
+
+def test_torch_backend_is_differentiable_without_nan():
+    q = torch.randn(1, 4, 6, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 5, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 5, 8, dtype=torch.float64, requires_grad=True)
+    out, lse = attention(q, k, v, causal=True, q_offset=0, kv_offset=2, backend="torch")
+    (out.sum() + lse.masked_fill(torch.isneginf(lse), 0).sum()).backward()
+    for t in (q, k, v):
+        assert not torch.isnan(t.grad).any()
+    assert torch.count_nonzero(q.grad[:, :, :2]) == 0
+
+
+# ---------------------------------------------------------------- Triton kernel (interpreter)
+
+
+@given(attention_cases(head_dims=[16, 32], max_len=48, masks=False, max_offset=64),
+       st.sampled_from([16, 32]), st.sampled_from([16, 32]))
+def test_triton_interpreter_matches_reference(triton_interpret, case, block_m, block_n):
+    from fxshard.kernels.triton_attention import attention_fwd
+
+    q, k, v, _ = make_inputs(case)
+    scale = 1.0 / math.sqrt(case["head_dim"]) if case["scale"] is None else case["scale"]
+    out, lse = attention_fwd(q, k, v, causal=case["causal"], scale=scale,
+                             q_offset=case["q_offset"], kv_offset=case["kv_offset"],
+                             block_m=block_m, block_n=block_n)
+    ref_out, ref_lse = reference_attention(q, k, v, **options(case))
+    assert_matches(out, lse, ref_out, ref_lse, tol=1e-4)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float16, 2e-3), (torch.bfloat16, 1.5e-2)])
+@pytest.mark.parametrize("causal, q_offset, kv_offset", [(False, 0, 0), (True, 8, 20)])
+def test_triton_interpreter_low_precision(triton_interpret, dtype, tol, causal, q_offset,
+                                          kv_offset):
+    case = {"batch": 1, "heads_q": 4, "heads_kv": 2, "seq_q": 40, "seq_kv": 37, "head_dim": 32,
+            "mask": "none", "seed": 7}
+    q, k, v, _ = make_inputs(case, dtype)
+    opts = {"causal": causal, "q_offset": q_offset, "kv_offset": kv_offset}
+    out, lse = attention(q, k, v, backend="triton", **opts)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    ref_out, ref_lse = reference_attention(q, k, v, **opts)
+    assert_matches(out, lse, ref_out, ref_lse, tol=tol)
+
+
+def test_triton_interpreter_non_contiguous_and_default_blocks(triton_interpret):
+    q = torch.randn(2, 50, 4, 64).transpose(1, 2)
+    k = torch.randn(2, 33, 2, 64).transpose(1, 2)
+    v = torch.randn(2, 2, 33, 64)
+    out, lse = attention(q, k, v, causal=True, q_offset=30, backend="triton")
+    assert out.shape == q.shape
+    ref_out, ref_lse = reference_attention(q, k, v, causal=True, q_offset=30)
+    assert_matches(out, lse, ref_out, ref_lse, tol=1e-4)
+
+
+def test_triton_interpreter_merge_of_chunks(triton_interpret):
+    q = torch.randn(1, 2, 24, 16)
+    k, v = torch.randn(1, 1, 40, 16), torch.randn(1, 1, 40, 16)
+    parts = [attention(q, k[:, :, a:b], v[:, :, a:b], causal=True, q_offset=16, kv_offset=a,
+                       backend="triton") for a, b in ((0, 21), (21, 40))]
+    out, lse = merge_attention(*parts[0], *parts[1])
+    ref_out, ref_lse = reference_attention(q, k, v, causal=True, q_offset=16)
+    assert_matches(out, lse, ref_out, ref_lse, tol=1e-4)
+
+
+# ---------------------------------------------------------------- merge
+
+
+@given(attention_cases(head_dims=[4, 8], max_len=32), st.floats(0.0, 1.0))
+def test_merge_equals_attention_over_concatenated_keys(case, split_at):
+    q, k, v, mask = make_inputs(case)
+    cut = round(split_at * case["seq_kv"])
+    opts = options(case)
+    parts = []
+    for lo, hi in ((0, cut), (cut, case["seq_kv"])):
+        part_opts = dict(opts, kv_offset=opts["kv_offset"] + lo)
+        part_mask = None if mask is None else mask[..., lo:hi]
+        parts.append(attention(q, k[:, :, lo:hi], v[:, :, lo:hi], mask=part_mask,
+                               backend="torch", **part_opts))
+    out, lse = merge_attention(*parts[0], *parts[1])
+    ref_out, ref_lse = reference_attention(q, k, v, mask=mask, **opts)
+    assert_matches(out, lse, ref_out, ref_lse, tol=1e-4)
+
+
+def test_merge_with_empty_sides():
+    out1, lse1 = torch.randn(2, 3, 4), torch.randn(2, 3)
+    empty_out, empty_lse = torch.zeros(2, 3, 4), torch.full((2, 3), -math.inf)
+    out, lse = merge_attention(out1, lse1, empty_out, empty_lse)
+    assert torch.equal(out, out1) and torch.equal(lse, lse1)
+    out, lse = merge_attention(empty_out, empty_lse, out1, lse1)
+    assert torch.equal(out, out1) and torch.equal(lse, lse1)
+    out, lse = merge_attention(empty_out, empty_lse, empty_out, empty_lse)
+    assert torch.equal(out, empty_out) and torch.isneginf(lse).all()
+    out, lse = merge_attention(out1.half(), lse1, out1.half(), lse1)
+    assert out.dtype == torch.float16 and lse.dtype == torch.float32
+    torch.testing.assert_close(lse, lse1 + math.log(2))
+
+
+# ---------------------------------------------------------------- custom op
+
+
+def test_custom_op_schema_and_matches_public_function():
+    assert str(torch.ops.fxshard.attention.default._schema) == SCHEMA
+    q, k, v = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 11, 8), torch.randn(2, 2, 11, 8)
+    mask = torch.rand(9, 11) < 0.8
+    for m in (None, mask):
+        op_out, op_lse = torch.ops.fxshard.attention(q, k, v, m, True, None, 3, 1)
+        out, lse = attention(q, k, v, causal=True, q_offset=3, kv_offset=1, mask=m,
+                             backend="torch")
+        assert torch.equal(op_out, out) and torch.equal(op_lse, lse)
+        auto_out, auto_lse = attention(q, k, v, causal=True, q_offset=3, kv_offset=1, mask=m)
+        assert torch.equal(auto_out, out) and torch.equal(auto_lse, lse)
+
+
+class _TinyAttention(torch.nn.Module):
+    def forward(self, q, k, v):
+        out, lse = torch.ops.fxshard.attention(q, k, v, None, True, None, 0, 0)
+        return out * 2, lse
+
+
+def test_custom_op_under_torch_export():
+    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    exported = torch.export.export(_TinyAttention(), (q, k, v), strict=False)
+    nodes = [n for n in exported.graph.nodes
+             if n.op == "call_function" and n.target is torch.ops.fxshard.attention.default]
+    assert len(nodes) == 1
+    out_meta, lse_meta = nodes[0].meta["val"]
+    assert out_meta.shape == q.shape and out_meta.dtype == q.dtype
+    assert lse_meta.shape == q.shape[:3] and lse_meta.dtype == torch.float32
+    out, lse = exported.module()(q, k, v)
+    ref_out, ref_lse = attention(q, k, v, causal=True, backend="torch")
+    torch.testing.assert_close(out, ref_out * 2)
+    torch.testing.assert_close(lse, ref_lse)
+
+
+def test_custom_op_opcheck_and_backward():
+    q = torch.randn(1, 4, 5, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 7, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 7, 8, dtype=torch.float64, requires_grad=True)
+    samples = [(q, k, v, None, True, None, 0, 3), (q, k, v, torch.rand(5, 7) < 0.6, False, 0.5, 0, 0),
+               (q.float().detach(), k.float().detach(), v.float().detach(), None, False, None, 0, 0)]
+    for args in samples:
+        torch.library.opcheck(torch.ops.fxshard.attention.default, args)
+    for args in samples[:2]:
+        mask, causal, scale, q_off, kv_off = args[3:]
+        opts = {"mask": mask, "causal": causal, "scale": scale, "q_offset": q_off,
+                "kv_offset": kv_off}
+        grad_out, grad_lse = torch.randn(1, 4, 5, 8, dtype=torch.float64), torch.randn(1, 4, 5)
+        grads = []
+        for backend in ("auto", "torch"):
+            out, lse = attention(q, k, v, backend=backend, **opts)
+            lse = lse.masked_fill(torch.isneginf(lse), 0)
+            grads.append(torch.autograd.grad((out, lse), (q, k, v), (grad_out, grad_lse)))
+        for op_grad, torch_grad in zip(*grads):
+            assert not torch.isnan(op_grad).any()
+            torch.testing.assert_close(op_grad, torch_grad, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_error_messages(monkeypatch):
+    q, k = torch.randn(1, 6, 4, 16), torch.randn(1, 4, 4, 16)
+    with pytest.raises(ValueError, match=r"fxshard.kernels.attention: q has 6 heads, k has 4; "
+                                         r"Hq must be a multiple of Hkv"):
+        attention(q, k, k)
+    with pytest.raises(ValueError, match=r"k has shape \(1, 4, 4, 16\), v has shape"):
+        attention(q, k, k[:, :, :3])
+    with pytest.raises(ValueError, match=r"mask has shape \(3, 4\), which does not broadcast"):
+        attention(q, k[:, :3], k[:, :3], mask=torch.ones(3, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"backend='bogus'"):
+        attention(q, k[:, :3], k[:, :3], backend="bogus")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k = torch.randn(1, 2, 4, 16), torch.randn(1, 1, 4, 16)
+    with pytest.raises(ValueError, match=r"set the environment variable TRITON_INTERPRET=1 .* "
+                                         r"or use backend='torch'"):
+        attention(q, k, k, backend="triton")
+    with pytest.raises(ValueError, match=r"backend='triton' does not take an explicit mask"):
+        attention(q, k, k, mask=torch.ones(4, 4, dtype=torch.bool), backend="triton")
+
+
+def test_triton_error_messages(triton_interpret):
+    q, k = torch.randn(1, 2, 4, 24), torch.randn(1, 1, 4, 24)
+    with pytest.raises(ValueError, match=r"head_dim is 24, but backend='triton' supports "
+                                         r"head_dim in \{16, 32, 64, 128, 256\}"):
+        attention(q, k, k, backend="triton")
+    q, k = q[..., :16].double(), k[..., :16].double()
+    with pytest.raises(ValueError, match=r"q has dtype torch.float64, but backend='triton'"):
+        attention(q, k, k, backend="triton")
+    q.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"backend='triton' is forward-only"):
+        attention(q.float(), k.float(), k.float(), backend="triton")
+
+
+# ---------------------------------------------------------------- benchmark report
+
+
+def _load_benchmark():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "attention.py"
+    spec = importlib.util.spec_from_file_location("fxshard_attention_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_report_on_fake_timings(tmp_path, capsys):
+    bench = _load_benchmark()
+    cases = bench.make_cases()
+    assert len(cases) == 20
+    assert {c["batch"] * c["heads"] * c["seq"] * c["head_dim"] for c in cases} == {2**25}
+    rows = []
+    for i, case in enumerate(cases):
+        row = dict(case, ours_ms=1.0 + i, flash_ms=2.0 + i, cudnn_ms=None, max_err=1e-3)
+        for name in ("ours", "flash", "cudnn"):
+            row[f"{name}_tflops"] = bench.tflops(case, row[f"{name}_ms"])
+        rows.append(row)
+    assert rows[0]["ours_tflops"] == pytest.approx(4 * 16 * 32 * 1024**2 * 64 / 1e-3 / 1e12)
+    table = bench.format_table(rows)
+    assert len(table.splitlines()) == 2 + len(rows)
+    assert "2.00" in table.splitlines()[2]
+    bench.write_json(tmp_path / "a.json", rows, bench.environment())
+    data = __import__("json").loads((tmp_path / "a.json").read_text())
+    assert data["results"] == rows and data["environment"]["dtype"] == "bfloat16"
+    if not torch.cuda.is_available():
+        assert bench.main(["--json", str(tmp_path / "b.json")]) == 0
+        assert "no CUDA GPU" in capsys.readouterr().out
+        assert not (tmp_path / "b.json").exists()
