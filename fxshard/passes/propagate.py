@@ -12,9 +12,9 @@ User inputs arrive whole (every rank is given the global input) and are sharded 
 gathered back to Replicate. Parameters get the placement their first consumer asks for
 (a plan override wins); the rest stay Replicate.
 
-One refinement runs until nothing changes: a column-parallel weight whose output every consumer
-immediately gathers back (e.g. K/V projections when ``tp`` exceeds the KV heads) is replicated
-instead, and the graph is propagated again.
+One refinement runs until nothing changes: a column-parallel weight whose output is gathered
+back before any row-parallel contraction uses the shard (e.g. K/V projections when ``tp``
+exceeds the KV heads) is replicated instead, and the graph is propagated again.
 
 Before (tp=2)::  linear(x, w_q) -> view [B,S,H,D] -> sdpa ... -> linear(a, w_o) -> add(res, .)
 After::          w_q: S(0) out S(2) -> S(2) -> S(1) ... w_o: S(1) out P -> add needs (R, R)
@@ -172,18 +172,25 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str]) -> dict:
     return auto_colwise
 
 
-def _gathered_right_away(node: fx.Node, tp: int) -> bool:
-    """Every consumer of ``node`` needs it replicated on mesh axis index ``tp``."""
-    users = list(node.users)
-    if not users or any(u.op == "output" for u in users):
-        return False  # the model's output is gathered anyway; the shard saves memory
-    for u in users:
-        ins = tensor_inputs(u)
-        needs = u.meta.get("fxshard_need") or []
-        for t, nd in zip(ins, needs):
-            if t is node and not isinstance(nd[tp], Replicate):
-                return False
-    return True
+def _gathered_before_use(node: fx.Node, tp: int, budget: int = 64) -> bool:
+    """Some path along which ``node``'s shard on mesh axis index ``tp`` flows reaches a
+    consumer that gathers it back (needs Replicate) before a row-parallel contraction turns
+    it into a partial sum. The model's output does not count: it is gathered anyway."""
+    frontier, seen = [node], {node}
+    while frontier and budget > 0:
+        cur = frontier.pop()
+        budget -= 1
+        for u in cur.users:
+            if u.op == "output":
+                continue
+            for t, nd in zip(tensor_inputs(u), u.meta.get("fxshard_need") or []):
+                if t is cur and isinstance(nd[tp], Replicate):
+                    return True
+            out = u.meta.get("fxshard_spec")
+            if isinstance(out, tuple) and isinstance(out[tp], Shard) and u not in seen:
+                seen.add(u)
+                frontier.append(u)
+    return False
 
 
 def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
@@ -194,12 +201,12 @@ def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
         auto_colwise = _run_once(gm, ctx, replicate)
         if tp is None or mesh.shape[tp] == 1:
             break
-        wasted = {fqn for fqn, lin in auto_colwise.items() if _gathered_right_away(lin, tp)}
+        wasted = {fqn for fqn, lin in auto_colwise.items() if _gathered_before_use(lin, tp)}
         if not wasted - replicate:
             break
         for fqn in sorted(wasted - replicate):
             ctx.report("propagate_pass", f"replicate {fqn} on tp: its column-parallel output "
-                                         f"would be gathered right away")
+                                         f"would be gathered before use")
         replicate |= wasted
     sharded = sum(1 for n in gm.graph.nodes
                   if isinstance(n.meta.get("fxshard_spec"), tuple)

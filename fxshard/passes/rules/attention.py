@@ -38,13 +38,16 @@ def sdpa_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     mask = a["attn_mask"]
     hq, hkv = ctx.shape(q)[1], ctx.shape(k)[1]
     batch = ctx.shape(q)[0]
+    if ctx.is_tp and hq % ctx.size:
+        raise ValueError(
+            f"fxshard.parallelize: attention {node.name} has {hq} query heads, which cannot be "
+            f"split over mesh axis {ctx.axis!r} of size {ctx.size} (mesh "
+            f"{ctx.mesh.describe()}). Use a {ctx.axis} size that divides {hq}.")
     anchor = None
     for p in ins[:3]:
         if isinstance(p, Shard) and p.dim in (0, 1):
             anchor = p.dim
             break
-    if ctx.is_tp and anchor is None and any(isinstance(p, Shard) and p.dim == 1 for p in ins):
-        anchor = 1
     if anchor is None:
         return Decision(ins=[R] * len(ins), out=R)
 
@@ -62,10 +65,7 @@ def sdpa_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         return Decision(ins=[Shard(0)] + kv + mask_need(0), out=Shard(0))
 
     if hq % ctx.size:
-        raise ValueError(
-            f"fxshard.parallelize: attention {node.name} has {hq} query heads, which cannot be "
-            f"split over mesh axis {ctx.axis!r} of size {ctx.size} (mesh "
-            f"{ctx.mesh.describe()}). Use a {ctx.axis} size that divides {hq}.")
+        return Decision(ins=[R] * len(ins), out=R)
     if hkv % ctx.size == 0:
         kv = [Shard(1), Shard(1)]
     elif ctx.size % hkv == 0 and hq % hkv == 0:

@@ -1,0 +1,194 @@
+"""The real backend: torch.distributed on a ``DeviceMesh`` (gloo on CPU, nccl on GPU).
+
+::
+
+    mesh = fxshard.init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))  # torchrun
+    with use_backend(backend_for(mesh)):
+        out = rank_module(x)          # torch.ops.fxshard.* run on the mesh's process groups
+
+Collectives are torch's functional collectives on ``device_mesh.get_group(axis)``, waited on
+before the op returns. ``send`` is an ``isend`` whose completion is checked later (so a ring
+where every rank sends before it receives cannot deadlock); ``recv`` is an ``irecv`` waited on
+at once; :meth:`DistributedBackend.flush` waits for the outstanding sends. Errors from
+torch.distributed (a peer died, a timeout) come back as a RuntimeError naming the fxshard op and
+the mesh axis, chained to the original.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+
+from fxshard.mesh import mesh_spec
+
+__all__ = ["DistributedBackend", "backend_for"]
+
+_WHERE = "fxshard.runtime.DistributedBackend"
+_MAX_PENDING_SENDS = 64
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+class DistributedBackend:
+    """Runs the ``fxshard::*`` ops of this process's rank on a torch ``DeviceMesh``."""
+
+    def __init__(self, device_mesh: DeviceMesh):
+        if not isinstance(device_mesh, DeviceMesh):
+            raise ValueError(f"{_WHERE}: expected a torch DeviceMesh (from "
+                             f"fxshard.init_device_mesh under torchrun), got "
+                             f"{type(device_mesh).__name__}")
+        self.device_mesh = device_mesh
+        self.mesh = mesh_spec(device_mesh, where=_WHERE)
+        coords = device_mesh.get_coordinate()
+        if coords is None:
+            raise ValueError(f"{_WHERE}: global rank {dist.get_rank()} is not part of the "
+                             f"DeviceMesh {self.mesh.describe()}; build the mesh on every rank "
+                             f"with all ranks in it")
+        self.coords = tuple(coords)
+        self.rank = self.mesh.rank_of(self.coords)
+        self.global_rank = dist.get_rank()
+        self._groups = {axis: device_mesh.get_group(axis) for axis in self.mesh.axis_names}
+        for axis, group in self._groups.items():
+            self._check_group_order(axis, group)
+        self._pending: list[tuple[dist.Work, torch.Tensor, str, int]] = []
+
+    def __repr__(self) -> str:
+        return f"DistributedBackend(rank {self.rank} {self._where()})"
+
+    def _where(self) -> str:
+        return "(" + ", ".join(f"{a}={c}" for a, c in zip(self.mesh.axis_names, self.coords)) + \
+            f") of {self.mesh.describe()}"
+
+    def _check_group_order(self, axis: str, group: dist.ProcessGroup) -> None:
+        """The ops rely on group rank == coordinate along the axis; check it once, locally."""
+        i = self.mesh.axis_names.index(axis)
+        index = list(self.coords)
+        along = []
+        for k in range(self.mesh.shape[i]):
+            index[i] = k
+            along.append(int(self.device_mesh.mesh[tuple(index)]))
+        if dist.get_process_group_ranks(group) != along:
+            raise ValueError(
+                f"{_WHERE}: the process group of mesh axis {axis!r} orders its ranks as "
+                f"{dist.get_process_group_ranks(group)}, not by coordinate {along}; build the "
+                f"mesh with fxshard.init_device_mesh (row-major ranks)")
+
+    # --- geometry ---------------------------------------------------------------------------
+
+    def axis_index(self, axis: str) -> int:
+        if axis not in self._groups:
+            return 0
+        return self.coords[self.mesh.axis_names.index(axis)]
+
+    def axis_size(self, axis: str) -> int:
+        return self.mesh.axis_size(axis)
+
+    def _group(self, op: str, axis: str) -> dist.ProcessGroup:
+        group = self._groups.get(axis)
+        if group is None:
+            raise ValueError(f"torch.ops.fxshard.{op}: mesh axis {axis!r} is not an axis of "
+                             f"{self.mesh.describe()}")
+        return group
+
+    def _call(self, op: str, axis: str, fn: Callable[[], torch.Tensor | None],
+              detail: str = "") -> torch.Tensor | None:
+        try:
+            return fn()
+        except Exception as exc:
+            raise RuntimeError(
+                f"torch.ops.fxshard.{op} on mesh axis {axis!r}{detail} failed on rank "
+                f"{self.rank} {self._where()}: {type(exc).__name__}: {exc}. A rank of the "
+                f"{axis!r} group probably exited, crashed or took longer than the process "
+                f"group's timeout (init_process_group(timeout=...)); check that rank's log."
+            ) from exc
+
+    # --- collectives ------------------------------------------------------------------------
+
+    def all_gather(self, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+        group = self._group("all_gather", axis)
+        return self._call("all_gather", axis, lambda: _wait(
+            funcol.all_gather_tensor(x.contiguous(), gather_dim=dim, group=group)))
+
+    def all_reduce(self, x: torch.Tensor, axis: str) -> torch.Tensor:
+        group = self._group("all_reduce", axis)
+        return self._call("all_reduce", axis, lambda: _wait(
+            funcol.all_reduce(x.contiguous(), "sum", group=group)))
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+        group = self._group("reduce_scatter", axis)
+        return self._call("reduce_scatter", axis, lambda: _wait(
+            funcol.reduce_scatter_tensor(x.contiguous(), "sum", scatter_dim=dim, group=group)
+        ).contiguous())
+
+    def all_to_all(self, x: torch.Tensor, split_dim: int, concat_dim: int,
+                   axis: str) -> torch.Tensor:
+        group = self._group("all_to_all", axis)
+        size = self.axis_size(axis)
+
+        def run() -> torch.Tensor:
+            # all_to_all_single splits and concatenates along dim 0: move split_dim there,
+            # then put each received block back in its layout and concatenate on concat_dim.
+            moved = x.movedim(split_dim, 0).contiguous()
+            out = _wait(funcol.all_to_all_single(moved, None, None, group=group))
+            blocks = [b.movedim(0, split_dim) for b in out.chunk(size, 0)]
+            return torch.cat(blocks, concat_dim)
+        return self._call("all_to_all", axis, run)
+
+    # --- point to point ---------------------------------------------------------------------
+
+    def send(self, x: torch.Tensor, axis: str, peer: int) -> None:
+        group = self._group("send", axis)
+        self._reap()
+        payload = x.detach().contiguous()
+        work = self._call("send", axis, lambda: dist.isend(payload, group=group, group_dst=peer),
+                          f" to coordinate {peer}")
+        self._pending.append((work, payload, axis, peer))
+
+    def recv(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device, axis: str,
+             peer: int) -> torch.Tensor:
+        group = self._group("recv", axis)
+        out = torch.empty(list(shape), dtype=dtype, device=device)
+
+        def run() -> torch.Tensor:
+            dist.irecv(out, group=group, group_src=peer).wait()
+            return out
+        return self._call("recv", axis, run, f" from coordinate {peer}")
+
+    def _reap(self) -> None:
+        """Drop finished sends; past a bound, wait for the oldest (surfacing its error)."""
+        still = []
+        for item in self._pending:
+            work, _, axis, peer = item
+            if work.is_completed():
+                self._call("send", axis, work.wait, f" to coordinate {peer}")
+            else:
+                still.append(item)
+        self._pending = still
+        while len(self._pending) >= _MAX_PENDING_SENDS:
+            work, _, axis, peer = self._pending.pop(0)
+            self._call("send", axis, work.wait, f" to coordinate {peer}")
+
+    def flush(self) -> None:
+        """Wait until every send issued so far has completed (raises on a failed send)."""
+        pending, self._pending = self._pending, []
+        for work, _, axis, peer in pending:
+            self._call("send", axis, work.wait, f" to coordinate {peer}")
+
+
+_BACKENDS: "weakref.WeakKeyDictionary[DeviceMesh, DistributedBackend]" = \
+    weakref.WeakKeyDictionary()
+"""Registry: one backend per mesh, so sends still in flight survive between forward passes."""
+
+
+def backend_for(device_mesh: DeviceMesh) -> DistributedBackend:
+    """The :class:`DistributedBackend` of this process on ``device_mesh`` (one per mesh)."""
+    backend = _BACKENDS.get(device_mesh)
+    if backend is None:
+        backend = _BACKENDS[device_mesh] = DistributedBackend(device_mesh)
+    return backend
