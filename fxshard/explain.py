@@ -17,6 +17,7 @@ from .placement import local_shape, short_spec
 __all__ = ["Explanation", "explain", "COLLECTIVES"]
 
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "local_shard",
+               "partial_from_replicate",
                "send", "recv")
 
 
@@ -44,7 +45,7 @@ class Explanation:
 
     def counts(self, rank: int = 0) -> Counter:
         """``{(op, axis): count}`` of rank ``rank``'s collectives (local slices excluded)."""
-        return Counter((c.op, c.axis) for c in self.collectives[rank] if c.op != "local_shard")
+        return Counter((c.op, c.axis) for c in self.collectives[rank] if c.op not in ("local_shard", "partial_from_replicate"))
 
     def __str__(self) -> str:
         lines = [f"fxshard plan on mesh {self.mesh} ({self.ranks} ranks)", ""]

@@ -9,10 +9,12 @@ from hypothesis import HealthCheck, settings
 
 settings.register_profile(
     "ci", max_examples=12, deadline=None, derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                           HealthCheck.filter_too_much],
 )
 settings.register_profile(
     "thorough", max_examples=200, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                           HealthCheck.filter_too_much],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -5,13 +5,18 @@ Every number is checked against ``reference_attention``: float64, scores materia
 repeated per query head, masked scores set to -inf, softmax per row, rows that see no key set
 to out = 0 and lse = -inf by hand.
 
-The Triton tests run the kernel in Triton's CPU interpreter: the module-scoped fixture
-``triton_interpret`` sets TRITON_INTERPRET=1 for them (the launcher reads the variable at call
-time, so it does not matter whether triton was imported before), and tests that need the
-variable unset remove it with ``monkeypatch``.
+The ``test_triton_interp_*`` tests run the kernel in Triton's CPU interpreter, which needs
+TRITON_INTERPRET=1 in the environment before triton is first imported. So, whatever else the
+session imported, ``test_triton_kernel_subprocess`` reruns them in a fresh
+``TRITON_INTERPRET=1 python -m pytest`` process, and in this process they skip (unless it was
+itself started with TRITON_INTERPRET=1, which is what the subprocess is).
 """
 import importlib.util
 import math
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,12 +107,34 @@ def options(case):
     return {name: case[name] for name in ("causal", "scale", "q_offset", "kv_offset")}
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
 @pytest.fixture(scope="module")
 def triton_interpret():
+    """Skip unless this process runs Triton in the interpreter (see the module docstring)."""
     pytest.importorskip("triton")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        yield
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs in the TRITON_INTERPRET=1 subprocess of test_triton_kernel_subprocess")
+    from fxshard.kernels.triton_attention import interpreting
+    assert interpreting(), "TRITON_INTERPRET=1 was set after triton was imported"
+
+
+def test_triton_kernel_subprocess():
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("this process already interprets Triton; the interpreter tests run here")
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=pythonpath)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-o", "addopts=", "-q", "-p",
+         "no:cacheprovider", "-k", "triton_interp"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    report = proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, report
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert re.search(r"\b5 passed\b", summary) and re.search(r"\b2 xfailed\b", summary), report
+    assert "failed" not in summary.replace("xfailed", "") and "skipped" not in summary, report
 
 
 # ---------------------------------------------------------------- torch backend
@@ -152,7 +179,7 @@ def test_torch_backend_is_differentiable_without_nan():
 
 @given(attention_cases(head_dims=[16, 32], max_len=48, masks=False, max_offset=64),
        st.sampled_from([16, 32]), st.sampled_from([16, 32]))
-def test_triton_interpreter_matches_reference(triton_interpret, case, block_m, block_n):
+def test_triton_interp_matches_reference(triton_interpret, case, block_m, block_n):
     from fxshard.kernels.triton_attention import attention_fwd
 
     q, k, v, _ = make_inputs(case)
@@ -164,9 +191,16 @@ def test_triton_interpreter_matches_reference(triton_interpret, case, block_m, b
     assert_matches(out, lse, ref_out, ref_lse, tol=1e-4)
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float16, 2e-3), (torch.bfloat16, 1.5e-2)])
+BF16_DOT_BUG = pytest.mark.xfail(
+    strict=True, reason="Triton's interpreter multiplies the raw bit patterns of bfloat16 tl.dot "
+                        "operands (triton-lang/triton#11584, unsupported upstream); bf16 is "
+                        "checked on the GPU by benchmarks/attention.py")
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float16, 2e-3),
+                                        pytest.param(torch.bfloat16, 1.5e-2, marks=BF16_DOT_BUG)])
 @pytest.mark.parametrize("causal, q_offset, kv_offset", [(False, 0, 0), (True, 8, 20)])
-def test_triton_interpreter_low_precision(triton_interpret, dtype, tol, causal, q_offset,
+def test_triton_interp_low_precision(triton_interpret, dtype, tol, causal, q_offset,
                                           kv_offset):
     case = {"batch": 1, "heads_q": 4, "heads_kv": 2, "seq_q": 40, "seq_kv": 37, "head_dim": 32,
             "mask": "none", "seed": 7}
@@ -178,7 +212,7 @@ def test_triton_interpreter_low_precision(triton_interpret, dtype, tol, causal, 
     assert_matches(out, lse, ref_out, ref_lse, tol=tol)
 
 
-def test_triton_interpreter_non_contiguous_and_default_blocks(triton_interpret):
+def test_triton_interp_non_contiguous_and_default_blocks(triton_interpret):
     q = torch.randn(2, 50, 4, 64).transpose(1, 2)
     k = torch.randn(2, 33, 2, 64).transpose(1, 2)
     v = torch.randn(2, 2, 33, 64)
@@ -188,7 +222,7 @@ def test_triton_interpreter_non_contiguous_and_default_blocks(triton_interpret):
     assert_matches(out, lse, ref_out, ref_lse, tol=1e-4)
 
 
-def test_triton_interpreter_merge_of_chunks(triton_interpret):
+def test_triton_interp_merge_of_chunks(triton_interpret):
     q = torch.randn(1, 2, 24, 16)
     k, v = torch.randn(1, 1, 40, 16), torch.randn(1, 1, 40, 16)
     parts = [attention(q, k[:, :, a:b], v[:, :, a:b], causal=True, q_offset=16, kv_offset=a,
@@ -314,7 +348,8 @@ def test_error_messages(monkeypatch):
         attention(q, k, k, mask=torch.ones(4, 4, dtype=torch.bool), backend="triton")
 
 
-def test_triton_error_messages(triton_interpret):
+def test_triton_error_messages(monkeypatch):
+    triton_attention = pytest.importorskip("fxshard.kernels.triton_attention")
     q, k = torch.randn(1, 2, 4, 24), torch.randn(1, 1, 4, 24)
     with pytest.raises(ValueError, match=r"head_dim is 24, but backend='triton' supports "
                                          r"head_dim in \{16, 32, 64, 128, 256\}"):
@@ -325,6 +360,11 @@ def test_triton_error_messages(triton_interpret):
     q.requires_grad_(True)
     with pytest.raises(ValueError, match=r"backend='triton' is forward-only"):
         attention(q.float(), k.float(), k.float(), backend="triton")
+    if not triton_attention.interpreting():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        with pytest.raises(ValueError, match=r"TRITON_INTERPRET=1 is set, but triton was "
+                                             r"imported before it was"):
+            attention(q.float().detach(), k.float(), k.float(), backend="triton")
 
 
 # ---------------------------------------------------------------- benchmark report

@@ -24,7 +24,8 @@ def meshes(draw):
 
 
 def placements(ndim, *, partial=True):
-    opts = [Replicate()] + [Shard(d) for d in range(ndim)] + ([Partial()] if partial else [])
+    """Shards and partials drawn more often than Replicate: they are what rules get wrong."""
+    opts = [Shard(d) for d in range(ndim)] + ([Partial()] * 2 if partial else []) + [Replicate()]
     return st.sampled_from(opts)
 
 
@@ -32,67 +33,73 @@ def specs(draw, mesh, ndim, partial=False):
     return tuple(draw(placements(ndim, partial=partial)) for _ in mesh.shape)
 
 
-def check(fn, inputs, mesh, in_specs, *, tol=1e-5):
-    """Run sharded; compare every output block. Inputs are given as their blocks."""
-    for x, s in zip(inputs, in_specs):
+def fit(shape, spec, mesh):
+    """``spec`` with the shards that do not divide ``shape`` evenly replaced by Replicate."""
+    out = list(spec)
+    for i in range(len(out)):
         try:
-            local_shape(x.shape, s, mesh)
+            local_shape(shape, tuple(out[: i + 1]) + (Replicate(),) * (len(out) - i - 1), mesh)
         except ValueError:
-            assume(False)
+            out[i] = Replicate()
+    return tuple(out)
+
+
+def check(fn, inputs, mesh, in_specs, *, tol=1e-5):
+    """Run sharded; compare every output block with the slice of the global result."""
+    in_specs = [fit(x.shape, s, mesh) for x, s in zip(inputs, in_specs)]
     want = fn(*inputs)
     wants = list(want) if isinstance(want, (tuple, list)) else [want]
     try:
         outs, out_specs, _ = run_sharded(fn, inputs, mesh, in_specs)
     except ValueError as e:
-        # only a dim that does not split evenly may refuse, and the message must say so
-        msg = str(e)
-        assert "does not divide" in msg or "cannot be split" in msg, msg
+        # the inputs divide evenly, so a rule may only refuse heads it cannot split
+        assert "cannot be split" in str(e) or "neither split nor replicated" in str(e), e
         assume(False)
         return
     for k, w in enumerate(wants):
         assemble_check(w, [o[k] for o in outs], out_specs[k], mesh, rtol=tol, atol=tol)
 
 
-dims = st.integers(1, 6)
+dims = st.sampled_from([1, 2, 3, 4, 5, 6, 12])
 
 
-@given(st.data())
-def test_pointwise_broadcast(data):
+@pytest.mark.parametrize("op", ["add", "mul", "silu_mul", "div", "scalar_add", "neg_sub"])
+@given(data=st.data())
+def test_pointwise_broadcast(op, data):
     mesh = data.draw(meshes())
     b, s, h = data.draw(dims), data.draw(dims), data.draw(dims)
     x = torch.randn(b, s, h)
     y = torch.randn(*data.draw(st.sampled_from([(h,), (1, s, 1), (b, s, h), (s, 1)])))
     sx = specs(data.draw, mesh, 3, partial=True)
     sy = specs(data.draw, mesh, y.dim(), partial=True)
-    op = data.draw(st.sampled_from(["add", "mul", "silu_mul", "div", "scalar_add", "neg_sub"]))
     fns = {"add": lambda a, c: a + c, "mul": lambda a, c: a * c,
            "silu_mul": lambda a, c: F.silu(a) * c, "div": lambda a, c: a / (c.abs() + 1),
            "scalar_add": lambda a, c: (a + 1.0) * c, "neg_sub": lambda a, c: -a - c}
     check(fns[op], (x, y), mesh, [sx, sy])
 
 
-@given(st.data())
-def test_reductions(data):
+@pytest.mark.parametrize("op", ["sum", "mean", "amax", "softmax", "rms"])
+@given(data=st.data())
+def test_reductions(op, data):
     mesh = data.draw(meshes())
     x = torch.randn(data.draw(dims), data.draw(dims), data.draw(dims))
     sx = specs(data.draw, mesh, 3, partial=True)
     dim = data.draw(st.integers(-3, 2))
     keep = data.draw(st.booleans())
-    op = data.draw(st.sampled_from(["sum", "mean", "amax", "softmax", "rms"]))
     fns = {"sum": lambda a: a.sum(dim, keepdim=keep), "mean": lambda a: a.mean(dim, keepdim=keep),
            "amax": lambda a: a.amax(dim, keepdim=keep), "softmax": lambda a: a.softmax(dim),
            "rms": lambda a: a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6)}
     check(fns[op], (x,), mesh, [sx])
 
 
-@given(st.data())
-def test_views(data):
+@pytest.mark.parametrize("op", ["heads", "heads_back", "permute", "unsqueeze_expand", "slice",
+                                "cat", "split", "flatten"])
+@given(data=st.data())
+def test_views(op, data):
     mesh = data.draw(meshes())
     b, s, hh, d = (data.draw(st.integers(1, 4)) for _ in range(4))
     x = torch.randn(b, s, hh * d)
     sx = specs(data.draw, mesh, 3, partial=True)
-    op = data.draw(st.sampled_from(["heads", "heads_back", "permute", "unsqueeze_expand",
-                                    "slice", "cat", "split", "flatten"]))
     fns = {
         "heads": lambda a: a.view(b, s, hh, d).transpose(1, 2),
         "heads_back": lambda a: a.view(b, s, hh, d).transpose(1, 2).transpose(1, 2)
@@ -107,12 +114,12 @@ def test_views(data):
     check(fns[op], (x,), mesh, [sx])
 
 
-@given(st.data())
-def test_linear_and_matmul(data):
+@pytest.mark.parametrize("op", ["linear", "linear_bias", "matmul", "bmm"])
+@given(data=st.data())
+def test_linear_and_matmul(op, data):
     mesh = data.draw(meshes())
     b, s, k, n = (data.draw(dims) for _ in range(4))
     x, w, bias = torch.randn(b, s, k), torch.randn(n, k), torch.randn(n)
-    op = data.draw(st.sampled_from(["linear", "linear_bias", "matmul", "bmm"]))
     sx = specs(data.draw, mesh, 3, partial=True)
     sw = specs(data.draw, mesh, 2)
     if op == "linear":

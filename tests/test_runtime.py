@@ -451,7 +451,7 @@ def test_identical_recvs_are_not_merged_under_compile():
             return ops.recv([2], torch.float32, torch.device("cpu"), "pp", 0)
         return compiled(torch.ones(2))
 
-    with SimulatedWorld(mesh, timeout=60) as world:
+    with SimulatedWorld(mesh, timeout=20) as world:
         out0, out1 = world.run(program)
     # rank 0 runs three recvs: the unused one takes 1.0, then a=5.0, b=2.0. Merged recvs would
     # return 0 and leave messages unreceived (an error at the end of run).

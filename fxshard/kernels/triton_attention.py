@@ -18,28 +18,26 @@ parallelism:
 Scores are scaled by ``scale * log2(e)`` so the softmax uses ``exp2``; the stored ``lse`` is
 converted back to natural log.
 
-The kernel is a single ``@triton.jit`` function (no jit helpers), so the launcher can pick the
-compiled or the interpreted version of it at call time from ``TRITON_INTERPRET``, whatever the
-variable was when this module was imported.
+On CPU tensors the kernel runs in Triton's interpreter. That needs ``TRITON_INTERPRET=1`` in
+the environment *before triton is first imported* (Triton makes its jit functions, ``tl.zeros``
+and ``tl.max`` included, interpreted or compiled at import time); the launcher checks this and
+says so instead of failing inside Triton.
 
 Shape legend: B batch, Hq query heads, Hkv key/value heads, Sq query length, Skv key/value
 length, D head dim; ``q_BHSD`` is ``[B, Hq, Sq, D]``, ``k_BHSD``/``v_BHSD`` are
 ``[B, Hkv, Skv, D]``, ``lse_BHS`` is ``[B, Hq, Sq]``.
 """
-import functools
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
-from triton.runtime.jit import JITFunction
 
 __all__ = ["HEAD_DIMS", "attention_fwd", "interpreting"]
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
-_SMEM_BUDGET = 160 * 1024
 
 
 @triton.jit
@@ -131,41 +129,25 @@ def _attn_fwd(Q, K, V, Out, Lse,
 
 
 def interpreting() -> bool:
-    """Whether ``TRITON_INTERPRET`` asks for Triton's CPU interpreter right now."""
-    return bool(triton.knobs.runtime.interpret)
+    """Whether this process runs Triton kernels in the CPU interpreter.
+
+    Triton decides at import time (its own jit functions such as ``tl.zeros`` and ``tl.max``
+    become interpreted or compiled ones), so ``TRITON_INTERPRET=1`` must be in the environment
+    before triton is first imported.
+    """
+    return isinstance(_attn_fwd, InterpretedFunction) and isinstance(tl.zeros,
+                                                                       InterpretedFunction)
 
 
-@functools.cache
-def _kernel(interpret: bool):
-    """``_attn_fwd`` as an interpreted or compiled function, whichever ``interpret`` asks for."""
-    if interpret == isinstance(_attn_fwd, InterpretedFunction):
-        return _attn_fwd
-    return InterpretedFunction(_attn_fwd.fn) if interpret else JITFunction(_attn_fwd.fn)
-
-
-def _default_config(head_dim: int, itemsize: int, interpret: bool):
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)``: small blocks for the interpreter, H100/H200
-    sized ones on the GPU, shrunk until Q plus the pipelined K/V tiles fit in shared memory."""
-    if interpret:
-        return 16, 16, 4, 1
-    if head_dim <= 64:
-        block_m, block_n, num_warps, num_stages = 128, 64, 4, 3
-    elif head_dim == 128:
-        block_m, block_n, num_warps, num_stages = 128, 64, 8, 3
-    else:
-        block_m, block_n, num_warps, num_stages = 64, 32, 4, 2
-
-    def smem(bm, bn, stages):
-        return (bm * head_dim + 2 * stages * bn * head_dim) * itemsize
-
-    while smem(block_m, block_n, num_stages) > _SMEM_BUDGET:
-        if num_stages > 2:
-            num_stages -= 1
-        elif block_n > 16:
-            block_n //= 2
-        else:
-            block_m //= 2
-    return block_m, block_n, num_warps, num_stages
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) by head dim, for 2-byte and 4-byte inputs. Chosen
+# for H100/H200 (sm_90): each compiles without register spills and fits shared memory.
+_GPU_CONFIGS = {
+    2: {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3),
+        256: (64, 32, 4, 2)},
+    4: {16: (64, 32, 8, 2), 32: (64, 32, 8, 2), 64: (64, 32, 8, 2), 128: (64, 16, 8, 2),
+        256: (64, 16, 8, 2)},
+}
+_INTERPRETER_CONFIG = (16, 16, 4, 1)
 
 
 def _check_block(name: str, value: int) -> None:
@@ -180,16 +162,10 @@ def attention_fwd(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tens
                   num_warps: int | None = None, num_stages: int | None = None):
     """Launch ``_attn_fwd``; returns ``(out_BHSD, lse_BHS)``.
 
-    Generic shape checks (ranks, GQA divisibility, dtypes agreeing) are done by
+    Generic checks (ranks, GQA divisibility, dtypes and devices agreeing) are done by
     ``fxshard.kernels.attention`` before this; here are the kernel's own host-side checks.
-    Block sizes and launch options default to :func:`_default_config`.
+    Launch options default to ``_GPU_CONFIGS`` (``_INTERPRETER_CONFIG`` in the interpreter).
     """
-    interpret = interpreting()
-    if q_BHSD.device.type != "cuda" and not interpret:
-        raise ValueError(
-            f"fxshard.kernels.attention: backend='triton' got tensors on {q_BHSD.device}, but the "
-            f"Triton kernel runs on CUDA only; set the environment variable TRITON_INTERPRET=1 to "
-            f"run it in Triton's CPU interpreter (slow, for tests), or use backend='torch'.")
     head_dim_q, head_dim_k, head_dim_v = q_BHSD.shape[-1], k_BHSD.shape[-1], v_BHSD.shape[-1]
     assert head_dim_q == head_dim_k == head_dim_v
     if head_dim_k not in HEAD_DIMS:
@@ -202,9 +178,21 @@ def attention_fwd(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tens
             f"fxshard.kernels.attention: q has dtype {q_BHSD.dtype}, but backend='triton' supports "
             f"torch.float16, torch.bfloat16 and torch.float32; cast the inputs or use "
             f"backend='torch'.")
-    batch, heads_q, seq_q, _ = q_BHSD.shape
-    heads_kv, seq_kv = k_BHSD.shape[1], k_BHSD.shape[2]
-    config = _default_config(head_dim_k, q_BHSD.element_size(), interpret)
+    interpret = interpreting()
+    if q_BHSD.device.type != "cuda" and not triton.knobs.runtime.interpret:
+        raise ValueError(
+            f"fxshard.kernels.attention: backend='triton' got tensors on {q_BHSD.device}, but the "
+            f"Triton kernel runs on CUDA only; set the environment variable TRITON_INTERPRET=1 "
+            f"(before triton is first imported) to run it in Triton's CPU interpreter (slow, for "
+            f"tests), or use backend='torch'.")
+    if q_BHSD.device.type != "cuda" and not interpret:
+        raise ValueError(
+            "fxshard.kernels.attention: TRITON_INTERPRET=1 is set, but triton was imported "
+            "before it was, so Triton built its functions for the GPU; set TRITON_INTERPRET=1 "
+            "in the environment before the process first imports triton, or use "
+            "backend='torch'.")
+    config = (_INTERPRETER_CONFIG if interpret
+              else _GPU_CONFIGS[q_BHSD.element_size()][head_dim_k])
     block_m = config[0] if block_m is None else block_m
     block_n = config[1] if block_n is None else block_n
     num_warps = config[2] if num_warps is None else num_warps
@@ -212,13 +200,15 @@ def attention_fwd(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tens
     _check_block("block_m", block_m)
     _check_block("block_n", block_n)
 
+    batch, heads_q, seq_q, _ = q_BHSD.shape
+    heads_kv, seq_kv = k_BHSD.shape[1], k_BHSD.shape[2]
     out_BHSD = torch.empty(q_BHSD.shape, dtype=q_BHSD.dtype, device=q_BHSD.device)
     lse_BHS = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=q_BHSD.device)
     if out_BHSD.numel() == 0:
         return out_BHSD, lse_BHS
     grid = (triton.cdiv(seq_q, block_m), batch * heads_q, 1)
     precision = "ieee" if q_BHSD.dtype == torch.float32 else "tf32"
-    _kernel(interpret)[grid](
+    _attn_fwd[grid](
         q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse_BHS,
         *q_BHSD.stride(), *k_BHSD.stride(), *v_BHSD.stride(), *out_BHSD.stride(),
         *lse_BHS.stride(),
@@ -227,4 +217,3 @@ def attention_fwd(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tens
         HEAD_DIM=head_dim_k, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal),
         INPUT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
     return out_BHSD, lse_BHS
-

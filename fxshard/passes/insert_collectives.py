@@ -30,7 +30,8 @@ __all__ = ["insert_collectives_pass", "collective_target"]
 
 
 def collective_target(op: str):
-    import fxshard.runtime.ops  # noqa: F401  (registers torch.ops.fxshard.*)
+    import fxshard.runtime.local_ops  # noqa: F401  (registers the local fxshard ops)
+    import fxshard.runtime.ops  # noqa: F401  (registers the collectives)
     return getattr(torch.ops.fxshard, op).default
 
 

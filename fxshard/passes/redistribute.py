@@ -7,6 +7,7 @@ Per mesh axis::
     P    -> S(d)   reduce_scatter(dim=d)
     S(a) -> S(b)   all_to_all(split_dim=b, concat_dim=a)
     R    -> S(d)   local_shard(dim=d)            (no communication)
+    R    -> P      partial_from_replicate        (coordinate 0 keeps it, the others zeros)
 
 Several axes change one at a time. Shards of one dim by several axes nest in mesh order, so an
 outer axis may only be gathered (or sliced) while no inner axis shards that dim: gathers run
@@ -43,6 +44,8 @@ def _touches(p, dim) -> bool:
 def plan_redistribution(src: tuple, dst: tuple, mesh: MeshSpec) -> list[Step]:
     """Steps that turn a tensor laid out as ``src`` into ``dst`` (both one placement per axis)."""
     axes = [i for i, n in enumerate(mesh.shape) if n > 1]
+    src = tuple(p if n > 1 else R for p, n in zip(src, mesh.shape))  # size-1 axes are off
+    dst = tuple(p if n > 1 else R for p, n in zip(dst, mesh.shape))
     cur = list(src)
     changing = [i for i in axes if src[i] != dst[i]]
     if not changing:
@@ -85,8 +88,7 @@ def plan_redistribution(src: tuple, dst: tuple, mesh: MeshSpec) -> list[Step]:
         if isinstance(t, Shard):
             emit("local_shard", i, (t.dim,), t)
         else:
-            raise NotImplementedError(
-                f"fxshard: redistributing Replicate to {t} on mesh axis "
-                f"{mesh.axis_names[i]!r} is not supported")
+            assert isinstance(t, Partial), t
+            emit("partial_from_replicate", i, (), t)
     assert tuple(cur) == tuple(dst), (src, dst, cur)
     return steps

@@ -18,7 +18,8 @@ than ``timeout`` raises a TimeoutError naming itself, the op, the axis and the m
 
 Each collective is two rendezvous: *arrive* (all inputs present; each rank then computes its
 own result from them, in parallel, outside the lock) and *depart* (no rank reads the inputs any
-more, so their owners may go on). Results are fresh tensors, never views of another rank's.
+more, so their owners may go on). ``all_reduce`` instead has the last rank to arrive sum once
+and every rank copy the sum. Results are fresh tensors, never views of another rank's.
 """
 from __future__ import annotations
 
@@ -84,6 +85,7 @@ class _Slot:
     inputs: list[torch.Tensor | None]
     arrived: list[int] = field(default_factory=list)
     departed: int = 0
+    result: torch.Tensor | None = None
 
 
 @dataclass
@@ -241,9 +243,10 @@ class SimulatedWorld:
                 box.cond.notify_all()
 
     def _rank_error(self, rank: int, exc: BaseException) -> BaseException:
+        prefix = f"SimulatedWorld {self.mesh.describe()}: "
         who = "the caller of run()" if rank < 0 else self.describe_rank(rank)
-        msg = (f"SimulatedWorld {self.mesh.describe()}: {who} raised "
-               f"{type(exc).__name__}: {exc}")
+        msg = str(exc) if str(exc).startswith(prefix) else \
+            f"{prefix}{who} raised {type(exc).__name__}: {exc}"
         return type(exc)(msg) if type(exc) in _SAME_TYPE else RuntimeError(msg)
 
     def _check_mailboxes_drained(self) -> None:
@@ -286,8 +289,12 @@ class SimulatedWorld:
     # --- collectives ------------------------------------------------------------------------
 
     def _collective(self, backend: "SimulatedBackend", sig: _Signature, axis: str,
-                    x: torch.Tensor,
-                    compute: Callable[[list[torch.Tensor], int], torch.Tensor]) -> torch.Tensor:
+                    x: torch.Tensor, compute: Callable[[list[torch.Tensor], int], torch.Tensor],
+                    *, shared: bool = False) -> torch.Tensor:
+        """Rendezvous of ``backend``'s rank with its ``axis`` group; ``compute(inputs, index)``
+        makes this rank's result from the inputs in coordinate order. ``shared``: the last rank
+        to arrive computes one result (``index`` -1) that every rank copies (all_reduce: n-1
+        additions in all instead of n-1 per rank)."""
         rank, group = backend.rank, backend.group(axis)
         index = group.index(rank)
         seq = backend.next_seq(axis)
@@ -322,11 +329,21 @@ class SimulatedWorld:
                         f"programs diverged.")
             slot.inputs[index] = x
             slot.arrived.append(rank)
-            if len(slot.arrived) == len(group):
+            last = len(slot.arrived) == len(group)
+            if last and not shared:
                 slot.cond.notify_all()
-            else:
-                self._wait(slot.cond, lambda: len(slot.arrived) == len(group), deadline,
-                           what("for the other ranks to arrive"), rank)
+            elif not last:
+                done = ((lambda: slot.result is not None) if shared
+                        else (lambda: len(slot.arrived) == len(group)))
+                self._wait(slot.cond, done, deadline, what("for the other ranks to arrive"), rank)
+        if shared:
+            if last:
+                result = compute(slot.inputs, -1)
+                with self._lock:
+                    slot.result, slot.inputs = result, []
+                    del self._slots[key]
+                    slot.cond.notify_all()
+            return slot.result.clone(memory_format=torch.contiguous_format)
         out = compute(slot.inputs, index)
         with self._lock:
             slot.departed += 1
@@ -419,7 +436,7 @@ class SimulatedBackend:
 
     def all_reduce(self, x: torch.Tensor, axis: str) -> torch.Tensor:
         return self.world._collective(self, self._sig("all_reduce", x), axis, x,
-                                      lambda xs, i: _sum(xs))
+                                      lambda xs, i: _sum(xs), shared=True)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
         def compute(xs: list[torch.Tensor], i: int) -> torch.Tensor:

@@ -1,0 +1,227 @@
+"""The runtime on real torch.distributed process groups (gloo, 4 CPU processes, one launch).
+
+One launch of 4 spawned workers runs every check (starting processes and gloo is the slow part);
+each worker writes a JSON report and the tests below read them:
+
+1. ``init_device_mesh`` with a shape that does not match the world size raises ValueError
+   before any collective;
+2. every collective on both axes of a (dp=2, tp=2) mesh, on every rank, equals a reference
+   computed locally by a loop over mesh coordinates (every rank can rebuild every rank's input);
+3. send/recv where every rank sends before it receives (a swap along each axis);
+4. rank 3 exits; rank 2's all_reduce with it on ``tp`` fails at once (gloo sees the closed
+   connection) with an error naming the op and the axis, while ranks 0 and 1 (the other tp
+   group) are unaffected;
+5. rank 1 stays alive but skips a collective; rank 0's all_reduce fails after the process
+   group's timeout (``GLOO_TIMEOUT_S``), again naming op and axis.
+"""
+import datetime
+import json
+import os
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+
+LAUNCH_TIMEOUT_S = 120
+GLOO_TIMEOUT_S = 5
+WORLD = 4
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_input(rank: int, shape, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def _coords(rank: int) -> tuple[int, int]:
+    return divmod(rank, 2)  # (dp, tp), row-major
+
+
+def _group(rank: int, axis: str) -> list[int]:
+    """Reference group along ``axis``: ranks equal to ``rank`` in the other coordinate."""
+    dp, tp = _coords(rank)
+    return [2 * k + tp for k in range(2)] if axis == "dp" else [2 * dp + k for k in range(2)]
+
+
+def _check_collectives(rank: int) -> list[str]:
+    ops = torch.ops.fxshard
+    failures = []
+    for axis in ("dp", "tp"):
+        members = _group(rank, axis)
+        k = members.index(rank)
+        for dim, other in ((0, 1), (1, 0), (1, 1), (2, 0)):
+            shape = [4, 6, 2]
+            xs = {q: _rank_input(q * 10 + dim, shape) for q in members}
+            x = xs[rank]
+            total = xs[members[0]] + xs[members[1]]
+            checks = {
+                "all_gather": (ops.all_gather(x, dim, axis, 2),
+                               torch.cat([xs[q] for q in members], dim)),
+                "all_reduce": (ops.all_reduce(x, axis, 2), total),
+                "reduce_scatter": (ops.reduce_scatter(x, dim, axis, 2),
+                                   torch.chunk(total, 2, dim)[k]),
+                "all_to_all": (ops.all_to_all(x, dim, other, axis, 2),
+                               torch.cat([torch.chunk(xs[q], 2, dim)[k] for q in members], other)),
+                "local_shard": (ops.local_shard(x, dim, axis, 2), torch.chunk(x, 2, dim)[k]),
+            }
+            for name, (got, want) in checks.items():
+                if got.shape != want.shape or not torch.allclose(got, want, atol=1e-6):
+                    failures.append(f"rank {rank}: {name} on {axis} dim={dim} other={other}: "
+                                    f"got {list(got.shape)}, want {list(want.shape)}")
+    ints = ops.all_reduce(torch.full((3,), rank, dtype=torch.int64), "tp", 2)
+    if ints.tolist() != [sum(_group(rank, "tp"))] * 3:
+        failures.append(f"rank {rank}: int64 all_reduce gave {ints.tolist()}")
+    return failures
+
+
+def _check_send_recv(rank: int) -> list[str]:
+    from fxshard.runtime import current_backend
+    ops = torch.ops.fxshard
+    backend = current_backend()
+    failures = []
+    for axis in ("dp", "tp"):
+        me = backend.axis_index(axis)
+        peer = 1 - me
+        ops.send(torch.full((2, 3), float(rank)), axis, peer)  # both send first
+        ops.send(torch.full((5,), rank + 0.5), axis, peer)
+        a = ops.recv([2, 3], torch.float32, torch.device("cpu"), axis, peer)
+        b = ops.recv([5], torch.float32, torch.device("cpu"), axis, peer)
+        other = _group(rank, axis)[peer]
+        if not (torch.equal(a, torch.full((2, 3), float(other)))
+                and torch.equal(b, torch.full((5,), other + 0.5))):
+            failures.append(f"rank {rank}: send/recv on {axis} got {a.flatten()[0]}, "
+                            f"{b.flatten()[0]} from rank {other}")
+    backend.flush()
+    return failures
+
+
+def _timed_all_reduce(backend) -> tuple[str, float]:
+    from fxshard.runtime import use_backend
+    start = time.monotonic()
+    try:
+        with use_backend(backend):
+            torch.ops.fxshard.all_reduce(torch.ones(4), "tp", 2)
+        outcome = "ok"
+    except RuntimeError as exc:
+        outcome = f"RuntimeError: {exc}"
+    return outcome, time.monotonic() - start
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    report = {"rank": rank, "errors": []}
+
+    def write() -> None:
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+
+    try:
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=WORLD,
+                                timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
+        from fxshard.mesh import init_device_mesh
+        from fxshard.runtime import use_backend
+        from fxshard.runtime.distributed import backend_for
+
+        try:
+            init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+            report["mismatch"] = "no error"
+        except ValueError as exc:
+            report["mismatch"] = f"ValueError: {exc}"
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        backend = backend_for(mesh)
+        report["geometry"] = [backend.rank, backend.axis_index("dp"), backend.axis_index("tp"),
+                              backend.axis_size("tp"), backend.axis_size("pp"),
+                              backend_for(mesh) is backend]
+        with use_backend(backend):
+            report["errors"] += _check_collectives(rank)
+            report["errors"] += _check_send_recv(rank)
+        report["checks_done"] = True
+        dist.barrier()
+
+        if rank == 3:
+            write()
+            os._exit(0)  # dies without goodbye: sockets close, no destroy_process_group
+        time.sleep(0.5)
+        report["after_exit"], report["after_exit_s"] = _timed_all_reduce(backend)
+        if rank == 0:  # rank 1 is alive but never joins: gloo's timeout must end the wait
+            report["stuck_peer"], report["stuck_peer_s"] = _timed_all_reduce(backend)
+        if rank == 1:
+            time.sleep(GLOO_TIMEOUT_S + 3)
+    except BaseException:
+        report["errors"].append(traceback.format_exc())
+    write()
+    os._exit(0)  # skip process-group teardown, which may wait on the dead rank
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    try:
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_gloo_available()):
+            pytest.skip("torch.distributed with the gloo backend is not available in this build")
+    except ImportError as exc:
+        pytest.skip(f"torch.distributed is not importable: {exc}")
+    import torch.multiprocessing as mp
+
+    out_dir = str(tmp_path_factory.mktemp("gloo"))
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, out_dir), daemon=True)
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    out = {}
+    for r in range(WORLD):
+        path = os.path.join(out_dir, f"rank{r}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                out[r] = json.load(f)
+    assert not hung, f"ranks {hung} were still running after {LAUNCH_TIMEOUT_S} s; reports: {out}"
+    assert sorted(out) == list(range(WORLD)), f"missing reports: {out}"
+    return out
+
+
+def test_world_size_mismatch_raises_before_any_collective(reports):
+    for r, rep in reports.items():
+        assert rep["mismatch"].startswith("ValueError"), rep
+        assert "world size 4" in rep["mismatch"], rep
+
+
+def test_collectives_and_send_recv_on_gloo(reports):
+    for r, rep in reports.items():
+        assert rep.get("checks_done"), f"rank {r} did not finish: {rep['errors']}"
+        assert rep["errors"] == [], f"rank {r}: {rep['errors']}"
+        dp, tp = _coords(r)
+        assert rep["geometry"] == [r, dp, tp, 2, 1, True]
+
+
+def test_dead_peer_fails_collective_naming_op_and_axis(reports):
+    assert reports[0]["after_exit"] == "ok" and reports[1]["after_exit"] == "ok"
+    text = reports[2]["after_exit"]
+    assert text.startswith("RuntimeError"), text
+    assert "fxshard.all_reduce" in text and "'tp'" in text, text
+    assert reports[2]["after_exit_s"] < GLOO_TIMEOUT_S + 5, reports[2]
+
+
+def test_stuck_peer_times_out_naming_op_and_axis(reports):
+    text = reports[0]["stuck_peer"]
+    assert text.startswith("RuntimeError"), text
+    assert "fxshard.all_reduce" in text and "'tp'" in text, text
+    assert GLOO_TIMEOUT_S - 1 < reports[0]["stuck_peer_s"] < GLOO_TIMEOUT_S + 5, reports[0]
