@@ -126,8 +126,10 @@ def collectives_of(graph, mesh) -> list[CollectiveInfo]:
 def explain(pm, compiled) -> Explanation:
     mesh = pm.spec
     programs = getattr(compiled, "programs", None) or [compiled.program]
+    alive = {n.name for p in programs for n in p.graph.nodes}
     ex = Explanation(mesh=mesh.describe(), ranks=mesh.world_size,
-                     fallbacks=list(compiled.ctx.fallbacks), edits=list(compiled.ctx.edits))
+                     fallbacks=[f for f in compiled.ctx.fallbacks if f.split(":")[0] in alive],
+                     edits=list(compiled.ctx.edits))
     stage_of = pm.stage_of if hasattr(pm, "stage_of") else (lambda r: 0)
     per_stage = {p.stage: collectives_of(p.graph, mesh) for p in programs}
     seen = set()

@@ -137,6 +137,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             report["mismatch"] = f"ValueError: {exc}"
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        # torch creates a DeviceMesh's per-axis groups with the backend's default timeout (30
+        # min for gloo), not init_process_group's; give them the short one for check 5.
+        for axis in ("dp", "tp"):
+            dist.distributed_c10d._set_pg_timeout(
+                datetime.timedelta(seconds=GLOO_TIMEOUT_S), mesh.get_group(axis))
         backend = backend_for(mesh)
         report["geometry"] = [backend.rank, backend.axis_index("dp"), backend.axis_index("tp"),
                               backend.axis_size("tp"), backend.axis_size("pp"),

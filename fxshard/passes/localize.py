@@ -12,7 +12,8 @@ After::
     view = aten.view(linear, [2, 8, 2, 16])
     expand = aten.expand(unsqueeze, [2, 2, 8, 16])
 
-A vocab-sharded embedding becomes ``fxshard.vocab_embedding`` (ids outside the rank's rows
+Factory ops get the mesh's device (a model traced on ``meta`` bakes ``device=meta`` into
+them). A vocab-sharded embedding becomes ``fxshard.vocab_embedding`` (ids outside the rank's rows
 give zeros, summed by the following all-reduce). Every tensor's local shape is checked here:
 a dim that does not divide evenly is a ``ValueError`` naming the node, dim, size and axis.
 """
@@ -47,6 +48,11 @@ def localize_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
         local = _local(node, ctx)
         for a in node.all_input_nodes:
             _local(a, ctx)
+        if node.op == "call_function" and "device" in node.kwargs:
+            # a model traced on meta bakes device="meta" into factory ops
+            node.update_kwarg("device", torch.device(ctx.mesh.device_type))
+        if node.op == "call_function" and node.target is aten.to.device:
+            node.update_arg(1, torch.device(ctx.mesh.device_type))
         if node.op != "call_function" or local is None:
             continue
         val = node.meta["val"]

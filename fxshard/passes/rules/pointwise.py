@@ -116,3 +116,10 @@ def identity_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
 
 def is_pointwise(target) -> bool:
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+
+
+@rule(aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor, aten.where.ScalarOther,
+      aten.where.ScalarSelf, aten.where.Scalar)
+def untagged_pointwise_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """Elementwise ops that lack the ``pointwise`` tag."""
+    return pointwise_decision(node, ins, ctx, _tensors(node))

@@ -68,3 +68,14 @@ def softmax_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     if isinstance(p, Shard) and p.dim != dim:
         return Decision(ins=[p], out=p)
     return Decision(ins=[R], out=R)
+
+
+@rule(aten.diff.default)
+def diff_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``diff`` along ``dim`` needs that dim whole; other shards pass through."""
+    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)) \
+        % ctx.ndim(node.args[0])
+    p = ins[0]
+    if isinstance(p, Shard) and p.dim != dim:
+        return Decision(ins=[p] + [R] * (len(ins) - 1), out=p)
+    return Decision(ins=[R] * len(ins), out=R)
