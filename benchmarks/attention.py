@@ -57,7 +57,7 @@ def _sdpa_backends():
             if hasattr(SDPBackend, attr)}
 
 
-def measure_case(case, *, sweep=False):
+def measure_case(case, *, sweep=False, device="cuda", dtype=torch.bfloat16):
     """Time our kernel and each SDPA backend on one case; returns a result row (dict)."""
     import triton.testing
     from torch.nn.attention import sdpa_kernel
@@ -65,7 +65,7 @@ def measure_case(case, *, sweep=False):
 
     torch.manual_seed(0)
     shape = (case["batch"], case["heads"], case["seq"], case["head_dim"])
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype) for _ in range(3))
     causal = case["causal"]
 
     def bench(fn):
@@ -114,7 +114,8 @@ def measure_case(case, *, sweep=False):
 
 
 def _fmt(value, spec):
-    return "-" if value is None else format(value, spec)
+    """``format(value, spec)``, or a '-' as wide as the spec's width for a missing value."""
+    return "-".rjust(int(spec.split(".")[0])) if value is None else format(value, spec)
 
 
 def format_table(rows) -> str:

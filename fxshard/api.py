@@ -25,6 +25,7 @@ from .passes.insert_collectives import insert_collectives_pass
 from .passes.localize import localize_pass
 from .passes.lower_attention import lower_attention_pass
 from .passes.propagate import propagate_pass
+from .passes.split_stages import assign_layers_to_stages, find_layer_stack, split_stages_pass
 from .trace import Traced, cleanup_pass, trace
 
 __all__ = ["parallelize", "ParallelModule"]
@@ -34,12 +35,16 @@ _WHERE = "fxshard.parallelize"
 
 @dataclass
 class Compiled:
-    """Everything built for one input signature."""
+    """Everything built for one input signature: one program per pipeline stage."""
 
     traced: Traced
     ctx: PassCtx
-    program: Program
+    programs: list
     modules: dict = field(default_factory=dict)     # rank -> GraphModule
+
+    @property
+    def program(self) -> Program:
+        return self.programs[0]
 
 
 def _signature(flat) -> tuple:
@@ -47,23 +52,71 @@ def _signature(flat) -> tuple:
                  else ("const", repr(x)) for x in flat)
 
 
-def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx) -> Compiled:
+def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx, *,
+                    stages: list[int] | None = None) -> Compiled:
     """Trace ``model`` on ``args``/``kwargs`` and run the pass pipeline under ``ctx``."""
+    n_stages = ctx.mesh.axis_size("pp")
+    if n_stages > 1:  # validate before the (slower) trace
+        stack, layer_stages = _layer_stages(model, n_stages, stages)
     traced = trace(model, args, kwargs)
     gm = traced.gm
     for p in (cleanup_pass, propagate_pass, insert_collectives_pass):
         gm = p(gm, ctx=ctx)
     gm = lower_attention_pass(gm, ctx=ctx, constants=traced.constants)
     gm = localize_pass(gm, ctx=ctx)
-    program = emit_pass(gm, ctx=ctx)
-    return Compiled(traced=traced, ctx=ctx, program=program)
+    if n_stages > 1:
+        graphs = split_stages_pass(gm, ctx=ctx, stack=stack, layer_stages=layer_stages)
+        programs = [emit_pass(g, ctx=ctx, stage=s) for s, g in enumerate(graphs)]
+    else:
+        programs = [emit_pass(gm, ctx=ctx)]
+    return Compiled(traced=traced, ctx=ctx, programs=programs)
+
+
+def _layer_stages(model, n_stages: int, stages) -> tuple[str, list[int]]:
+    stack, n_layers = find_layer_stack(model)
+    if stages is None:
+        return stack, assign_layers_to_stages(n_layers, n_stages)
+    stages = list(stages)
+    if len(stages) != n_layers or any(not 0 <= s < n_stages for s in stages) or \
+            stages != sorted(stages) or set(stages) != set(range(n_stages)):
+        raise ValueError(
+            f"{_WHERE}: stages={stages} must give each of the {n_layers} layers of {stack} a "
+            f"stage in 0..{n_stages - 1}, in non-decreasing order, using every stage, e.g. "
+            f"{assign_layers_to_stages(n_layers, n_stages) if n_layers >= n_stages else '-'}")
+    return stack, stages
+
+
+def _share_output(c: Compiled, backend, out, microbatches: int):
+    """Real mesh: the last stage sends the output to the ranks of every earlier stage that
+    share its other coordinates, so every rank returns the full output (as the seed's
+    ``redistribute_output``)."""
+    n = backend.mesh.axis_size("pp")
+    if n == 1:
+        return out
+    if backend.axis_index("pp") == n - 1:
+        for dst in range(n - 1):
+            for x in out:
+                if isinstance(x, torch.Tensor):
+                    backend.send(x.contiguous(), "pp", dst)
+        return out
+    out_node = next(x for x in c.programs[-1].graph.nodes if x.op == "output")
+    result = []
+    for a in out_node.args[0]:
+        if isinstance(a, fx.Node):
+            v = a.meta["val"]
+            shape = [v.shape[0] * microbatches, *v.shape[1:]] if v.dim() else []
+            result.append(backend.recv(shape, v.dtype, torch.device(backend.mesh.device_type),
+                                       "pp", n - 1))
+        else:
+            result.append(a)
+    return result
 
 
 class ParallelModule:
     """A model parallelized over a mesh; see :func:`parallelize`."""
 
     def __init__(self, model: torch.nn.Module, mesh, *, plan: dict, sequence_parallel: bool,
-                 microbatches: int, strict: bool, embedding: str):
+                 microbatches: int, strict: bool, embedding: str, stages=None):
         self.model = model
         self.mesh = mesh
         self.spec: MeshSpec = mesh_spec(mesh, where=_WHERE)
@@ -72,6 +125,7 @@ class ParallelModule:
         self.microbatches = microbatches
         self.strict = strict
         self.embedding = embedding
+        self.stages = stages
         self._values = {k: v for k, v in model.state_dict(keep_vars=True).items()}
         self._expected = {k: (tuple(v.shape), v.dtype) for k, v in self._values.items()}
         self._compiled: dict[tuple, Compiled] = {}
@@ -83,32 +137,63 @@ class ParallelModule:
     def _build(self, args: tuple, kwargs: dict) -> Compiled:
         ctx = PassCtx(mesh=self.spec, sequence_parallel=self.sequence_parallel,
                       strict=self.strict, plan=self.plan, embedding_style=self.embedding)
-        c = compile_program(self.model, args, kwargs, ctx)
+        c = compile_program(self.model, args, kwargs, ctx, stages=self.stages)
         for fqn, value in c.traced.constants.items():
             if value is not None:
                 self._values.setdefault(fqn, value)
         return c
 
-    def _get(self, args: tuple, kwargs: dict) -> tuple[Compiled, list]:
+    def _split(self, args: tuple, kwargs: dict) -> list[list]:
+        """The flat inputs of each microbatch (the batch is dim 0 of every tensor input)."""
         flat, _ = pytree.tree_flatten((args, kwargs))
-        key = _signature(flat)
+        m = self.microbatches
+        if m == 1:
+            return [flat]
+        for x in flat:
+            if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] % m):
+                raise ValueError(
+                    f"{_WHERE}: an input of shape {tuple(x.shape)} cannot be split into "
+                    f"microbatches={m} along dim 0 (batch {x.shape[0] if x.dim() else '-'}); "
+                    f"use a batch that is a multiple of {m} or change microbatches")
+        return [[x.chunk(m)[i] if isinstance(x, torch.Tensor) else x for x in flat]
+                for i in range(m)]
+
+    def _get(self, args: tuple, kwargs: dict) -> tuple[Compiled, list[list]]:
+        micro = self._split(args, kwargs)
+        key = _signature(micro[0])
         if key not in self._compiled:
-            self._compiled[key] = self._build(args, kwargs)
+            _, spec = pytree.tree_flatten((args, kwargs))
+            a, k = pytree.tree_unflatten(micro[0], spec)
+            self._compiled[key] = self._build(tuple(a), dict(k))
         self._last = self._compiled[key]
-        return self._last, flat
+        return self._last, micro
+
+    def stage_of(self, rank: int) -> int:
+        return self.spec.axis_index(rank, "pp")
 
     def _module(self, c: Compiled, rank: int) -> fx.GraphModule:
         if rank not in c.modules:
-            c.modules[rank] = build_rank_module(c.program, rank, self.spec, self._values,
-                                                self._device)
+            c.modules[rank] = build_rank_module(c.programs[self.stage_of(rank)], rank,
+                                                self.spec, self._values, self._device)
         return c.modules[rank]
 
     # -- running -----------------------------------------------------------------------
+    def _run_rank(self, c: Compiled, rank: int, micro: list[list]):
+        """Run rank ``rank``'s stage on every microbatch in turn; sends do not wait for the
+        receiver, so stage s works on microbatch i while stage s+1 works on i-1 (GPipe)."""
+        mod = self._module(c, rank)
+        outs = [mod(*[x for x in flat if isinstance(x, torch.Tensor)]) for flat in micro]
+        if self.stage_of(rank) != self.spec.axis_size("pp") - 1:
+            return None
+        if len(outs) == 1:
+            return list(outs[0])
+        return [torch.cat(parts) if isinstance(parts[0], torch.Tensor) else parts[0]
+                for parts in zip(*outs)]
+
     def __call__(self, *args, **kwargs):
-        c, flat = self._get(args, kwargs)
-        inputs = [x for x in flat if isinstance(x, torch.Tensor)]
+        c, micro = self._get(args, kwargs)
         if any(self._values.get(fqn) is None or self._values[fqn].device.type == "meta"
-               for fqn in c.program.slots):
+               for p in c.programs for fqn in p.slots):
             raise ValueError(f"{_WHERE}: the model was built on the meta device and has no "
                              f"weights yet; call pm.load_state_dict(full_state_dict) or "
                              f"fxshard.load_safetensors(pm, path) before running it")
@@ -118,14 +203,15 @@ class ParallelModule:
                 self._world = SimulatedWorld(self.spec)
             for r in range(self.spec.world_size):
                 self._module(c, r)
-            results = self._world.run(lambda r: c.modules[r](*inputs))
-            out = results[0]
+            results = self._world.run(lambda r: self._run_rank(c, r, micro))
+            out = next(r for r in results if r is not None)
         else:
             from .runtime.context import use_backend
             from .runtime.distributed import backend_for
             backend = backend_for(self.mesh)
             with use_backend(backend):
-                out = self._module(c, backend.rank)(*inputs)
+                out = self._run_rank(c, backend.rank, micro)
+                out = _share_output(c, backend, out, self.microbatches)
         return pytree.tree_unflatten(list(out), c.traced.out_spec)
 
     # -- inspection --------------------------------------------------------------------
@@ -175,7 +261,8 @@ class ParallelModule:
 def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = None,
                 example_kwargs: dict | None = None, plan: dict | None = None,
                 sequence_parallel: bool = False, microbatches: int = 1, strict: bool = False,
-                embedding: str = "embed_dim") -> ParallelModule:
+                embedding: str = "embed_dim", stages: list[int] | None = None
+                ) -> ParallelModule:
     """Parallelize an unmodified ``model`` over ``mesh`` by rewriting its traced ATen graph.
 
     Args:
@@ -189,6 +276,8 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
         microbatches: pipeline microbatches (GPipe schedule).
         strict: an op without a sharding rule is an error instead of a replicated fallback.
         embedding: default tp style of embeddings: ``"embed_dim"`` or ``"vocab"``.
+        stages: the pipeline stage of each layer of the model's layer stack (default
+            :func:`fxshard.passes.split_stages.assign_layers_to_stages`).
     """
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"{_WHERE}: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -206,7 +295,8 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
                       stacklevel=2)
     model.eval()
     pm = ParallelModule(model, mesh, plan=plan or {}, sequence_parallel=sequence_parallel,
-                        microbatches=microbatches, strict=strict, embedding=embedding)
+                        microbatches=microbatches, strict=strict, embedding=embedding,
+                        stages=stages)
     if example_inputs is not None or example_kwargs is not None:
         pm._get(tuple(example_inputs or ()), dict(example_kwargs or {}))
     return pm

@@ -132,9 +132,10 @@ def test_triton_kernel_subprocess():
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     report = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, report
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert re.search(r"\b5 passed\b", summary) and re.search(r"\b2 xfailed\b", summary), report
-    assert "failed" not in summary.replace("xfailed", "") and "skipped" not in summary, report
+    counts = {word: int(n) for n, word in
+              re.findall(r"(\d+) (\w+)", proc.stdout.strip().splitlines()[-1])}
+    assert counts.get("passed", 0) >= 6 and counts.get("xfailed") == 2, report
+    assert not {"failed", "error", "errors", "skipped"} & counts.keys(), report
 
 
 # ---------------------------------------------------------------- torch backend
@@ -230,6 +231,64 @@ def test_triton_interp_merge_of_chunks(triton_interpret):
     out, lse = merge_attention(*parts[0], *parts[1])
     ref_out, ref_lse = reference_attention(q, k, v, causal=True, q_offset=16)
     assert_matches(out, lse, ref_out, ref_lse, tol=1e-4)
+
+
+@pytest.mark.parametrize("dtype, head_dim, causal", [("bf16", 128, True), ("fp16", 64, False),
+                                                     ("fp32", 32, True)])
+def test_triton_kernel_compiles_for_hopper(dtype, head_dim, causal):
+    """The interpreter is lenient about types and layouts: compile the kernel for sm_90 with its
+    default launch options (no GPU needed) to catch what only the compiler sees."""
+    triton = pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("triton was imported in interpreter mode")
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError as err:
+        pytest.skip(f"this triton version moved its compiler API: {err}")
+    from fxshard.kernels import triton_attention
+
+    kernel = triton_attention._attn_fwd
+    block_m, block_n, num_warps, num_stages = triton_attention._GPU_CONFIGS[
+        4 if dtype == "fp32" else 2][head_dim]
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n,
+                  "CAUSAL": causal, "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
+                  "stride_qk": 1, "stride_kk": 1, "stride_vk": 1, "stride_ok": 1, "stride_lm": 1}
+    signature, aligned = {}, []
+    for index, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in ("Q", "K", "V", "Out", "Lse"):
+            signature[name] = "*fp32" if name == "Lse" else f"*{dtype}"
+            aligned.append(index)
+        elif name == "qk_scale":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name.startswith(("stride", "SEQ")):
+                aligned.append(index)
+    source = ASTSource(kernel, signature, constexprs,
+                       {(index,): [["tt.divisibility", 16]] for index in aligned})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    assert compiled.metadata.shared <= 227 * 1024
+    assert ("wgmma" in compiled.asm["ptx"]) == (dtype != "fp32")
+
+
+def test_triton_interp_benchmark_measure_path(triton_interpret, monkeypatch):
+    """benchmarks/attention.py's measuring code, on a tiny CPU case with do_bench stubbed."""
+    import triton.testing
+
+    calls = []
+    monkeypatch.setattr(triton.testing, "do_bench",
+                        lambda fn, **kwargs: calls.append(fn()) or 2.0)
+    bench = _load_benchmark()
+    case = {"seq": 40, "head_dim": 16, "causal": True, "batch": 1, "heads": 2}
+    row = bench.measure_case(case, device="cpu", dtype=torch.float16)
+    assert row["ours_ms"] == 2.0 and len(calls) >= 2
+    assert row["ours_tflops"] == pytest.approx(bench.attention_flops(case) / 2e-3 / 1e12)
+    assert row["flash_ms"] == 2.0 and row["flash_max_err"] < 5e-3
+    assert row["max_err"] == row["flash_max_err"]
 
 
 # ---------------------------------------------------------------- merge
@@ -392,6 +451,7 @@ def test_benchmark_report_on_fake_timings(tmp_path, capsys):
     assert rows[0]["ours_tflops"] == pytest.approx(4 * 16 * 32 * 1024**2 * 64 / 1e-3 / 1e12)
     table = bench.format_table(rows)
     assert len(table.splitlines()) == 2 + len(rows)
+    assert len({len(line) for line in table.splitlines()}) == 1
     assert "2.00" in table.splitlines()[2]
     bench.write_json(tmp_path / "a.json", rows, bench.environment())
     data = __import__("json").loads((tmp_path / "a.json").read_text())

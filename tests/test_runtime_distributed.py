@@ -11,8 +11,8 @@ each worker writes a JSON report and the tests below read them:
 4. rank 3 exits; rank 2's all_reduce with it on ``tp`` fails at once (gloo sees the closed
    connection) with an error naming the op and the axis, while ranks 0 and 1 (the other tp
    group) are unaffected;
-5. rank 1 stays alive but skips a collective; rank 0's all_reduce fails after the process
-   group's timeout (``GLOO_TIMEOUT_S``), again naming op and axis.
+5. rank 1 stays alive but skips a collective and waits in a recv for a message rank 0 never
+   sends: both fail after the axis group's timeout (``GLOO_TIMEOUT_S``), naming op and axis.
 """
 import datetime
 import json
@@ -159,8 +159,16 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         report["after_exit"], report["after_exit_s"] = _timed_all_reduce(backend)
         if rank == 0:  # rank 1 is alive but never joins: gloo's timeout must end the wait
             report["stuck_peer"], report["stuck_peer_s"] = _timed_all_reduce(backend)
-        if rank == 1:
-            time.sleep(GLOO_TIMEOUT_S + 3)
+        if rank == 1:  # ... and itself waits for a message rank 0 never sends
+            start = time.monotonic()
+            try:
+                with use_backend(backend):
+                    torch.ops.fxshard.recv([3], torch.float32, torch.device("cpu"), "tp", 0)
+                report["stuck_recv"] = "ok"
+            except RuntimeError as exc:
+                report["stuck_recv"] = f"RuntimeError: {exc}"
+            report["stuck_recv_s"] = time.monotonic() - start
+            time.sleep(2)
     except BaseException:
         report["errors"].append(traceback.format_exc())
     write()
@@ -230,3 +238,10 @@ def test_stuck_peer_times_out_naming_op_and_axis(reports):
     assert text.startswith("RuntimeError"), text
     assert "fxshard.all_reduce" in text and "'tp'" in text, text
     assert GLOO_TIMEOUT_S - 1 < reports[0]["stuck_peer_s"] < GLOO_TIMEOUT_S + 5, reports[0]
+
+
+def test_unmatched_recv_times_out_naming_op_and_axis(reports):
+    text = reports[1]["stuck_recv"]
+    assert text.startswith("RuntimeError"), text
+    assert "fxshard.recv" in text and "'tp'" in text and "from coordinate 0" in text, text
+    assert reports[1]["stuck_recv_s"] < GLOO_TIMEOUT_S + 5, reports[1]

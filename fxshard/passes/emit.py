@@ -43,10 +43,10 @@ class Program:
     stage: int = 0
 
 
-def emit_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> Program:
+def emit_pass(gm: fx.GraphModule | fx.Graph, *, ctx: PassCtx, stage: int = 0) -> Program:
     """Turn weight placeholders into attributes; drop the ones nothing reads."""
     graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
+    graph.output(graph.graph_copy(gm.graph if isinstance(gm, fx.GraphModule) else gm, {}))
     slots: dict[str, Slot] = {}
     first = next(n for n in graph.nodes if n.op != "placeholder")
     dropped = 0
@@ -70,9 +70,9 @@ def emit_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> Program:
         node.replace_all_uses_with(attr)
         graph.erase_node(node)
     graph.lint()
-    ctx.report("emit_pass", f"{len(slots)} weights as attributes, {dropped} unused inputs "
-                            f"dropped")
-    return Program(graph=graph, slots=slots)
+    ctx.report("emit_pass", f"stage {stage}: {len(slots)} weights as attributes, {dropped} "
+                            f"unused inputs dropped")
+    return Program(graph=graph, slots=slots, stage=stage)
 
 
 def build_rank_module(program: Program, rank: int, mesh: MeshSpec, values: dict,

@@ -9,12 +9,14 @@
 Collectives are torch's functional collectives on ``device_mesh.get_group(axis)``, waited on
 before the op returns. ``send`` is an ``isend`` whose completion is checked later (so a ring
 where every rank sends before it receives cannot deadlock); ``recv`` is an ``irecv`` waited on
-at once; :meth:`DistributedBackend.flush` waits for the outstanding sends. Errors from
+at once; :meth:`DistributedBackend.flush` waits for the outstanding sends. Every wait is bounded
+by the timeout of the axis's process group. Errors from
 torch.distributed (a peer died, a timeout) come back as a RuntimeError naming the fxshard op and
 the mesh axis, chained to the original.
 """
 from __future__ import annotations
 
+import datetime
 import weakref
 from typing import Callable, Sequence
 
@@ -29,6 +31,16 @@ __all__ = ["DistributedBackend", "backend_for"]
 
 _WHERE = "fxshard.runtime.DistributedBackend"
 _MAX_PENDING_SENDS = 64
+
+
+def _group_timeout(group: dist.ProcessGroup, device_type: str) -> datetime.timedelta:
+    """The timeout the backend of ``group`` enforces on its collectives (torch keeps it in the
+    backend's options); point-to-point waits use it too, since gloo's ``recv().wait()`` would
+    otherwise wait forever for a peer that is alive but never sends."""
+    try:
+        return group._get_backend(torch.device(device_type)).options._timeout
+    except (AttributeError, RuntimeError):
+        return dist.default_pg_timeout
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
@@ -56,6 +68,8 @@ class DistributedBackend:
         self._groups = {axis: device_mesh.get_group(axis) for axis in self.mesh.axis_names}
         for axis, group in self._groups.items():
             self._check_group_order(axis, group)
+        self._timeouts = {axis: _group_timeout(group, self.mesh.device_type)
+                          for axis, group in self._groups.items()}
         self._pending: list[tuple[dist.Work, torch.Tensor, str, int]] = []
 
     def __repr__(self) -> str:
@@ -104,8 +118,9 @@ class DistributedBackend:
             raise RuntimeError(
                 f"torch.ops.fxshard.{op} on mesh axis {axis!r}{detail} failed on rank "
                 f"{self.rank} {self._where()}: {type(exc).__name__}: {exc}. A rank of the "
-                f"{axis!r} group probably exited, crashed or took longer than the process "
-                f"group's timeout (init_process_group(timeout=...)); check that rank's log."
+                f"{axis!r} group probably exited, crashed, skipped this call or took longer "
+                f"than the timeout of the axis's process group ({self._timeouts[axis]}); check "
+                f"that rank's log."
             ) from exc
 
     # --- collectives ------------------------------------------------------------------------
@@ -156,7 +171,7 @@ class DistributedBackend:
         out = torch.empty(list(shape), dtype=dtype, device=device)
 
         def run() -> torch.Tensor:
-            dist.irecv(out, group=group, group_src=peer).wait()
+            dist.irecv(out, group=group, group_src=peer).wait(self._timeouts[axis])
             return out
         return self._call("recv", axis, run, f" from coordinate {peer}")
 
@@ -166,19 +181,23 @@ class DistributedBackend:
         for item in self._pending:
             work, _, axis, peer = item
             if work.is_completed():
-                self._call("send", axis, work.wait, f" to coordinate {peer}")
+                self._wait_send(work, axis, peer)
             else:
                 still.append(item)
         self._pending = still
         while len(self._pending) >= _MAX_PENDING_SENDS:
             work, _, axis, peer = self._pending.pop(0)
-            self._call("send", axis, work.wait, f" to coordinate {peer}")
+            self._wait_send(work, axis, peer)
 
     def flush(self) -> None:
         """Wait until every send issued so far has completed (raises on a failed send)."""
         pending, self._pending = self._pending, []
         for work, _, axis, peer in pending:
-            self._call("send", axis, work.wait, f" to coordinate {peer}")
+            self._wait_send(work, axis, peer)
+
+    def _wait_send(self, work: dist.Work, axis: str, peer: int) -> None:
+        self._call("send", axis, lambda: work.wait(self._timeouts[axis]),
+                   f" to coordinate {peer}")
 
 
 _BACKENDS: "weakref.WeakKeyDictionary[DeviceMesh, DistributedBackend]" = \

@@ -1,0 +1,161 @@
+"""Pipeline stages: split the annotated graph into one graph per ``pp`` stage.
+
+The model's stack of decoder layers is the ``ModuleList`` of same-typed blocks holding the most
+parameters (``model.layers`` in a Llama, whatever its name elsewhere). Layers go to stages with
+:func:`assign_layers_to_stages`; a node outside every layer belongs to the stage of the last
+layer before it in execution order, so the embedding lands on the first stage and the final
+norm and lm_head on the last. Values that cross stages become point-to-point messages along
+``pp`` (sent straight to a non-adjacent stage that needs them); subgraphs that depend on no
+input and no parameter (RoPE tables, position ids, constant masks) are recomputed on each
+stage that uses them, never sent.
+
+Before (pp=2, 2 layers)::
+
+    emb = embedding(w_e, ids); h0 = layer0(emb, cos, sin); h1 = layer1(h0, cos, sin)
+    out = linear(norm(h1), w_head)
+
+After, stage 0 and stage 1::
+
+    emb = embedding(w_e, ids); h0 = layer0(emb, cos, sin); fxshard.send(h0, "pp", 1)
+    h0 = fxshard.recv([2, 8, 64], float32, cpu, "pp", 0); cos, sin = <recomputed>
+    h1 = layer1(h0, cos, sin); out = linear(norm(h1), w_head)
+
+Stages other than the last return nothing; the runner hands the last stage's output to the
+caller (and, on a real mesh, to every rank).
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.fx as fx
+
+from ..placement import local_shape
+from . import PassCtx
+from .insert_collectives import collective_target
+
+__all__ = ["assign_layers_to_stages", "find_layer_stack", "split_stages_pass"]
+
+
+def assign_layers_to_stages(num_layers: int, num_stages: int) -> list[int]:
+    """Stage of each layer, as even as possible, earlier stages taking the extra layer:
+    ``(4, 2) -> [0, 0, 1, 1]``, ``(5, 2) -> [0, 0, 0, 1, 1]``."""
+    if num_stages > num_layers:
+        raise ValueError(
+            f"fxshard.parallelize: the pp axis has {num_stages} stages but the model has only "
+            f"{num_layers} layers; use a pp size of at most {num_layers}")
+    base, extra = divmod(num_layers, num_stages)
+    out = []
+    for s in range(num_stages):
+        out += [s] * (base + (1 if s < extra else 0))
+    return out
+
+
+def find_layer_stack(model: torch.nn.Module) -> tuple[str, int]:
+    """(FQN, length) of the ModuleList of repeated same-typed blocks with the most parameters."""
+    best, best_params = None, -1
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) > 0:
+            types = {type(m) for m in mod}
+            if len(types) != 1:
+                continue
+            n = sum(p.numel() for p in mod.parameters())
+            if n > best_params:
+                best, best_params = (name, len(mod)), n
+    if best is None:
+        raise ValueError(
+            f"fxshard.parallelize: found no stack of repeated layers (a ModuleList of blocks of "
+            f"one type) in {type(model).__name__} to split over the pp axis; pass stages= "
+            f"with a stage for every layer, or drop the pp axis")
+    return best
+
+
+def _layer_of(node: fx.Node, pattern: re.Pattern) -> int | None:
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        m = pattern.match(path)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def _is_constant(node: fx.Node, const: dict) -> bool:
+    if node.op == "placeholder":
+        return node.meta.get("fxshard_buffer") is not None
+    if node.op != "call_function" or "fxshard.send" in str(node.target) or \
+            "fxshard.recv" in str(node.target):
+        return False
+    return all(const.get(a, False) for a in node.all_input_nodes)
+
+
+def split_stages_pass(gm: fx.GraphModule, *, ctx: PassCtx, stack: str,
+                      layer_stages: list[int]) -> list[fx.Graph]:
+    """One graph per stage; ``layer_stages[i]`` is the stage of layer ``i`` of ``stack``."""
+    n_stages = ctx.mesh.axis_size("pp")
+    pattern = re.compile(rf"^{re.escape(stack)}\.(\d+)(?:\.|$)")
+    nodes = list(gm.graph.nodes)
+    const: dict[fx.Node, bool] = {}
+    stage: dict[fx.Node, int] = {}
+    current = 0
+    for n in nodes:
+        const[n] = _is_constant(n, const)
+        layer = _layer_of(n, pattern)
+        if layer is not None:
+            current = layer_stages[layer]
+        if n.op == "call_function":
+            stage[n] = current
+    # a value is made on its stage; it is used on the stages of its users
+    graphs = [fx.Graph() for _ in range(n_stages)]
+    envs: list[dict[fx.Node, fx.Node]] = [{} for _ in range(n_stages)]
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    output = next(n for n in nodes if n.op == "output")
+    users_stage = {n: sorted({stage.get(u, n_stages - 1) for u in n.users}) for n in nodes}
+
+    def local_of(n: fx.Node):
+        val, spec = n.meta["val"], n.meta["fxshard_spec"]
+        return list(local_shape(tuple(val.shape), spec, ctx.mesh, what=n.name)), val.dtype
+
+    sends = recvs = 0
+    for s, g in enumerate(graphs):
+        env = envs[s]
+        for p in placeholders:
+            used_here = any(stage.get(u, n_stages - 1) == s or const.get(u) for u in p.users)
+            if p.meta.get("fxshard_input") is not None or used_here:
+                env[p] = g.node_copy(p)
+
+        def get(a: fx.Node) -> fx.Node:
+            nonlocal recvs
+            if a in env:
+                return env[a]
+            if const[a]:
+                env[a] = g.node_copy(a, get)
+                return env[a]
+            src = stage[a]
+            assert src < s, (a.name, src, s)
+            shape, dtype = local_of(a)
+            r = g.call_function(collective_target("recv"),
+                                (shape, dtype, torch.device(ctx.mesh.device_type), "pp", src))
+            r.meta.update(a.meta)
+            env[a] = r
+            recvs += 1
+            return r
+
+        incoming = [n for n in nodes if n in stage and not const[n] and stage[n] < s
+                    and s in users_stage[n]]
+        for n in incoming:  # receive in the order the senders send
+            get(n)
+        for n in nodes:
+            if n.op != "call_function" or stage[n] != s or const[n] or n in env:
+                continue  # constants are copied where they are used
+            env[n] = g.node_copy(n, get)
+            for dst in users_stage[n]:
+                if dst > s and not const[n]:
+                    g.call_function(collective_target("send"), (env[n], "pp", dst))
+                    sends += 1
+        if s == n_stages - 1:
+            g.output(torch.fx.node.map_arg(output.args[0], get))
+        else:
+            g.output(())
+        g.eliminate_dead_code()
+        g.lint()
+    ctx.report("split_stages_pass", f"{n_stages} stages, {sends} sends, {recvs} receives")
+    return graphs

@@ -1,0 +1,144 @@
+"""Pipeline parallelism: stage assignment, send/recv at the cuts, per-stage programs,
+microbatches (GPipe), alone and with dp and tp, against the single-device model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxshard
+from fxshard.passes.split_stages import assign_layers_to_stages
+from tests.models import hf_llama, our_llama
+
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def mesh(**axes):
+    return fxshard.init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
+
+
+def ops_in(gm, name):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and name in str(n.target)]
+
+
+def test_assign_layers_to_stages():
+    assert assign_layers_to_stages(4, 2) == [0, 0, 1, 1]
+    assert assign_layers_to_stages(5, 2) == [0, 0, 0, 1, 1]
+    assert assign_layers_to_stages(7, 4) == [0, 0, 1, 1, 2, 2, 3]
+    with pytest.raises(ValueError, match="pp axis has 3 stages but the model has only 2 layers"):
+        assign_layers_to_stages(2, 3)
+
+
+CASES = [dict(pp=2), dict(pp=4), dict(dp=2, pp=2), dict(tp=2, pp=2), dict(dp=2, tp=2, pp=2)]
+
+
+@pytest.mark.parametrize("mb", [1, 2])
+@pytest.mark.parametrize("axes", CASES, ids=lambda a: "x".join(f"{k}{v}" for k, v in a.items()))
+def test_our_llama_pipeline(axes, mb):
+    model = our_llama(num_hidden_layers=4)
+    ids = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(0))
+    pm = fxshard.parallelize(model, mesh(**axes), microbatches=mb)
+    torch.testing.assert_close(pm(ids), model(ids), **TOL)
+
+
+@pytest.mark.parametrize("mb", [1, 2])
+@pytest.mark.parametrize("axes", CASES, ids=lambda a: "x".join(f"{k}{v}" for k, v in a.items()))
+def test_hf_llama_pipeline(axes, mb):
+    model = hf_llama(layers=4)
+    ids = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(1))
+    pm = fxshard.parallelize(model, mesh(**axes), microbatches=mb)
+    torch.testing.assert_close(pm(ids).logits, model(ids).logits, **TOL)
+
+
+def test_five_layers_on_two_stages_and_stage_contents():
+    model = our_llama(num_hidden_layers=5)
+    ids = torch.randint(0, 128, (2, 8))
+    pm = fxshard.parallelize(model, mesh(pp=2))
+    torch.testing.assert_close(pm(ids), model(ids), **TOL)
+    first, last = pm.rank_module(0).state_dict(), pm.rank_module(1).state_dict()
+    assert "lm_head.weight" not in first and "model.embed_tokens.weight" in first
+    assert "model.embed_tokens.weight" not in last and "lm_head.weight" in last
+    assert {k.split(".")[2] for k in first if k.startswith("model.layers.")} == {"0", "1", "2"}
+    assert {k.split(".")[2] for k in last if k.startswith("model.layers.")} == {"3", "4"}
+
+
+@pytest.mark.parametrize("make", [our_llama, hf_llama], ids=["ours", "hf"])
+def test_one_send_per_boundary_and_rope_never_sent(make):
+    model = make(**({"num_hidden_layers": 4} if make is our_llama else {"layers": 4}))
+    ids = torch.randint(0, 128, (2, 8))
+    pm = fxshard.parallelize(model, mesh(pp=4), example_inputs=(ids,))
+    for stage in range(4):
+        gm = pm.rank_module(stage)
+        sends, recvs = ops_in(gm, "fxshard.send"), ops_in(gm, "fxshard.recv")
+        assert len(sends) == (1 if stage < 3 else 0)
+        assert len(recvs) == (1 if stage > 0 else 0)
+        for s in sends:  # only the hidden state [B, S, H] crosses a cut
+            assert tuple(s.args[0].meta["val"].shape) == (2, 8, 64)
+        assert ops_in(gm, "aten.cos"), "every stage recomputes its RoPE table"
+
+
+def test_microbatches_send_once_per_microbatch_and_match():
+    model = our_llama(num_hidden_layers=2)
+    ids = torch.randint(0, 128, (6, 8))
+    pm = fxshard.parallelize(model, mesh(pp=2), microbatches=3)
+    torch.testing.assert_close(pm(ids), model(ids), **TOL)
+    assert len(ops_in(pm.rank_module(0), "fxshard.send")) == 1  # the program runs per microbatch
+    assert tuple(ops_in(pm.rank_module(0), "fxshard.send")[0].args[0].meta["val"].shape)[0] == 2
+
+
+class SkipStack(torch.nn.Module):
+    """Blocks in a ModuleList not called ``layers``, and a value the last stage needs from the
+    first (a long skip connection)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16),
+                                                              torch.nn.Tanh()) for _ in range(4))
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h0 = self.inp(x)
+        h = h0
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h + h0)
+
+
+def test_non_adjacent_value_and_custom_stack_name():
+    torch.manual_seed(0)
+    model = SkipStack().eval()
+    x = torch.randn(4, 8)
+    pm = fxshard.parallelize(model, mesh(pp=4))
+    torch.testing.assert_close(pm(x), model(x), **TOL)
+    sends0 = ops_in(pm.rank_module(0), "fxshard.send")
+    assert sorted(s.args[2] for s in sends0) == [1, 3]  # h0 goes straight to the last stage
+
+
+def test_parameter_bytes_per_rank():
+    model = our_llama(num_hidden_layers=4)
+    ids = torch.randint(0, 128, (2, 8))
+    ex = fxshard.parallelize(model, mesh(tp=2, pp=2), example_inputs=(ids,)).explain()
+    total = sum(p.numel() * 4 for p in model.parameters())
+    norms = sum(p.numel() * 4 for n, p in model.named_parameters() if "norm" in n)
+    for r in range(4):
+        assert abs(ex.param_bytes[r] - (total - norms) / 4) <= norms
+
+
+def test_bad_pipeline_inputs():
+    model = our_llama(num_hidden_layers=2)
+    ids = torch.randint(0, 128, (3, 8))
+    with pytest.raises(ValueError, match="pp axis has 4 stages but the model has only 2"):
+        fxshard.parallelize(model, mesh(pp=4), example_inputs=(ids,))
+    with pytest.raises(ValueError, match=r"shape \(3, 8\) cannot be split into microbatches=2"):
+        fxshard.parallelize(model, mesh(pp=2), microbatches=2)(ids)
+
+
+def test_stages_override():
+    model = our_llama(num_hidden_layers=4)
+    ids = torch.randint(0, 128, (2, 8))
+    pm = fxshard.parallelize(model, mesh(pp=2), stages=[0, 1, 1, 1])
+    torch.testing.assert_close(pm(ids), model(ids), **TOL)
+    first = pm.rank_module(0).state_dict()
+    assert {k.split(".")[2] for k in first if k.startswith("model.layers.")} == {"0"}
+    with pytest.raises(ValueError, match="must give each of the 4 layers"):
+        fxshard.parallelize(model, mesh(pp=2), stages=[0, 1], example_inputs=(ids,))
