@@ -81,7 +81,7 @@ def _attn_fwd(Q, K, V, Out, Lse,
     delta = Q_OFFSET - KV_OFFSET
     if CAUSAL:
         hi = tl.minimum(SEQ_KV, tl.minimum((start_m + 1) * BLOCK_M, SEQ_Q) + delta)
-        full_end = tl.minimum(SEQ_KV, start_m * BLOCK_M + delta + 2)
+        full_end = tl.minimum(SEQ_KV, start_m * BLOCK_M + delta + 1)
     else:
         hi = SEQ_KV
         full_end = SEQ_KV
