@@ -201,7 +201,8 @@ def test_triton_interp_causal_block_boundaries(triton_interpret, block_m, block_
     case = {"batch": 1, "heads_q": 1, "heads_kv": 1, "seq_q": 40, "seq_kv": 48,
             "head_dim": 16, "mask": "none", "seed": 3}
     q, k, v, _ = make_inputs(case)
-    for delta in range(-block_n - 2, block_n + 3):
+    edges = (-block_n, -1, 0, block_m - 1, block_n - 1, block_n, block_m + block_n)
+    for delta in sorted({edge + step for edge in edges for step in (-1, 0, 1)}):
         opts = {"causal": True, "q_offset": max(delta, 0), "kv_offset": max(-delta, 0)}
         out, lse = attention_fwd(q, k, v, scale=0.25, block_m=block_m, block_n=block_n,
                                  **opts)

@@ -1,0 +1,56 @@
+"""End to end over random mesh shapes and model configs: any combination of dp, tp and pp
+(with sequence parallelism and microbatches) gives the single-device output, or a ValueError
+that names what does not divide."""
+from __future__ import annotations
+
+import torch
+from hypothesis import assume, given, strategies as st
+
+import fxshard
+from tests.models import our_llama
+
+
+@st.composite
+def configs(draw):
+    dp, tp, pp = (draw(st.sampled_from([1, 2])) for _ in range(3))
+    tp = draw(st.sampled_from([1, 2, 4])) if dp * pp == 1 else tp
+    assume(dp * tp * pp > 1)
+    kv = draw(st.sampled_from([1, 2, 4]))
+    heads = kv * draw(st.sampled_from([1, 2]))
+    head_dim = draw(st.sampled_from([4, 8]))
+    layers = draw(st.integers(pp, 3))
+    mb = draw(st.sampled_from([1, 2])) if pp > 1 else 1
+    batch = dp * mb * draw(st.integers(1, 2))
+    seq = draw(st.sampled_from([4, 6, 8]))
+    sp = draw(st.booleans())
+    return dict(dp=dp, tp=tp, pp=pp, kv=kv, heads=heads, head_dim=head_dim, layers=layers,
+                mb=mb, batch=batch, seq=seq, sp=sp, tie=draw(st.booleans()),
+                hidden=heads * head_dim + draw(st.sampled_from([0, 4])))
+
+
+@given(configs())
+def test_any_combination_matches_single_device(cfg):
+    model = our_llama(num_hidden_layers=cfg["layers"], num_attention_heads=cfg["heads"],
+                      num_key_value_heads=cfg["kv"], head_dim=cfg["head_dim"],
+                      hidden_size=cfg["hidden"], intermediate_size=3 * cfg["hidden"],
+                      tie_word_embeddings=cfg["tie"])
+    ids = torch.randint(0, 128, (cfg["batch"], cfg["seq"]),
+                        generator=torch.Generator().manual_seed(cfg["seq"]))
+    mesh = fxshard.init_device_mesh("cpu", (cfg["dp"], cfg["tp"], cfg["pp"]),
+                                    mesh_dim_names=("dp", "tp", "pp"))
+    try:
+        pm = fxshard.parallelize(model, mesh, sequence_parallel=cfg["sp"],
+                                 microbatches=cfg["mb"])
+        out = pm(ids)
+    except ValueError as e:
+        msg = str(e)
+        tp = cfg["tp"]
+        # only sizes that do not divide by tp may refuse, and they must say which
+        assert ("does not divide" in msg or "cannot be split" in msg
+                or "neither split nor replicated" in msg), msg
+        assert (cfg["heads"] % tp or (cfg["kv"] % tp and tp % cfg["kv"])
+                or cfg["hidden"] % tp or (cfg["sp"] and cfg["seq"] % tp)
+                or 128 % tp or (3 * cfg["hidden"]) % tp), (cfg, msg)
+        return
+    torch.testing.assert_close(out, model(ids), rtol=1e-4, atol=1e-4)
+    pm.close()
