@@ -1,10 +1,10 @@
 """Benchmark fxshard's Triton flash-attention forward against torch SDPA (flash and cuDNN).
 
-Reproduce on a CUDA GPU (numbers in DESIGN.md section 4 are from an H200):
+Reproduce on a CUDA GPU (DESIGN.md section 4's target, for an H200: at or above SDPA flash):
 
-    python benchmarks/attention.py                         # all cases, writes benchmarks/attention.json
+    python benchmarks/attention.py              # all cases; writes benchmarks/attention.json
     python benchmarks/attention.py --json /tmp/a.json --seq 4096 8192 --head-dim 128
-    python benchmarks/attention.py --sweep                 # also try other block sizes for our kernel
+    python benchmarks/attention.py --sweep      # also time other block sizes of our kernel
 
 Cases: bf16, sequence 1k, 2k, 4k, 8k, 16k, head dim 64 and 128, causal and not, self-attention
 with as many KV heads as query heads. Every case has the same number of q elements,

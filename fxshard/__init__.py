@@ -8,7 +8,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .api import ParallelModule, parallelize
 from .backend import backend
+from .checkpoint import load_safetensors
 from .mesh import SimulatedMesh, init_device_mesh
 
-__all__ = ["init_device_mesh", "parallelize", "backend", "ParallelModule", "SimulatedMesh",
-           "Shard", "Replicate", "Partial"]
+__all__ = ["init_device_mesh", "parallelize", "backend", "load_safetensors", "ParallelModule",
+           "SimulatedMesh", "Shard", "Replicate", "Partial"]

@@ -53,12 +53,14 @@ def _signature(flat) -> tuple:
 
 
 def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx, *,
-                    stages: list[int] | None = None) -> Compiled:
-    """Trace ``model`` on ``args``/``kwargs`` and run the pass pipeline under ``ctx``."""
+                    stages: list[int] | None = None, traced: Traced | None = None) -> Compiled:
+    """Trace ``model`` on ``args``/``kwargs`` (unless ``traced`` is given) and run the pass
+    pipeline under ``ctx``."""
     n_stages = ctx.mesh.axis_size("pp")
     if n_stages > 1:  # validate before the (slower) trace
         stack, layer_stages = _layer_stages(model, n_stages, stages)
-    traced = trace(model, args, kwargs)
+    if traced is None:
+        traced = trace(model, args, kwargs)
     gm = traced.gm
     for p in (cleanup_pass, propagate_pass, insert_collectives_pass):
         gm = p(gm, ctx=ctx)
@@ -193,6 +195,7 @@ class ParallelModule:
     def __call__(self, *args, **kwargs):
         c, micro = self._get(args, kwargs)
         if any(self._values.get(fqn) is None or self._values[fqn].device.type == "meta"
+               and not hasattr(self._values[fqn], "block")
                for p in c.programs for fqn in p.slots):
             raise ValueError(f"{_WHERE}: the model was built on the meta device and has no "
                              f"weights yet; call pm.load_state_dict(full_state_dict) or "
@@ -232,6 +235,13 @@ class ParallelModule:
         return explain(self, self._require_compiled("explain"))
 
     # -- weights -----------------------------------------------------------------------
+    def tied_names(self) -> dict[str, list[str]]:
+        """``{name: [other names of the same parameter]}`` for tied weights."""
+        groups: dict[int, list[str]] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            groups.setdefault(id(p), []).append(name)
+        return {n: [m for m in g if m != n] for g in groups.values() if len(g) > 1 for n in g}
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load the unsharded model's state dict; each rank keeps only its slices."""
         missing = sorted(set(self._expected) - set(state_dict))

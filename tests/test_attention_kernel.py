@@ -12,6 +12,7 @@ session imported, ``test_triton_kernel_subprocess`` reruns them in a fresh
 itself started with TRITON_INTERPRET=1, which is what the subprocess is).
 """
 import importlib.util
+import json
 import math
 import os
 import re
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from fxshard.kernels import attention, merge_attention
@@ -110,6 +111,14 @@ def options(case):
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _load_benchmark():
+    path = REPO / "benchmarks" / "attention.py"
+    spec = importlib.util.spec_from_file_location("fxshard_attention_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
 def triton_interpret():
     """Skip unless this process runs Triton in the interpreter (see the module docstring)."""
@@ -121,6 +130,8 @@ def triton_interpret():
 
 
 def test_triton_kernel_subprocess():
+    """Run the test_triton_interp_* tests in a TRITON_INTERPRET=1 process; all must pass (the
+    bf16 ones are expected failures of Triton's interpreter)."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("this process already interprets Triton; the interpreter tests run here")
@@ -219,8 +230,7 @@ BF16_DOT_BUG = pytest.mark.xfail(
 @pytest.mark.parametrize("dtype, tol", [(torch.float16, 2e-3),
                                         pytest.param(torch.bfloat16, 1.5e-2, marks=BF16_DOT_BUG)])
 @pytest.mark.parametrize("causal, q_offset, kv_offset", [(False, 0, 0), (True, 8, 20)])
-def test_triton_interp_low_precision(triton_interpret, dtype, tol, causal, q_offset,
-                                          kv_offset):
+def test_triton_interp_low_precision(triton_interpret, dtype, tol, causal, q_offset, kv_offset):
     case = {"batch": 1, "heads_q": 4, "heads_kv": 2, "seq_q": 40, "seq_kv": 37, "head_dim": 32,
             "mask": "none", "seed": 7}
     q, k, v, _ = make_inputs(case, dtype)
@@ -383,8 +393,10 @@ def test_custom_op_opcheck_and_backward():
     q = torch.randn(1, 4, 5, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 2, 7, 8, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, 2, 7, 8, dtype=torch.float64, requires_grad=True)
-    samples = [(q, k, v, None, True, None, 0, 3), (q, k, v, torch.rand(5, 7) < 0.6, False, 0.5, 0, 0),
-               (q.float().detach(), k.float().detach(), v.float().detach(), None, False, None, 0, 0)]
+    samples = [(q, k, v, None, True, None, 0, 3),
+               (q, k, v, torch.rand(5, 7) < 0.6, False, 0.5, 0, 0),
+               (q.float().detach(), k.float().detach(), v.float().detach(), None, False, None,
+                0, 0)]
     for args in samples:
         torch.library.opcheck(torch.ops.fxshard.attention.default, args)
     for args in samples[:2]:
@@ -447,14 +459,6 @@ def test_triton_error_messages(monkeypatch):
 # ---------------------------------------------------------------- benchmark report
 
 
-def _load_benchmark():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "attention.py"
-    spec = importlib.util.spec_from_file_location("fxshard_attention_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_benchmark_report_on_fake_timings(tmp_path, capsys):
     bench = _load_benchmark()
     cases = bench.make_cases()
@@ -472,7 +476,7 @@ def test_benchmark_report_on_fake_timings(tmp_path, capsys):
     assert len({len(line) for line in table.splitlines()}) == 1
     assert "2.00" in table.splitlines()[2]
     bench.write_json(tmp_path / "a.json", rows, bench.environment())
-    data = __import__("json").loads((tmp_path / "a.json").read_text())
+    data = json.loads((tmp_path / "a.json").read_text())
     assert data["results"] == rows and data["environment"]["dtype"] == "bfloat16"
     if not torch.cuda.is_available():
         assert bench.main(["--json", str(tmp_path / "b.json")]) == 0

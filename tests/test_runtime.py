@@ -13,7 +13,7 @@ from hypothesis import given, strategies as st
 
 from fxshard.mesh import SimulatedMesh
 from fxshard.runtime import (COLLECTIVE_OPS, SimulatedBackend, SimulatedWorld, current_backend,
-                             is_point_to_point, use_backend)
+                             is_communication, is_point_to_point, use_backend)
 
 ops = torch.ops.fxshard
 AXES = ("dp", "tp", "pp", "ulysses_cp", "ring_cp")
@@ -428,6 +428,7 @@ def _graph_with_p2p():
 
 def test_dce_keeps_send_and_recv_drops_unused_collective():
     gm = _graph_with_p2p()
+    assert sum(is_communication(n) for n in gm.graph.nodes) == 5
     assert gm.graph.eliminate_dead_code()
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert targets.count(ops.send.default) == 1

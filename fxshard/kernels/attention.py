@@ -18,10 +18,11 @@ Backends share one contract:
   Its backward is computed with the torch reference (explicit formulas, no Triton backward).
 
 Shape legend: B batch, Hq query heads, Hkv key/value heads, G = Hq // Hkv query heads per KV
-head, Sq query length, Skv key/value length, D head dim. ``q_BHSD`` is ``[B, Hq, Sq, D]``;
-``k_BHSD``/``v_BHSD`` are ``[B, Hkv, Skv, D]``; ``q_BKGSD`` is q viewed as
-``[B, Hkv, G, Sq, D]``; ``s_BKGST`` holds scores ``[B, Hkv, G, Sq, Skv]`` (T for the key axis);
-``lse_BHS`` is ``[B, Hq, Sq]``.
+head, Sq query length, Skv key/value length, D head dim; in suffixes K is Hkv, T the key axis
+(Skv) and M = G * Sq. ``q_BHSD`` is ``[B, Hq, Sq, D]``; ``k_BHSD``/``v_BHSD`` are
+``[B, Hkv, Skv, D]``; ``q_BKGSD`` is q viewed as ``[B, Hkv, G, Sq, D]`` and ``q_BKMD`` as
+``[B, Hkv, G * Sq, D]``; ``s_BKGST`` holds scores ``[B, Hkv, G, Sq, Skv]``; ``lse_BHS`` is
+``[B, Hq, Sq]``.
 """
 import functools
 import math
@@ -234,13 +235,13 @@ def _triton_module():
     return triton_attention
 
 
-def _triton_attention(q, k, v, causal, scale, q_offset, kv_offset, **launch):
+def _triton_attention(q, k, v, causal, scale, q_offset, kv_offset):
     module = _triton_module()
     if module is None:
         raise ValueError(f"{_NAME}: the Triton backend needs the triton package, which is not "
                          f"installed; install triton or use backend='torch'.")
     return module.attention_fwd(q, k, v, causal=bool(causal), scale=_scale_of(q, scale),
-                                q_offset=int(q_offset), kv_offset=int(kv_offset), **launch)
+                                q_offset=int(q_offset), kv_offset=int(kv_offset))
 
 
 @torch.library.custom_op("fxshard::attention", mutates_args=())
@@ -269,8 +270,8 @@ def _attention_setup_context(ctx, inputs, output):
 
 def _attention_backward(ctx, dout_BHSD, dlse_BHS):
     """Flash-attention backward in torch ops: recompute p from the saved lse, then
-    ``dv = pᵀ·do``, ``ds = p ∘ (do·vᵀ − rowsum(do ∘ out) + dlse)``, ``dq = ds·k·scale``,
-    ``dk = dsᵀ·q·scale``, summed over the G query heads of each KV head. No mask gradient."""
+    ``dv = p^T do``, ``ds = p * (do v^T - rowsum(do * out) + dlse)``, ``dq = ds k scale``,
+    ``dk = ds^T q scale``, summed over the G query heads of each KV head. No mask gradient."""
     q_BHSD, k_BHSD, v_BHSD, mask, out_BHSD, lse_BHS = ctx.saved_tensors
     causal, scale, q_offset, kv_offset = ctx.options
     batch, heads_q, seq_q, head_dim = q_BHSD.shape

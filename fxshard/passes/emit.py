@@ -77,12 +77,14 @@ def emit_pass(gm: fx.GraphModule | fx.Graph, *, ctx: PassCtx, stage: int = 0) ->
 
 def build_rank_module(program: Program, rank: int, mesh: MeshSpec, values: dict,
                       device: torch.device) -> fx.GraphModule:
-    """Rank ``rank``'s GraphModule, holding its blocks of ``values`` (FQN -> global tensor;
-    a missing or meta value gives a meta tensor of the local shape)."""
+    """Rank ``rank``'s GraphModule, holding its blocks of ``values`` (FQN -> global tensor, or a
+    source with ``block(spec, mesh, rank)``; a missing or meta value gives a meta tensor)."""
     root = torch.nn.Module()
     for fqn, slot in program.slots.items():
         full = values.get(fqn)
-        if full is None or full.device.type == "meta":
+        if hasattr(full, "block"):  # a checkpoint source that reads only this rank's block
+            t = full.block(slot.spec, mesh, rank).to(device)
+        elif full is None or full.device.type == "meta":
             shape = local_shape(slot.shape, slot.spec, mesh, what=fqn)
             t = torch.empty(shape, dtype=slot.dtype, device="meta")
         else:

@@ -72,6 +72,10 @@ class Backend(Protocol):
         """Block until the next message from coordinate ``peer`` along ``axis`` arrives."""
         ...
 
+    def flush(self) -> None:
+        """Wait until every send issued so far has been delivered (call after a forward)."""
+        ...
+
 
 _CURRENT: ContextVar[Backend | None] = ContextVar("fxshard_runtime_backend", default=None)
 

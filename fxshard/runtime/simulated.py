@@ -461,6 +461,9 @@ class SimulatedBackend:
         return self.world._recv(self.group(axis)[peer], self.rank, axis, list(shape), dtype,
                                 torch.device(device))
 
+    def flush(self) -> None:
+        """Nothing to wait for: a simulated send is delivered when it returns."""
+
 
 def _sum(xs: list[torch.Tensor]) -> torch.Tensor:
     """Sum in coordinate order, so every rank of a group gets bit-identical results."""
