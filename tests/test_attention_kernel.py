@@ -11,6 +11,7 @@ session imported, ``test_triton_kernel_subprocess`` reruns them in a fresh
 ``TRITON_INTERPRET=1 python -m pytest`` process, and in this process they skip (unless it was
 itself started with TRITON_INTERPRET=1, which is what the subprocess is).
 """
+import importlib
 import importlib.util
 import json
 import math
@@ -435,6 +436,26 @@ def test_error_messages(monkeypatch):
         attention(q, k, k, backend="triton")
     with pytest.raises(ValueError, match=r"backend='triton' does not take an explicit mask"):
         attention(q, k, k, mask=torch.ones(4, 4, dtype=torch.bool), backend="triton")
+
+
+def test_without_triton_only_the_triton_backend_is_disabled(monkeypatch):
+    import fxshard.kernels
+
+    attention_module = importlib.import_module("fxshard.kernels.attention")  # not the function
+
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.delitem(sys.modules, "fxshard.kernels.triton_attention", raising=False)
+    monkeypatch.delattr(fxshard.kernels, "triton_attention", raising=False)
+    attention_module._triton_module.cache_clear()
+    try:
+        q = torch.randn(1, 2, 4, 16)
+        out, lse = attention(q, q, q, causal=True)
+        assert out.shape == q.shape and torch.isfinite(lse).all()
+        with pytest.raises(ValueError, match=r"the Triton backend needs the triton package, "
+                                             r"which is not installed; .* backend='torch'"):
+            attention(q, q, q, backend="triton")
+    finally:
+        attention_module._triton_module.cache_clear()
 
 
 def test_triton_error_messages(monkeypatch):

@@ -121,7 +121,7 @@ def _attn_fwd(Q, K, V, Out, Lse,
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), 
+    lse = tl.where(empty, float("-inf"),
                    (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_ok,
              out.to(Out.dtype.element_ty), mask=row_ok[:, None])

@@ -122,6 +122,7 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str]) -> dict:
         need = [[R] * len(mesh.shape) for _ in ins_nodes]
         then_axes: dict[int, object] = {}
         fell_back = False
+        decisions: dict[int, Decision] = {}
         for i, a, n in axes:
             cur = [_spec_of(t, param_spec)[i] for t in ins_nodes]
             if rule_fn is None:
@@ -130,14 +131,16 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str]) -> dict:
                         f"fxshard.parallelize(strict=True): no sharding rule for {node.target} "
                         f"(node {node.name}); register one with "
                         f"@fxshard.passes.rules.rule({node.target}) or drop strict=True")
-                d = fallback(node, cur, rctx[a])
+                decisions[i] = fallback(node, cur, rctx[a])
+                fell_back = fell_back or any(c is not UNDECIDED and c != R for c in cur)
             else:
                 if rule_fn not in _OWNS_WEIGHTS:
                     cur = [R if p is UNDECIDED else p for p in cur]
-                d: Decision = rule_fn(node, cur, rctx[a])
-                assert len(d.ins) == len(ins_nodes), (node.format_node(), d)
-            if rule_fn is None and any(c is not UNDECIDED and c != R for c in cur):
-                fell_back = True
+                decisions[i] = rule_fn(node, cur, rctx[a])
+                assert len(decisions[i].ins) == len(ins_nodes), (node.format_node(), decisions[i])
+        _fit_nested(node, ins_nodes, decisions, axes, rctx, ctx)
+        for i, a, n in axes:
+            d = decisions[i]
             for k, t in enumerate(ins_nodes):
                 need[k][i] = d.ins[k]
                 if t.meta.get("fxshard_param") is not None:
@@ -170,6 +173,46 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str]) -> dict:
         if node.meta.get("fxshard_param") is not None:
             node.meta["fxshard_spec"] = tuple(param_spec[node.name])
     return auto_colwise
+
+
+def _fit_nested(node: fx.Node, ins_nodes: list, decisions: dict, axes: list, rctx: dict,
+                ctx: PassCtx) -> None:
+    """Rules decide one axis at a time; two axes may then shard one dim of an input or the
+    output further than its size divides (``[2, ...]`` over dp=2 and tp=2). Such an axis,
+    innermost first, computes the node replicated instead: slower, never wrong."""
+    def ok() -> bool:
+        specs = [[R] * len(ctx.mesh.shape) for _ in ins_nodes]
+        outs = None
+        for i, d in decisions.items():
+            for k in range(len(ins_nodes)):
+                specs[k][i] = d.ins[k]
+        for k, t in enumerate(ins_nodes):
+            if not _divides(t.meta["val"].shape, specs[k], ctx):
+                return False
+        val = node.meta["val"]
+        if isinstance(val, torch.Tensor):
+            outs = [R] * len(ctx.mesh.shape)
+            for i, d in decisions.items():
+                outs[i] = d.out
+            return _divides(val.shape, outs, ctx)
+        return True
+
+    for i, a, n in reversed(axes):
+        if ok():
+            return
+        if any(isinstance(p, Shard) for p in decisions[i].ins) or \
+                isinstance(decisions[i].out, Shard):
+            decisions[i] = fallback(node, decisions[i].ins, rctx[a])
+
+
+def _divides(shape, spec, ctx: PassCtx) -> bool:
+    sizes = list(shape)
+    for n, p in zip(ctx.mesh.shape, spec):
+        if n > 1 and isinstance(p, Shard):
+            if p.dim >= len(sizes) or sizes[p.dim] % n:
+                return False
+            sizes[p.dim] //= n
+    return True
 
 
 def _gathered_before_use(node: fx.Node, tp: int, budget: int = 64) -> bool:
