@@ -215,6 +215,7 @@ class ParallelModule:
             with use_backend(backend):
                 out = self._run_rank(c, backend.rank, micro)
                 out = _share_output(c, backend, out, self.microbatches)
+                backend.flush()  # a failed send surfaces in this forward, not a later one
         return pytree.tree_unflatten(list(out), c.traced.out_spec)
 
     # -- inspection --------------------------------------------------------------------

@@ -145,8 +145,25 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
                 f"torch.distributed was started with world size {world}; launch "
                 f"torchrun --nproc_per_node={math.prod(shape)} or change the mesh shape")
         from torch.distributed.device_mesh import init_device_mesh as torch_init
-        return torch_init(device_type, shape, mesh_dim_names=names)
+        device_mesh = torch_init(device_type, shape, mesh_dim_names=names)
+        _bound_axis_timeouts(device_mesh, names)
+        return device_mesh
     return SimulatedMesh(shape, names, device_type)
+
+
+def _bound_axis_timeouts(device_mesh, names) -> None:
+    """torch gives a DeviceMesh's per-axis groups the backend's default timeout (30 minutes for
+    gloo), not the one ``init_process_group`` was given; copy the latter, so that a rank whose
+    peer died fails within the timeout the user chose instead of hanging."""
+    import torch.distributed as dist
+    c10d = dist.distributed_c10d
+    try:
+        world = c10d._get_default_group()
+        timeout = world._get_backend(torch.device(device_mesh.device_type)).options._timeout
+        for axis in names:
+            c10d._set_pg_timeout(timeout, device_mesh.get_group(axis))
+    except (AttributeError, RuntimeError):  # private API moved: keep torch's defaults
+        return
 
 
 def mesh_spec(mesh, *, where: str = "fxshard") -> MeshSpec:
