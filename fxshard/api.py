@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 
 from .mesh import MeshSpec, is_simulated, mesh_spec
 from .passes import PLAN_STYLES, PassCtx
+from .passes.fold_mask import fold_causal_mask_pass
 from .passes.emit import Program, build_rank_module, emit_pass
 from .passes.insert_collectives import insert_collectives_pass
 from .passes.localize import localize_pass
@@ -61,10 +62,11 @@ def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: Pass
         stack, layer_stages = _layer_stages(model, n_stages, stages)
     if traced is None:
         traced = trace(model, args, kwargs)
-    gm = traced.gm
-    for p in (cleanup_pass, propagate_pass, insert_collectives_pass):
-        gm = p(gm, ctx=ctx)
-    gm = lower_attention_pass(gm, ctx=ctx, constants=traced.constants)
+    gm = cleanup_pass(traced.gm, ctx=ctx)
+    gm = fold_causal_mask_pass(gm, ctx=ctx, constants=traced.constants)
+    gm = propagate_pass(gm, ctx=ctx)
+    gm = insert_collectives_pass(gm, ctx=ctx)
+    gm = lower_attention_pass(gm, ctx=ctx)
     gm = localize_pass(gm, ctx=ctx)
     if n_stages > 1:
         graphs = split_stages_pass(gm, ctx=ctx, stack=stack, layer_stages=layer_stages)

@@ -64,9 +64,11 @@ def plan_redistribution(src: tuple, dst: tuple, mesh: MeshSpec) -> list[Step]:
         steps.append(Step(op, mesh.axis_names[i], mesh.shape[i], args, tuple(cur)))
 
     def alone(i, dims) -> bool:
-        """No other axis shards any of ``dims`` now or in the target."""
-        return not any(_touches(cur[j], d) or _touches(dst[j], d)
-                       for j in axes if j != i for d in dims)
+        """No inner axis shards any of ``dims`` now or in the target, and no outer axis still
+        has to change on them. An outer axis that keeps its shard is fine: the collective then
+        works inside that axis's chunk, which is the nested layout."""
+        return not any((_touches(cur[j], d) or _touches(dst[j], d))
+                       and (j > i or cur[j] != dst[j]) for j in axes if j != i for d in dims)
 
     for i in sorted(undo, reverse=True):
         s, t = cur[i], dst[i]

@@ -1,14 +1,21 @@
-"""``scaled_dot_product_attention`` (and the lowered ``fxshard.attention``).
+"""``scaled_dot_product_attention``: how each mesh axis splits attention.
 
 Layout legend: q ``[B, Hq, Sq, D]``, k/v ``[B, Hkv, Skv, D]``, mask ``[B|1, H|1, Sq, Skv]``.
 
-- batch (dim 0): q, k, v and a batched mask follow the same shard;
-- heads (dim 1, the ``tp`` axis): q, k, v split by heads. ``Hq`` must divide by the axis size
-  (a ``ValueError`` otherwise). With grouped KV heads (``enable_gqa``) ``Hkv`` must divide too,
-  or the KV heads are replicated and each rank picks the KV head of its query heads (the
-  ``kv_heads_replicated`` note, applied by ``lower_attention``);
-- sequence (dim 2, CP axes) and head_dim (dim 3): gathered to Replicate. Context parallelism
-  (Ulysses/ring lowering) is not built yet, so a sequence shard is attended whole.
+- batch (dim 0, ``dp``): q, k, v and a batched mask follow the same shard;
+- heads (dim 1, ``tp``): q, k, v split by heads. ``Hq`` must divide by the axis size (a
+  ``ValueError`` otherwise). With grouped KV heads ``Hkv`` must divide too, or the KV heads are
+  replicated and each rank picks the KV head of its query heads (the ``kv_heads_replicated``
+  note, applied by ``lower_attention``);
+- ``ulysses_cp``: q, k, v arrive sharded on the sequence (dim 2); they are moved to a heads
+  shard (all-to-all), attended whole, and the output moves back to the sequence shard::
+
+      sdpa(q: S(2), k: S(2), v: S(2))  ->  needs (S(1), S(1), S(1)), out S(1), then S(2)
+
+- ``ring_cp``: q, k, v stay sequence-sharded; ``lower_attention`` replaces the call with ring
+  attention (K/V passed around the axis, partial results merged by logsumexp): the ``ring``
+  note. An explicit (non-causal) mask is gathered instead;
+- any other shard of the sequence or head_dim is gathered to Replicate.
 """
 from __future__ import annotations
 
@@ -30,6 +37,36 @@ def sdpa_args(node: fx.Node) -> dict:
     return out
 
 
+def _heads_error(node, what: str, n: int, ctx: RuleCtx, fix: str) -> ValueError:
+    return ValueError(
+        f"fxshard.parallelize: attention {node.name} has {n} {what}, which cannot be split "
+        f"over mesh axis {ctx.axis!r} of size {ctx.size} (mesh {ctx.mesh.describe()}). {fix}")
+
+
+def _note(node: fx.Node, key: str, axis: str) -> None:
+    notes = node.meta.setdefault("fxshard_notes", {})
+    if key in notes and notes[key] != axis:
+        raise NotImplementedError(
+            f"fxshard.parallelize: attention {node.name} would need {key} on both "
+            f"{notes[key]!r} and {axis!r}; make the KV heads divisible by one of them")
+    notes[key] = axis
+
+
+def _kv_heads(node, hq: int, hkv: int, ctx: RuleCtx, per_rank: int) -> list:
+    """KV placement when q is split by heads on ``ctx.axis``; ``per_rank``: the KV heads each
+    rank of the outer heads axes holds (``hkv`` unless ``tp`` split them first)."""
+    if per_rank % ctx.size == 0:
+        return [Shard(1), Shard(1)]
+    if ctx.size % per_rank == 0 and hq % hkv == 0:
+        _note(node, "kv_heads_replicated", ctx.axis)
+        return [R, R]
+    raise ValueError(
+        f"fxshard.parallelize: attention {node.name} has {hkv} key/value heads, which can be "
+        f"neither split nor replicated over mesh axis {ctx.axis!r} of size {ctx.size} (mesh "
+        f"{ctx.mesh.describe()}): {ctx.axis} must divide {per_rank} or be a multiple of it. "
+        f"Change the {ctx.axis} size.")
+
+
 @rule(aten.scaled_dot_product_attention.default)
 def sdpa_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     a = sdpa_args(node)
@@ -39,13 +76,11 @@ def sdpa_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     hq, hkv = ctx.shape(q)[1], ctx.shape(k)[1]
     batch = ctx.shape(q)[0]
     if ctx.is_tp and hq % ctx.size:
-        raise ValueError(
-            f"fxshard.parallelize: attention {node.name} has {hq} query heads, which cannot be "
-            f"split over mesh axis {ctx.axis!r} of size {ctx.size} (mesh "
-            f"{ctx.mesh.describe()}). Use a {ctx.axis} size that divides {hq}.")
+        raise _heads_error(node, "query heads", hq, ctx,
+                           f"Use a {ctx.axis} size that divides {hq}.")
     anchor = None
     for p in ins[:3]:
-        if isinstance(p, Shard) and p.dim in (0, 1):
+        if isinstance(p, Shard) and p.dim in (0, 1, 2):
             anchor = p.dim
             break
     if anchor is None:
@@ -55,26 +90,29 @@ def sdpa_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         if mask is None or not isinstance(mask, fx.Node):
             return []
         mshape = ctx.shape(mask)
-        full = 1 if dim == 1 else batch
-        off = len(mshape) - 4
-        md = dim + off
+        full = {0: batch, 1: hq, 2: ctx.shape(q)[2]}[dim]
+        md = dim + len(mshape) - 4
         return [Shard(md) if md >= 0 and mshape[md] == full and full > 1 else R]
 
     if anchor == 0:
         kv = [Shard(0) if ctx.shape(t)[0] == batch else R for t in (k, v)]
         return Decision(ins=[Shard(0)] + kv + mask_need(0), out=Shard(0))
 
+    if ctx.axis == "ring_cp" and anchor == 2 and mask is None:
+        _note(node, "ring", ctx.axis)
+        return Decision(ins=[Shard(2)] * 3, out=Shard(2))
+
+    if anchor == 2 and ctx.axis != "ulysses_cp":
+        return Decision(ins=[R] * len(ins), out=R)
+
+    tp = ctx.mesh.axis_size("tp") if ctx.axis == "ulysses_cp" else 1
+    if ctx.axis == "ulysses_cp" and (hq // tp) % ctx.size:
+        raise _heads_error(node, f"query heads ({hq // tp} per tp rank)", hq // tp, ctx,
+                           f"Ulysses splits heads: use a {ctx.axis} size that divides "
+                           f"{hq // tp}, or ring_cp.")
     if hq % ctx.size:
         return Decision(ins=[R] * len(ins), out=R)
-    if hkv % ctx.size == 0:
-        kv = [Shard(1), Shard(1)]
-    elif ctx.size % hkv == 0 and hq % hkv == 0:
-        node.meta.setdefault("fxshard_notes", {})["kv_heads_replicated"] = ctx.axis
-        kv = [R, R]
-    else:
-        raise ValueError(
-            f"fxshard.parallelize: attention {node.name} has {hkv} key/value heads, which can "
-            f"be neither split nor replicated over mesh axis {ctx.axis!r} of size {ctx.size} "
-            f"(mesh {ctx.mesh.describe()}): {ctx.axis} must divide {hkv} or be a multiple of "
-            f"it. Change the {ctx.axis} size.")
-    return Decision(ins=[Shard(1)] + kv + mask_need(1), out=Shard(1))
+    per_rank = hkv // tp if hkv % tp == 0 else 1
+    kv = _kv_heads(node, hq, hkv, ctx, per_rank)
+    then = Shard(2) if anchor == 2 else None
+    return Decision(ins=[Shard(1)] + kv + mask_need(1), out=Shard(1), then=then)
