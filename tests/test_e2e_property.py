@@ -1,6 +1,6 @@
-"""End to end over random mesh shapes and model configs: any combination of dp, tp and pp
-(with sequence parallelism and microbatches) gives the single-device output, or a ValueError
-that names what does not divide."""
+"""End to end over random mesh shapes and model configs: any combination of dp, tp, pp and a
+context-parallel axis (with sequence parallelism and microbatches) gives the single-device
+output, or a ValueError that names what does not divide."""
 from __future__ import annotations
 
 import torch
@@ -14,16 +14,17 @@ from tests.models import our_llama
 def configs(draw):
     dp, tp, pp = (draw(st.sampled_from([1, 2])) for _ in range(3))
     tp = draw(st.sampled_from([1, 2, 4])) if dp * pp == 1 else tp
-    assume(dp * tp * pp > 1)
+    cp = draw(st.sampled_from([None, "ulysses_cp", "ring_cp"])) if dp * tp * pp <= 4 else None
+    assume(dp * tp * pp * (2 if cp else 1) > 1)
     kv = draw(st.sampled_from([1, 2, 4]))
     heads = kv * draw(st.sampled_from([1, 2]))
     head_dim = draw(st.sampled_from([4, 8]))
     layers = draw(st.integers(pp, 3))
     mb = draw(st.sampled_from([1, 2])) if pp > 1 else 1
     batch = dp * mb * draw(st.integers(1, 2))
-    seq = draw(st.sampled_from([4, 6, 8]))
+    seq = draw(st.sampled_from([4, 6, 8] if cp is None else [4, 8]))
     sp = draw(st.booleans())
-    return dict(dp=dp, tp=tp, pp=pp, kv=kv, heads=heads, head_dim=head_dim, layers=layers,
+    return dict(dp=dp, tp=tp, pp=pp, cp=cp, kv=kv, heads=heads, head_dim=head_dim, layers=layers,
                 mb=mb, batch=batch, seq=seq, sp=sp, tie=draw(st.booleans()),
                 hidden=heads * head_dim + draw(st.sampled_from([0, 4])))
 
@@ -36,8 +37,9 @@ def test_any_combination_matches_single_device(cfg):
                       tie_word_embeddings=cfg["tie"])
     ids = torch.randint(0, 128, (cfg["batch"], cfg["seq"]),
                         generator=torch.Generator().manual_seed(cfg["seq"]))
-    mesh = fxshard.init_device_mesh("cpu", (cfg["dp"], cfg["tp"], cfg["pp"]),
-                                    mesh_dim_names=("dp", "tp", "pp"))
+    names = ("dp", "tp", "pp") + ((cfg["cp"],) if cfg["cp"] else ())
+    shape = (cfg["dp"], cfg["tp"], cfg["pp"]) + ((2,) if cfg["cp"] else ())
+    mesh = fxshard.init_device_mesh("cpu", shape, mesh_dim_names=names)
     try:
         pm = fxshard.parallelize(model, mesh, sequence_parallel=cfg["sp"],
                                  microbatches=cfg["mb"])
@@ -48,7 +50,8 @@ def test_any_combination_matches_single_device(cfg):
         # only sizes that do not divide by tp may refuse, and they must say which
         assert ("does not divide" in msg or "cannot be split" in msg
                 or "neither split nor replicated" in msg), msg
-        assert (cfg["heads"] % tp or (cfg["kv"] % tp and tp % cfg["kv"])
+        ulysses = 2 if cfg["cp"] == "ulysses_cp" else 1
+        assert (cfg["heads"] % (tp * ulysses) or (cfg["kv"] % tp and tp % cfg["kv"])
                 or cfg["hidden"] % tp or (cfg["sp"] and cfg["seq"] % tp)
                 or 128 % tp or (3 * cfg["hidden"]) % tp), (cfg, msg)
         return

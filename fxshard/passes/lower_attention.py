@@ -52,11 +52,11 @@ def lower_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
         causal = bool(a["is_causal"])
         with graph.inserting_before(node):
             notes = node.meta.get("fxshard_notes", {})
-            axis = notes.get("kv_heads_replicated")
-            if axis is not None:
+            for axis in sorted(notes.get("kv_heads_replicated", ()),
+                               key=ctx.mesh.axis_names.index):
                 size = ctx.mesh.axis_size(axis)
                 k, v = (_pick_kv_heads(graph, t, axis, size, ctx.mesh) for t in (k, v))
-            ring = notes.get("ring")
+            ring = (notes.get("ring") or [None])[0]
             if ring is not None:
                 assert mask is None, node.format_node()
                 att = graph.call_function(

@@ -44,12 +44,10 @@ def _heads_error(node, what: str, n: int, ctx: RuleCtx, fix: str) -> ValueError:
 
 
 def _note(node: fx.Node, key: str, axis: str) -> None:
-    notes = node.meta.setdefault("fxshard_notes", {})
-    if key in notes and notes[key] != axis:
-        raise NotImplementedError(
-            f"fxshard.parallelize: attention {node.name} would need {key} on both "
-            f"{notes[key]!r} and {axis!r}; make the KV heads divisible by one of them")
-    notes[key] = axis
+    """Record that the lowering must do something on ``axis`` (a list, in mesh order)."""
+    axes = node.meta.setdefault("fxshard_notes", {}).setdefault(key, [])
+    if axis not in axes:
+        axes.append(axis)
 
 
 def _kv_heads(node, hq: int, hkv: int, ctx: RuleCtx, per_rank: int) -> list:

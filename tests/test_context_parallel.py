@@ -1,0 +1,107 @@
+"""Context parallelism: Ulysses (all-to-all to heads around attention) and ring attention
+(K/V chunks passed around the axis, merged by logsumexp), alone and combined with dp, tp, pp,
+against the single-device model."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxshard
+from fxshard.kernels import ring  # noqa: F401
+from fxshard.mesh import MeshSpec
+from fxshard.runtime.simulated import SimulatedWorld
+from tests.models import hf_llama, our_llama
+
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def mesh(**axes):
+    return fxshard.init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("n,hq,hkv,s", [(2, 4, 2, 6), (4, 2, 1, 8), (3, 3, 3, 9)])
+def test_ring_attention_op_matches_full_attention(n, hq, hkv, s, causal):
+    g = torch.Generator().manual_seed(n)
+    q, k, v = (torch.randn(2, h, s, 8, generator=g) for h in (hq, hkv, hkv))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv)
+    world = MeshSpec((n,), ("ring_cp",))
+    chunk = s // n
+
+    def rank(r):
+        sl = slice(r * chunk, (r + 1) * chunk)
+        out, lse = torch.ops.fxshard.ring_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl],
+                                                    causal, None, "ring_cp", n)
+        return out
+    with SimulatedWorld(world) as w:
+        outs = w.run(rank)
+    torch.testing.assert_close(torch.cat(outs, dim=2), want, **TOL)
+
+
+CASES = [dict(ulysses_cp=2), dict(ring_cp=2), dict(ring_cp=4), dict(tp=2, ulysses_cp=2),
+         dict(tp=2, ring_cp=2), dict(ulysses_cp=2, ring_cp=2), dict(dp=2, ring_cp=2),
+         dict(pp=2, ring_cp=2), dict(dp=2, tp=2, pp=2, ulysses_cp=2)]
+
+
+@pytest.mark.parametrize("axes", CASES, ids=lambda a: "x".join(f"{k}{v}" for k, v in a.items()))
+def test_our_llama_context_parallel(axes):
+    model = our_llama(num_hidden_layers=2)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    pm = fxshard.parallelize(model, mesh(**axes))
+    torch.testing.assert_close(pm(ids), model(ids), **TOL)
+
+
+@pytest.mark.parametrize("axes", CASES[:6], ids=lambda a: "x".join(f"{k}{v}"
+                                                                    for k, v in a.items()))
+def test_hf_llama_context_parallel(axes):
+    model = hf_llama(layers=2)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    pm = fxshard.parallelize(model, mesh(**axes))
+    torch.testing.assert_close(pm(ids).logits, model(ids).logits, **TOL)
+
+
+def test_ulysses_four_all_to_alls_per_layer():
+    ids = torch.randint(0, 128, (2, 8))
+    counts = {}
+    for layers in (1, 3):
+        model = our_llama(num_hidden_layers=layers, num_key_value_heads=4)
+        pm = fxshard.parallelize(model, mesh(ulysses_cp=2), example_inputs=(ids,))
+        counts[layers] = pm.explain().counts(0)
+    assert counts[3] - counts[1] == {("all_to_all", "ulysses_cp"): 8}
+
+
+def test_ring_sends_no_activation_collectives_per_layer():
+    ids = torch.randint(0, 128, (2, 8))
+    counts = {}
+    for layers in (1, 3):
+        model = our_llama(num_hidden_layers=layers)
+        pm = fxshard.parallelize(model, mesh(ring_cp=4), example_inputs=(ids,))
+        counts[layers] = pm.explain().counts(0)
+        code = pm.rank_module(0).code
+        assert code.count("torch.ops.fxshard.ring_attention") == layers
+    assert counts[3] == counts[1]  # only the final output gather; K/V travel inside the op
+
+
+def test_ulysses_heads_must_divide():
+    model = our_llama(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                      hidden_size=32, head_dim=16)
+    ids = torch.randint(0, 128, (1, 8))
+    with pytest.raises(ValueError, match=r"ulysses_cp.*Ulysses splits heads"):
+        fxshard.parallelize(model, mesh(tp=2, ulysses_cp=2), example_inputs=(ids,))
+
+
+def test_sequence_not_divisible_by_ring_is_a_value_error():
+    model = our_llama(num_hidden_layers=1)
+    with pytest.raises(ValueError, match=r"dim 1 over mesh axis 'ring_cp' of size 4"):
+        fxshard.parallelize(model, mesh(ring_cp=4))(torch.randint(0, 128, (1, 6)))
+
+
+@pytest.mark.parametrize("kv,axes", [(1, dict(tp=2, ulysses_cp=2)), (1, dict(tp=4, ulysses_cp=2)),
+                                     (2, dict(ulysses_cp=4))])
+def test_kv_heads_replicated_over_tp_and_ulysses(kv, axes):
+    model = our_llama(num_hidden_layers=1, num_key_value_heads=kv, num_attention_heads=8,
+                      head_dim=8)
+    ids = torch.randint(0, 128, (2, 8))
+    pm = fxshard.parallelize(model, mesh(**axes))
+    torch.testing.assert_close(pm(ids), model(ids), **TOL)
