@@ -2,8 +2,10 @@
 
 Bytes are per rank and per forward. ``tensor bytes`` is the size of the local tensor handed to
 the collective; ``wire bytes`` is what a ring algorithm sends per rank: ``2(n-1)/n`` of it for
-an all-reduce, ``(n-1)/n`` of the gathered/scattered/exchanged size otherwise. With tensor
-parallelism over ``t`` ranks that gives the textbook ``4(t-1)/t * b*s*h*B`` per layer.
+an all-reduce, ``(n-1)/n`` of the gathered/scattered/exchanged size otherwise, the whole
+message for send/recv, and ``n-1`` K/V chunks for ring attention. With tensor parallelism over
+``t`` ranks that gives the textbook ``4(t-1)/t * b*s*h*B`` per layer, with a ring of ``p`` ranks
+``2(p-1)/p * b*s*h_kv*B``.
 """
 from __future__ import annotations
 
@@ -17,8 +19,7 @@ from .placement import local_shape, short_spec
 __all__ = ["Explanation", "explain", "COLLECTIVES"]
 
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "local_shard",
-               "partial_from_replicate",
-               "send", "recv")
+               "partial_from_replicate", "send", "recv", "ring_attention")
 
 
 @dataclass
@@ -109,6 +110,15 @@ def collectives_of(graph, mesh) -> list[CollectiveInfo]:
         if op not in COLLECTIVES:
             continue
         x = node.args[0]
+        if op == "ring_attention":  # K and V chunks travel n - 1 steps around the ring
+            k = node.args[1]
+            axis = node.args[5]
+            size = mesh.axis_size(axis)
+            shape = local_shape(tuple(k.meta["val"].shape), k.meta["fxshard_spec"], mesh)
+            nbytes = 2 * int(torch.Size(shape).numel()) * k.meta["val"].element_size()
+            out.append(CollectiveInfo(node.name, op, axis, size, shape, nbytes,
+                                      (size - 1) * nbytes))
+            continue
         if op == "recv":
             shape, dtype = tuple(node.args[0]), node.args[1]
             axis, size = node.args[3], mesh.axis_size(node.args[3])

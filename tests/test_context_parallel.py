@@ -105,3 +105,15 @@ def test_kv_heads_replicated_over_tp_and_ulysses(kv, axes):
     ids = torch.randint(0, 128, (2, 8))
     pm = fxshard.parallelize(model, mesh(**axes))
     torch.testing.assert_close(pm(ids), model(ids), **TOL)
+
+
+def test_explain_counts_ring_bytes():
+    """Ring traffic per layer is 2(p-1)/p * b*s*h_kv*B (K and V, each p-1 chunk steps)."""
+    model = our_llama(num_hidden_layers=2)   # 2 KV heads of 16: h_kv = 32
+    ids = torch.randint(0, 128, (2, 8))
+    p = 4
+    ex = fxshard.parallelize(model, mesh(ring_cp=p), example_inputs=(ids,)).explain()
+    ring = [c for c in ex.collectives[0] if c.op == "ring_attention"]
+    assert len(ring) == 2
+    b, s, h_kv, nbytes = 2, 8, 32, 4
+    assert all(c.wire_bytes == 2 * (p - 1) * b * s * h_kv * nbytes // p for c in ring)
