@@ -7,8 +7,8 @@ each running many cases and writing a JSON report that the tests below read:
   checkpoint written by rank 0 in two safetensors shards and loaded into a model built on
   ``meta`` (each rank reads only its slices and builds only its own rank module); then rank 1
   raises inside ``pm(x)`` before the first collective (a token outside the vocabulary) and
-  exits, and rank 0 must fail within a bounded time with an error naming the fxshard op and
-  the mesh axis instead of hanging.
+  stays alive, and rank 0 must fail after the axis group's timeout with an error naming the
+  fxshard op and the mesh axis instead of hanging.
 * 4 processes: dp2 x tp2 (with and without sequence parallelism), tp2 x pp2 (microbatches 1
   and 2) and dp2 x pp2, on both models.
 
@@ -34,7 +34,7 @@ import torch
 
 LAUNCH_TIMEOUT_S = 150
 PG_TIMEOUT_S = 30        # default group: generous, ranks trace at different speeds
-FAIL_TIMEOUT_S = 5       # the axis groups of the failing-rank case
+FAIL_TIMEOUT_S = 5       # the tp group of the failing-rank case (the last one it runs)
 TOL = dict(rtol=1e-4, atol=1e-4)
 BATCH, SEQ, VOCAB = 4, 8, 128
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,7 +78,10 @@ def _compare(got, want) -> str:
         return f"mismatch: {exc}"
 
 
-def _run_case(model_kind: str, shape, names, kwargs) -> tuple[str, object]:
+def _run_case(model_kind: str, shape, names, kwargs) -> tuple[str, str]:
+    """(``"ok"`` or what went wrong, the type of ``pm``'s output) on this rank."""
+    import torch.distributed as dist
+
     import fxshard
     model = _model(model_kind)
     ids = _ids()
@@ -87,6 +90,9 @@ def _run_case(model_kind: str, shape, names, kwargs) -> tuple[str, object]:
     with torch.no_grad():
         got = pm(ids)
         want = model(ids)
+    built = sorted(pm._last.modules)
+    if built != [dist.get_rank()]:  # a process builds its own rank's module only
+        return f"built the modules of ranks {built}", type(got).__name__
     return _compare(got, want), type(got).__name__
 
 
@@ -131,21 +137,22 @@ def _safetensors_case(rank: int, ckpt_dir: str) -> dict:
     }
 
 
-def _failing_rank_case(rank: int) -> dict:
-    """Rank 1 raises inside pm(x) before the first collective, then exits."""
+def _failing_rank_case(rank: int, out_dir: str) -> dict:
+    """Rank 1 raises inside pm(x) before the first collective and stays alive (as a rank that
+    hangs in its error handling would): rank 0's first collective must time out."""
     import torch.distributed as dist
 
     import fxshard
     model = _model("ours", layers=1)
     ids = _ids()
     mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    for axis in ("tp",):
-        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=FAIL_TIMEOUT_S),
-                                             mesh.get_group(axis))
     pm = fxshard.parallelize(model, mesh, example_inputs=(ids,))
     with torch.no_grad():
-        pm(ids)  # both ranks fine once
+        pm(ids)  # every rank module built, the backend made, collectives work
     dist.barrier()
+    # set after the backend exists: it must read the group's timeout when it waits
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=FAIL_TIMEOUT_S),
+                                         mesh.get_group("tp"))
     bad = ids.clone()
     if rank == 1:
         bad[0, 0] = VOCAB + 5  # the embedding lookup raises before its all_gather
@@ -156,36 +163,46 @@ def _failing_rank_case(rank: int) -> dict:
         outcome = "ok"
     except Exception as exc:  # noqa: BLE001 - the report carries the type
         outcome = f"{type(exc).__name__}: {exc}"
-    return {"outcome": outcome, "seconds": time.monotonic() - start}
+    seconds = time.monotonic() - start
+    if rank == 1:  # alive, but never joins rank 0's collective: wait for rank 0's report
+        deadline = time.monotonic() + FAIL_TIMEOUT_S + 15
+        while time.monotonic() < deadline and \
+                not os.path.exists(os.path.join(out_dir, "rank0.json")):
+            time.sleep(0.1)
+    return {"outcome": outcome, "seconds": seconds}
 
 
-def _two_proc_cases(rank: int, report: dict, ckpt_dir: str, write) -> None:
+def _two_proc_cases(rank: int, report: dict, out_dir: str) -> None:
     for kind in MODELS:
+        start = time.monotonic()
         report["cases"][f"tp2/{kind}"], report["types"][kind] = \
             _run_case(kind, (2,), ("tp",), {})
-    report["safetensors"] = _safetensors_case(rank, ckpt_dir)
+        report["seconds"][f"tp2/{kind}"] = round(time.monotonic() - start, 2)
+    report["safetensors"] = _safetensors_case(rank, os.path.join(out_dir, "ckpt"))
     report["cases_done"] = True
     import torch.distributed as dist
     dist.barrier()
-    report["failing"] = _failing_rank_case(rank)
-    if rank == 1:
-        write()
-        os._exit(0)  # the failed rank goes away, as under torchrun
+    report["failing"] = _failing_rank_case(rank, out_dir)
 
 
-def _four_proc_cases(rank: int, report: dict, ckpt_dir: str, write) -> None:
+def _four_proc_cases(rank: int, report: dict, out_dir: str) -> None:
     for name, shape, names, kwargs in FOUR_PROC_CASES:
         for kind in MODELS:
+            start = time.monotonic()
             report["cases"][f"{name}/{kind}"], _ = _run_case(kind, shape, names, kwargs)
+            report["seconds"][f"{name}/{kind}"] = round(time.monotonic() - start, 2)
     report["cases_done"] = True
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, job: str) -> None:
-    report = {"rank": rank, "cases": {}, "types": {}, "errors": []}
+    report = {"rank": rank, "cases": {}, "types": {}, "errors": [], "seconds": {}}
+    start = time.monotonic()
 
-    def write() -> None:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+    def write() -> None:  # atomically: rank 1 of the failing case waits for rank 0's file
+        path = os.path.join(out_dir, f"rank{rank}.json")
+        with open(path + ".tmp", "w") as f:
             json.dump(report, f)
+        os.replace(path + ".tmp", path)
 
     log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
     os.dup2(log.fileno(), 1)
@@ -196,11 +213,14 @@ def _worker(rank: int, world: int, port: int, out_dir: str, job: str) -> None:
         warnings.simplefilter("ignore")
         torch.set_num_threads(1)
         import torch.distributed as dist
+        import fxshard  # noqa: F401 - imports first, to time them apart
+        import transformers  # noqa: F401
+        report["seconds"]["imports"] = round(time.monotonic() - start, 2)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world,
                                 timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
         cases = _two_proc_cases if job == "two" else _four_proc_cases
-        cases(rank, report, os.path.join(out_dir, "ckpt"), write)
+        cases(rank, report, out_dir)
     except BaseException:  # noqa: BLE001 - reported to the test process
         report["errors"].append(traceback.format_exc())
     write()
@@ -291,7 +311,9 @@ def test_failing_rank_makes_peer_fail_fast_naming_op_and_axis(two):
     text = peer["outcome"]
     assert text.startswith("RuntimeError"), text
     assert re.search(r"torch\.ops\.fxshard\.\w+ on mesh axis 'tp'", text), text
-    assert peer["seconds"] < FAIL_TIMEOUT_S + 10, peer
+    # the group's timeout when it failed (set after the backend was made)
+    assert f"({datetime.timedelta(seconds=FAIL_TIMEOUT_S)})" in text, text
+    assert FAIL_TIMEOUT_S - 1 < peer["seconds"] < FAIL_TIMEOUT_S + 10, peer
 
 
 @pytest.mark.parametrize("name", [c[0] for c in FOUR_PROC_CASES])

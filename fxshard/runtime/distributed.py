@@ -17,7 +17,6 @@ the mesh axis, chained to the original.
 from __future__ import annotations
 
 import datetime
-import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -68,8 +67,6 @@ class DistributedBackend:
         self._groups = {axis: device_mesh.get_group(axis) for axis in self.mesh.axis_names}
         for axis, group in self._groups.items():
             self._check_group_order(axis, group)
-        self._timeouts = {axis: _group_timeout(group, self.mesh.device_type)
-                          for axis, group in self._groups.items()}
         self._pending: list[tuple[dist.Work, torch.Tensor, str, int]] = []
 
     def __repr__(self) -> str:
@@ -110,6 +107,11 @@ class DistributedBackend:
                              f"{self.mesh.describe()}")
         return group
 
+    def _timeout(self, axis: str) -> datetime.timedelta:
+        """The axis group's timeout now (read at each use: it may be changed after this
+        backend was made, e.g. by ``torch.distributed.distributed_c10d._set_pg_timeout``)."""
+        return _group_timeout(self._groups[axis], self.mesh.device_type)
+
     def _call(self, op: str, axis: str, fn: Callable[[], torch.Tensor | None],
               detail: str = "") -> torch.Tensor | None:
         try:
@@ -119,7 +121,7 @@ class DistributedBackend:
                 f"torch.ops.fxshard.{op} on mesh axis {axis!r}{detail} failed on rank "
                 f"{self.rank} {self._where()}: {type(exc).__name__}: {exc}. A rank of the "
                 f"{axis!r} group probably exited, crashed, skipped this call or took longer "
-                f"than the timeout of the axis's process group ({self._timeouts[axis]}); check "
+                f"than the timeout of the axis's process group ({self._timeout(axis)}); check "
                 f"that rank's log."
             ) from exc
 
@@ -128,7 +130,7 @@ class DistributedBackend:
     def all_gather(self, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
         group = self._group("all_gather", axis)
         return self._call("all_gather", axis, lambda: _wait(
-            funcol.all_gather_tensor(x.contiguous(), gather_dim=dim, group=group)))
+            funcol.all_gather_single(x.contiguous(), gather_dim=dim, group=group)))
 
     def all_reduce(self, x: torch.Tensor, axis: str) -> torch.Tensor:
         group = self._group("all_reduce", axis)
@@ -138,7 +140,7 @@ class DistributedBackend:
     def reduce_scatter(self, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
         group = self._group("reduce_scatter", axis)
         return self._call("reduce_scatter", axis, lambda: _wait(
-            funcol.reduce_scatter_tensor(x.contiguous(), "sum", scatter_dim=dim, group=group)
+            funcol.reduce_scatter_single(x.contiguous(), "sum", scatter_dim=dim, group=group)
         ).contiguous())
 
     def all_to_all(self, x: torch.Tensor, split_dim: int, concat_dim: int,
@@ -171,7 +173,7 @@ class DistributedBackend:
         out = torch.empty(list(shape), dtype=dtype, device=device)
 
         def run() -> torch.Tensor:
-            dist.irecv(out, group=group, group_src=peer).wait(self._timeouts[axis])
+            dist.irecv(out, group=group, group_src=peer).wait(self._timeout(axis))
             return out
         return self._call("recv", axis, run, f" from coordinate {peer}")
 
@@ -196,18 +198,20 @@ class DistributedBackend:
             self._wait_send(work, axis, peer)
 
     def _wait_send(self, work: dist.Work, axis: str, peer: int) -> None:
-        self._call("send", axis, lambda: work.wait(self._timeouts[axis]),
+        self._call("send", axis, lambda: work.wait(self._timeout(axis)),
                    f" to coordinate {peer}")
 
 
-_BACKENDS: "weakref.WeakKeyDictionary[DeviceMesh, DistributedBackend]" = \
-    weakref.WeakKeyDictionary()
-"""Registry: one backend per mesh, so sends still in flight survive between forward passes."""
+_BACKENDS: dict[int, DistributedBackend] = {}
+"""Registry: one backend per mesh object, so sends still in flight survive between forward
+passes. Keyed by identity, not equality: torch's ``DeviceMesh`` compares equal to any mesh of the
+same ranks and names, though each ``init_device_mesh`` call makes its own process groups (with
+their own timeouts). The backend holds its mesh, so an ``id`` stays unique while it is a key."""
 
 
 def backend_for(device_mesh: DeviceMesh) -> DistributedBackend:
     """The :class:`DistributedBackend` of this process on ``device_mesh`` (one per mesh)."""
-    backend = _BACKENDS.get(device_mesh)
+    backend = _BACKENDS.get(id(device_mesh))
     if backend is None:
-        backend = _BACKENDS[device_mesh] = DistributedBackend(device_mesh)
+        backend = _BACKENDS[id(device_mesh)] = DistributedBackend(device_mesh)
     return backend

@@ -1,0 +1,495 @@
+"""Runtime of fxshard's per-rank programs vs hand-written Megatron and DTensor, on real ranks.
+
+DESIGN target (section 4): "the per-rank GraphModules add nothing over hand-written Megatron
+code (ratio <= 1.05 on the same machine, same run) and beat DTensor parallelize_module eager".
+
+    python benchmarks/runtime_tp.py                          # defaults, ~1-2 minutes on 2 cores
+    python benchmarks/runtime_tp.py --iters 200 --rounds 5 --json /tmp/runtime_tp.json
+    python benchmarks/runtime_tp.py --layers 4 --seq 128     # a bigger model
+
+One launch of 2 processes (torch.multiprocessing spawn, gloo, rendezvous on a free 127.0.0.1
+port held by the launcher's TCPStore, tp=2,
+fp32 on CPU, ``torch.set_num_threads(--threads)`` per process, default 1 so that 2 processes
+fit 2 cores) runs every variant, so all of them share the machine state of one run. Both
+processes build the same ``fxshard.models.llama.LlamaForCausalLM`` (same seed) and the same
+input ids. Variants:
+
+  single-device      the unmodified model in one process (rank 0 alone; rank 1 waits at a
+                     barrier). Context only: what tp=2 buys at this size.
+  megatron           the same Llama hand-written for tp=2: column-parallel q/k/v/gate/up on
+                     local weight slices, row-parallel o/down followed by an in-place
+                     ``dist.all_reduce``, embedding sharded on the embedding dim +
+                     ``dist.all_gather``, lm_head column-parallel + ``dist.all_gather`` of the
+                     logits (the collectives fxshard emits), ``F.scaled_dot_product_attention``.
+                     The baseline (ratio 1.00).
+  fxshard pm(ids)    ``fxshard.parallelize(model, mesh, example_inputs=(ids,))`` called as
+                     ``pm(ids)`` (ParallelModule wrapper included).
+  fxshard gm(ids)    rank's GraphModule ``pm.rank_module(rank)`` called directly inside
+                     ``use_backend(backend_for(mesh))`` (no wrapper).
+  fxshard gm+sdpa    diagnostic: a copy of that GraphModule whose ``fxshard.attention`` nodes
+                     call ``F.scaled_dot_product_attention`` instead (patched here, in the
+                     benchmark) - separates the attention kernel from the rest of the program.
+  dtensor            ``torch.distributed.tensor.parallel.parallelize_module`` on a copy of the
+                     model (ColwiseParallel q/k/v/gate/up, RowwiseParallel o/down, embedding and
+                     lm_head ColwiseParallel with Replicate output), eager.
+
+Every variant's logits are checked against the single-device model (max abs error < 1e-4).
+Each variant is timed in ``--rounds`` rounds of ``--iters`` forward passes (after
+``--warmup``), variants interleaved round by round, a barrier before each variant block, under
+``torch.no_grad()``. A sample is the slower of the two ranks' wall times for that forward. The
+table gives median / p10 / p90 in ms and the median's ratio to megatron. Two micro-benchmarks
+explain the gaps: one collective through ``torch.ops.fxshard.*`` vs plain ``torch.distributed``,
+and ``fxshard.attention`` (the op fxshard lowers SDPA to) vs SDPA on one rank's shapes.
+Numbers and environment go to ``--json`` (default ``benchmarks/runtime_tp.json``).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import operator
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import fxshard  # noqa: E402
+from fxshard.models.llama import (LlamaConfig, LlamaForCausalLM, apply_rotary_pos_emb,  # noqa: E402
+                                  rope_cos_sin)
+
+TOL = 1e-4
+TP = 2
+BASELINE = "megatron"
+
+
+def make_config(args) -> LlamaConfig:
+    return LlamaConfig.tiny(vocab_size=args.vocab, hidden_size=args.hidden,
+                            intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                            num_attention_heads=args.heads, num_key_value_heads=args.kv_heads)
+
+
+# --- hand-written Megatron ----------------------------------------------------------------
+
+class MegatronLlama:
+    """The Llama of ``fxshard.models.llama`` written by hand for tensor parallelism over
+    ``group`` (this rank = ``rank`` of ``tp``), on slices of the reference model's weights."""
+
+    def __init__(self, model: LlamaForCausalLM, rank: int, tp: int, group=None):
+        cfg = model.config
+        self.cfg, self.rank, self.tp, self.group = cfg, rank, tp, group
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.gqa = cfg.num_key_value_heads != cfg.num_attention_heads
+        sd = {k: v.detach() for k, v in model.state_dict().items()}
+
+        def rows(w):  # column-parallel Linear: output features (weight dim 0)
+            n = w.shape[0] // tp
+            return w[rank * n:(rank + 1) * n].contiguous()
+
+        def cols(w):  # row-parallel Linear / embedding-dim-sharded Embedding: weight dim 1
+            n = w.shape[1] // tp
+            return w[:, rank * n:(rank + 1) * n].contiguous()
+
+        self.embed = cols(sd["model.embed_tokens.weight"])
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(dict(
+                wq=rows(sd[p + "self_attn.q_proj.weight"]),
+                wk=rows(sd[p + "self_attn.k_proj.weight"]),
+                wv=rows(sd[p + "self_attn.v_proj.weight"]),
+                wo=cols(sd[p + "self_attn.o_proj.weight"]),
+                wg=rows(sd[p + "mlp.gate_proj.weight"]),
+                wu=rows(sd[p + "mlp.up_proj.weight"]),
+                wd=cols(sd[p + "mlp.down_proj.weight"]),
+                ln1=sd[p + "input_layernorm.weight"].clone(),
+                ln2=sd[p + "post_attention_layernorm.weight"].clone()))
+        self.norm = sd["model.norm.weight"].clone()
+        self.lm_head = rows(sd["lm_head.weight"])
+
+    def _gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(self.tp)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return w * (x * torch.rsqrt(var + self.cfg.rms_norm_eps))
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        bsz, seq = ids.shape
+        d = self.head_dim
+        x = self._gather_last(F.embedding(ids, self.embed))
+        cos, sin = rope_cos_sin(seq, d, self.cfg.rope_theta, device=x.device, dtype=x.dtype)
+        for L in self.layers:
+            h = self._rms(x, L["ln1"])
+            q = F.linear(h, L["wq"]).view(bsz, seq, -1, d).transpose(1, 2)
+            k = F.linear(h, L["wk"]).view(bsz, seq, -1, d).transpose(1, 2)
+            v = F.linear(h, L["wv"]).view(bsz, seq, -1, d).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                               enable_gqa=self.gqa)
+            o = F.linear(a.transpose(1, 2).reshape(bsz, seq, -1), L["wo"])
+            dist.all_reduce(o, group=self.group)
+            x = x + o
+            h = self._rms(x, L["ln2"])
+            m = F.linear(F.silu(F.linear(h, L["wg"])) * F.linear(h, L["wu"]), L["wd"])
+            dist.all_reduce(m, group=self.group)
+            x = x + m
+        return self._gather_last(F.linear(self._rms(x, self.norm), self.lm_head))
+
+
+# --- fxshard GraphModule with SDPA instead of fxshard.attention (diagnostic) --------------
+
+def _sdpa_as_fxshard_attention(q, k, v, mask, causal, scale, q_offset, kv_offset):
+    """Same contract as ``fxshard::attention`` for the cases in this benchmark (no mask, zero
+    offsets); returns ``(out, None)`` - the programs here only read ``[0]``."""
+    assert mask is None and q_offset == 0 and kv_offset == 0
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out, None
+
+
+def with_sdpa(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, int]:
+    graph = copy.deepcopy(gm.graph)
+    n = 0
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.fxshard.attention.default:
+            for user in node.users:  # only out[0] may be used
+                assert user.target is operator.getitem and user.args[1] == 0
+            node.target = _sdpa_as_fxshard_attention
+            n += 1
+    out = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__ + "Sdpa")
+    return out, n
+
+
+# --- DTensor -------------------------------------------------------------------------------
+
+def dtensor_model(model: LlamaForCausalLM, device_mesh):
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    m = copy.deepcopy(model)
+    plan = {"model.embed_tokens": ColwiseParallel(output_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Replicate())}
+    for i in range(model.config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                     "mlp.gate_proj", "mlp.up_proj"):
+            plan[p + name] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[p + name] = RowwiseParallel()
+    return parallelize_module(m, device_mesh, plan)
+
+
+# --- timing --------------------------------------------------------------------------------
+
+def _percentile(xs, q):
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    pos = (len(xs) - 1) * q
+    lo, hi = int(pos), min(int(pos) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _stats(samples_s):
+    ms = [s * 1e3 for s in samples_s]
+    return {"median_ms": statistics.median(ms), "p10_ms": _percentile(ms, 0.1),
+            "p90_ms": _percentile(ms, 0.9), "n": len(ms)}
+
+
+def _time(fn, n):
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _max_err(a, b) -> float:
+    if isinstance(a, (tuple, list)):
+        a = a[0]
+    return (a.float() - b.float()).abs().max().item()
+
+
+def micro_collectives(backend, hidden_shape, logits_shape, iters):
+    """One all_reduce / all_gather: torch.ops.fxshard.* (funcol under the hood) vs plain
+    torch.distributed, same tensors, both ranks in lockstep."""
+    from fxshard.runtime import use_backend
+    res = {}
+    x = torch.randn(hidden_shape)
+    y = torch.randn(logits_shape)
+
+    def plain_ar():
+        t = x.clone()
+        dist.all_reduce(t)
+        return t
+
+    def plain_ag():
+        parts = [torch.empty_like(y) for _ in range(TP)]
+        dist.all_gather(parts, y)
+        return torch.cat(parts, -1)
+
+    cases = {
+        f"all_reduce {list(hidden_shape)} dist.all_reduce(clone)": plain_ar,
+        f"all_reduce {list(hidden_shape)} torch.ops.fxshard.all_reduce":
+            lambda: torch.ops.fxshard.all_reduce(x, "tp", TP),
+        f"all_gather {list(logits_shape)} dist.all_gather+cat": plain_ag,
+        f"all_gather {list(logits_shape)} torch.ops.fxshard.all_gather":
+            lambda: torch.ops.fxshard.all_gather(y, 2, "tp", TP),
+    }
+    with use_backend(backend):
+        for name, fn in cases.items():
+            _time(fn, 10)
+            dist.barrier()
+            res[name] = _stats(_time(fn, iters))
+    return res
+
+
+def micro_attention(cfg, batch, seq, iters):
+    """fxshard.attention (torch reference impl on CPU) vs SDPA, one rank's local heads."""
+    hq, hkv, d = cfg.num_attention_heads // TP, cfg.num_key_value_heads // TP, cfg.head_dim
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(batch, hq, seq, d, generator=g)
+    k = torch.randn(batch, hkv, seq, d, generator=g)
+    v = torch.randn(batch, hkv, seq, d, generator=g)
+    scale = d ** -0.5
+    fns = {
+        f"fxshard.attention [{batch},{hq}|{hkv},{seq},{d}]":
+            lambda: torch.ops.fxshard.attention(q, k, v, None, True, scale, 0, 0),
+        f"F.scaled_dot_product_attention [{batch},{hq}|{hkv},{seq},{d}]":
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                   enable_gqa=hq != hkv),
+    }
+    res = {}
+    for name, fn in fns.items():
+        _time(fn, 10)
+        res[name] = _stats(_time(fn, iters))
+    return res
+
+
+# --- the worker ----------------------------------------------------------------------------
+
+def worker(rank: int, port: int, args) -> None:
+    torch.set_num_threads(args.threads)
+    timeout = datetime.timedelta(seconds=120)
+    store = dist.TCPStore("127.0.0.1", port, TP, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=TP, timeout=timeout)
+    try:
+        _run(rank, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(rank: int, args) -> None:
+    from fxshard.runtime import backend_for, use_backend
+
+    cfg = make_config(args)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq),
+                        generator=torch.Generator().manual_seed(1))
+    mesh = fxshard.init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
+
+    t0 = time.perf_counter()
+    pm = fxshard.parallelize(model, mesh, example_inputs=(ids,))
+    gm = pm.rank_module(rank)
+    parallelize_s = time.perf_counter() - t0
+    backend = backend_for(mesh)
+    gm_sdpa, n_patched = with_sdpa(gm)
+    megatron = MegatronLlama(model, rank, TP)
+    notes = {}
+
+    def gm_call(module):
+        def call():
+            with use_backend(backend):
+                return module(ids)
+        return call
+
+    variants = {
+        BASELINE: lambda: megatron(ids),
+        "fxshard pm(ids)": lambda: pm(ids),
+        "fxshard gm(ids)": gm_call(gm),
+        "fxshard gm+sdpa (diag.)": gm_call(gm_sdpa),
+    }
+    try:
+        dmodel = dtensor_model(model, mesh)
+        variants["dtensor"] = lambda: dmodel(ids)
+    except Exception as exc:  # noqa: BLE001 - reported, the other variants still run
+        notes["dtensor"] = f"parallelize_module failed: {type(exc).__name__}: {exc}"
+    ok_all = [None] * TP
+    dist.all_gather_object(ok_all, "dtensor" in variants)
+    if not all(ok_all):
+        variants.pop("dtensor", None)
+        notes.setdefault("dtensor", "failed to build on another rank")
+
+    with torch.no_grad():
+        ref = model(ids)
+        errors = {"single-device": 0.0}
+        for name, fn in list(variants.items()):
+            try:
+                errors[name] = _max_err(fn(), ref)
+            except Exception as exc:  # noqa: BLE001
+                errors[name] = float("nan")
+                notes[name] = f"forward failed: {type(exc).__name__}: {exc}"
+        # a variant that failed on any rank is dropped on all (its collectives would hang)
+        fine = [None] * TP
+        dist.all_gather_object(fine, {n for n, e in errors.items() if e == e})
+        for name in list(variants):
+            if not all(name in f for f in fine):
+                variants.pop(name)
+
+        for fn in variants.values():
+            _time(fn, args.warmup)
+        if rank == 0:
+            _time(lambda: model(ids), args.warmup)
+
+        samples = {name: [] for name in ["single-device", *variants]}
+        for _ in range(args.rounds):
+            dist.barrier()
+            if rank == 0:  # rank 1 waits at the next barrier
+                samples["single-device"] += _time(lambda: model(ids), args.iters)
+            for name, fn in variants.items():
+                dist.barrier()
+                samples[name] += _time(fn, args.iters)
+        dist.barrier()
+        micro_c = micro_collectives(backend, (args.batch, args.seq, cfg.hidden_size),
+                                    (args.batch, args.seq, cfg.vocab_size // TP), args.iters)
+        micro_a = micro_attention(cfg, args.batch, args.seq, args.iters) if rank == 0 else {}
+
+    gathered = [None] * TP
+    dist.all_gather_object(gathered, {"samples": samples, "errors": errors, "notes": notes,
+                                      "micro_c": micro_c})
+    if rank != 0:
+        return
+
+    # a sample = the slower rank's time for that forward (they are in lockstep anyway)
+    results = {}
+    for name in samples:
+        per_rank = [g["samples"][name] for g in gathered]
+        if name == "single-device":
+            step = per_rank[0]
+        else:
+            step = [max(ts) for ts in zip(*per_rank)]
+        results[name] = _stats(step)
+        results[name]["rank_medians_ms"] = [statistics.median(ts) * 1e3 if ts else None
+                                            for ts in per_rank]
+        results[name]["max_abs_err"] = max(g["errors"].get(name, float("nan"))
+                                           for g in gathered)
+    base = results[BASELINE]["median_ms"]
+    for r in results.values():
+        r["ratio_to_megatron"] = r["median_ms"] / base
+    for g in gathered[1:]:
+        for k, v in g["notes"].items():
+            notes.setdefault(k, v)
+    for name, e in errors.items():
+        if name not in results:
+            results[name] = {"max_abs_err": e, "skipped": True}
+
+    env = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+           "torch": torch.__version__, "python": platform.python_version(),
+           "platform": platform.platform(), "processor": platform.processor(),
+           "cpu_count": os.cpu_count(), "threads_per_rank": torch.get_num_threads(),
+           "backend": "gloo", "ranks": TP, "dtype": "float32"}
+    config = {"model": {k: getattr(cfg, k) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim")},
+        "batch": args.batch, "seq": args.seq, "warmup": args.warmup, "iters": args.iters,
+        "rounds": args.rounds}
+    coll = pm.explain()
+    report = {"env": env, "config": config, "parallelize_s": parallelize_s,
+              "attention_nodes_patched_in_diag": n_patched, "results": results,
+              "micro_collectives_rank0": micro_c,
+              "micro_collectives_rank1": gathered[1]["micro_c"],
+              "micro_attention_rank0": micro_a, "notes": notes,
+              "target": "fxshard gm(ids) / megatron <= 1.05 and fxshard < dtensor"}
+
+    print(__doc__.split("\n\n")[0])
+    print()
+    print(f"date {env['date']}; torch {env['torch']}; python {env['python']}; "
+          f"{env['cpu_count']} CPUs ({env['processor'] or platform.machine()}); "
+          f"{TP} ranks, gloo, {env['threads_per_rank']} thread(s) per rank, fp32")
+    print(f"model: {config['model']}; batch {args.batch}, seq {args.seq}; "
+          f"{args.rounds} rounds x {args.iters} forwards per variant after {args.warmup} "
+          f"warm-up; fxshard.parallelize took {parallelize_s:.2f} s")
+    print("reproduce: python benchmarks/runtime_tp.py " + " ".join(sys.argv[1:]))
+    print()
+    print(format_table(results))
+    print()
+    print("micro-benchmarks (median / p10 / p90 ms; collectives: rank 0, both ranks in step)")
+    for name, s in {**micro_c, **micro_a}.items():
+        print(f"  {name:<68} {s['median_ms']:7.3f} {s['p10_ms']:7.3f} {s['p90_ms']:7.3f}")
+    for k, v in notes.items():
+        print(f"note: {k}: {v}")
+    print()
+    print("collectives per rank (fxshard explain):")
+    print("\n".join(line for line in str(coll).splitlines()
+                    if line.strip().startswith(("all_", "reduce_"))))
+    g = results.get("fxshard gm(ids)", {}).get("ratio_to_megatron")
+    d = results.get("dtensor", {}).get("median_ms")
+    met_a = g is not None and g <= 1.05
+    met_b = d is not None and results["fxshard gm(ids)"]["median_ms"] < d
+    print(f"target: fxshard gm / megatron = {g:.3f} (<= 1.05: {'met' if met_a else 'NOT met'}); "
+          f"fxshard < dtensor: {'met' if met_b else 'NOT met' if d else 'n/a'}")
+    report["target_met"] = {"ratio_le_1.05": met_a, "beats_dtensor": met_b}
+    bad = [n for n, r in results.items() if not r.get("max_abs_err", 0.0) < TOL]
+    if bad:
+        print(f"CORRECTNESS: max abs error >= {TOL} (or failed) for: {', '.join(bad)}")
+    report["correctness_failures"] = bad
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.json}")
+
+
+def format_table(results) -> str:
+    lines = [f"{'variant':<26} {'median ms':>9} {'p10':>8} {'p90':>8} {'vs megatron':>11} "
+             f"{'max |err|':>10}"]
+    for name, r in results.items():
+        if r.get("skipped"):
+            lines.append(f"{name:<26} {'skipped':>9}{'':>30} {r['max_abs_err']:>10.2e}")
+            continue
+        lines.append(f"{name:<26} {r['median_ms']:>9.3f} {r['p10_ms']:>8.3f} {r['p90_ms']:>8.3f} "
+                     f"{r['ratio_to_megatron']:>11.3f} {r['max_abs_err']:>10.2e}")
+    return "\n".join(lines)
+
+
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--intermediate", type=int, default=688)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=30, help="forwards per variant per round")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "runtime_tp.json"))
+    args = ap.parse_args()
+    # The launcher holds the rendezvous store on a free port (port 0: the OS picks one), so
+    # no other process can take the port between choosing it and the ranks connecting.
+    store = dist.TCPStore("127.0.0.1", 0, TP, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=120))
+    mp.spawn(worker, args=(store.port, args), nprocs=TP, join=True)
+
+
+if __name__ == "__main__":
+    main()
