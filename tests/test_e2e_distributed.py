@@ -278,24 +278,26 @@ def four(tmp_path_factory):
     return _launch(tmp_path_factory, 4, "four")
 
 
-def _check_cases(reports: dict, expected: list[str]) -> None:
+def _tail(errors: list[str]) -> str:
+    return errors[-1][-1500:] if errors else "(no error recorded)"
+
+
+def _check_case(reports: dict, key: str) -> None:
     for r, rep in reports.items():
-        assert rep["errors"] == [], f"rank {r}: {rep['errors']}"
-        assert rep.get("cases_done"), f"rank {r} did not finish: {rep}"
-        assert sorted(rep["cases"]) == sorted(expected), rep["cases"]
-        bad = {k: v for k, v in rep["cases"].items() if v != "ok"}
-        assert not bad, f"rank {r}: {bad}"
+        assert key in rep["cases"], f"rank {r} stopped before {key}: {_tail(rep['errors'])}"
+        assert rep["cases"][key] == "ok", f"rank {r} {key}: {rep['cases'][key]}"
 
 
 def test_tp2_both_models_every_rank_gets_full_output(two):
-    _check_cases(two, [f"tp2/{k}" for k in MODELS])
+    for kind in MODELS:
+        _check_case(two, f"tp2/{kind}")
     for rep in two.values():  # HF's output structure survives, not just a tensor
         assert rep["types"] == {"ours": "Tensor", "hf": "CausalLMOutputWithPast"}, rep["types"]
 
 
 def test_safetensors_meta_model_each_rank_reads_only_its_slices(two):
     for r, rep in two.items():
-        assert rep["errors"] == [], f"rank {r}: {rep['errors']}"
+        assert "safetensors" in rep, f"rank {r} stopped before it: {_tail(rep['errors'])}"
         st = rep["safetensors"]
         assert st["compare"] == "ok", f"rank {r}: {st['compare']}"
         assert st["all_values_lazy"], st
@@ -305,6 +307,8 @@ def test_safetensors_meta_model_each_rank_reads_only_its_slices(two):
 
 
 def test_failing_rank_makes_peer_fail_fast_naming_op_and_axis(two):
+    for r, rep in two.items():
+        assert "failing" in rep, f"rank {r} stopped before it: {_tail(rep['errors'])}"
     failed = two[1]["failing"]["outcome"]
     assert failed.startswith("IndexError"), failed  # rank 1's own error, before any collective
     peer = two[0]["failing"]
@@ -318,11 +322,15 @@ def test_failing_rank_makes_peer_fail_fast_naming_op_and_axis(two):
 
 @pytest.mark.parametrize("name", [c[0] for c in FOUR_PROC_CASES])
 def test_four_ranks(four, name):
-    for r, rep in four.items():
+    for kind in MODELS:
+        _check_case(four, f"{name}/{kind}")
+
+
+@pytest.mark.parametrize("job", ["two", "four"])
+def test_launch_finished_without_errors(request, job):
+    for r, rep in request.getfixturevalue(job).items():
         assert rep["errors"] == [], f"rank {r}: {rep['errors']}"
         assert rep.get("cases_done"), f"rank {r} did not finish: {rep}"
-        for kind in MODELS:
-            assert rep["cases"][f"{name}/{kind}"] == "ok", f"rank {r} {kind}: {rep['cases']}"
 
 
 def test_torchrun_demo_tp2():
