@@ -22,6 +22,9 @@ input ids. Variants:
                      ``dist.all_gather``, lm_head column-parallel + ``dist.all_gather`` of the
                      logits (the collectives fxshard emits), ``F.scaled_dot_product_attention``.
                      The baseline (ratio 1.00).
+  megatron+funcol    diagnostic: the same code with torch's functional collectives
+                     (``funcol.all_reduce(...).wait()``, ``funcol.all_gather_tensor``), which
+                     fxshard's DistributedBackend uses, instead of in-place ``dist.*`` calls.
   fxshard pm(ids)    ``fxshard.parallelize(model, mesh, example_inputs=(ids,))`` called as
                      ``pm(ids)`` (ParallelModule wrapper included).
   fxshard gm(ids)    rank's GraphModule ``pm.rank_module(rank)`` called directly inside
@@ -55,10 +58,12 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
@@ -81,13 +86,19 @@ def make_config(args) -> LlamaConfig:
 
 # --- hand-written Megatron ----------------------------------------------------------------
 
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
 class MegatronLlama:
     """The Llama of ``fxshard.models.llama`` written by hand for tensor parallelism over
     ``group`` (this rank = ``rank`` of ``tp``), on slices of the reference model's weights."""
 
-    def __init__(self, model: LlamaForCausalLM, rank: int, tp: int, group=None):
+    def __init__(self, model: LlamaForCausalLM, rank: int, tp: int, group=None, *,
+                 funcol: bool = False):
         cfg = model.config
         self.cfg, self.rank, self.tp, self.group = cfg, rank, tp, group
+        self.use_funcol = funcol  # diagnostic: torch's functional collectives, as fxshard uses
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.gqa = cfg.num_key_value_heads != cfg.num_attention_heads
@@ -118,7 +129,16 @@ class MegatronLlama:
         self.norm = sd["model.norm.weight"].clone()
         self.lm_head = rows(sd["lm_head.weight"])
 
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_funcol:
+            return _wait(funcol.all_reduce(x, "sum", group=self.group or dist.group.WORLD))
+        dist.all_reduce(x, group=self.group)
+        return x
+
     def _gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_funcol:
+            return _wait(funcol.all_gather_tensor(x.contiguous(), gather_dim=x.dim() - 1,
+                                                  group=self.group or dist.group.WORLD))
         parts = [torch.empty_like(x) for _ in range(self.tp)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
@@ -141,12 +161,10 @@ class MegatronLlama:
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
                                                enable_gqa=self.gqa)
             o = F.linear(a.transpose(1, 2).reshape(bsz, seq, -1), L["wo"])
-            dist.all_reduce(o, group=self.group)
-            x = x + o
+            x = x + self._all_reduce(o)
             h = self._rms(x, L["ln2"])
             m = F.linear(F.silu(F.linear(h, L["wg"])) * F.linear(h, L["wu"]), L["wd"])
-            dist.all_reduce(m, group=self.group)
-            x = x + m
+            x = x + self._all_reduce(m)
         return self._gather_last(F.linear(self._rms(x, self.norm), self.lm_head))
 
 
@@ -284,6 +302,8 @@ def micro_attention(cfg, batch, seq, iters):
 # --- the worker ----------------------------------------------------------------------------
 
 def worker(rank: int, port: int, args) -> None:
+    # fxshard's backend calls funcol.all_gather_tensor too; its deprecation note is noise here
+    warnings.filterwarnings("ignore", message=".*all_gather_tensor", category=FutureWarning)
     torch.set_num_threads(args.threads)
     timeout = datetime.timedelta(seconds=120)
     store = dist.TCPStore("127.0.0.1", port, TP, is_master=False, timeout=timeout)
@@ -311,6 +331,7 @@ def _run(rank: int, args) -> None:
     backend = backend_for(mesh)
     gm_sdpa, n_patched = with_sdpa(gm)
     megatron = MegatronLlama(model, rank, TP)
+    megatron_funcol = MegatronLlama(model, rank, TP, funcol=True)
     notes = {}
 
     def gm_call(module):
@@ -321,6 +342,7 @@ def _run(rank: int, args) -> None:
 
     variants = {
         BASELINE: lambda: megatron(ids),
+        "megatron+funcol (diag.)": lambda: megatron_funcol(ids),
         "fxshard pm(ids)": lambda: pm(ids),
         "fxshard gm(ids)": gm_call(gm),
         "fxshard gm+sdpa (diag.)": gm_call(gm_sdpa),

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import fxshard
-from fxshard.kernels import ring  # noqa: F401
+import fxshard.kernels.ring  # noqa: F401  (registers fxshard::ring_attention)
 from fxshard.mesh import MeshSpec
 from fxshard.runtime.simulated import SimulatedWorld
 from tests.models import hf_llama, our_llama

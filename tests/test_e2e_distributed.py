@@ -23,7 +23,6 @@ import faulthandler
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,8 @@ import traceback
 
 import pytest
 import torch
+
+from tests.launch import free_port, launch
 
 LAUNCH_TIMEOUT_S = 150
 PG_TIMEOUT_S = 30        # default group: generous, ranks trace at different speeds
@@ -47,12 +48,6 @@ FOUR_PROC_CASES = [  # (name, mesh shape, axis names, parallelize kwargs)
     ("pp2_dp2", (2, 2), ("pp", "dp"), {}),
 ]
 MODELS = ("ours", "hf")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ids() -> torch.Tensor:
@@ -194,7 +189,7 @@ def _four_proc_cases(rank: int, report: dict, out_dir: str) -> None:
     report["cases_done"] = True
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, job: str) -> None:
+def _worker(rank: int, port: int, out_dir: str, world: int, job: str) -> None:
     report = {"rank": rank, "cases": {}, "types": {}, "errors": [], "seconds": {}}
     start = time.monotonic()
 
@@ -228,44 +223,9 @@ def _worker(rank: int, world: int, port: int, out_dir: str, job: str) -> None:
 
 
 def _launch(tmp_path_factory, world: int, job: str) -> dict:
-    try:
-        import torch.distributed as dist
-        if not (dist.is_available() and dist.is_gloo_available()):
-            pytest.skip("torch.distributed with the gloo backend is not available in this build")
-    except ImportError as exc:
-        pytest.skip(f"torch.distributed is not importable: {exc}")
-    import torch.multiprocessing as mp
-
     out_dir = str(tmp_path_factory.mktemp(f"e2e_{job}"))
     os.makedirs(os.path.join(out_dir, "ckpt"))
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, out_dir, job), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    out, logs = {}, {}
-    for r in range(world):
-        path = os.path.join(out_dir, f"rank{r}.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                out[r] = json.load(f)
-        path = os.path.join(out_dir, f"rank{r}.log")
-        if os.path.exists(path):
-            with open(path) as f:
-                logs[r] = f.read()[-4000:]
-    assert not hung, (f"ranks {hung} were still running after {LAUNCH_TIMEOUT_S} s; "
-                      f"reports: {out}; stderr: {logs}")
-    assert sorted(out) == list(range(world)), f"missing reports: {out}; stderr: {logs}"
-    return out
+    return launch(_worker, world, out_dir, world, job, timeout_s=LAUNCH_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -335,7 +295,7 @@ def test_launch_finished_without_errors(request, job):
 
 def test_torchrun_demo_tp2():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           "--master_port", str(_free_port()), "-m", "fxshard", "demo", "--mesh", "tp=2",
+           "--master_port", str(free_port()), "-m", "fxshard", "demo", "--mesh", "tp=2",
            "--layers", "2"]
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))

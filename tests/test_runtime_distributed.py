@@ -17,22 +17,17 @@ each worker writes a JSON report and the tests below read them:
 import datetime
 import json
 import os
-import socket
 import time
 import traceback
 
 import pytest
 import torch
 
+from tests.launch import launch
+
 LAUNCH_TIMEOUT_S = 120
 GLOO_TIMEOUT_S = 5
 WORLD = 4
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_input(rank: int, shape, dtype=torch.float32) -> torch.Tensor:
@@ -177,38 +172,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    try:
-        import torch.distributed as dist
-        if not (dist.is_available() and dist.is_gloo_available()):
-            pytest.skip("torch.distributed with the gloo backend is not available in this build")
-    except ImportError as exc:
-        pytest.skip(f"torch.distributed is not importable: {exc}")
-    import torch.multiprocessing as mp
-
-    out_dir = str(tmp_path_factory.mktemp("gloo"))
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, out_dir), daemon=True)
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    out = {}
-    for r in range(WORLD):
-        path = os.path.join(out_dir, f"rank{r}.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                out[r] = json.load(f)
-    assert not hung, f"ranks {hung} were still running after {LAUNCH_TIMEOUT_S} s; reports: {out}"
-    assert sorted(out) == list(range(WORLD)), f"missing reports: {out}"
-    return out
+    return launch(_worker, WORLD, str(tmp_path_factory.mktemp("gloo")),
+                  timeout_s=LAUNCH_TIMEOUT_S)
 
 
 def test_world_size_mismatch_raises_before_any_collective(reports):

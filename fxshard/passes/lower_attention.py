@@ -25,8 +25,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from .. import kernels  # noqa: F401  (registers torch.ops.fxshard.attention)
-from ..kernels import ring  # noqa: F401  (registers torch.ops.fxshard.ring_attention)
+import fxshard.kernels.ring  # noqa: F401  (registers fxshard::attention and ring_attention)
 from ..placement import Shard
 from . import PassCtx
 from .insert_collectives import collective_target

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ...placement import P, R, Partial, Shard
+from ...placement import P, R, Shard
 from . import UNDECIDED, Decision, RuleCtx, rule
 
 aten = torch.ops.aten
