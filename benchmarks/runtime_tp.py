@@ -40,10 +40,13 @@ Every variant's logits are checked against the single-device model (max abs erro
 Each variant is timed in ``--rounds`` rounds of ``--iters`` forward passes (after
 ``--warmup``), variants interleaved round by round, a barrier before each variant block, under
 ``torch.no_grad()``. A sample is the slower of the two ranks' wall times for that forward. The
-table gives median / p10 / p90 in ms, the median's ratio to megatron (the target's number)
-and the p10's ratio (less sensitive to other load on the machine). Two micro-benchmarks
-explain the gaps: one collective through ``torch.ops.fxshard.*`` vs plain ``torch.distributed``,
-and ``fxshard.attention`` (the op fxshard lowers SDPA to) vs SDPA on one rank's shapes.
+table gives median / p10 / p90 in ms, the median's ratio to megatron (the target's number),
+the p10's ratio (less sensitive to other load on the machine), and the median CPU time of rank
+0's thread per forward (``time.thread_time``: compute, Python and dispatch, not the time
+blocked on the peer; gloo's own threads are not counted) with its ratio. Micro-benchmarks
+explain the gaps: one collective through ``dist.*``, ``funcol`` and ``torch.ops.fxshard.*``
+(wall and thread CPU time), and ``fxshard.attention`` (the op fxshard lowers SDPA to) vs SDPA
+on one rank's shapes.
 Numbers and environment go to ``--json`` (default ``benchmarks/runtime_tp.json``).
 """
 from __future__ import annotations
@@ -228,12 +231,17 @@ def _stats(samples_s):
             "p90_ms": _percentile(ms, 0.9), "n": len(ms)}
 
 
-def _time(fn, n):
+def _time(fn, n, cpu=None):
+    """Wall seconds of ``n`` calls; with a list ``cpu``, also appends each call's CPU seconds
+    on this thread (compute + Python + dispatch; not the time spent blocked on a peer)."""
     out = []
     for _ in range(n):
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
+        if cpu is not None:
+            cpu.append(time.thread_time() - c0)
     return out
 
 
@@ -244,12 +252,14 @@ def _max_err(a, b) -> float:
 
 
 def micro_collectives(backend, hidden_shape, logits_shape, iters):
-    """One all_reduce / all_gather: torch.ops.fxshard.* (funcol under the hood) vs plain
-    torch.distributed, same tensors, both ranks in lockstep."""
+    """One all_reduce / all_gather: plain torch.distributed, torch's functional collectives,
+    torch.ops.fxshard.* (DistributedBackend -> funcol); same tensors, both ranks in lockstep.
+    Wall time and this thread's CPU time per call."""
     from fxshard.runtime import use_backend
     res = {}
     x = torch.randn(hidden_shape)
     y = torch.randn(logits_shape)
+    group = dist.group.WORLD
 
     def plain_ar():
         t = x.clone()
@@ -263,9 +273,13 @@ def micro_collectives(backend, hidden_shape, logits_shape, iters):
 
     cases = {
         f"all_reduce {list(hidden_shape)} dist.all_reduce(clone)": plain_ar,
+        f"all_reduce {list(hidden_shape)} funcol.all_reduce":
+            lambda: _wait(funcol.all_reduce(x, "sum", group=group)),
         f"all_reduce {list(hidden_shape)} torch.ops.fxshard.all_reduce":
             lambda: torch.ops.fxshard.all_reduce(x, "tp", TP),
         f"all_gather {list(logits_shape)} dist.all_gather+cat": plain_ag,
+        f"all_gather {list(logits_shape)} funcol.all_gather_tensor":
+            lambda: _wait(funcol.all_gather_tensor(y, gather_dim=2, group=group)),
         f"all_gather {list(logits_shape)} torch.ops.fxshard.all_gather":
             lambda: torch.ops.fxshard.all_gather(y, 2, "tp", TP),
     }
@@ -273,7 +287,9 @@ def micro_collectives(backend, hidden_shape, logits_shape, iters):
         for name, fn in cases.items():
             _time(fn, 10)
             dist.barrier()
-            res[name] = _stats(_time(fn, iters))
+            cpu = []
+            res[name] = _stats(_time(fn, iters, cpu))
+            res[name]["cpu_median_ms"] = statistics.median(cpu) * 1e3
     return res
 
 
@@ -295,7 +311,9 @@ def micro_attention(cfg, batch, seq, iters):
     res = {}
     for name, fn in fns.items():
         _time(fn, 10)
-        res[name] = _stats(_time(fn, iters))
+        cpu = []
+        res[name] = _stats(_time(fn, iters, cpu))
+        res[name]["cpu_median_ms"] = statistics.median(cpu) * 1e3
     return res
 
 
@@ -380,21 +398,23 @@ def _run(rank: int, args) -> None:
             _time(lambda: model(ids), args.warmup)
 
         samples = {name: [] for name in ["single-device", *variants]}
+        cpu = {name: [] for name in samples}
         for _ in range(args.rounds):
             dist.barrier()
             if rank == 0:  # rank 1 waits at the next barrier
-                samples["single-device"] += _time(lambda: model(ids), args.iters)
+                samples["single-device"] += _time(lambda: model(ids), args.iters,
+                                                  cpu["single-device"])
             for name, fn in variants.items():
                 dist.barrier()
-                samples[name] += _time(fn, args.iters)
+                samples[name] += _time(fn, args.iters, cpu[name])
         dist.barrier()
         micro_c = micro_collectives(backend, (args.batch, args.seq, cfg.hidden_size),
                                     (args.batch, args.seq, cfg.vocab_size // TP), args.iters)
         micro_a = micro_attention(cfg, args.batch, args.seq, args.iters) if rank == 0 else {}
 
     gathered = [None] * TP
-    dist.all_gather_object(gathered, {"samples": samples, "errors": errors, "notes": notes,
-                                      "micro_c": micro_c})
+    dist.all_gather_object(gathered, {"samples": samples, "cpu": cpu, "errors": errors,
+                                      "notes": notes, "micro_c": micro_c})
     if rank != 0:
         return
 
@@ -409,13 +429,19 @@ def _run(rank: int, args) -> None:
         results[name] = _stats(step)
         results[name]["rank_medians_ms"] = [statistics.median(ts) * 1e3 if ts else None
                                             for ts in per_rank]
+        results[name]["cpu_median_ms_per_rank"] = [
+            statistics.median(g["cpu"][name]) * 1e3 if g["cpu"][name] else None
+            for g in gathered]
         results[name]["max_abs_err"] = max(g["errors"].get(name, float("nan"))
                                            for g in gathered)
     base = results[BASELINE]["median_ms"]
     base_p10 = results[BASELINE]["p10_ms"]
+    base_cpu = results[BASELINE]["cpu_median_ms_per_rank"][0]
     for r in results.values():
         r["ratio_to_megatron"] = r["median_ms"] / base
         r["p10_ratio_to_megatron"] = r["p10_ms"] / base_p10
+        r["cpu_ms_rank0"] = r["cpu_median_ms_per_rank"][0]
+        r["cpu_ratio_to_megatron"] = r["cpu_ms_rank0"] / base_cpu
     for g in gathered[1:]:
         for k, v in g["notes"].items():
             notes.setdefault(k, v)
@@ -456,9 +482,11 @@ def _run(rank: int, args) -> None:
     print()
     print(format_table(results))
     print()
-    print("micro-benchmarks (median / p10 / p90 ms; collectives: rank 0, both ranks in step)")
+    print("micro-benchmarks on rank 0 (collectives: both ranks in step)")
+    print(f"  {'':<64} {'median':>7} {'p10':>7} {'p90':>7} {'CPU ms':>7}")
     for name, s in {**micro_c, **micro_a}.items():
-        print(f"  {name:<68} {s['median_ms']:7.3f} {s['p10_ms']:7.3f} {s['p90_ms']:7.3f}")
+        print(f"  {name:<64} {s['median_ms']:7.3f} {s['p10_ms']:7.3f} {s['p90_ms']:7.3f} "
+              f"{s['cpu_median_ms']:7.3f}")
     for k, v in notes.items():
         print(f"note: {k}: {v}")
     print()
@@ -482,15 +510,16 @@ def _run(rank: int, args) -> None:
 
 
 def format_table(results) -> str:
-    lines = [f"{'variant':<26} {'median ms':>9} {'p10':>8} {'p90':>8} {'vs megatron':>11} "
-             f"{'p10 vs meg.':>11} {'max |err|':>10}"]
+    lines = [f"{'variant':<26} {'median ms':>9} {'p10':>7} {'p90':>7} {'vs megatron':>11} "
+             f"{'p10 vs meg.':>11} {'CPU ms':>7} {'CPU vs meg.':>11} {'max |err|':>9}"]
     for name, r in results.items():
         if r.get("skipped"):
-            lines.append(f"{name:<26} {'skipped':>9}{'':>42} {r['max_abs_err']:>10.2e}")
+            lines.append(f"{name:<26} {'skipped':>9}{'':>60} {r['max_abs_err']:>9.2e}")
             continue
-        lines.append(f"{name:<26} {r['median_ms']:>9.3f} {r['p10_ms']:>8.3f} {r['p90_ms']:>8.3f} "
+        lines.append(f"{name:<26} {r['median_ms']:>9.3f} {r['p10_ms']:>7.3f} {r['p90_ms']:>7.3f} "
                      f"{r['ratio_to_megatron']:>11.3f} {r['p10_ratio_to_megatron']:>11.3f} "
-                     f"{r['max_abs_err']:>10.2e}")
+                     f"{r['cpu_ms_rank0']:>7.3f} {r['cpu_ratio_to_megatron']:>11.3f} "
+                     f"{r['max_abs_err']:>9.2e}")
     return "\n".join(lines)
 
 

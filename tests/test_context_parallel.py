@@ -41,7 +41,8 @@ def test_ring_attention_op_matches_full_attention(n, hq, hkv, s, causal):
 
 CASES = [dict(ulysses_cp=2), dict(ring_cp=2), dict(ring_cp=4), dict(tp=2, ulysses_cp=2),
          dict(tp=2, ring_cp=2), dict(ulysses_cp=2, ring_cp=2), dict(dp=2, ring_cp=2),
-         dict(pp=2, ring_cp=2), dict(dp=2, tp=2, pp=2, ulysses_cp=2)]
+         dict(pp=2, ring_cp=2), dict(dp=2, tp=2, pp=2, ulysses_cp=2),
+         dict(tp=2, ulysses_cp=2, ring_cp=2), dict(ulysses_cp=2, ring_cp=4)]
 
 
 @pytest.mark.parametrize("axes", CASES, ids=lambda a: "x".join(f"{k}{v}" for k, v in a.items()))
@@ -119,3 +120,42 @@ def test_explain_counts_ring_bytes():
     assert len(ring) == 2
     b, s, h_kv, nbytes = 2, 8, 32, 4
     assert all(c.wire_bytes == 2 * (p - 1) * b * s * h_kv * nbytes // p for c in ring)
+
+
+def test_usp_ulysses_inside_ring_outside():
+    """Both CP axes: per layer 4 all-to-alls on ulysses_cp around one ring attention, and no
+    gathers of activations on either axis (only the final output)."""
+    ids = torch.randint(0, 128, (2, 8))
+    counts = {}
+    for layers in (1, 2):
+        model = our_llama(num_hidden_layers=layers, num_key_value_heads=4)
+        pm = fxshard.parallelize(model, mesh(ulysses_cp=2, ring_cp=2))
+        torch.testing.assert_close(pm(ids), model(ids), **TOL)
+        counts[layers] = pm.explain().counts(0)
+    assert counts[2] - counts[1] == {("all_to_all", "ulysses_cp"): 4,
+                                     ("ring_attention", "ring_cp"): 1}
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_attention_segments(causal):
+    """The USP layout: each ring rank holds one piece of the sequence from every Ulysses
+    coordinate; piece t of ring rank j starts at t * stride + j * piece."""
+    g = torch.Generator().manual_seed(3)
+    n_ring, n_u, piece = 2, 3, 2
+    s = n_ring * n_u * piece
+    q, k, v = (torch.randn(1, 2, s, 8, generator=g) for _ in range(3))
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    stride = s // n_u
+
+    def local(t, j):
+        return torch.cat([t[:, :, u * stride + j * piece:u * stride + (j + 1) * piece]
+                          for u in range(n_u)], dim=2)
+
+    def rank(j):
+        out, _ = torch.ops.fxshard.ring_attention(local(q, j), local(k, j), local(v, j), causal,
+                                                  None, "ring_cp", n_ring, n_u, stride)
+        return out
+    with SimulatedWorld(MeshSpec((n_ring,), ("ring_cp",))) as w:
+        outs = w.run(rank)
+    for j in range(n_ring):
+        torch.testing.assert_close(outs[j], local(want, j), **TOL)

@@ -28,17 +28,28 @@ __all__ = ["ring_attention"]
 
 @torch.library.custom_op("fxshard::ring_attention", mutates_args=())
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                   scale: Optional[float], axis: str, size: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of this rank's query chunk against the whole ring's keys."""
+                   scale: Optional[float], axis: str, size: int, segments: int = 1,
+                   stride: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of this rank's query chunk against the whole ring's keys.
+
+    The local sequence is ``segments`` equal contiguous pieces; piece ``t`` of ring rank ``j``
+    starts at absolute position ``t * stride + j * piece`` (``segments=1``: one chunk at
+    ``j * len``). USP uses ``segments`` > 1: the Ulysses exchange hands each ring rank one
+    piece from every coordinate of the Ulysses axis.
+    """
     backend = current_backend(f"fxshard.ring_attention on axis {axis!r}")
     if backend.axis_size(axis) != size:
         raise ValueError(f"fxshard.ring_attention: size={size} but mesh axis {axis!r} has "
                          f"{backend.axis_size(axis)} ranks")
+    if q.shape[2] % segments or k.shape[2] % segments:
+        raise ValueError(f"fxshard.ring_attention: local sequence lengths {q.shape[2]} (q) and "
+                         f"{k.shape[2]} (k/v) must divide into segments={segments}")
     r = backend.axis_index(axis)
-    sq, skv = q.shape[2], k.shape[2]
+    sq, skv = q.shape[2] // segments, k.shape[2] // segments
+    q_pieces = q.split(sq, dim=2)
     nxt, prv = (r + 1) % size, (r - 1) % size
-    out = lse = None
+    outs: list = [None] * segments
+    lses: list = [None] * segments
     k_cur, v_cur = k.contiguous(), v.contiguous()
     for step in range(size):
         src = (r - step) % size
@@ -46,16 +57,25 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
         if not last:
             backend.send(k_cur, axis, nxt)
             backend.send(v_cur, axis, nxt)
-        if not (causal and src * skv > r * sq + sq - 1):
-            o, l = attention(q, k_cur, v_cur, causal=causal, scale=scale, q_offset=r * sq,
-                             kv_offset=src * skv)
-            out, lse = (o, l) if out is None else merge_attention(out, lse, o, l)
+        for t, q_t in enumerate(q_pieces):
+            q_at = t * stride + r * sq
+            for u in range(segments):
+                kv_at = u * stride + src * skv
+                if causal and kv_at > q_at + sq - 1:
+                    continue  # this key piece lies wholly after every query of the piece
+                o, l = attention(q_t, k_cur[:, :, u * skv:(u + 1) * skv],
+                                 v_cur[:, :, u * skv:(u + 1) * skv], causal=causal,
+                                 scale=scale, q_offset=q_at, kv_offset=kv_at)
+                if outs[t] is None:
+                    outs[t], lses[t] = o, l
+                else:
+                    outs[t], lses[t] = merge_attention(outs[t], lses[t], o, l)
         if not last:
             k_cur = backend.recv(k.shape, k.dtype, k.device, axis, prv)
             v_cur = backend.recv(v.shape, v.dtype, v.device, axis, prv)
-    return out, lse
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 @ring_attention.register_fake
-def _(q, k, v, causal, scale, axis, size):
+def _(q, k, v, causal, scale, axis, size, segments=1, stride=0):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)

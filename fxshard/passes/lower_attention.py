@@ -56,17 +56,36 @@ def lower_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
                 size = ctx.mesh.axis_size(axis)
                 k, v = (_pick_kv_heads(graph, t, axis, size, ctx.mesh) for t in (k, v))
             ring = (notes.get("ring") or [None])[0]
+            ulysses = (notes.get("ulysses") or [None])[0]
+            segments, stride = 1, 0
+            if ulysses is not None:
+                n_u = ctx.mesh.axis_size(ulysses)
+                segments, stride = n_u, q.meta["val"].shape[2] // n_u
+                q = _heads_for_sequence(graph, q, ulysses, n_u, ctx.mesh)
+                if notes.get("ulysses_kv_gather"):
+                    k, v = (_pick_kv_heads(graph, _gather_sequence(graph, t, ulysses, n_u,
+                                                                   ctx.mesh),
+                                           ulysses, n_u, ctx.mesh) for t in (k, v))
+                else:
+                    k, v = (_heads_for_sequence(graph, t, ulysses, n_u, ctx.mesh)
+                            for t in (k, v))
             if ring is not None:
                 assert mask is None, node.format_node()
                 att = graph.call_function(
                     torch.ops.fxshard.ring_attention.default,
-                    (q, k, v, causal, a["scale"], ring, ctx.mesh.axis_size(ring)))
+                    (q, k, v, causal, a["scale"], ring, ctx.mesh.axis_size(ring), segments,
+                     stride))
             else:
                 att = graph.call_function(torch.ops.fxshard.attention.default,
                                           (q, k, v, mask, causal, a["scale"], 0, 0))
             att.meta.update({key: node.meta[key] for key in ("fxshard_stage",)
                              if key in node.meta})
             out = graph.call_function(operator.getitem, (att, 0))
+            if ulysses is not None:
+                out.meta.update(node.meta)
+                out.meta["fxshard_spec"] = q.meta["fxshard_spec"]
+                out = graph.call_function(collective_target("all_to_all"),
+                                          (out, 2, 1, ulysses, ctx.mesh.axis_size(ulysses)))
         out.meta.update(node.meta)
         att.meta["val"] = (node.meta["val"], None)
         node.replace_all_uses_with(out)
@@ -97,3 +116,25 @@ def _pick_kv_heads(graph: fx.Graph, t: fx.Node, axis: str, size: int, mesh) -> f
     out.meta["val"] = rep.meta["val"]
     out.meta["fxshard_spec"] = tuple(spec)
     return out
+
+
+def _relabel(node: fx.Node, src: fx.Node, axis: str, placement, mesh) -> fx.Node:
+    spec = list(src.meta["fxshard_spec"])
+    spec[mesh.axis_names.index(axis)] = placement
+    node.meta["val"] = src.meta["val"]
+    node.meta["fxshard_spec"] = tuple(spec)
+    return node
+
+
+def _heads_for_sequence(graph: fx.Graph, t: fx.Node, axis: str, size: int, mesh) -> fx.Node:
+    """Ulysses inside USP: trade this axis's sequence shard for a heads shard. The received
+    sequence chunks (one per coordinate of ``axis``) become the segments ring attention sees;
+    the spec written here only sizes the local block."""
+    out = graph.call_function(collective_target("all_to_all"), (t, 1, 2, axis, size))
+    return _relabel(out, t, axis, Shard(1), mesh)
+
+
+def _gather_sequence(graph: fx.Graph, t: fx.Node, axis: str, size: int, mesh) -> fx.Node:
+    """K/V with too few heads to split over ``axis``: gather its sequence segments instead."""
+    out = graph.call_function(collective_target("all_gather"), (t, 2, axis, size))
+    return _relabel(out, t, axis, torch.distributed.tensor.Replicate(), mesh)

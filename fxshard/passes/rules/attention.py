@@ -15,6 +15,9 @@ Layout legend: q ``[B, Hq, Sq, D]``, k/v ``[B, Hkv, Skv, D]``, mask ``[B|1, H|1,
 - ``ring_cp``: q, k, v stay sequence-sharded; ``lower_attention`` replaces the call with ring
   attention (K/V passed around the axis, partial results merged by logsumexp): the ``ring``
   note. An explicit (non-causal) mask is gathered instead;
+- both CP axes (USP): the ``ulysses`` note keeps the sequence shard on ``ulysses_cp`` too, and
+  ``lower_attention`` does the Ulysses all-to-all around the ring attention itself, so each
+  ring rank attends ``ulysses_cp``-many sequence segments of its heads;
 - any other shard of the sequence or head_dim is gathered to Replicate.
 """
 from __future__ import annotations
@@ -111,6 +114,14 @@ def sdpa_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     if hq % ctx.size:
         return Decision(ins=[R] * len(ins), out=R)
     per_rank = hkv // tp if hkv % tp == 0 else 1
+    if ctx.axis == "ulysses_cp" and anchor == 2 and mask is None and \
+            ctx.mesh.axis_size("ring_cp") > 1:
+        # USP: the sequence stays sharded here; lower_attention exchanges heads for sequence
+        # on this axis around the ring attention of ring_cp (Ulysses inside, ring outside)
+        _note(node, "ulysses", ctx.axis)
+        if per_rank % ctx.size:
+            _note(node, "ulysses_kv_gather", ctx.axis)
+        return Decision(ins=[Shard(2)] * 3, out=Shard(2))
     kv = _kv_heads(node, hq, hkv, ctx, per_rank)
     then = Shard(2) if anchor == 2 else None
     return Decision(ins=[Shard(1)] + kv + mask_need(1), out=Shard(1), then=then)
