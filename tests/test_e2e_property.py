@@ -51,8 +51,9 @@ def test_any_combination_matches_single_device(cfg):
         assert ("does not divide" in msg or "cannot be split" in msg
                 or "neither split nor replicated" in msg), msg
         ulysses = 2 if cfg["cp"] == "ulysses_cp" else 1
+        seq_split = (tp if cfg["sp"] else 1) * (2 if cfg["cp"] else 1)
         assert (cfg["heads"] % (tp * ulysses) or (cfg["kv"] % tp and tp % cfg["kv"])
-                or cfg["hidden"] % tp or (cfg["sp"] and cfg["seq"] % tp)
+                or cfg["hidden"] % tp or cfg["seq"] % seq_split
                 or 128 % tp or (3 * cfg["hidden"]) % tp), (cfg, msg)
         return
     torch.testing.assert_close(out, model(ids), rtol=1e-4, atol=1e-4)
