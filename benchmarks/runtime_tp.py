@@ -451,7 +451,7 @@ def _run(rank: int, args) -> None:
 
     env = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
            "torch": torch.__version__, "python": platform.python_version(),
-           "platform": platform.platform(), "processor": platform.processor(),
+           "platform": platform.platform(), "processor": _cpu_model(),
            "cpu_count": os.cpu_count(), "threads_per_rank": torch.get_num_threads(),
            "backend": "gloo", "ranks": TP, "dtype": "float32",
            "loadavg_1m_before_after": [args.loadavg_before, os.getloadavg()[0]]}
@@ -471,14 +471,14 @@ def _run(rank: int, args) -> None:
     print(__doc__.split("\n\n")[0])
     print()
     print(f"date {env['date']}; torch {env['torch']}; python {env['python']}; "
-          f"{env['cpu_count']} CPUs ({env['processor'] or platform.machine()}); "
+          f"{env['cpu_count']} CPUs ({env['processor']}); "
           f"{TP} ranks, gloo, {env['threads_per_rank']} thread(s) per rank, fp32; load average "
           f"(1 min) {env['loadavg_1m_before_after'][0]:.2f} before, "
           f"{env['loadavg_1m_before_after'][1]:.2f} after")
     print(f"model: {config['model']}; batch {args.batch}, seq {args.seq}; "
           f"{args.rounds} rounds x {args.iters} forwards per variant after {args.warmup} "
           f"warm-up; fxshard.parallelize took {parallelize_s:.2f} s")
-    print("reproduce: python benchmarks/runtime_tp.py " + " ".join(sys.argv[1:]))
+    print("reproduce: " + " ".join(["python benchmarks/runtime_tp.py", *sys.argv[1:]]))
     print()
     print(format_table(results))
     print()
@@ -507,6 +507,17 @@ def _run(rank: int, args) -> None:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.json}")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def format_table(results) -> str:

@@ -190,3 +190,18 @@ def test_local_block_partial_sums_to_global():
     x = torch.randn(4, 6)
     blocks = [local_block(x, (Shard(0), Partial()), mesh, r) for r in range(6)]
     assert torch.equal(blocks[0] + blocks[1] + blocks[2], x[:2])
+
+
+@pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
+@given(data=st.data())
+def test_norms(norm, data):
+    mesh = data.draw(meshes())
+    x = torch.randn(data.draw(dims), data.draw(dims), 6)
+    w, b = torch.randn(6), torch.randn(6)
+    sx = specs(data.draw, mesh, 3, partial=True)
+    if norm == "layer_norm":
+        check(lambda a, c, e: F.layer_norm(a, (6,), c, e), (x, w, b), mesh,
+              [sx, specs(data.draw, mesh, 1), specs(data.draw, mesh, 1)])
+    else:
+        check(lambda a, c: F.rms_norm(a, (6,), c, 1e-6), (x, w), mesh,
+              [sx, specs(data.draw, mesh, 1)])

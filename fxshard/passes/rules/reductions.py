@@ -79,3 +79,16 @@ def diff_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     if isinstance(p, Shard) and p.dim != dim:
         return Decision(ins=[p] + [R] * (len(ins) - 1), out=p)
     return Decision(ins=[R] * len(ins), out=R)
+
+
+@rule(aten.layer_norm.default, aten.rms_norm.default)
+def norm_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """LayerNorm / RMSNorm over the last ``len(normalized_shape)`` dims: those dims whole, a
+    shard of a leading dim (batch, or the sequence under sequence parallelism) passes through;
+    weight and bias replicated."""
+    p = ins[0]
+    ndim = ctx.ndim(node.args[0])
+    first_normalized = ndim - len(node.args[1])
+    if isinstance(p, Shard) and p.dim < first_normalized:
+        return Decision(ins=[p] + [R] * (len(ins) - 1), out=p)
+    return Decision(ins=[R] * len(ins), out=R)
