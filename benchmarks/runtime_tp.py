@@ -409,8 +409,10 @@ def _run(rank: int, args) -> None:
                 samples[name] += _time(fn, args.iters, cpu[name])
         dist.barrier()
         micro_c = micro_collectives(backend, (args.batch, args.seq, cfg.hidden_size),
-                                    (args.batch, args.seq, cfg.vocab_size // TP), args.iters)
-        micro_a = micro_attention(cfg, args.batch, args.seq, args.iters) if rank == 0 else {}
+                                    (args.batch, args.seq, cfg.vocab_size // TP),
+                                    args.micro_iters)
+        micro_a = micro_attention(cfg, args.batch, args.seq, args.micro_iters) \
+            if rank == 0 else {}
 
     gathered = [None] * TP
     dist.all_gather_object(gathered, {"samples": samples, "cpu": cpu, "errors": errors,
@@ -459,7 +461,7 @@ def _run(rank: int, args) -> None:
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
         "num_attention_heads", "num_key_value_heads", "head_dim")},
         "batch": args.batch, "seq": args.seq, "warmup": args.warmup, "iters": args.iters,
-        "rounds": args.rounds}
+        "rounds": args.rounds, "micro_iters": args.micro_iters}
     coll = pm.explain()
     report = {"env": env, "config": config, "parallelize_s": parallelize_s,
               "attention_nodes_patched_in_diag": n_patched, "results": results,
@@ -550,6 +552,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--iters", type=int, default=12, help="forwards per variant per round")
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--micro-iters", type=int, default=200,
+                    help="calls per micro-benchmark case")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "runtime_tp.json"))
     args = ap.parse_args()

@@ -42,6 +42,7 @@ class Compiled:
     ctx: PassCtx
     programs: list
     modules: dict = field(default_factory=dict)     # rank -> GraphModule
+    loaded: bool = False                            # every weight slot has a value
 
     @property
     def program(self) -> Program:
@@ -196,12 +197,14 @@ class ParallelModule:
 
     def __call__(self, *args, **kwargs):
         c, micro = self._get(args, kwargs)
-        if any(self._values.get(fqn) is None or self._values[fqn].device.type == "meta"
-               and not hasattr(self._values[fqn], "block")
-               for p in c.programs for fqn in p.slots):
+        if not c.loaded and any(
+                self._values.get(fqn) is None or self._values[fqn].device.type == "meta"
+                and not hasattr(self._values[fqn], "block")
+                for p in c.programs for fqn in p.slots):
             raise ValueError(f"{_WHERE}: the model was built on the meta device and has no "
                              f"weights yet; call pm.load_state_dict(full_state_dict) or "
                              f"fxshard.load_safetensors(pm, path) before running it")
+        c.loaded = True
         if is_simulated(self.mesh):
             from .runtime.simulated import SimulatedWorld
             if self._world is None:
@@ -264,6 +267,7 @@ class ParallelModule:
         self._values.update(state_dict)
         for c in self._compiled.values():
             c.modules.clear()
+            c.loaded = False
 
     def close(self) -> None:
         if self._world is not None:

@@ -18,7 +18,7 @@ __all__ = ["Backend", "SimulatedWorld", "SimulatedBackend", "DistributedBackend"
 
 
 def __getattr__(name: str):
-    # torch.distributed's functional collectives load only when a real mesh is used.
+    # torch.distributed's collectives load only when a real mesh is used.
     if name in ("DistributedBackend", "backend_for"):
         from fxshard.runtime import distributed
         return getattr(distributed, name)
