@@ -130,10 +130,14 @@ class DistributedBackend:
         size = self.axis_size(axis)
 
         def run() -> torch.Tensor:
-            moved = x.movedim(dim, 0).contiguous()
-            out = moved.new_empty((moved.shape[0] * size, *moved.shape[1:]))
-            dist.all_gather_single(out, moved, group=group)
-            return out.movedim(0, dim).contiguous()
+            x_c = x.contiguous()
+            if dim == 0:
+                out = x_c.new_empty((x_c.shape[0] * size, *x_c.shape[1:]))
+                dist.all_gather_single(out, x_c, group=group)
+                return out
+            parts = [torch.empty_like(x_c) for _ in range(size)]
+            dist.all_gather(parts, x_c, group=group)
+            return torch.cat(parts, dim)  # one copy, where moving dim to 0 and back costs two
         return self._call("all_gather", axis, run)
 
     def all_reduce(self, x: torch.Tensor, axis: str) -> torch.Tensor:
