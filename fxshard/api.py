@@ -170,8 +170,24 @@ class ParallelModule:
             _, spec = pytree.tree_flatten((args, kwargs))
             a, k = pytree.tree_unflatten(micro[0], spec)
             self._compiled[key] = self._build(tuple(a), dict(k))
+            if len(micro) > 1:
+                self._check_microbatch_outputs(self._compiled[key], micro[0])
         self._last = self._compiled[key]
         return self._last, micro
+
+    def _check_microbatch_outputs(self, c: Compiled, first: list) -> None:
+        """Microbatch outputs are joined along dim 0, so every tensor output must be per-sample
+        (batch on dim 0), not a reduction over the batch (a mean loss, a sum)."""
+        batch = next(x.shape[0] for x in first if isinstance(x, torch.Tensor) and x.dim())
+        out_node = next(n for n in c.programs[-1].graph.nodes if n.op == "output")
+        for i, a in enumerate(pytree.tree_leaves(out_node.args[0])):
+            v = a.meta.get("val") if isinstance(a, fx.Node) else None
+            if isinstance(v, torch.Tensor) and (v.dim() == 0 or v.shape[0] != batch):
+                raise ValueError(
+                    f"{_WHERE}: with microbatches={self.microbatches} the outputs of the "
+                    f"microbatches are joined along dim 0, but output {i} has shape "
+                    f"{tuple(v.shape)} per microbatch of {batch} samples (not per-sample). "
+                    f"Return per-sample values (e.g. logits, not a loss) or use microbatches=1")
 
     def stage_of(self, rank: int) -> int:
         return self.spec.axis_index(rank, "pp")

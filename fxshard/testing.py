@@ -39,6 +39,7 @@ def run_sharded(fn, inputs: tuple, mesh: MeshSpec, in_specs: list, **options):
     flat_out = torch.utils._pytree.tree_leaves(out_node.args[0])
     specs = [n.meta.get("fxshard_spec") for n in flat_out]
     values = {k: v for k, v in module.state_dict().items()}
+    values.update({k: v for k, v in c.traced.constants.items() if v is not None})
     mods = [build_rank_module(c.program, r, mesh, values, torch.device("cpu"))
             for r in range(mesh.world_size)]
     with SimulatedWorld(mesh) as world:

@@ -45,19 +45,41 @@ def _fake_like(x):
 
 
 def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Traced:
-    """Export ``model`` on meta copies of ``args``/``kwargs`` (no compute, no weights needed)."""
+    """Export ``model`` on meta copies of ``args``/``kwargs`` (no compute, no weights needed).
+
+    In-place ops (``y[..., 0] = -inf``, ``x.mul_(2)``) are functionalised (``select_scatter``,
+    out-of-place ``mul``): the passes move values between ranks, which would break the aliasing
+    an in-place op relies on.
+    """
     kwargs = kwargs or {}
+    on_meta = any(p.device.type == "meta" for p in model.parameters())
     meta_args = torch.utils._pytree.tree_map(_fake_like, args)
     meta_kwargs = torch.utils._pytree.tree_map(_fake_like, kwargs)
     try:
         ep = torch.export.export(model, tuple(meta_args), meta_kwargs, strict=False)
     except Exception as e:  # meta inputs on a model with real weights: export on real inputs
-        if not any(p.device.type == "meta" for p in model.parameters()):
-            ep = torch.export.export(model, tuple(args), kwargs, strict=False)
-        else:
+        if on_meta:
             raise ValueError(f"fxshard.parallelize: torch.export could not trace "
                              f"{type(model).__name__} on meta inputs: {e}") from e
+        ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+    if not on_meta and any(isinstance(v, torch.Tensor) and v.device.type == "meta"
+                           for v in ep.constants.values()):
+        # constants the forward makes (torch.tensor([0, 3])) came out on meta: trace for real
+        ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+    if any(_mutates(n) for n in ep.graph.nodes):
+        ep = ep.run_decompositions({})
+        bad = [n for n in ep.graph.nodes if _mutates(n)]
+        if bad:
+            raise NotImplementedError(
+                f"fxshard.parallelize: {type(model).__name__}'s forward mutates state in place "
+                f"({bad[0].target} at {bad[0].name}); fxshard runs pure inference graphs")
     return _from_exported(ep, model)
+
+
+def _mutates(node: fx.Node) -> bool:
+    target = node.target
+    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and target._schema.is_mutable)
 
 
 def _from_exported(ep: ExportedProgram, model: torch.nn.Module) -> Traced:
@@ -95,12 +117,14 @@ def _from_exported(ep: ExportedProgram, model: torch.nn.Module) -> Traced:
 
 
 def _is_noop_to(node: fx.Node) -> bool:
+    """A cast that changes nothing and, as in eager mode, returns its input itself (``to``
+    without a change aliases; ``clone``/``contiguous``/``_to_copy`` copy, so they stay)."""
     if node.target not in (aten.to.dtype, aten.to.device, aten.to.dtype_layout,
-                           aten._to_copy.default, aten.alias.default, aten.clone.default,
-                           aten.contiguous.default):
+                           aten.alias.default):
         return False
     src = node.args[0]
-    if not isinstance(src, fx.Node):
+    if not isinstance(src, fx.Node) or node.kwargs.get("copy") or \
+            (node.target is aten.to.dtype and len(node.args) > 3 and node.args[3]):
         return False
     a, b = src.meta.get("val"), node.meta.get("val")
     return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import assume, example, given, strategies as st
 
 from fxshard.mesh import AXIS_NAMES, MeshSpec
 from fxshard.passes.insert_collectives import collective_target
@@ -26,7 +26,9 @@ def cases(draw):
         shape[shape.index(max(shape))] -= 1
     mesh = MeshSpec(tuple(shape), tuple(names))
     ndim = draw(st.integers(1, 3))
-    tshape = tuple(draw(st.integers(1, 7)) for _ in range(ndim))
+    # mostly sizes that split over these axes (12 and 24 do over any 2 or 3 of them), a few
+    # that do not, so both the redistribution and the refusal are exercised
+    tshape = tuple(draw(st.sampled_from([12, 24, 12, 6, 4, 5, 7, 1])) for _ in range(ndim))
     opts = [Replicate(), Partial()] + [Shard(d) for d in range(ndim)]
     src = tuple(draw(st.sampled_from(opts)) for _ in names)
     dst = tuple(draw(st.sampled_from(opts[:1] + opts[2:])) for _ in names)  # no R->P
@@ -35,6 +37,8 @@ def cases(draw):
     keep_p = draw(st.booleans())
     if keep_p:  # a partial that stays partial
         dst = tuple(s if isinstance(s, Partial) else d for s, d in zip(src, dst))
+    active = [n > 1 for n in mesh.shape]
+    assume([p for p, a in zip(src, active) if a] != [p for p, a in zip(dst, active) if a])
     return mesh, tshape, src, dst
 
 
@@ -50,6 +54,14 @@ def run_steps(mesh, x, src, dst):
         return world.run(rank), steps
 
 
+S, R_, P_ = Shard, Replicate(), Partial()
+NESTED = MeshSpec((2, 3, 2), ("dp", "tp", "ulysses_cp"))
+
+
+@example((NESTED, (12, 24), (S(1), S(1), S(1)), (R_, S(0), S(1))))
+@example((NESTED, (12, 24), (S(0), P_, S(0)), (S(0), S(0), S(1))))
+@example((NESTED, (12, 24), (S(1), S(0), P_), (S(0), S(1), S(1))))
+@example((NESTED, (12, 12, 4), (R_, S(2), S(1)), (S(1), S(1), S(2))))
 @given(cases())
 def test_redistribute_matches_target_slicing(case):
     mesh, tshape, src, dst = case

@@ -12,7 +12,8 @@ After::
     view = aten.view(linear, [2, 8, 2, 16])
     expand = aten.expand(unsqueeze, [2, 2, 8, 16])
 
-Factory ops get the mesh's device (a model traced on ``meta`` bakes ``device=meta`` into
+``view`` becomes ``reshape``: collectives and fused kernels return tensors whose strides differ
+from those seen at trace time. Factory ops get the mesh's device (a model traced on ``meta`` bakes ``device=meta`` into
 them). A vocab-sharded embedding becomes ``fxshard.vocab_embedding`` (ids outside the rank's rows
 give zeros, summed by the following all-reduce). Every tensor's local shape is checked here:
 a dim that does not divide evenly is a ``ValueError`` naming the node, dim, size and axis.
@@ -35,11 +36,23 @@ _SHAPE_ARG = {aten.view.default: 1, aten.reshape.default: 1, aten._unsafe_view.d
               aten.expand.default: 1}
 
 
+def _describe(node: fx.Node) -> str:
+    """Name a value for an error: the user's input it was sliced from, if it was one."""
+    origin = node
+    while origin.op == "call_function" and str(origin.target).startswith("fxshard.") and \
+            origin.args and isinstance(origin.args[0], fx.Node):
+        origin = origin.args[0]
+    index = origin.meta.get("fxshard_input")
+    if origin.op == "placeholder" and index is not None:
+        return f"input {origin.name!r} (argument {index} of the forward)"
+    return f"value {node.name} ({node.target})"
+
+
 def _local(node: fx.Node, ctx: PassCtx) -> tuple[int, ...] | None:
     val, spec = node.meta.get("val"), node.meta.get("fxshard_spec")
     if not isinstance(val, torch.Tensor) or not isinstance(spec, tuple):
         return None
-    return local_shape(tuple(val.shape), spec, ctx.mesh, what=f"value {node.name} ({node.target})")
+    return local_shape(tuple(val.shape), spec, ctx.mesh, what=_describe(node))
 
 
 def localize_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
@@ -53,6 +66,12 @@ def localize_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
             node.update_kwarg("device", torch.device(ctx.mesh.device_type))
         if node.op == "call_function" and node.target is aten.to.device:
             node.update_arg(1, torch.device(ctx.mesh.device_type))
+        if node.op == "call_function" and node.target is aten.view.default:
+            # strides differ from the trace once collectives and fused kernels return fresh
+            # contiguous tensors (SDPA's output layout made a later .contiguous() a no-op that
+            # export dropped): reshape views where it can and copies where it must
+            node.target = aten.reshape.default
+            changed += 1
         if node.op != "call_function" or local is None:
             continue
         val = node.meta["val"]
@@ -69,7 +88,9 @@ def localize_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
             dim = (node.args[1] if len(node.args) > 1 else 0) % x.meta["val"].dim()
             spec = x.meta.get("fxshard_spec")
             if any(isinstance(p, Shard) and p.dim == dim for p in spec or ()):
-                node.update_arg(3, sys.maxsize)  # a whole slice of a sharded dim
+                args = list(node.args) + [0, None, None, 1][len(node.args) - 1:]
+                args[3] = sys.maxsize  # a whole slice of a sharded dim
+                node.args = tuple(args)
                 changed += 1
         elif node.target is aten.embedding.default:
             changed += _vocab_embedding(node, ctx)

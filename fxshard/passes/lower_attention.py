@@ -43,6 +43,8 @@ def lower_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
         if node.target is not aten.scaled_dot_product_attention.default:
             continue
         a = sdpa_args(node)
+        if any(a[t].meta["val"].dim() != 4 for t in ("query", "key", "value")):
+            continue  # not [B, H, S, D]: the rule kept it whole, aten runs it
         if a["dropout_p"]:
             raise NotImplementedError(
                 f"fxshard.parallelize: attention {node.name} has dropout_p={a['dropout_p']}; "

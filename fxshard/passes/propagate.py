@@ -39,13 +39,21 @@ _OWNS_WEIGHTS = (linear_rule, embedding_rule)
 _MAX_REFINEMENTS = 8
 
 
-def input_spec(val: torch.Tensor, ctx: PassCtx) -> tuple:
-    """Where a user input goes: batch on ``dp``, sequence on the CP axes, whole elsewhere."""
+def input_spec(val: torch.Tensor, ctx: PassCtx, main: torch.Tensor | None = None) -> tuple:
+    """Where a user input goes: batch (dim 0) on ``dp``, sequence (dim 1) on the CP axes,
+    whole elsewhere. ``main`` is the first tensor input (the ids): another input is split only
+    on the dims it shares with it, so a ``[1]`` temperature or a ``[B, 5]`` feature input
+    stays whole where it has no batch or no sequence."""
+    main = val if main is None else main
+
+    def shares(d: int) -> bool:
+        return val.dim() > d and main.dim() > d and val.shape[d] == main.shape[d]
+
     out = []
     for axis, n in zip(ctx.mesh.axis_names, ctx.mesh.shape):
-        if n > 1 and axis == "dp" and val.dim() >= 1:
+        if n > 1 and axis == "dp" and shares(0):
             out.append(Shard(0))
-        elif n > 1 and axis in ("ulysses_cp", "ring_cp") and val.dim() >= 2:
+        elif n > 1 and axis in ("ulysses_cp", "ring_cp") and shares(1):
             out.append(Shard(1))
         else:
             out.append(R)
@@ -63,10 +71,12 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str]) -> dict:
     mesh = ctx.mesh
     axes = [(i, a, n) for i, (a, n) in enumerate(zip(mesh.axis_names, mesh.shape)) if n > 1]
     rctx = {a: RuleCtx(axis=a, size=n, mesh=mesh, sequence_parallel=ctx.sequence_parallel,
-                       embedding_style=ctx.embedding_style) for _, a, n in axes}
+                       embedding_style=ctx.embedding_style, user_plan=bool(ctx.plan))
+            for _, a, n in axes}
     param_spec: dict[str, list] = {}
     auto_colwise: dict[str, fx.Node] = {}
     ctx.fallbacks.clear()
+    main = None  # the first tensor input: its dim 0 is the batch, its dim 1 the sequence
     for node in gm.graph.nodes:
         node.meta.pop("fxshard_then", None)
         node.meta.pop("fxshard_notes", None)
@@ -90,7 +100,10 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str]) -> dict:
             elif node.meta.get("fxshard_input") is not None and isinstance(val, torch.Tensor):
                 node.meta["fxshard_spec"] = tuple(R for _ in mesh.shape)
                 given = (ctx.input_specs or {}).get(node.meta["fxshard_input"])
-                node.meta["fxshard_then"] = tuple(given) if given else input_spec(val, ctx)
+                if main is None:
+                    main = val
+                node.meta["fxshard_then"] = tuple(given) if given else input_spec(val, ctx,
+                                                                                  main)
             else:
                 node.meta["fxshard_spec"] = tuple(R for _ in mesh.shape) \
                     if isinstance(val, torch.Tensor) else None

@@ -67,6 +67,7 @@ class RuleCtx:
     mesh: MeshSpec
     sequence_parallel: bool = False
     embedding_style: str = "embed_dim"
+    user_plan: bool = False       # the user placed some weights with plan=
 
     @property
     def is_tp(self) -> bool:

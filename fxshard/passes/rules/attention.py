@@ -74,16 +74,20 @@ def sdpa_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     tensors = tensor_inputs(node)
     q, k, v = tensors[:3]
     mask = a["attn_mask"]
+    if any(ctx.ndim(t) != 4 for t in (q, k, v)):
+        return Decision(ins=[R] * len(ins), out=R)  # not [B, H, S, D]: attended whole
     hq, hkv = ctx.shape(q)[1], ctx.shape(k)[1]
     batch = ctx.shape(q)[0]
-    if ctx.is_tp and hq % ctx.size:
-        raise _heads_error(node, "query heads", hq, ctx,
-                           f"Use a {ctx.axis} size that divides {hq}.")
     anchor = None
     for p in ins[:3]:
         if isinstance(p, Shard) and p.dim in (0, 1, 2):
             anchor = p.dim
             break
+    if ctx.is_tp and hq % ctx.size and (anchor == 1 or not ctx.user_plan):
+        # heads a projection arrived split by, or the automatic plan would split
+        raise _heads_error(node, "query heads", hq, ctx,
+                           f"Use a {ctx.axis} size that divides {hq}, or keep attention whole "
+                           f"with plan={{'<attention projections>': 'replicate'}}.")
     if anchor is None:
         return Decision(ins=[R] * len(ins), out=R)
 

@@ -1,0 +1,135 @@
+"""Model code patterns found in the wild that once broke fxshard: in-place ops, copies that
+must stay copies, `.contiguous().view()`, constant index tensors, extra inputs without a batch
+or sequence dim, attention that is not 4-D, HF's loss, per-sample vs reduced outputs under
+microbatches. Each must match the single-device model on every mesh, or fail with a clear
+error."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxshard
+from tests.models import hf_llama, our_llama
+
+MESHES = [dict(dp=2), dict(tp=2), dict(ring_cp=2), dict(dp=2, tp=2), dict(ulysses_cp=2)]
+
+
+def mesh(**axes):
+    return fxshard.init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
+
+
+class CloneThenInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        y = h.clone()
+        y.mul_(2)
+        return h, y
+
+
+class MaskedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.head = nn.Linear(16, 32, bias=False)
+
+    def forward(self, ids):
+        logits = self.head(self.emb(ids))
+        logits[..., 0] = float("-inf")
+        y = logits * 1
+        y[:, 0] = 0
+        y += 1
+        y[..., :2] *= 2
+        return logits, y
+
+
+class ConstantIndex(nn.Module):
+    def forward(self, a):
+        return a[:, [0, 3, 5]] * 2
+
+
+class Attention3d(nn.Module):
+    def forward(self, q):
+        return F.scaled_dot_product_attention(q, q, q)
+
+
+class Temperature(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, t):
+        return self.lin(x) / t
+
+
+class NanoGPTAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(16, dim=2)
+        q, k, v = (z.view(b, t, 4, 4).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+CASES = [(CloneThenInPlace, lambda: (torch.randn(4, 8, 8),)),
+         (MaskedHead, lambda: (torch.randint(0, 32, (4, 8)),)),
+         (ConstantIndex, lambda: (torch.randn(4, 8),)),
+         (Attention3d, lambda: (torch.randn(4, 8, 8),)),
+         (Temperature, lambda: (torch.randn(4, 8), torch.tensor([2.0]))),
+         (NanoGPTAttention, lambda: (torch.randn(4, 8, 16),))]
+
+
+@pytest.mark.parametrize("axes", MESHES, ids=lambda a: "x".join(f"{k}{v}" for k, v in a.items()))
+@pytest.mark.parametrize("make,inputs", CASES, ids=[c[0].__name__ for c in CASES])
+def test_pattern_matches_single_device(make, inputs, axes):
+    torch.manual_seed(0)
+    model = make().eval()
+    args = inputs()
+    want = model(*args)
+    got = fxshard.parallelize(model, mesh(**axes))(*args)
+    for g, w in zip(*(x if isinstance(x, tuple) else (x,) for x in (got, want))):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_hf_llama_with_labels_returns_the_loss():
+    model = hf_llama(layers=1)
+    ids = torch.randint(0, 128, (2, 8))
+    want = model(ids, labels=ids)
+    got = fxshard.parallelize(model, mesh(dp=2, tp=2))(ids, labels=ids)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_microbatches_refuse_outputs_that_are_not_per_sample():
+    class Pooled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x, x.sum(0)
+    x = torch.randn(6, 8)
+    pm = fxshard.parallelize(Pooled(), mesh(pp=2), microbatches=2)
+    with pytest.raises(ValueError, match=r"output 1 has shape \(8,\) per microbatch of 3"):
+        pm(x)
+
+
+def test_heads_check_respects_a_replicating_plan():
+    model = our_llama(num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=3,
+                      hidden_size=48, head_dim=16, intermediate_size=96)
+    ids = torch.randint(0, 128, (2, 8))
+    pm = fxshard.parallelize(model, mesh(tp=2),
+                             plan={"model.layers.*.self_attn.*": "replicate"})
+    torch.testing.assert_close(pm(ids), model(ids), rtol=1e-4, atol=1e-4)
