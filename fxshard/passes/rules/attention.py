@@ -127,5 +127,6 @@ def sdpa_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
             _note(node, "ulysses_kv_gather", ctx.axis)
         return Decision(ins=[Shard(2)] * 3, out=Shard(2))
     kv = _kv_heads(node, hq, hkv, ctx, per_rank)
-    then = Shard(2) if anchor == 2 else None
+    # back to the sequence shard the rest of the layer runs on, when the queries' split
+    then = Shard(2) if anchor == 2 and ctx.shape(q)[2] % ctx.size == 0 else None
     return Decision(ins=[Shard(1)] + kv + mask_need(1), out=Shard(1), then=then)
