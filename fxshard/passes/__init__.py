@@ -1,8 +1,12 @@
 """Graph passes. Each is ``def name_pass(gm, *, ctx: PassCtx) -> GraphModule`` and reports
-what it changed through ``ctx.report``; the order is fixed by ``fxshard.api``::
+what it changed through ``ctx.report``; the order is fixed by ``fxshard.api.compile_program``::
 
-    cleanup -> propagate -> insert_collectives -> lower_attention -> split_stages
-            -> localize -> emit
+    cleanup -> fold_causal_mask -> propagate -> insert_collectives -> lower_attention
+            -> localize -> split_stages (pp > 1) -> emit
+
+``split_stages`` runs after ``localize`` (DESIGN.md lists it before): a receive needs the local
+shape of what it receives. ``split_stages`` returns one graph per stage and ``emit`` one
+``Program`` per graph.
 """
 from __future__ import annotations
 
