@@ -134,7 +134,19 @@ def fallback(node: fx.Node, ins: list, ctx: RuleCtx, *, why: str = "no sharding 
 
 def warn_fallback(node: fx.Node, why: str) -> None:
     warnings.warn(f"fxshard: {node.target} ({node.name}) {why}; it runs replicated (correct, "
-                  f"but every rank computes it whole)", FallbackWarning, stacklevel=3)
+                  f"but every rank computes it whole)", FallbackWarning,
+                  stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """Stack level of the first frame outside the fxshard package (the user's call)."""
+    import os
+    import sys
+    package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 # Import the rule families so that they register themselves.
