@@ -121,7 +121,8 @@ class ParallelModule:
     """A model parallelized over a mesh; see :func:`parallelize`."""
 
     def __init__(self, model: torch.nn.Module, mesh, *, plan: dict, sequence_parallel: bool,
-                 microbatches: int, strict: bool, embedding: str, stages=None):
+                 microbatches: int, strict: bool, embedding: str, stages=None,
+                 ring_zigzag: bool = True):
         self.model = model
         self.mesh = mesh
         self.spec: MeshSpec = mesh_spec(mesh, where=_WHERE)
@@ -131,6 +132,7 @@ class ParallelModule:
         self.strict = strict
         self.embedding = embedding
         self.stages = stages
+        self.ring_zigzag = ring_zigzag
         self._values = {k: v for k, v in model.state_dict(keep_vars=True).items()}
         self._expected = {k: (tuple(v.shape), v.dtype) for k, v in self._values.items()}
         self._compiled: dict[tuple, Compiled] = {}
@@ -141,7 +143,8 @@ class ParallelModule:
     # -- building ----------------------------------------------------------------------
     def _build(self, args: tuple, kwargs: dict) -> Compiled:
         ctx = PassCtx(mesh=self.spec, sequence_parallel=self.sequence_parallel,
-                      strict=self.strict, plan=self.plan, embedding_style=self.embedding)
+                      strict=self.strict, plan=self.plan, embedding_style=self.embedding,
+                      ring_zigzag=self.ring_zigzag)
         c = compile_program(self.model, args, kwargs, ctx, stages=self.stages)
         for fqn, value in c.traced.constants.items():
             if value is not None:
@@ -294,8 +297,8 @@ class ParallelModule:
 def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = None,
                 example_kwargs: dict | None = None, plan: dict | None = None,
                 sequence_parallel: bool = False, microbatches: int = 1, strict: bool = False,
-                embedding: str = "embed_dim", stages: list[int] | None = None
-                ) -> ParallelModule:
+                embedding: str = "embed_dim", stages: list[int] | None = None,
+                ring_zigzag: bool = True) -> ParallelModule:
     """Parallelize an unmodified ``model`` over ``mesh`` by rewriting its traced ATen graph.
 
     Args:
@@ -311,6 +314,9 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
         embedding: default tp style of embeddings: ``"embed_dim"`` or ``"vocab"``.
         stages: the pipeline stage of each layer of the model's layer stack (default
             :func:`fxshard.passes.split_stages.assign_layers_to_stages`).
+        ring_zigzag: shard the sequence zigzag on ``ring_cp`` (rank j holds chunks j and
+            2n-1-j of 2n) so causal ring attention gives every rank the same work; needs the
+            sequence to divide by 2n. ``False``: contiguous chunks.
     """
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"{_WHERE}: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -329,7 +335,7 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
     model.eval()
     pm = ParallelModule(model, mesh, plan=plan or {}, sequence_parallel=sequence_parallel,
                         microbatches=microbatches, strict=strict, embedding=embedding,
-                        stages=stages)
+                        stages=stages, ring_zigzag=ring_zigzag)
     if example_inputs is not None or example_kwargs is not None:
         pm._get(tuple(example_inputs or ()), dict(example_kwargs or {}))
     return pm

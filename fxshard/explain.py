@@ -19,7 +19,11 @@ from .placement import local_shape, short_spec
 __all__ = ["Explanation", "explain", "COLLECTIVES"]
 
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "local_shard",
-               "partial_from_replicate", "send", "recv", "ring_attention")
+               "partial_from_replicate", "send", "recv", "ring_attention", "zigzag_shard",
+               "zigzag_gather")
+
+
+_LOCAL = ("local_shard", "partial_from_replicate", "zigzag_shard")  # no communication
 
 
 @dataclass
@@ -46,7 +50,7 @@ class Explanation:
 
     def counts(self, rank: int = 0) -> Counter:
         """``{(op, axis): count}`` of rank ``rank``'s collectives (local slices excluded)."""
-        return Counter((c.op, c.axis) for c in self.collectives[rank] if c.op not in ("local_shard", "partial_from_replicate"))
+        return Counter((c.op, c.axis) for c in self.collectives[rank] if c.op not in _LOCAL)
 
     def __str__(self) -> str:
         lines = [f"fxshard plan on mesh {self.mesh} ({self.ranks} ranks)", ""]
@@ -92,7 +96,7 @@ def _ranges(ranks: list[int]) -> str:
 def _wire(op: str, n: int, in_bytes: int) -> int:
     if op == "all_reduce":
         return 2 * (n - 1) * in_bytes // n
-    if op == "all_gather":
+    if op in ("all_gather", "zigzag_gather"):
         return (n - 1) * in_bytes
     if op in ("reduce_scatter", "all_to_all"):
         return (n - 1) * in_bytes // n

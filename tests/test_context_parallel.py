@@ -48,7 +48,7 @@ CASES = [dict(ulysses_cp=2), dict(ring_cp=2), dict(ring_cp=4), dict(tp=2, ulysse
 @pytest.mark.parametrize("axes", CASES, ids=lambda a: "x".join(f"{k}{v}" for k, v in a.items()))
 def test_our_llama_context_parallel(axes):
     model = our_llama(num_hidden_layers=2)
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     pm = fxshard.parallelize(model, mesh(**axes))
     torch.testing.assert_close(pm(ids), model(ids), **TOL)
 
@@ -83,7 +83,7 @@ def test_ring_sends_no_activation_collectives_per_layer():
         assert code.count("torch.ops.fxshard.ring_attention") == layers
     # besides the ring steps inside the attention op, only the final output gather
     assert counts[3] - counts[1] == {("ring_attention", "ring_cp"): 2}
-    assert counts[1] == {("ring_attention", "ring_cp"): 1, ("all_gather", "ring_cp"): 1}
+    assert counts[1] == {("ring_attention", "ring_cp"): 1, ("zigzag_gather", "ring_cp"): 1}
 
 
 def test_ulysses_heads_must_divide():
@@ -96,8 +96,39 @@ def test_ulysses_heads_must_divide():
 
 def test_sequence_not_divisible_by_ring_is_a_value_error():
     model = our_llama(num_hidden_layers=1)
+    ids = torch.randint(0, 128, (1, 6))
+    with pytest.raises(ValueError, match=r"ring_cp shards the sequence zigzag.*has 6 elements"
+                                         r".*divides by 8.*ring_zigzag=False"):
+        fxshard.parallelize(model, mesh(ring_cp=4))(ids)
     with pytest.raises(ValueError, match=r"dim 1 over mesh axis 'ring_cp' of size 4"):
-        fxshard.parallelize(model, mesh(ring_cp=4))(torch.randint(0, 128, (1, 6)))
+        fxshard.parallelize(model, mesh(ring_cp=4), ring_zigzag=False)(ids)
+    pm = fxshard.parallelize(model, mesh(ring_cp=3), ring_zigzag=False)  # 6 = 3 x 2
+    torch.testing.assert_close(pm(ids), model(ids), **TOL)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_zigzag_layout_round_trip_and_balance(n):
+    """Rank j holds chunks j and 2n-1-j; gathering restores the order; every rank's causal
+    work (visible query-key pairs) is the same."""
+    import fxshard.runtime.local_ops  # noqa: F401
+    x = torch.arange(2 * n * 3 * 2, dtype=torch.float32).view(2, 2 * n * 3)
+    with SimulatedWorld(MeshSpec((n,), ("ring_cp",))) as w:
+        parts = w.run(lambda r: torch.ops.fxshard.zigzag_shard(x, 1, "ring_cp", n))
+        back = w.run(lambda r: torch.ops.fxshard.zigzag_gather(parts[r], 1, "ring_cp", n))
+    chunks = x.chunk(2 * n, 1)
+    for j in range(n):
+        assert torch.equal(parts[j], torch.cat([chunks[j], chunks[2 * n - 1 - j]], 1))
+        assert torch.equal(back[j], x)
+    work = [sum(int(p) + 1 for p in parts[j][0] - 0) for j in range(n)]  # positions + 1
+    assert len(set(work)) == 1, work
+
+
+def test_ring_without_zigzag_matches_too():
+    model = our_llama(num_hidden_layers=2)
+    ids = torch.randint(0, 128, (2, 8))
+    pm = fxshard.parallelize(model, mesh(ring_cp=4), ring_zigzag=False)
+    torch.testing.assert_close(pm(ids), model(ids), **TOL)
+    assert "zigzag" not in pm.rank_module(0).code
 
 
 @pytest.mark.parametrize("kv,axes", [(1, dict(tp=2, ulysses_cp=2)), (1, dict(tp=4, ulysses_cp=2)),

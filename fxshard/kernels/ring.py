@@ -11,8 +11,10 @@ positions of both chunks (so causal masking is exact), passes the chunk it holds
     n - 1 steps of communication, n attention calls; with causal=True a chunk wholly after
     the queries is skipped (its partial result would be out = 0, lse = -inf).
 
-The chunks are contiguous (no zigzag load balancing yet): with causal attention the last rank
-does the most work.
+With causal attention and contiguous chunks the last rank would do the most work; the default
+sequence layout on ``ring_cp`` is therefore zigzag (rank j holds chunks j and 2n-1-j of 2n,
+``fxshard::zigzag_shard``), which every rank's queries and keys follow, so each rank does the
+same work. ``zigzag=True`` tells the op where its two pieces sit.
 """
 from __future__ import annotations
 
@@ -29,13 +31,14 @@ __all__ = ["ring_attention"]
 @torch.library.custom_op("fxshard::ring_attention", mutates_args=())
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                    scale: Optional[float], axis: str, size: int, segments: int = 1,
-                   stride: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                   stride: int = 0, zigzag: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of this rank's query chunk against the whole ring's keys.
 
-    The local sequence is ``segments`` equal contiguous pieces; piece ``t`` of ring rank ``j``
-    starts at absolute position ``t * stride + j * piece`` (``segments=1``: one chunk at
-    ``j * len``). USP uses ``segments`` > 1: the Ulysses exchange hands each ring rank one
-    piece from every coordinate of the Ulysses axis.
+    The local sequence is ``segments`` equal parts; part ``t`` of ring rank ``j`` starts at
+    absolute position ``t * stride`` and holds piece ``j`` of that part's ``size`` pieces
+    (``segments=1``: one chunk at ``j * len``). With ``zigzag`` each part holds two pieces of
+    ``2 * size``: ``j`` and ``2*size-1-j``. USP uses ``segments`` > 1: the Ulysses exchange
+    hands each ring rank one part from every coordinate of the Ulysses axis.
     """
     backend = current_backend(f"fxshard.ring_attention on axis {axis!r}")
     if backend.axis_size(axis) != size:
@@ -45,11 +48,22 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
         raise ValueError(f"fxshard.ring_attention: local sequence lengths {q.shape[2]} (q) and "
                          f"{k.shape[2]} (k/v) must divide into segments={segments}")
     r = backend.axis_index(axis)
-    sq, skv = q.shape[2] // segments, k.shape[2] // segments
+    per_part = 2 if zigzag else 1
+    n_pieces = segments * per_part
+    if q.shape[2] % n_pieces or k.shape[2] % n_pieces:
+        raise ValueError(f"fxshard.ring_attention: local sequence lengths {q.shape[2]} (q) and "
+                         f"{k.shape[2]} (k/v) must divide into {n_pieces} pieces")
+    sq, skv = q.shape[2] // n_pieces, k.shape[2] // n_pieces
+
+    def start(piece: int, rank: int, length: int) -> int:
+        t, z = divmod(piece, per_part)
+        slot = rank if z == 0 else 2 * size - 1 - rank
+        return t * stride + slot * length
+
     q_pieces = q.split(sq, dim=2)
     nxt, prv = (r + 1) % size, (r - 1) % size
-    outs: list = [None] * segments
-    lses: list = [None] * segments
+    outs: list = [None] * n_pieces
+    lses: list = [None] * n_pieces
     k_cur, v_cur = k.contiguous(), v.contiguous()
     for step in range(size):
         src = (r - step) % size
@@ -58,9 +72,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
             backend.send(k_cur, axis, nxt)
             backend.send(v_cur, axis, nxt)
         for t, q_t in enumerate(q_pieces):
-            q_at = t * stride + r * sq
-            for u in range(segments):
-                kv_at = u * stride + src * skv
+            q_at = start(t, r, sq)
+            for u in range(n_pieces):
+                kv_at = start(u, src, skv)
                 if causal and kv_at > q_at + sq - 1:
                     continue  # this key piece lies wholly after every query of the piece
                 o, l = attention(q_t, k_cur[:, :, u * skv:(u + 1) * skv],
@@ -77,5 +91,5 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 
 
 @ring_attention.register_fake
-def _(q, k, v, causal, scale, axis, size, segments=1, stride=0):
+def _(q, k, v, causal, scale, axis, size, segments=1, stride=0, zigzag=False):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)

@@ -39,8 +39,13 @@ class PassCtx:
     embedding_style: str = "embed_dim"
     input_specs: dict | None = None       # user input index -> spec (default: input_spec)
     keep_output_placement: bool = False   # leave outputs sharded (rule tests read the blocks)
+    ring_zigzag: bool = True              # zigzag sequence layout on ring_cp (load balance)
     edits: list = field(default_factory=list)
     fallbacks: list = field(default_factory=list)
+
+    @property
+    def zigzag_axes(self) -> tuple[str, ...]:
+        return ("ring_cp",) if self.ring_zigzag and self.mesh.axis_size("ring_cp") > 1 else ()
 
     def report(self, pass_name: str, message: str) -> None:
         self.edits.append((pass_name, message))

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from ..placement import short_spec
+from ..placement import local_shape, short_spec
 from . import PassCtx
 from .redistribute import plan_redistribution
 from .rules import is_tensor_node
@@ -38,8 +38,18 @@ def collective_target(op: str):
 def _chain(graph: fx.Graph, src: fx.Node, spec, need, ctx: PassCtx) -> tuple[fx.Node, int]:
     """Emit the steps from ``spec`` to ``need`` at the graph's insert point; return the end."""
     x = src
-    steps = plan_redistribution(spec, need, ctx.mesh)
+    steps = plan_redistribution(spec, need, ctx.mesh, ctx.zigzag_axes)
     for step in steps:
+        if step.op == "zigzag_shard":
+            n = local_shape(tuple(src.meta["val"].shape), spec, ctx.mesh,
+                            what=src.name)[step.args[0]]
+            if n % (2 * step.size):
+                raise ValueError(
+                    f"fxshard.parallelize: {step.axis} shards the sequence zigzag (rank j "
+                    f"holds chunks j and {2 * step.size - 1}-j of {2 * step.size}, to balance "
+                    f"causal attention), but dim {step.args[0]} of {src.name} has {n} elements "
+                    f"here; use a sequence length that divides by {2 * step.size} (times the "
+                    f"other axes sharding it) or parallelize(..., ring_zigzag=False)")
         x = graph.call_function(collective_target(step.op),
                                 (x, *step.args, step.axis, step.size))
         x.meta["val"] = src.meta["val"]

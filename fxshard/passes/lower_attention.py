@@ -76,7 +76,7 @@ def lower_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
                 att = graph.call_function(
                     torch.ops.fxshard.ring_attention.default,
                     (q, k, v, causal, a["scale"], ring, ctx.mesh.axis_size(ring), segments,
-                     stride))
+                     stride, ring in ctx.zigzag_axes))
             else:
                 att = graph.call_function(torch.ops.fxshard.attention.default,
                                           (q, k, v, mask, causal, a["scale"], 0, 0))

@@ -9,6 +9,8 @@ Per mesh axis::
     R    -> S(d)   local_shard(dim=d)            (no communication)
     R    -> P      partial_from_replicate        (coordinate 0 keeps it, the others zeros)
 
+On the ``ring_cp`` axis the sequence is sharded zigzag (``zigzag_shard``/``zigzag_gather``).
+
 Several axes change one at a time. Shards of one dim by several axes nest in mesh order, so an
 outer axis may only be gathered (or sliced) while no inner axis shards that dim: gathers run
 innermost axis first, slices outermost first, and an inner shard that is in the way is
@@ -41,8 +43,14 @@ def _touches(p, dim) -> bool:
     return isinstance(p, Shard) and p.dim == dim
 
 
-def plan_redistribution(src: tuple, dst: tuple, mesh: MeshSpec) -> list[Step]:
-    """Steps that turn a tensor laid out as ``src`` into ``dst`` (both one placement per axis)."""
+def plan_redistribution(src: tuple, dst: tuple, mesh: MeshSpec,
+                        zigzag_axes: tuple[str, ...] = ()) -> list[Step]:
+    """Steps that turn a tensor laid out as ``src`` into ``dst`` (both one placement per axis).
+
+    On ``zigzag_axes`` a shard is the zigzag layout ring attention balances causal work with
+    (rank j holds chunks j and 2n-1-j of 2n): it is made by ``zigzag_shard`` and undone by
+    ``zigzag_gather``, never by a reduce-scatter or all-to-all (whose chunks are contiguous)."""
+    zigzag = {i for i, a in enumerate(mesh.axis_names) if a in zigzag_axes}
     axes = [i for i, n in enumerate(mesh.shape) if n > 1]
     src = tuple(p if n > 1 else R for p, n in zip(src, mesh.shape))  # size-1 axes are off
     dst = tuple(p if n > 1 else R for p, n in zip(dst, mesh.shape))
@@ -72,6 +80,12 @@ def plan_redistribution(src: tuple, dst: tuple, mesh: MeshSpec) -> list[Step]:
 
     for i in sorted(undo, reverse=True):
         s, t = cur[i], dst[i]
+        if i in zigzag:
+            if isinstance(s, Partial):
+                emit("all_reduce", i, (), R)
+            else:
+                emit("zigzag_gather", i, (s.dim,), R)
+            continue
         if isinstance(s, Partial):
             if isinstance(t, Shard) and alone(i, [t.dim]):
                 emit("reduce_scatter", i, (t.dim,), t)
@@ -88,7 +102,7 @@ def plan_redistribution(src: tuple, dst: tuple, mesh: MeshSpec) -> list[Step]:
         assert isinstance(cur[i], Replicate), (src, dst, cur)
         t = dst[i]
         if isinstance(t, Shard):
-            emit("local_shard", i, (t.dim,), t)
+            emit("zigzag_shard" if i in zigzag else "local_shard", i, (t.dim,), t)
         else:
             assert isinstance(t, Partial), t
             emit("partial_from_replicate", i, (), t)

@@ -6,6 +6,9 @@ zeros, so the sum over ``axis`` (the all-reduce that follows) is the full embedd
 
 ``fxshard::partial_from_replicate(x, axis, size)``: Replicate -> Partial, ``x`` on coordinate
 0 and zeros elsewhere.
+
+``fxshard::zigzag_shard`` / ``fxshard::zigzag_gather``: the sequence layout ring attention
+balances causal work with (rank j of ``n`` holds chunks j and ``2n-1-j`` of ``2n``).
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import torch
 
 from .context import current_backend
 
-__all__ = ["vocab_embedding", "partial_from_replicate"]
+__all__ = ["vocab_embedding", "partial_from_replicate", "zigzag_shard", "zigzag_gather"]
 
 
 @torch.library.custom_op("fxshard::vocab_embedding", mutates_args=())
@@ -44,3 +47,53 @@ def partial_from_replicate(x: torch.Tensor, axis: str, size: int) -> torch.Tenso
 @partial_from_replicate.register_fake
 def _(x, axis, size):
     return torch.empty_like(x)
+
+
+def _zigzag_order(size: int) -> list[int]:
+    """Chunk order of a zigzag layout: rank j holds chunks j and 2*size-1-j of the dim."""
+    order = []
+    for j in range(size):
+        order += [j, 2 * size - 1 - j]
+    return order
+
+
+@torch.library.custom_op("fxshard::zigzag_shard", mutates_args=())
+def zigzag_shard(x: torch.Tensor, dim: int, axis: str, size: int) -> torch.Tensor:
+    """Replicate -> zigzag shard on ``axis``: of ``2 * size`` equal chunks of ``dim``, rank j
+    keeps chunks j and ``2*size-1-j``, so every rank gets the same share of causal attention
+    work (the first and the last queries see the fewest and the most keys)."""
+    if x.shape[dim] % (2 * size):
+        raise ValueError(f"torch.ops.fxshard.zigzag_shard: dim {dim} of size {x.shape[dim]} "
+                         f"does not split into 2 x {size} equal chunks for mesh axis {axis!r}")
+    j = current_backend().axis_index(axis)
+    chunks = x.chunk(2 * size, dim)
+    return torch.cat([chunks[j], chunks[2 * size - 1 - j]], dim)
+
+
+@zigzag_shard.register_fake
+def _(x, dim, axis, size):
+    shape = list(x.shape)
+    shape[dim] //= size
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("fxshard::zigzag_gather", mutates_args=())
+def zigzag_gather(x: torch.Tensor, dim: int, axis: str, size: int) -> torch.Tensor:
+    """Zigzag shard -> Replicate on ``axis``: all-gather, then put the chunks back in order."""
+    dim = dim % x.dim()
+    backend = current_backend()
+    if backend.axis_size(axis) != size:
+        raise ValueError(f"torch.ops.fxshard.zigzag_gather: size={size} but mesh axis {axis!r} "
+                         f"has {backend.axis_size(axis)} ranks")
+    gathered = backend.all_gather(x.contiguous(), dim, axis).chunk(2 * size, dim)
+    pieces: list = [None] * (2 * size)
+    for k, chunk in zip(_zigzag_order(size), gathered):
+        pieces[k] = chunk
+    return torch.cat(pieces, dim)
+
+
+@zigzag_gather.register_fake
+def _(x, dim, axis, size):
+    shape = list(x.shape)
+    shape[dim % x.dim()] *= size
+    return x.new_empty(shape)
