@@ -44,7 +44,7 @@ class Explanation:
     collectives: dict = field(default_factory=dict)     # rank -> [CollectiveInfo]
     param_bytes: dict = field(default_factory=dict)     # rank -> bytes
     total_param_bytes: int = 0
-    placements: list = field(default_factory=list)      # (fqn, spec, local shape)
+    placements: list = field(default_factory=list)      # (fqn, spec, local shape, stage)
     fallbacks: list = field(default_factory=list)
     edits: list = field(default_factory=list)
 
@@ -78,9 +78,9 @@ class Explanation:
             by_bytes.setdefault(b, []).append(r)
         for b, ranks in by_bytes.items():
             lines.append(f"  ranks {_ranges(ranks)}: {b:,d}")
-        lines += ["", "Placements of weights (tp/dp/... : placement, local shape)"]
-        for fqn, spec, shape in self.placements:
-            lines.append(f"  {fqn:50s} {spec:20s} {shape}")
+        lines += ["", "Placements of weights (stage, placement per axis, local shape)"]
+        for fqn, spec, shape, stage in self.placements:
+            lines.append(f"  {fqn:50s} {stage:>5d}  {spec:20s} {shape}")
         lines += ["", f"Ops without a sharding rule (run replicated): {len(self.fallbacks)}"]
         lines += [f"  {f}" for f in self.fallbacks]
         lines += ["", "Passes"] + [f"  {p}: {m}" for p, m in self.edits]
@@ -159,10 +159,12 @@ def explain(pm, compiled) -> Explanation:
         ex.param_bytes[r] = total
     for prog in programs:
         for s in prog.slots.values():
-            if s.kind == "param" and s.fqn not in seen:
+            if s.kind != "param":
+                continue
+            if s.fqn not in seen:
                 seen.add(s.fqn)
                 ex.total_param_bytes += int(torch.Size(s.shape).numel()) * \
                     torch.empty((), dtype=s.dtype).element_size()
-                ex.placements.append((s.fqn, short_spec(s.spec, mesh),
-                                      local_shape(s.shape, s.spec, mesh)))
+            ex.placements.append((s.fqn, short_spec(s.spec, mesh),
+                                  local_shape(s.shape, s.spec, mesh), prog.stage))
     return ex

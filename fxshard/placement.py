@@ -51,7 +51,9 @@ def short_spec(spec, mesh: MeshSpec) -> str:
         return "-"
     if isinstance(spec, list):
         return "[" + ", ".join(short_spec(s, mesh) for s in spec) + "]"
-    parts = [f"{a}:{short(p)}" for a, n, p in zip(mesh.axis_names, mesh.shape, spec) if n > 1]
+    # pp places whole layers on stages, not tensor shards: the stage column says where
+    parts = [f"{a}:{short(p)}" for a, n, p in zip(mesh.axis_names, mesh.shape, spec)
+             if n > 1 and a != "pp"]
     return " ".join(parts) if parts else "R"
 
 
