@@ -132,7 +132,9 @@ def test_ring_without_zigzag_matches_too():
 
 
 @pytest.mark.parametrize("kv,axes", [(1, dict(tp=2, ulysses_cp=2)), (1, dict(tp=4, ulysses_cp=2)),
-                                     (2, dict(ulysses_cp=4))])
+                                     (2, dict(ulysses_cp=4)), (2, dict(ulysses_cp=2, tp=2)),
+                                     (1, dict(ulysses_cp=2, tp=4)), (2, dict(ulysses_cp=2, tp=4))],
+                         ids=lambda x: str(x))
 def test_kv_heads_replicated_over_tp_and_ulysses(kv, axes):
     model = our_llama(num_hidden_layers=1, num_key_value_heads=kv, num_attention_heads=8,
                       head_dim=8)

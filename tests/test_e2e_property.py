@@ -24,7 +24,8 @@ def configs(draw):
     batch = dp * mb * draw(st.integers(1, 2))
     seq = draw(st.sampled_from([4, 6, 8] if cp is None else [4, 8]))
     sp = draw(st.booleans())
-    return dict(dp=dp, tp=tp, pp=pp, cp=cp, kv=kv, heads=heads, head_dim=head_dim, layers=layers,
+    order = draw(st.permutations(range(4 if cp else 3)))  # axes nest in mesh order
+    return dict(dp=dp, tp=tp, pp=pp, cp=cp, order=order, kv=kv, heads=heads, head_dim=head_dim, layers=layers,
                 mb=mb, batch=batch, seq=seq, sp=sp, tie=draw(st.booleans()),
                 hidden=heads * head_dim + draw(st.sampled_from([0, 4])))
 
@@ -39,6 +40,7 @@ def test_any_combination_matches_single_device(cfg):
                         generator=torch.Generator().manual_seed(cfg["seq"]))
     names = ("dp", "tp", "pp") + ((cfg["cp"],) if cfg["cp"] else ())
     shape = (cfg["dp"], cfg["tp"], cfg["pp"]) + ((2,) if cfg["cp"] else ())
+    names, shape = (tuple(x[i] for i in cfg["order"]) for x in (names, shape))
     mesh = fxshard.init_device_mesh("cpu", shape, mesh_dim_names=names)
     try:
         pm = fxshard.parallelize(model, mesh, sequence_parallel=cfg["sp"],

@@ -53,9 +53,19 @@ def _note(node: fx.Node, key: str, axis: str) -> None:
         axes.append(axis)
 
 
+_HEADS_AXES = ("tp", "ulysses_cp")
+
+
+def _outer_heads_axes(ctx: RuleCtx) -> list[str]:
+    """The axes that split heads before ``ctx.axis`` (earlier in mesh order)."""
+    names = ctx.mesh.axis_names
+    here = names.index(ctx.axis)
+    return [a for a in names[:here] if a in _HEADS_AXES and ctx.mesh.axis_size(a) > 1]
+
+
 def _kv_heads(node, hq: int, hkv: int, ctx: RuleCtx, per_rank: int) -> list:
     """KV placement when q is split by heads on ``ctx.axis``; ``per_rank``: the KV heads each
-    rank of the outer heads axes holds (``hkv`` unless ``tp`` split them first)."""
+    rank of the outer heads axes holds (``hkv`` unless an earlier axis split them)."""
     if per_rank % ctx.size == 0:
         return [Shard(1), Shard(1)]
     if ctx.size % per_rank == 0 and hq % hkv == 0:
@@ -110,14 +120,21 @@ def sdpa_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     if anchor == 2 and ctx.axis != "ulysses_cp":
         return Decision(ins=[R] * len(ins), out=R)
 
-    tp = ctx.mesh.axis_size("tp") if ctx.axis == "ulysses_cp" else 1
-    if ctx.axis == "ulysses_cp" and (hq // tp) % ctx.size:
-        raise _heads_error(node, f"query heads ({hq // tp} per tp rank)", hq // tp, ctx,
-                           f"Ulysses splits heads: use a {ctx.axis} size that divides "
-                           f"{hq // tp}, or ring_cp.")
+    # heads nest in mesh order: the heads axes before this one have split them already
+    outer = _outer_heads_axes(ctx)
+    hq_here = hq
+    for a in outer:
+        hq_here //= ctx.mesh.axis_size(a)
+    if ctx.axis == "ulysses_cp" and hq_here % ctx.size:
+        raise _heads_error(node, f"query heads ({hq_here} per rank of {outer or 'the mesh'})",
+                           hq_here, ctx, f"Ulysses splits heads: use a {ctx.axis} size that "
+                           f"divides {hq_here}, or ring_cp.")
     if hq % ctx.size:
         return Decision(ins=[R] * len(ins), out=R)
-    per_rank = hkv // tp if hkv % tp == 0 else 1
+    per_rank = hkv
+    for a in outer:
+        n = ctx.mesh.axis_size(a)
+        per_rank = per_rank // n if per_rank % n == 0 else 1
     if ctx.axis == "ulysses_cp" and anchor == 2 and mask is None and \
             ctx.mesh.axis_size("ring_cp") > 1:
         # USP: the sequence stays sharded here; lower_attention exchanges heads for sequence
