@@ -169,6 +169,21 @@ def test_usp_ulysses_inside_ring_outside():
                                      ("ring_attention", "ring_cp"): 1}
 
 
+@pytest.mark.parametrize("zigzag", [True, False])
+@pytest.mark.parametrize("order", list(__import__("itertools").permutations(
+    ("tp", "ulysses_cp", "ring_cp"))), ids="-".join)
+@pytest.mark.parametrize("kv", [4, 2, 1])
+def test_usp_and_tp_in_any_mesh_order(order, kv, zigzag):
+    """Axes nest in mesh order, so every order lays the sequence and heads out differently;
+    USP must follow each (ulysses before or after ring) and KV heads each split."""
+    model = our_llama(num_hidden_layers=1, num_key_value_heads=kv, num_attention_heads=8,
+                      head_dim=8)
+    ids = torch.randint(0, 128, (2, 16))
+    m = fxshard.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=order)
+    pm = fxshard.parallelize(model, m, ring_zigzag=zigzag)
+    torch.testing.assert_close(pm(ids), model(ids), **TOL)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_ring_attention_segments(causal):
     """The USP layout: each ring rank holds one piece of the sequence from every Ulysses

@@ -62,7 +62,12 @@ def lower_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
             segments, stride = 1, 0
             if ulysses is not None:
                 n_u = ctx.mesh.axis_size(ulysses)
-                segments, stride = n_u, q.meta["val"].shape[2] // n_u
+                names = ctx.mesh.axis_names
+                if names.index(ulysses) < names.index(ring):
+                    # ulysses splits the sequence first: after the exchange a ring rank holds
+                    # its piece of each of the n_u parts
+                    segments, stride = n_u, q.meta["val"].shape[2] // n_u
+                # else ring splits first: the exchange gathers the ring rank's own chunk whole
                 q = _heads_for_sequence(graph, q, ulysses, n_u, ctx.mesh)
                 if notes.get("ulysses_kv_gather"):
                     k, v = (_pick_kv_heads(graph, _gather_sequence(graph, t, ulysses, n_u,

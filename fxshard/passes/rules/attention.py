@@ -120,8 +120,12 @@ def sdpa_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     if anchor == 2 and ctx.axis != "ulysses_cp":
         return Decision(ins=[R] * len(ins), out=R)
 
-    # heads nest in mesh order: the heads axes before this one have split them already
-    outer = _outer_heads_axes(ctx)
+    usp = (ctx.axis == "ulysses_cp" and anchor == 2 and mask is None
+           and ctx.mesh.axis_size("ring_cp") > 1)
+    # heads nest in mesh order: the heads axes before this one have split them already. USP
+    # exchanges heads on the rank's local data, which tp has split first whatever the order.
+    outer = ["tp"] if usp and ctx.mesh.axis_size("tp") > 1 else \
+        [] if usp else _outer_heads_axes(ctx)
     hq_here = hq
     for a in outer:
         hq_here //= ctx.mesh.axis_size(a)
@@ -135,8 +139,7 @@ def sdpa_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     for a in outer:
         n = ctx.mesh.axis_size(a)
         per_rank = per_rank // n if per_rank % n == 0 else 1
-    if ctx.axis == "ulysses_cp" and anchor == 2 and mask is None and \
-            ctx.mesh.axis_size("ring_cp") > 1:
+    if usp:
         # USP: the sequence stays sharded here; lower_attention exchanges heads for sequence
         # on this axis around the ring attention of ring_cp (Ulysses inside, ring outside)
         _note(node, "ulysses", ctx.axis)
