@@ -14,18 +14,21 @@ from tests.models import our_llama
 def configs(draw):
     dp, tp, pp = (draw(st.sampled_from([1, 2])) for _ in range(3))
     tp = draw(st.sampled_from([1, 2, 4])) if dp * pp == 1 else tp
-    cp = draw(st.sampled_from([None, "ulysses_cp", "ring_cp"])) if dp * tp * pp <= 4 else None
-    assume(dp * tp * pp * (2 if cp else 1) > 1)
+    cp = draw(st.sampled_from([None, "ulysses_cp", "ring_cp"] +
+                              (["usp"] if dp * tp * pp <= 2 else []))) if dp * tp * pp <= 4 else None
+    cp_axes = {None: (), "ulysses_cp": ("ulysses_cp",), "ring_cp": ("ring_cp",),
+               "usp": ("ulysses_cp", "ring_cp")}[cp]
+    assume(dp * tp * pp * 2 ** len(cp_axes) > 1)
     kv = draw(st.sampled_from([1, 2, 4]))
     heads = kv * draw(st.sampled_from([1, 2]))
     head_dim = draw(st.sampled_from([4, 8]))
     layers = draw(st.integers(pp, 3))
     mb = draw(st.sampled_from([1, 2])) if pp > 1 else 1
     batch = dp * mb * draw(st.integers(1, 2))
-    seq = draw(st.sampled_from([4, 6, 8] if cp is None else [4, 8]))
+    seq = draw(st.sampled_from([4, 6, 8] if cp is None else [4, 8, 16]))
     sp = draw(st.booleans())
-    order = draw(st.permutations(range(4 if cp else 3)))  # axes nest in mesh order
-    return dict(dp=dp, tp=tp, pp=pp, cp=cp, order=order, kv=kv, heads=heads, head_dim=head_dim, layers=layers,
+    order = draw(st.permutations(range(3 + len(cp_axes))))  # axes nest in mesh order
+    return dict(dp=dp, tp=tp, pp=pp, cp=cp, cp_axes=cp_axes, order=order, kv=kv, heads=heads, head_dim=head_dim, layers=layers,
                 mb=mb, batch=batch, seq=seq, sp=sp, tie=draw(st.booleans()),
                 hidden=heads * head_dim + draw(st.sampled_from([0, 4])))
 
@@ -38,8 +41,8 @@ def test_any_combination_matches_single_device(cfg):
                       tie_word_embeddings=cfg["tie"])
     ids = torch.randint(0, 128, (cfg["batch"], cfg["seq"]),
                         generator=torch.Generator().manual_seed(cfg["seq"]))
-    names = ("dp", "tp", "pp") + ((cfg["cp"],) if cfg["cp"] else ())
-    shape = (cfg["dp"], cfg["tp"], cfg["pp"]) + ((2,) if cfg["cp"] else ())
+    names = ("dp", "tp", "pp") + cfg["cp_axes"]
+    shape = (cfg["dp"], cfg["tp"], cfg["pp"]) + (2,) * len(cfg["cp_axes"])
     names, shape = (tuple(x[i] for i in cfg["order"]) for x in (names, shape))
     mesh = fxshard.init_device_mesh("cpu", shape, mesh_dim_names=names)
     try:
@@ -52,9 +55,9 @@ def test_any_combination_matches_single_device(cfg):
         # only sizes that do not divide by tp may refuse, and they must say which
         assert ("does not divide" in msg or "cannot be split" in msg
                 or "neither split nor replicated" in msg or "zigzag" in msg), msg
-        ulysses = 2 if cfg["cp"] == "ulysses_cp" else 1
+        ulysses = 2 if "ulysses_cp" in cfg["cp_axes"] else 1
         # ring_cp's zigzag layout splits the sequence into 2 x its size chunks
-        seq_split = (tp if cfg["sp"] else 1) * {None: 1, "ulysses_cp": 2, "ring_cp": 4}[cfg["cp"]]
+        seq_split = (tp if cfg["sp"] else 1) * ulysses * (4 if "ring_cp" in cfg["cp_axes"] else 1)
         assert (cfg["heads"] % (tp * ulysses) or (cfg["kv"] % tp and tp % cfg["kv"])
                 or cfg["hidden"] % tp or cfg["seq"] % seq_split
                 or 128 % tp or (3 * cfg["hidden"]) % tp), (cfg, msg)
