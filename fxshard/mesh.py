@@ -181,7 +181,3 @@ def mesh_spec(mesh, *, where: str = "fxshard") -> MeshSpec:
 
 def is_simulated(mesh) -> bool:
     return isinstance(mesh, MeshSpec)
-
-
-def default_device(mesh) -> torch.device:
-    return torch.device(mesh_spec(mesh).device_type)

@@ -19,20 +19,12 @@ from torch.distributed.tensor.placement_types import Placement
 from .mesh import MeshSpec
 
 __all__ = ["Shard", "Replicate", "Partial", "Placement", "Spec", "R", "P", "short",
-           "short_spec", "local_shape", "shard_slices", "is_shard", "replicated"]
+           "short_spec", "local_shape", "shard_slices", "local_block"]
 
 Spec = tuple  # tuple[Placement, ...], one per mesh axis
 
 R = Replicate()
 P = Partial()
-
-
-def is_shard(p, dim: int | None = None) -> bool:
-    return isinstance(p, Shard) and (dim is None or p.dim == dim)
-
-
-def replicated(mesh: MeshSpec) -> Spec:
-    return tuple(R for _ in mesh.shape)
 
 
 def short(p) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..placement import local_block, local_shape, short_spec
+from ..placement import local_block, local_shape
 from ..mesh import MeshSpec
 from . import PassCtx
 
@@ -101,8 +101,3 @@ def build_rank_module(program: Program, rank: int, mesh: MeshSpec, values: dict,
             owner.register_buffer(leaf, t)
     gm = fx.GraphModule(root, program.graph, class_name=f"Rank{rank}Stage{program.stage}")
     return gm
-
-
-def describe_slots(program: Program, mesh: MeshSpec) -> list[tuple[str, str, tuple]]:
-    return [(s.fqn, short_spec(s.spec, mesh), local_shape(s.shape, s.spec, mesh))
-            for s in program.slots.values()]

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from ..placement import local_shape, short_spec
+from ..placement import local_shape
 from . import PassCtx
 from .redistribute import plan_redistribution
 from .rules import is_tensor_node
@@ -117,7 +117,3 @@ def insert_collectives_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModu
         gm.recompile()
     ctx.report("insert_collectives_pass", f"inserted {added} collective/slice nodes")
     return gm
-
-
-def describe(node: fx.Node, ctx: PassCtx) -> str:
-    return f"{node.name}: {short_spec(_current(node), ctx.mesh)}"

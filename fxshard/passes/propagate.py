@@ -26,7 +26,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..placement import R, Replicate, Shard, short_spec
+from ..placement import R, Replicate, Shard
 from . import PassCtx
 from .rules import (UNDECIDED, Decision, RuleCtx, fallback, lookup, tensor_inputs,
                     warn_fallback)
@@ -270,13 +270,3 @@ def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     ctx.report("propagate_pass", f"annotated {len(gm.graph.nodes)} nodes, {sharded} not "
                                  f"replicated, {len(ctx.fallbacks)} without a rule")
     return gm
-
-
-def describe_specs(gm: fx.GraphModule, ctx: PassCtx) -> str:
-    """One line per node: name, op and spec (for debugging and explain)."""
-    lines = []
-    for n in gm.graph.nodes:
-        spec = n.meta.get("fxshard_spec")
-        lines.append(f"{n.name:30s} {str(n.target)[:40]:40s} {short_spec(spec, ctx.mesh)}")
-    return "\n".join(lines)
-
