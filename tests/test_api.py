@@ -126,3 +126,11 @@ def test_demo_runs_and_reports_error():
     assert out.returncode == 0, out.stderr
     assert "all_reduce" in out.stdout and "max |parallel - single device|" in out.stdout
     assert "torch.ops.fxshard" in out.stdout
+
+
+def test_compile_backend_with_pp_says_to_use_parallelize():
+    model = our_llama(num_hidden_layers=2)
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    compiled = torch.compile(model, backend=fxshard.backend(mesh))
+    with pytest.raises(Exception, match="use fxshard.parallelize"):
+        compiled(torch.randint(0, 128, (2, 8)))

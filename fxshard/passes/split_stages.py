@@ -62,6 +62,12 @@ def find_layer_stack(model: torch.nn.Module) -> tuple[str, int]:
             n = sum(p.numel() for p in mod.parameters())
             if n > best_params:
                 best, best_params = (name, len(mod)), n
+    if best is None and isinstance(model, torch.fx.GraphModule):
+        raise NotImplementedError(
+            "fxshard.backend: torch.compile hands fxshard a flattened graph without the "
+            "model's layer stack, so the pp axis cannot be split there yet; use "
+            "fxshard.parallelize(model, mesh) for pipeline parallelism (the compile backend "
+            "handles dp, tp and the context-parallel axes)")
     if best is None:
         raise ValueError(
             f"fxshard.parallelize: found no stack of repeated layers (a ModuleList of blocks of "
