@@ -172,7 +172,15 @@ class ParallelModule:
         if key not in self._compiled:
             _, spec = pytree.tree_flatten((args, kwargs))
             a, k = pytree.tree_unflatten(micro[0], spec)
-            self._compiled[key] = self._build(tuple(a), dict(k))
+            try:
+                self._compiled[key] = self._build(tuple(a), dict(k))
+            except ValueError as e:
+                if len(micro) == 1:
+                    raise
+                raise ValueError(
+                    f"{e} [with microbatches={len(micro)} the program is traced on one "
+                    f"microbatch, 1/{len(micro)} of the batch: the shapes above are a "
+                    f"microbatch's; use fewer microbatches or a larger batch]") from e
             if len(micro) > 1:
                 self._check_microbatch_outputs(self._compiled[key], micro[0])
         self._last = self._compiled[key]

@@ -47,14 +47,18 @@ class Explanation:
     placements: list = field(default_factory=list)      # (fqn, spec, local shape, stage)
     fallbacks: list = field(default_factory=list)
     edits: list = field(default_factory=list)
+    microbatches: int = 1                               # runs of each program per forward
 
     def counts(self, rank: int = 0) -> Counter:
-        """``{(op, axis): count}`` of rank ``rank``'s collectives (local slices excluded)."""
-        return Counter((c.op, c.axis) for c in self.collectives[rank] if c.op not in _LOCAL)
+        """``{(op, axis): count}`` of rank ``rank``'s collectives per forward (local slices
+        excluded; a program that runs once per microbatch counts that many times)."""
+        return Counter({k: n * self.microbatches for k, n in Counter(
+            (c.op, c.axis) for c in self.collectives[rank] if c.op not in _LOCAL).items()})
 
     def __str__(self) -> str:
         lines = [f"fxshard plan on mesh {self.mesh} ({self.ranks} ranks)", ""]
-        lines.append("Collectives per rank (op, axis: count, tensor bytes, wire bytes)")
+        lines.append("Collectives per rank per forward (op, axis: count, tensor bytes, wire "
+                     f"bytes){f'; {self.microbatches} microbatches' if self.microbatches > 1 else ''}")
         shown: dict[tuple, list] = {}
         for r, cs in self.collectives.items():
             key = tuple((c.op, c.axis, c.tensor_bytes) for c in cs)
@@ -64,9 +68,9 @@ class Explanation:
             agg: dict[tuple, list] = {}
             for c in cs:
                 a = agg.setdefault((c.op, c.axis), [0, 0, 0])
-                a[0] += 1
-                a[1] += c.tensor_bytes
-                a[2] += c.wire_bytes
+                a[0] += self.microbatches
+                a[1] += c.tensor_bytes * self.microbatches
+                a[2] += c.wire_bytes * self.microbatches
             lines.append(f"  ranks {_ranges(ranks)}:")
             if not agg:
                 lines.append("    (none)")
@@ -143,7 +147,8 @@ def explain(pm, compiled) -> Explanation:
     alive = {n.name for p in programs for n in p.graph.nodes}
     ex = Explanation(mesh=mesh.describe(), ranks=mesh.world_size,
                      fallbacks=[f for f in compiled.ctx.fallbacks if f.split(":")[0] in alive],
-                     edits=list(compiled.ctx.edits))
+                     edits=list(compiled.ctx.edits),
+                     microbatches=getattr(pm, "microbatches", 1))
     stage_of = pm.stage_of if hasattr(pm, "stage_of") else (lambda r: 0)
     per_stage = {p.stage: collectives_of(p.graph, mesh) for p in programs}
     seen = set()

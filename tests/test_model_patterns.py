@@ -133,3 +133,94 @@ def test_heads_check_respects_a_replicating_plan():
     pm = fxshard.parallelize(model, mesh(tp=2),
                              plan={"model.layers.*.self_attn.*": "replicate"})
     torch.testing.assert_close(pm(ids), model(ids), rtol=1e-4, atol=1e-4)
+
+
+class OneBlockEncoder(nn.Module):
+    """Embedding (+ an optional learned position parameter), one attention block, optional
+    pooling that splits the sequence dim: the second review's sequence-layout cases."""
+
+    def __init__(self, seq=16, hidden=32, pos=False, pool=0):
+        super().__init__()
+        self.emb = nn.Embedding(64, hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.o = nn.Linear(hidden, hidden)
+        self.pos = nn.Parameter(torch.randn(seq, hidden)) if pos else None
+        self.pool = pool
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        b, s, h = x.shape
+        if self.pos is not None:
+            x = x + self.pos
+        q, k, v = self.qkv(x).view(b, s, 3, 4, -1).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, h))
+        return x.view(b, s // self.pool, self.pool, h).mean(2) if self.pool else x
+
+
+class CrossAttention(nn.Module):
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.emb = nn.Embedding(64, hidden)
+        self.q = nn.Linear(hidden, hidden)
+        self.kv = nn.Linear(hidden, 2 * hidden)
+
+    def forward(self, ids, mem):
+        x = self.emb(ids)
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, 4, -1).transpose(1, 2)
+        k, v = self.kv(mem).view(b, mem.shape[1], 2, 4, -1).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize("case", ["pos_param", "pool_40", "pool_8", "cross_usp", "cross_ring"])
+def test_sequence_layout_cases(case):
+    torch.manual_seed(0)
+    if case == "pos_param":
+        model, args, axes = OneBlockEncoder(pos=True), (torch.randint(0, 64, (2, 16)),), \
+            dict(ring_cp=2)
+    elif case.startswith("pool"):
+        s = int(case.split("_")[1])
+        model, args, axes = OneBlockEncoder(seq=s, pool=4), (torch.randint(0, 64, (2, s)),), \
+            dict(ring_cp=2)
+    else:
+        model = CrossAttention()
+        args = (torch.randint(0, 64, (2, 8)), torch.randn(2, 16, 32))
+        axes = dict(ulysses_cp=2, ring_cp=2) if case == "cross_usp" else dict(ring_cp=2)
+    model.eval()
+    torch.testing.assert_close(fxshard.parallelize(model, mesh(**axes))(*args), model(*args),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_hf_position_ids_with_dp():
+    model = hf_llama(layers=1)
+    ids = torch.randint(0, 128, (4, 16))
+    pos = torch.arange(16).expand(4, 16).contiguous()
+    want = model(ids, position_ids=pos).logits
+    got = fxshard.parallelize(model, mesh(dp=2, tp=2))(ids, position_ids=pos).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_state_dict_into_fp32_model_is_cast():
+    model = our_llama(num_hidden_layers=1)
+    sd = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    ref = our_llama(num_hidden_layers=1)
+    ref.load_state_dict(sd)  # nn.Module copies into fp32
+    pm = fxshard.parallelize(our_llama(num_hidden_layers=1, seed=1), mesh(tp=2))
+    pm.load_state_dict(sd)
+    ids = torch.randint(0, 128, (2, 8))
+    torch.testing.assert_close(pm(ids), ref(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_layers_run_out_of_order_cannot_be_pipelined():
+    class Reversed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+        def forward(self, x):
+            for layer in reversed(self.layers):
+                x = layer(x)
+            return x
+    with pytest.raises(ValueError, match="runs its layer stack layers out of order"):
+        fxshard.parallelize(Reversed(), mesh(pp=2), example_inputs=(torch.randn(2, 8),))

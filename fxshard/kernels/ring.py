@@ -31,14 +31,16 @@ __all__ = ["ring_attention"]
 @torch.library.custom_op("fxshard::ring_attention", mutates_args=())
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                    scale: Optional[float], axis: str, size: int, segments: int = 1,
-                   stride: int = 0, zigzag: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   stride: int = 0, zigzag: bool = False, kv_stride: int = -1
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of this rank's query chunk against the whole ring's keys.
 
     The local sequence is ``segments`` equal parts; part ``t`` of ring rank ``j`` starts at
     absolute position ``t * stride`` and holds piece ``j`` of that part's ``size`` pieces
     (``segments=1``: one chunk at ``j * len``). With ``zigzag`` each part holds two pieces of
     ``2 * size``: ``j`` and ``2*size-1-j``. USP uses ``segments`` > 1: the Ulysses exchange
-    hands each ring rank one part from every coordinate of the Ulysses axis.
+    hands each ring rank one part from every coordinate of the Ulysses axis. ``kv_stride``
+    (default ``stride``) is the keys' part stride when their length differs from the queries'.
     """
     backend = current_backend(f"fxshard.ring_attention on axis {axis!r}")
     if backend.axis_size(axis) != size:
@@ -55,10 +57,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
                          f"{k.shape[2]} (k/v) must divide into {n_pieces} pieces")
     sq, skv = q.shape[2] // n_pieces, k.shape[2] // n_pieces
 
-    def start(piece: int, rank: int, length: int) -> int:
+    kv_stride = stride if kv_stride < 0 else kv_stride
+
+    def start(piece: int, rank: int, length: int, part_stride: int) -> int:
         t, z = divmod(piece, per_part)
         slot = rank if z == 0 else 2 * size - 1 - rank
-        return t * stride + slot * length
+        return t * part_stride + slot * length
 
     q_pieces = q.split(sq, dim=2)
     nxt, prv = (r + 1) % size, (r - 1) % size
@@ -72,9 +76,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
             backend.send(k_cur, axis, nxt)
             backend.send(v_cur, axis, nxt)
         for t, q_t in enumerate(q_pieces):
-            q_at = start(t, r, sq)
+            q_at = start(t, r, sq, stride)
             for u in range(n_pieces):
-                kv_at = start(u, src, skv)
+                kv_at = start(u, src, skv, kv_stride)
                 if causal and kv_at > q_at + sq - 1:
                     continue  # this key piece lies wholly after every query of the piece
                 o, l = attention(q_t, k_cur[:, :, u * skv:(u + 1) * skv],
@@ -91,5 +95,5 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 
 
 @ring_attention.register_fake
-def _(q, k, v, causal, scale, axis, size, segments=1, stride=0, zigzag=False):
+def _(q, k, v, causal, scale, axis, size, segments=1, stride=0, zigzag=False, kv_stride=-1):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)

@@ -83,12 +83,13 @@ def build_rank_module(program: Program, rank: int, mesh: MeshSpec, values: dict,
     for fqn, slot in program.slots.items():
         full = values.get(fqn)
         if hasattr(full, "block"):  # a checkpoint source that reads only this rank's block
-            t = full.block(slot.spec, mesh, rank).to(device)
+            t = full.block(slot.spec, mesh, rank).to(device=device, dtype=slot.dtype)
         elif full is None or full.device.type == "meta":
             shape = local_shape(slot.shape, slot.spec, mesh, what=fqn)
             t = torch.empty(shape, dtype=slot.dtype, device="meta")
         else:
-            t = local_block(full, slot.spec, mesh, rank).to(device)
+            # cast to the traced dtype, as nn.Module.load_state_dict copies into its parameters
+            t = local_block(full, slot.spec, mesh, rank).to(device=device, dtype=slot.dtype)
         owner_path, _, leaf = fqn.rpartition(".")
         owner = root
         for part in owner_path.split(".") if owner_path else []:

@@ -59,14 +59,16 @@ def lower_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
                 k, v = (_pick_kv_heads(graph, t, axis, size, ctx.mesh) for t in (k, v))
             ring = (notes.get("ring") or [None])[0]
             ulysses = (notes.get("ulysses") or [None])[0]
-            segments, stride = 1, 0
+            segments, stride, kv_stride = 1, 0, 0
             if ulysses is not None:
                 n_u = ctx.mesh.axis_size(ulysses)
                 names = ctx.mesh.axis_names
-                if names.index(ulysses) < names.index(ring):
+                if ring is not None and names.index(ulysses) < names.index(ring):
                     # ulysses splits the sequence first: after the exchange a ring rank holds
                     # its piece of each of the n_u parts
-                    segments, stride = n_u, q.meta["val"].shape[2] // n_u
+                    segments = n_u
+                    stride = q.meta["val"].shape[2] // n_u
+                    kv_stride = k.meta["val"].shape[2] // n_u
                 # else ring splits first: the exchange gathers the ring rank's own chunk whole
                 q = _heads_for_sequence(graph, q, ulysses, n_u, ctx.mesh)
                 if notes.get("ulysses_kv_gather"):
@@ -81,7 +83,7 @@ def lower_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
                 att = graph.call_function(
                     torch.ops.fxshard.ring_attention.default,
                     (q, k, v, causal, a["scale"], ring, ctx.mesh.axis_size(ring), segments,
-                     stride, ring in ctx.zigzag_axes))
+                     stride, ring in ctx.zigzag_axes, kv_stride))
             else:
                 att = graph.call_function(torch.ops.fxshard.attention.default,
                                           (q, k, v, mask, causal, a["scale"], 0, 0))

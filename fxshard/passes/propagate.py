@@ -71,7 +71,8 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str]) -> dict:
     mesh = ctx.mesh
     axes = [(i, a, n) for i, (a, n) in enumerate(zip(mesh.axis_names, mesh.shape)) if n > 1]
     rctx = {a: RuleCtx(axis=a, size=n, mesh=mesh, sequence_parallel=ctx.sequence_parallel,
-                       embedding_style=ctx.embedding_style, user_plan=bool(ctx.plan))
+                       embedding_style=ctx.embedding_style, user_plan=bool(ctx.plan),
+                       zigzag=a in ctx.zigzag_axes)
             for _, a, n in axes}
     param_spec: dict[str, list] = {}
     auto_colwise: dict[str, fx.Node] = {}
@@ -87,7 +88,9 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str]) -> dict:
                 spec = []
                 for a, n in zip(mesh.axis_names, mesh.shape):
                     planned = ctx.plan_for(fqn) if a == "tp" else None
-                    if n == 1:
+                    if n == 1 or a in ctx.zigzag_axes:
+                        # weights are sliced contiguously when loaded: on a zigzag axis they
+                        # stay whole and the graph slices them (zigzag_shard) where needed
                         spec.append(R)
                     elif fqn in replicate:
                         spec.append(R)
@@ -220,9 +223,10 @@ def _fit_nested(node: fx.Node, ins_nodes: list, decisions: dict, axes: list, rct
 
 def _divides(shape, spec, ctx: PassCtx) -> bool:
     sizes = list(shape)
-    for n, p in zip(ctx.mesh.shape, spec):
+    for a, n, p in zip(ctx.mesh.axis_names, ctx.mesh.shape, spec):
         if n > 1 and isinstance(p, Shard):
-            if p.dim >= len(sizes) or sizes[p.dim] % n:
+            chunks = 2 * n if a in ctx.zigzag_axes else n
+            if p.dim >= len(sizes) or sizes[p.dim] % chunks:
                 return False
             sizes[p.dim] //= n
     return True

@@ -136,7 +136,12 @@ def split_stages_pass(gm: fx.GraphModule, *, ctx: PassCtx, stack: str,
                 env[a] = g.node_copy(a, get)
                 return env[a]
             src = stage[a]
-            assert src < s, (a.name, src, s)
+            if src >= s:
+                raise ValueError(
+                    f"fxshard.parallelize: stage {s} needs {a.name}, made on stage {src} later "
+                    f"in the forward: the model runs its layer stack {stack} out of order (or "
+                    f"more than once), which a pipeline cannot do. Drop the pp axis or pass "
+                    f"stages= that follow the order the forward runs the layers in")
             shape, dtype = local_of(a)
             r = g.call_function(collective_target("recv"),
                                 (shape, dtype, torch.device(ctx.mesh.device_type), "pp", src))

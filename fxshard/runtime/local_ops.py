@@ -85,6 +85,9 @@ def zigzag_gather(x: torch.Tensor, dim: int, axis: str, size: int) -> torch.Tens
     if backend.axis_size(axis) != size:
         raise ValueError(f"torch.ops.fxshard.zigzag_gather: size={size} but mesh axis {axis!r} "
                          f"has {backend.axis_size(axis)} ranks")
+    if x.shape[dim] % 2:
+        raise ValueError(f"torch.ops.fxshard.zigzag_gather: dim {dim} of size {x.shape[dim]} "
+                         f"is not two equal chunks of a zigzag shard on mesh axis {axis!r}")
     gathered = backend.all_gather(x.contiguous(), dim, axis).chunk(2 * size, dim)
     pieces: list = [None] * (2 * size)
     for k, chunk in zip(_zigzag_order(size), gathered):

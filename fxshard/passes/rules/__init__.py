@@ -68,6 +68,12 @@ class RuleCtx:
     sequence_parallel: bool = False
     embedding_style: str = "embed_dim"
     user_plan: bool = False       # the user placed some weights with plan=
+    zigzag: bool = False          # shards on this axis are zigzag: 2 * size chunks
+
+    @property
+    def chunks(self) -> int:
+        """How many equal chunks a shard on this axis cuts a dim into."""
+        return 2 * self.size if self.zigzag else self.size
 
     @property
     def is_tp(self) -> bool:

@@ -142,6 +142,11 @@ def sdpa_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     if usp:
         # USP: the sequence stays sharded here; lower_attention exchanges heads for sequence
         # on this axis around the ring attention of ring_cp (Ulysses inside, ring outside)
+        if per_rank % ctx.size and ctx.size % per_rank:
+            raise ValueError(
+                f"fxshard.parallelize: attention {node.name} has {per_rank} key/value heads per "
+                f"rank, which can be neither split nor replicated over mesh axis {ctx.axis!r} "
+                f"of size {ctx.size} (mesh {ctx.mesh.describe()}); change the {ctx.axis} size")
         _note(node, "ulysses", ctx.axis)
         if per_rank % ctx.size:
             _note(node, "ulysses_kv_gather", ctx.axis)

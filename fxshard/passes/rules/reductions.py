@@ -77,7 +77,12 @@ def diff_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         % ctx.ndim(node.args[0])
     p = ins[0]
     if isinstance(p, Shard) and p.dim != dim:
-        return Decision(ins=[p] + [R] * (len(ins) - 1), out=p)
+        from . import tensor_inputs
+        size = ctx.shape(node.args[0])[p.dim]
+        # prepend/append join the input along dim: they follow its shard where they match it
+        rest = [Shard(p.dim) if ctx.ndim(t) == ctx.ndim(node.args[0])
+                and ctx.shape(t)[p.dim] == size else R for t in tensor_inputs(node)[1:]]
+        return Decision(ins=[p] + rest, out=p)
     return Decision(ins=[R] * len(ins), out=R)
 
 

@@ -50,7 +50,7 @@ def reshape_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     if isinstance(p, Partial):
         return Decision(ins=[P], out=P)
     if isinstance(p, Shard):
-        e = reshape_dim_map(ctx.shape(node.args[0]), ctx.shape(node), p.dim, ctx.size)
+        e = reshape_dim_map(ctx.shape(node.args[0]), ctx.shape(node), p.dim, ctx.chunks)
         if e is not None:
             return Decision(ins=[p], out=Shard(e))
     return Decision(ins=[R], out=R)
