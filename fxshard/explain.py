@@ -57,8 +57,9 @@ class Explanation:
 
     def __str__(self) -> str:
         lines = [f"fxshard plan on mesh {self.mesh} ({self.ranks} ranks)", ""]
-        lines.append("Collectives per rank per forward (op, axis: count, tensor bytes, wire "
-                     f"bytes){f'; {self.microbatches} microbatches' if self.microbatches > 1 else ''}")
+        per = f"; {self.microbatches} microbatches" if self.microbatches > 1 else ""
+        lines.append(f"Collectives per rank per forward (op, axis: count, tensor bytes, wire "
+                     f"bytes){per}")
         shown: dict[tuple, list] = {}
         for r, cs in self.collectives.items():
             key = tuple((c.op, c.axis, c.tensor_bytes) for c in cs)
