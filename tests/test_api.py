@@ -33,19 +33,15 @@ def test_mesh_shape_and_names_must_match():
         fxshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "dp"))
 
 
-def test_heads_that_cannot_be_split_are_a_value_error():
-    model = our_llama(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                      hidden_size=48, head_dim=16, intermediate_size=96)
-    mesh = fxshard.init_device_mesh("cpu", (3,), mesh_dim_names=("tp",))
-    with pytest.raises(ValueError, match=r"4 query heads.*'tp' of size 3.*divides 4"):
-        fxshard.parallelize(model, mesh, example_inputs=(torch.zeros(1, 6, dtype=torch.long),))
-
-
-def test_kv_heads_neither_split_nor_replicated():
-    model = our_llama(num_hidden_layers=1, num_attention_heads=6, num_key_value_heads=3,
-                      hidden_size=48, head_dim=8, intermediate_size=96)
-    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    with pytest.raises(ValueError, match=r"3 key/value heads.*neither split nor replicated"):
+@pytest.mark.parametrize("heads,kv,head_dim,tp,message", [
+    (4, 2, 16, 3, r"4 query heads.*'tp' of size 3.*divides 4"),
+    (6, 3, 8, 2, r"3 key/value heads.*neither split nor replicated"),
+], ids=["query_heads", "kv_heads"])
+def test_heads_that_cannot_be_split_are_a_value_error(heads, kv, head_dim, tp, message):
+    model = our_llama(num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=kv,
+                      hidden_size=48, head_dim=head_dim, intermediate_size=96)
+    mesh = fxshard.init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+    with pytest.raises(ValueError, match=message):
         fxshard.parallelize(model, mesh, example_inputs=(torch.zeros(1, 6, dtype=torch.long),))
 
 
