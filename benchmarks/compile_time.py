@@ -1,64 +1,102 @@
-"""Compile time: fxshard's passes vs torch.export itself, for a Llama-3-70B config on meta.
+"""Compile time: ``fxshard.parallelize`` and its passes vs torch.export itself, models on meta.
 
-DESIGN target: the passes for an 80-layer 70B config on a 64-rank mesh take less time than
-torch.export, and grow with layers, not with ranks x layers.
+DESIGN targets: the passes for an 80-layer 70B config on a 64-rank mesh take less time than
+torch.export and grow with layers, not with ranks x layers; the whole ``parallelize`` of a
+HuggingFace Llama-3-8B built on meta over dp2*tp8*pp4 costs at most 1.5x ``torch.export`` of
+the same model.
 
-    python benchmarks/compile_time.py                  # 70B shape, layers 20/40/80, 64 ranks
-    python benchmarks/compile_time.py --layers 8 16    # quicker
+    python benchmarks/compile_time.py                          # HF 8B (32 layers) + ours 70B
+    python benchmarks/compile_time.py --model hf --config 8b --layers 32
+    python benchmarks/compile_time.py --model ours --config 70b --layers 20 40 80
 
-Prints one row per (layers, mesh): export seconds, pass seconds, their ratio, and how long
-building one rank's GraphModule (meta weights) takes.
+Each row: ``torch.export.export`` of the model alone (the baseline), fxshard's passes on that
+export, the whole ``fxshard.parallelize(model, mesh, example_inputs=...)`` (its own trace,
+buffers, passes) and its ratio to the export, and how long one rank's GraphModule takes to
+build (meta weights). Medians of ``--repeat`` runs.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+import warnings
 
 import torch
 
 import fxshard
 from fxshard.api import compile_program
 from fxshard.mesh import mesh_spec
-from fxshard.models.llama import LlamaConfig, LlamaForCausalLM
 from fxshard.passes import PassCtx
 from fxshard.passes.emit import build_rank_module
 from fxshard.trace import trace
 
+CONFIGS = {  # Llama-3 shapes
+    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+               num_attention_heads=32, num_key_value_heads=8),
+    "70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                num_attention_heads=64, num_key_value_heads=8),
+}
 
-def llama70b(layers: int) -> LlamaConfig:
-    return LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
-                       num_hidden_layers=layers, num_attention_heads=64, num_key_value_heads=8,
-                       rms_norm_eps=1e-5, rope_theta=500000.0)
+
+def build(model_kind: str, config: str, layers: int) -> torch.nn.Module:
+    shape = dict(CONFIGS[config], num_hidden_layers=layers, rms_norm_eps=1e-5,
+                 rope_theta=500000.0)
+    with torch.device("meta"):
+        if model_kind == "hf":
+            import transformers
+            cfg = transformers.LlamaConfig(**shape, attn_implementation="sdpa")
+            return transformers.LlamaForCausalLM(cfg).eval()
+        from fxshard.models.llama import LlamaConfig, LlamaForCausalLM
+        return LlamaForCausalLM(LlamaConfig(**shape)).eval()
+
+
+def timed(fn, repeat: int) -> tuple[float, object]:
+    times, out = [], None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, nargs="+", default=[20, 40, 80])
+    ap.add_argument("--model", choices=["hf", "ours", "both"], default="both")
+    ap.add_argument("--config", choices=sorted(CONFIGS), default=None,
+                    help="default: 8b for hf, 70b for ours")
+    ap.add_argument("--layers", type=int, nargs="+", default=None,
+                    help="default: 32 for 8b, 80 for 70b")
     ap.add_argument("--mesh", default="dp=2,tp=8,pp=4")
     ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
+    warnings.simplefilter("ignore")
     names, shape = zip(*[(p.split("=")[0], int(p.split("=")[1])) for p in args.mesh.split(",")])
     mesh = fxshard.init_device_mesh("cpu", shape, mesh_dim_names=names)
     print(f"torch {torch.__version__}; mesh {mesh.describe()} ({mesh.world_size} ranks); "
-          f"seq {args.seq}")
-    print(f"{'layers':>6} {'export s':>9} {'passes s':>9} {'ratio':>6} {'rank module s':>14}")
-    for layers in args.layers:
-        with torch.device("meta"):
-            model = LlamaForCausalLM(llama70b(layers))
-        ids = torch.zeros(2, args.seq, dtype=torch.long, device="meta")
-        t0 = time.perf_counter()
-        traced = trace(model, (ids,))
-        t_export = time.perf_counter() - t0
-        ctx = PassCtx(mesh=mesh_spec(mesh))
-        t0 = time.perf_counter()
-        c = compile_program(model, (ids,), {}, ctx, traced=traced)
-        t_passes = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        build_rank_module(c.programs[0], 0, mesh_spec(mesh), {}, torch.device("cpu"))
-        t_rank = time.perf_counter() - t0
-        print(f"{layers:>6} {t_export:>9.2f} {t_passes:>9.2f} {t_passes / t_export:>6.2f} "
-              f"{t_rank:>14.3f}")
+          f"batch 2, seq {args.seq}; medians of {args.repeat}")
+    print(f"{'model':>5} {'config':>6} {'layers':>6} {'export s':>9} {'passes s':>9} "
+          f"{'parallelize s':>14} {'par/export':>10} {'rank module s':>14}")
+    kinds = ["hf", "ours"] if args.model == "both" else [args.model]
+    for kind in kinds:
+        config = args.config or ("8b" if kind == "hf" else "70b")
+        for layers in args.layers or ([32] if config == "8b" else [80]):
+            model = build(kind, config, layers)
+            ids = torch.zeros(2, args.seq, dtype=torch.long)
+            kwargs = {"use_cache": False} if kind == "hf" else {}
+            t_export, _ = timed(lambda: torch.export.export(
+                model, (ids.to("meta"),), kwargs, strict=False), args.repeat)
+            traced = trace(model, (ids,))
+            t_passes, c = timed(lambda: compile_program(
+                model, (ids,), {}, PassCtx(mesh=mesh_spec(mesh)), traced=traced), args.repeat)
+            t_par, _ = timed(lambda: fxshard.parallelize(model, mesh, example_inputs=(ids,)),
+                             args.repeat)
+            t0 = time.perf_counter()
+            build_rank_module(c.programs[0], 0, mesh_spec(mesh), {}, torch.device("cpu"))
+            t_rank = time.perf_counter() - t0
+            print(f"{kind:>5} {config:>6} {layers:>6} {t_export:>9.2f} {t_passes:>9.2f} "
+                  f"{t_par:>14.2f} {t_par / t_export:>10.2f} {t_rank:>14.3f}", flush=True)
 
 
 if __name__ == "__main__":

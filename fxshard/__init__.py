@@ -10,6 +10,7 @@ from .api import ParallelModule, parallelize
 from .backend import backend
 from .checkpoint import load_safetensors
 from .mesh import SimulatedMesh, init_device_mesh
+from .weights import init_empty_weights
 
-__all__ = ["init_device_mesh", "parallelize", "backend", "load_safetensors", "ParallelModule",
-           "SimulatedMesh", "Shard", "Replicate", "Partial"]
+__all__ = ["init_device_mesh", "parallelize", "backend", "load_safetensors", "init_empty_weights",
+           "ParallelModule", "SimulatedMesh", "Shard", "Replicate", "Partial"]

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig.tiny(num_hidden_layers=args.layers)).eval()
-    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq),
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device="cpu",
                         generator=torch.Generator().manual_seed(1))
     pm = fxshard.parallelize(model, mesh, example_inputs=(ids,), sequence_parallel=args.sp,
                              microbatches=args.microbatches)

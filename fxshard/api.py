@@ -28,6 +28,7 @@ from .passes.lower_attention import lower_attention_pass
 from .passes.propagate import propagate_pass
 from .passes.split_stages import assign_layers_to_stages, find_layer_stack, split_stages_pass
 from .trace import Traced, cleanup_pass, trace
+from .weights import WeightWatch, materialize_buffers, non_persistent_buffers
 
 __all__ = ["parallelize", "ParallelModule"]
 
@@ -133,8 +134,13 @@ class ParallelModule:
         self.embedding = embedding
         self.stages = stages
         self.ring_zigzag = ring_zigzag
+        materialize_buffers(model)
         self._values = {k: v for k, v in model.state_dict(keep_vars=True).items()}
         self._expected = {k: (tuple(v.shape), v.dtype) for k, v in self._values.items()}
+        self._buffers_np = {k: (tuple(v.shape), v.dtype)
+                            for k, v in non_persistent_buffers(model).items()}
+        self._values.update(non_persistent_buffers(model))
+        self._watch = WeightWatch(model)
         self._compiled: dict[tuple, Compiled] = {}
         self._last: Compiled | None = None
         self._world = None
@@ -222,16 +228,49 @@ class ParallelModule:
         return [torch.cat(parts) if isinstance(parts[0], torch.Tensor) else parts[0]
                 for parts in zip(*outs)]
 
+    def _sync_weights(self) -> None:
+        """Take the model's tensors that changed since the last call (in place, reloaded,
+        reassigned) and re-slice every rank's weights from them."""
+        changed = {k: v for k, v in self._watch.changed().items()
+                   if v is not None and v.device.type != "meta"}
+        if changed:
+            self._values.update(changed)
+            self._invalidate()
+
+    def _invalidate(self) -> None:
+        for c in self._compiled.values():
+            c.modules.clear()
+            c.loaded = False
+
+    def _check_loaded(self, c: Compiled) -> None:
+        empty = [fqn for p in c.programs for fqn, slot in p.slots.items()
+                 if self._values.get(fqn) is None or self._values[fqn].device.type == "meta"
+                 and not hasattr(self._values[fqn], "block")]
+        if not empty:
+            c.loaded = True
+            return
+        buffers = [f for f in empty if f in self._buffers_np]
+        weights = [f for f in empty if f not in self._buffers_np]
+        also = (f"; the weights are not loaded either ({weights[0]!r} and {len(weights) - 1} "
+                f"more): call pm.load_state_dict(full_state_dict) or "
+                f"fxshard.load_safetensors(pm, path)") if weights else ""
+        if buffers:
+            raise ValueError(
+                f"{_WHERE}: the non-persistent buffers {buffers[:4]}"
+                f"{' ...' if len(buffers) > 4 else ''} are on the meta device and no checkpoint "
+                f"holds them (state_dict() leaves them out). Build the model under "
+                f"fxshard.init_empty_weights() instead of torch.device('meta') so its "
+                f"constructor computes them, or pass them by name to pm.load_state_dict{also}")
+        raise ValueError(f"{_WHERE}: the model was built on the meta device and has no "
+                         f"weights yet ({weights[0]!r} and {len(weights) - 1} more are empty); "
+                         f"call pm.load_state_dict(full_state_dict) or "
+                         f"fxshard.load_safetensors(pm, path) before running it")
+
     def __call__(self, *args, **kwargs):
         c, micro = self._get(args, kwargs)
-        if not c.loaded and any(
-                self._values.get(fqn) is None or self._values[fqn].device.type == "meta"
-                and not hasattr(self._values[fqn], "block")
-                for p in c.programs for fqn in p.slots):
-            raise ValueError(f"{_WHERE}: the model was built on the meta device and has no "
-                             f"weights yet; call pm.load_state_dict(full_state_dict) or "
-                             f"fxshard.load_safetensors(pm, path) before running it")
-        c.loaded = True
+        self._sync_weights()
+        if not c.loaded:
+            self._check_loaded(c)
         if is_simulated(self.mesh):
             from .runtime.simulated import SimulatedWorld
             if self._world is None:
@@ -261,6 +300,7 @@ class ParallelModule:
         """The GraphModule rank ``rank`` runs for the most recent input signature."""
         c = self._require_compiled("rank_module")
         self.spec.coords(rank)
+        self._sync_weights()
         return self._module(c, rank)
 
     def explain(self):
@@ -276,30 +316,39 @@ class ParallelModule:
         return {n: [m for m in g if m != n] for g in groups.values() if len(g) > 1 for n in g}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load the unsharded model's state dict; each rank keeps only its slices."""
+        """Load the unsharded model's state dict; each rank keeps only its slices.
+
+        Every key of ``model.state_dict()`` is required; the model's non-persistent buffers
+        (in no checkpoint) may be given too, by name."""
         missing = sorted(set(self._expected) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(self._expected))
+        unexpected = sorted(set(state_dict) - set(self._expected) - set(self._buffers_np))
         if missing or unexpected:
             raise ValueError(
                 f"ParallelModule.load_state_dict: the state dict does not match the model: "
                 f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}, unexpected "
                 f"keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}. Pass the "
                 f"unsharded model's state_dict() with the same parameter names.")
-        for k, (shape, _) in self._expected.items():
+        for k, (shape, _) in {**self._buffers_np, **self._expected}.items():
+            if k not in state_dict:
+                continue
             got = tuple(state_dict[k].shape)
             if got != shape:
                 raise ValueError(
                     f"ParallelModule.load_state_dict: {k!r} has shape {got} but the model "
                     f"expects {shape}; load a checkpoint of the same configuration")
         self._values.update(state_dict)
-        for c in self._compiled.values():
-            c.modules.clear()
-            c.loaded = False
+        self._watch.changed()  # the model's own tensors as they are now count as seen
+        self._invalidate()
 
     def close(self) -> None:
+        """Release the ranks' threads (simulated mesh) or this process's backend and its
+        pending sends (real mesh); the module can still be called afterwards."""
         if self._world is not None:
             self._world.close()
             self._world = None
+        if not is_simulated(self.mesh):
+            from .runtime.distributed import release
+            release(self.mesh)
 
 
 def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = None,

@@ -45,7 +45,8 @@ class SafetensorsSource:
         coords = mesh.coords(rank)
         if any(isinstance(p, Partial) and n > 1 and c != 0
                for n, c, p in zip(mesh.shape, coords, spec)):
-            return torch.zeros([s.stop - s.start for s in index], dtype=self.dtype)
+            return torch.zeros([s.stop - s.start for s in index], dtype=self.dtype,
+                               device=self.device)
         with safe_open(self.file, framework="pt") as f:
             t = f.get_slice(self.key)[index] if index else f.get_tensor(self.key)
         self.reads.append(t.numel())

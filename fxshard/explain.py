@@ -136,7 +136,7 @@ def collectives_of(graph, mesh) -> list[CollectiveInfo]:
             shape, dtype = local_shape(tuple(val.shape), spec, mesh), val.dtype
             axis = node.args[-2] if op != "send" else node.args[1]
             size = mesh.axis_size(axis)
-        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
         out.append(CollectiveInfo(node.name, op, axis, size, shape, nbytes,
                                   _wire(op, size, nbytes)))
     return out
@@ -161,7 +161,7 @@ def explain(pm, compiled) -> Explanation:
             if s.kind != "param":
                 continue
             numel = int(torch.Size(local_shape(s.shape, s.spec, mesh)).numel())
-            total += numel * torch.empty((), dtype=s.dtype).element_size()
+            total += numel * s.dtype.itemsize
         ex.param_bytes[r] = total
     for prog in programs:
         for s in prog.slots.values():
@@ -169,8 +169,7 @@ def explain(pm, compiled) -> Explanation:
                 continue
             if s.fqn not in seen:
                 seen.add(s.fqn)
-                ex.total_param_bytes += int(torch.Size(s.shape).numel()) * \
-                    torch.empty((), dtype=s.dtype).element_size()
+                ex.total_param_bytes += int(torch.Size(s.shape).numel()) * s.dtype.itemsize
             ex.placements.append((s.fqn, short_spec(s.spec, mesh),
                                   local_shape(s.shape, s.spec, mesh), prog.stage))
     return ex

@@ -14,6 +14,8 @@ without weights. Each placeholder is tagged with what it is::
 """
 from __future__ import annotations
 
+import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,12 +53,13 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
     out-of-place ``mul``): the passes move values between ranks, which would break the aliasing
     an in-place op relies on.
     """
-    kwargs = kwargs or {}
+    kwargs = _without_cache(model, dict(kwargs or {}))
     on_meta = any(p.device.type == "meta" for p in model.parameters())
     meta_args = torch.utils._pytree.tree_map(_fake_like, args)
     meta_kwargs = torch.utils._pytree.tree_map(_fake_like, kwargs)
     try:
-        ep = torch.export.export(model, tuple(meta_args), meta_kwargs, strict=False)
+        with _buffers_on_meta(model, on_meta):
+            ep = torch.export.export(model, tuple(meta_args), meta_kwargs, strict=False)
     except Exception as e:  # meta inputs on a model with real weights: export on real inputs
         if on_meta:
             raise ValueError(f"fxshard.parallelize: torch.export could not trace "
@@ -74,6 +77,50 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
                 f"fxshard.parallelize: {type(model).__name__}'s forward mutates state in place "
                 f"({bad[0].target} at {bad[0].name}); fxshard runs pure inference graphs")
     return _from_exported(ep, model)
+
+
+@contextlib.contextmanager
+def _buffers_on_meta(model: torch.nn.Module, on_meta: bool):
+    """A model with its parameters on meta and its buffers real (``init_empty_weights``)
+    traces with meta copies of the buffers, as if built wholly on meta: a forward that mixes a
+    buffer with an activation (``x * self.scale``) would otherwise mix devices. The real buffers
+    are back when the trace ends; ``_from_exported`` reads their values from the model."""
+    if not on_meta:
+        yield
+        return
+    saved = []
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device.type != "meta":
+                saved.append((module, name, buf))
+    try:
+        for module, name, buf in saved:
+            module._buffers[name] = buf.to("meta")
+        yield
+    finally:
+        for module, name, buf in saved:
+            module._buffers[name] = buf
+
+
+def _without_cache(model: torch.nn.Module, kwargs: dict) -> dict:
+    """Trace HuggingFace-style models without their KV cache: a forward with a ``use_cache``
+    parameter (``config.use_cache=True`` by default) gets ``use_cache=False`` unless the caller
+    set it. The output keeps its structure (``CausalLMOutputWithPast`` with
+    ``past_key_values=None``). A cache asked for explicitly is an error: fxshard traces
+    single forward passes."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if "use_cache" not in params:
+        return kwargs
+    if kwargs.get("use_cache"):
+        raise NotImplementedError(
+            f"fxshard.parallelize: {type(model).__name__} was called with use_cache=True; "
+            f"fxshard parallelizes forward passes without a KV cache. Call the model without "
+            f"use_cache (fxshard passes use_cache=False) or with use_cache=False")
+    kwargs.setdefault("use_cache", False)
+    return kwargs
 
 
 def _mutates(node: fx.Node) -> bool:
@@ -96,9 +143,11 @@ def _from_exported(ep: ExportedProgram, model: torch.nn.Module) -> Traced:
             params[node.name] = spec.target
         elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             node.meta["fxshard_buffer"] = spec.target
-            value = ep.constants.get(spec.target)
+            # a buffer's value is the model's own (export holds meta copies when the model
+            # was traced with meta buffers); a lifted constant's is export's
+            value = state.get(spec.target) if spec.kind == InputKind.BUFFER else None
             if value is None:
-                value = ep.state_dict.get(spec.target, state.get(spec.target))
+                value = ep.constants.get(spec.target, ep.state_dict.get(spec.target))
             constants[spec.target] = value
         elif spec.kind == InputKind.USER_INPUT:
             node.meta["fxshard_input"] = user_index
@@ -127,14 +176,28 @@ def _is_noop_to(node: fx.Node) -> bool:
             (node.target is aten.to.dtype and len(node.args) > 3 and node.args[3]):
         return False
     a, b = src.meta.get("val"), node.meta.get("val")
+    # a weight or buffer moved to or from meta moves between the trace's device and the
+    # weight's: every weight of a rank program lives on the mesh's device, so this changes
+    # nothing there
+    weight = src.op == "placeholder" and (src.meta.get("fxshard_param") is not None
+                                          or src.meta.get("fxshard_buffer") is not None)
+    same_device = a.device == b.device or weight and "meta" in (a.device.type, b.device.type) \
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else False
     return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype and a.device == b.device and a.shape == b.shape)
+            and a.dtype == b.dtype and same_device and a.shape == b.shape)
 
 
 def cleanup_pass(gm: fx.GraphModule, *, ctx=None) -> fx.GraphModule:
-    """Drop ``_assert_tensor_metadata`` and casts/copies that change nothing."""
+    """Drop ``_assert_tensor_metadata``, casts/copies that change nothing and unused
+    non-tensor inputs."""
     changed = 0
     for node in list(gm.graph.nodes):
+        if node.op == "placeholder" and node.meta.get("fxshard_input") is not None and \
+                not isinstance(node.meta.get("val"), torch.Tensor) and not node.users:
+            # a non-tensor argument (use_cache=False) is specialised into the graph; the
+            # runtime passes tensors only
+            gm.graph.erase_node(node)
+            changed += 1
         if node.op != "call_function":
             continue
         if node.target is aten._assert_tensor_metadata.default:

@@ -16,7 +16,10 @@ the mesh axis, chained to the original.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -25,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fxshard.mesh import mesh_spec
 
-__all__ = ["DistributedBackend", "backend_for"]
+__all__ = ["DistributedBackend", "backend_for", "release", "release_all"]
 
 _WHERE = "fxshard.runtime.DistributedBackend"
 _MAX_PENDING_SENDS = 64
@@ -231,5 +234,33 @@ def backend_for(device_mesh: DeviceMesh) -> DistributedBackend:
     """The :class:`DistributedBackend` of this process on ``device_mesh`` (one per mesh)."""
     backend = _BACKENDS.get(id(device_mesh))
     if backend is None:
+        if not _BACKENDS:
+            atexit.register(release_all)
         backend = _BACKENDS[id(device_mesh)] = DistributedBackend(device_mesh)
     return backend
+
+
+def release(device_mesh: DeviceMesh) -> None:
+    """Wait for ``device_mesh``'s outstanding sends and drop its backend with its references to
+    the mesh's process groups (``ParallelModule.close``). Process groups that outlive
+    ``destroy_process_group`` inside a registry and are torn down at interpreter exit make gloo
+    abort ("terminate called without an active exception") after a correct run."""
+    backend = _BACKENDS.pop(id(device_mesh), None)
+    if backend is None:
+        return
+    try:
+        backend.flush()
+    finally:
+        backend._groups.clear()
+        backend._pending.clear()
+
+
+def release_all() -> None:
+    """Release every backend of this process (registered with ``atexit`` once one exists)."""
+    for backend in list(_BACKENDS.values()):
+        try:
+            release(backend.device_mesh)
+        except RuntimeError as exc:  # a peer gone at exit: say so, release the rest
+            warnings.warn(f"fxshard: at exit, {exc}", stacklevel=1)
+    _BACKENDS.clear()
+    gc.collect()
