@@ -6,7 +6,13 @@
    {16..256}, GQA, causal with offsets (fully masked rows included), odd lengths.
 2. A Llama on a simulated mesh on the GPU (every rank on the one device, Triton attention in
    every rank's program) against the single-device model.
-3. ``benchmarks/attention.py``'s table against SDPA flash/cuDNN, JSON in ``--out``.
+3. HuggingFace Llama and Qwen2 as users run them (built on meta, loaded from a
+   ``save_pretrained`` directory; and with real weights on the GPU), fp32 and bf16, on tp=2,
+   tp=2 x ring_cp=2 and the seed's 16-rank dp x tp x pp x ulysses_cp mesh, simulated on the
+   GPU; then ``torch.compile`` with ``fxshard.backend`` (dp=2 x tp=2).
+4. ``benchmarks/attention.py``'s table against SDPA flash/cuDNN, JSON in ``--out``.
+
+``--device cpu`` runs step 3's checks on the CPU, to try the script without a GPU.
 Prints PASS/FAIL lines; exits non-zero if a correctness check fails.
 """
 from __future__ import annotations
@@ -88,11 +94,98 @@ def model_check() -> bool:
     return ok
 
 
+HF_MESHES = ((("tp",), (2,)), (("tp", "ring_cp"), (2, 2)),
+             (("dp", "tp", "pp", "ulysses_cp"), (2, 2, 2, 2)))   # the seed's 16-rank mesh
+
+
+def _hf_config(family: str):
+    import transformers
+    common = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)
+    return {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family](**common)
+
+
+def hf_checks(device: str) -> bool:
+    """HF models as users run them: built on meta from the config, loaded from a
+    ``save_pretrained`` directory of shards, on a simulated mesh of ``device``; and with real
+    weights on the device. fp32 and bf16 against the same model on one device."""
+    import tempfile
+
+    import transformers
+
+    import fxshard
+    ok = True
+    ids = torch.randint(0, 256, (4, 64), device=device,
+                        generator=torch.Generator(device=device).manual_seed(0))
+    for family in ("llama", "qwen2"):
+        config = _hf_config(family)
+        with tempfile.TemporaryDirectory() as ckpt:
+            torch.manual_seed(0)
+            transformers.AutoModelForCausalLM.from_config(config).save_pretrained(
+                ckpt, max_shard_size="200KB")
+            for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+                ref = transformers.AutoModelForCausalLM.from_pretrained(
+                    ckpt, dtype=dtype).to(device).eval()
+                with torch.no_grad():
+                    want = ref(ids).logits.float()
+                scale = want.abs().max().item()
+                for names, shape in HF_MESHES:
+                    mesh = fxshard.init_device_mesh(device, shape, mesh_dim_names=names)
+                    for how in ("meta+safetensors", "weights on device"):
+                        if how == "weights on device":
+                            pm = fxshard.parallelize(ref, mesh)
+                        else:
+                            with torch.device("meta"):
+                                empty = transformers.AutoModelForCausalLM.from_config(
+                                    config, dtype=dtype)
+                            pm = fxshard.parallelize(empty, mesh)
+                            fxshard.load_safetensors(pm, ckpt)
+                        try:
+                            with torch.no_grad():
+                                got = pm(ids).logits.float()
+                            err = (got - want).abs().max().item() / scale
+                            good = err < tol
+                        except Exception as exc:  # noqa: BLE001 - reported, then next case
+                            err, good = f"{type(exc).__name__}: {str(exc)[:300]}", False
+                        ok &= good
+                        print(f"{'PASS' if good else 'FAIL'} HF {family} {dtype} {how} on a "
+                              f"simulated {device} mesh {dict(zip(names, shape))}: max err / "
+                              f"max |logit| {err if isinstance(err, str) else f'{err:.2e}'}",
+                              flush=True)
+                        pm.close()
+    return ok
+
+
+def compile_backend_check(device: str) -> bool:
+    import transformers
+
+    import fxshard
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_hf_config("llama")).to(device).eval()
+    ids = torch.randint(0, 256, (4, 32), device=device)
+    mesh = fxshard.init_device_mesh(device, (2, 2), mesh_dim_names=("dp", "tp"))
+    try:
+        compiled = torch.compile(model, backend=fxshard.backend(mesh))
+        with torch.no_grad():
+            err = (compiled(ids).logits - model(ids).logits).abs().max().item()
+        good = err < 1e-3
+    except Exception as exc:  # noqa: BLE001 - reported
+        err, good = f"{type(exc).__name__}: {str(exc)[:300]}", False
+    print(f"{'PASS' if good else 'FAIL'} torch.compile(HF llama, backend=fxshard.backend(dp=2, "
+          f"tp=2)) on {device}: max err {err}", flush=True)
+    return good
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks")
+    ap.add_argument("--device", default="cuda",
+                    help="'cpu' runs the HF and compile checks here (a dry run of the script)")
     args = ap.parse_args()
+    if args.device == "cpu":
+        ok = hf_checks("cpu") & compile_backend_check("cpu")
+        return 0 if ok else 1
     if not torch.cuda.is_available():
         print("benchmarks/gpu_check.py: no CUDA GPU; nothing to check")
         return 0
@@ -101,6 +194,8 @@ def main() -> int:
           f"{torch.cuda.get_device_name()}")
     ok = kernel_checks()
     ok &= model_check()
+    ok &= hf_checks("cuda")
+    ok &= compile_backend_check("cuda")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention.py"), "--json",
                     str(Path(args.out) / "attention.json")], check=False)

@@ -56,6 +56,17 @@ def main(argv: list[str] | None = None) -> int:
                         generator=torch.Generator().manual_seed(1))
     pm = fxshard.parallelize(model, mesh, example_inputs=(ids,), sequence_parallel=args.sp,
                              microbatches=args.microbatches)
+    try:
+        return _show(args, pm, model, ids, rank)
+    finally:
+        # release fxshard's backend, then the process groups, before the interpreter exits:
+        # gloo groups torn down at interpreter shutdown can abort a finished run
+        pm.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _show(args, pm, model, ids, rank: int) -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
     say(pm.explain())
     if args.command == "explain":
@@ -68,9 +79,6 @@ def main(argv: list[str] | None = None) -> int:
         got = pm(ids)
     err = (got - want).abs().max().item()
     say(f"\nmax |parallel - single device| = {err:.3g} on mesh {pm.spec.describe()}")
-    pm.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return 0 if err < 1e-4 else 1
 
 

@@ -33,10 +33,11 @@ import torch
 
 from tests.launch import free_port, launch
 
-LAUNCH_TIMEOUT_S = 150
+LAUNCH_TIMEOUT_S = 300
 PG_TIMEOUT_S = 30        # default group: generous, ranks trace at different speeds
 FAIL_TIMEOUT_S = 5       # the tp group of the failing-rank case (the last one it runs)
 TOL = dict(rtol=1e-4, atol=1e-4)
+RSS_BOUND = 1.0          # loading + forward add less than the full model to a process's peak RSS
 BATCH, SEQ, VOCAB = 4, 8, 128
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -89,6 +90,53 @@ def _run_case(model_kind: str, shape, names, kwargs) -> tuple[str, str]:
     if built != [dist.get_rank()]:  # a process builds its own rank's module only
         return f"built the modules of ranks {built}", type(got).__name__
     return _compare(got, want), type(got).__name__
+
+
+# --- a HuggingFace checkpoint directory of a few hundred MB, built empty ----------------------
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith(field + ":"))
+    return int(line.split()[1]) * 1024  # kB
+
+
+def _reset_peak_rss() -> None:
+    """Reset VmHWM to the current RSS (Linux >= 4.0). ``ru_maxrss`` would not do: a spawned
+    worker starts with the peak of the pytest process that forked it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # not allowed here: VmHWM keeps an older peak, which only overestimates
+        pass
+
+
+def _hf_checkpoint_case(rank: int, ckpt_dir: str, shape, names) -> dict:
+    """The user's path for a big model, run first in the process so the peak RSS it adds is
+    measured from a clean high-water mark: build from the config with no weights, parallelize,
+    ``load_safetensors`` (each rank reads only its slices), run; then the single-device
+    reference from ``from_pretrained``."""
+    import transformers
+
+    import fxshard
+    ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(5))
+    with fxshard.init_empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(ckpt_dir))
+    mesh = fxshard.init_device_mesh("cpu", shape, mesh_dim_names=names)
+    pm = fxshard.parallelize(model, mesh)
+    _reset_peak_rss()
+    before = _status_bytes("VmRSS")
+    fxshard.load_safetensors(pm, ckpt_dir)
+    with torch.no_grad():
+        got = pm(ids)
+    added = _status_bytes("VmHWM") - before  # the peak that loading and the forward added
+    own = sum(t.numel() * t.element_size() for t in pm.rank_module(rank).state_dict().values())
+    pm.close()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(ckpt_dir).eval()
+    with torch.no_grad():
+        want = ref(ids)
+    return {"compare": _compare(got, want), "added_peak_rss": added, "own_bytes": own,
+            "full_bytes": sum(p.numel() * p.element_size() for p in ref.parameters())}
 
 
 # --- the 2-process launch -----------------------------------------------------------------
@@ -168,6 +216,8 @@ def _failing_rank_case(rank: int, out_dir: str) -> dict:
 
 
 def _two_proc_cases(rank: int, report: dict, out_dir: str) -> None:
+    report["hf_checkpoint"] = _hf_checkpoint_case(rank, os.path.join(out_dir, "hf"), (2,),
+                                                  ("tp",))
     for kind in MODELS:
         start = time.monotonic()
         report["cases"][f"tp2/{kind}"], report["types"][kind] = \
@@ -181,6 +231,8 @@ def _two_proc_cases(rank: int, report: dict, out_dir: str) -> None:
 
 
 def _four_proc_cases(rank: int, report: dict, out_dir: str) -> None:
+    report["hf_checkpoint"] = _hf_checkpoint_case(rank, os.path.join(out_dir, "hf"), (2, 2),
+                                                  ("tp", "pp"))
     for name, shape, names, kwargs in FOUR_PROC_CASES:
         for kind in MODELS:
             start = time.monotonic()
@@ -222,20 +274,35 @@ def _worker(rank: int, port: int, out_dir: str, world: int, job: str) -> None:
     os._exit(0)  # skip process-group teardown, which may wait on a dead rank
 
 
-def _launch(tmp_path_factory, world: int, job: str) -> dict:
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory) -> str:
+    """A random HF Llama of ~450 MB (fp32), saved as HF saves big models: shards + index."""
+    import transformers
+    path = str(tmp_path_factory.mktemp("hf_big"))
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024,
+                                      intermediate_size=2816, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=4)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        transformers.LlamaForCausalLM(config).save_pretrained(path, max_shard_size="100MB")
+    return path
+
+
+def _launch(tmp_path_factory, hf_checkpoint: str, world: int, job: str) -> dict:
     out_dir = str(tmp_path_factory.mktemp(f"e2e_{job}"))
     os.makedirs(os.path.join(out_dir, "ckpt"))
+    os.symlink(hf_checkpoint, os.path.join(out_dir, "hf"))
     return launch(_worker, world, out_dir, world, job, timeout_s=LAUNCH_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    return _launch(tmp_path_factory, 2, "two")
+def two(tmp_path_factory, hf_checkpoint):
+    return _launch(tmp_path_factory, hf_checkpoint, 2, "two")
 
 
 @pytest.fixture(scope="module")
-def four(tmp_path_factory):
-    return _launch(tmp_path_factory, 4, "four")
+def four(tmp_path_factory, hf_checkpoint):
+    return _launch(tmp_path_factory, hf_checkpoint, 4, "four")
 
 
 def _tail(errors: list[str]) -> str:
@@ -264,6 +331,22 @@ def test_safetensors_meta_model_each_rank_reads_only_its_slices(two):
         assert st["modules_built"] == [r], st  # only this process's own rank module
         assert st["read"] == st["own_numel"], st
         assert st["read"] < 0.6 * st["total_params"], st
+
+
+@pytest.mark.parametrize("job,share", [("two", 1 / 2), ("four", 1 / 4)])
+def test_hf_checkpoint_built_empty_loads_only_each_ranks_share(request, job, share):
+    """tp=2 on 2 processes, tp=2 x pp=2 on 4: the output equals ``from_pretrained`` on one
+    device, each rank holds its share of the weights (plus the replicated norms), and loading
+    plus the forward raise a process's peak RSS by less than the full model: the weights are
+    never materialised whole in any process."""
+    for r, rep in request.getfixturevalue(job).items():
+        assert "hf_checkpoint" in rep, f"rank {r} stopped before it: {_tail(rep['errors'])}"
+        hf = rep["hf_checkpoint"]
+        print("HFCASE", job, r, hf, rep["seconds"])
+        assert hf["compare"] == "ok", f"rank {r}: {hf['compare']}"
+        assert hf["full_bytes"] > 400e6, hf
+        assert hf["own_bytes"] < (share + 0.02) * hf["full_bytes"], (r, hf)
+        assert hf["added_peak_rss"] < RSS_BOUND * hf["full_bytes"], (r, hf)
 
 
 def test_failing_rank_makes_peer_fail_fast_naming_op_and_axis(two):
