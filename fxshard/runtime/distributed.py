@@ -234,8 +234,8 @@ def backend_for(device_mesh: DeviceMesh) -> DistributedBackend:
     """The :class:`DistributedBackend` of this process on ``device_mesh`` (one per mesh)."""
     backend = _BACKENDS.get(id(device_mesh))
     if backend is None:
-        if not _BACKENDS:
-            atexit.register(release_all)
+        atexit.unregister(release_all)  # registered once, however often backends come back
+        atexit.register(release_all)
         backend = _BACKENDS[id(device_mesh)] = DistributedBackend(device_mesh)
     return backend
 
