@@ -131,11 +131,15 @@ def _hf_checkpoint_case(rank: int, ckpt_dir: str, shape, names) -> dict:
         got = pm(ids)
     added = _status_bytes("VmHWM") - before  # the peak that loading and the forward added
     own = sum(t.numel() * t.element_size() for t in pm.rank_module(rank).state_dict().values())
-    pm.close()
+    from fxshard.runtime.distributed import _BACKENDS
+    had_backend = id(mesh) in _BACKENDS
+    pm.close()  # drops this process's backend and its process-group references
+    released = had_backend and id(mesh) not in _BACKENDS
     ref = transformers.AutoModelForCausalLM.from_pretrained(ckpt_dir).eval()
     with torch.no_grad():
         want = ref(ids)
     return {"compare": _compare(got, want), "added_peak_rss": added, "own_bytes": own,
+            "released": released,
             "full_bytes": sum(p.numel() * p.element_size() for p in ref.parameters())}
 
 
@@ -345,6 +349,7 @@ def test_hf_checkpoint_built_empty_loads_only_each_ranks_share(request, job, sha
         assert "hf_checkpoint" in rep, f"rank {r} stopped before it: {_tail(rep['errors'])}"
         hf = rep["hf_checkpoint"]
         assert hf["compare"] == "ok", f"rank {r}: {hf['compare']}"
+        assert hf["released"], hf  # pm.close() released the backend
         assert hf["full_bytes"] > 400e6, hf
         assert hf["own_bytes"] < (share + 0.02) * hf["full_bytes"], (r, hf)
         assert hf["added_peak_rss"] < hf["own_bytes"] + RSS_SLACK * hf["full_bytes"], (r, hf)
