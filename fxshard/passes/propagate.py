@@ -26,16 +26,16 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..placement import R, Replicate, Shard
+from ..placement import R, Replicate, Shard, StridedShard, shard_dim
 from . import PassCtx
 from .rules import (UNDECIDED, Decision, RuleCtx, fallback, lookup, tensor_inputs,
                     warn_fallback)
 from .rules.embedding import embedding_rule
-from .rules.linear import linear_rule
+from .rules.linear import addmm_rule, linear_rule
 
 __all__ = ["propagate_pass", "input_spec"]
 
-_OWNS_WEIGHTS = (linear_rule, embedding_rule)
+_OWNS_WEIGHTS = (linear_rule, embedding_rule, addmm_rule)
 _MAX_REFINEMENTS = 8
 
 
@@ -163,8 +163,7 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str]) -> dict:
                     ps = param_spec[t.name]
                     if ps[i] is UNDECIDED:
                         ps[i] = d.ins[k]
-                        if (rule_fn is linear_rule and k == 1 and a == "tp"
-                                and isinstance(d.ins[k], Shard) and d.ins[k].dim == 0):
+                        if a == "tp" and _column_weight(rule_fn, k, d.ins[k]):
                             auto_colwise[t.meta["fxshard_param"]] = node
             if n_out is not None:
                 for k in range(n_out):
@@ -189,6 +188,13 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str]) -> dict:
         if node.meta.get("fxshard_param") is not None:
             node.meta["fxshard_spec"] = tuple(param_spec[node.name])
     return auto_colwise
+
+
+def _column_weight(rule_fn, k: int, p) -> bool:
+    """Input ``k`` of a linear/addmm placed ``p`` is a column-parallel weight."""
+    if rule_fn is linear_rule and k == 1:
+        return shard_dim(p) == 0
+    return rule_fn is addmm_rule and k == 2 and shard_dim(p) == 1
 
 
 def _fit_nested(node: fx.Node, ins_nodes: list, decisions: dict, axes: list, rctx: dict,
@@ -224,7 +230,11 @@ def _fit_nested(node: fx.Node, ins_nodes: list, decisions: dict, axes: list, rct
 def _divides(shape, spec, ctx: PassCtx) -> bool:
     sizes = list(shape)
     for a, n, p in zip(ctx.mesh.axis_names, ctx.mesh.shape, spec):
-        if n > 1 and isinstance(p, Shard):
+        if n > 1 and isinstance(p, StridedShard):
+            if p.dim >= len(sizes) or sizes[p.dim] != sum(p.parts) or any(k % n for k in p.parts):
+                return False
+            sizes[p.dim] //= n
+        elif n > 1 and isinstance(p, Shard):
             chunks = 2 * n if a in ctx.zigzag_axes else n
             if p.dim >= len(sizes) or sizes[p.dim] % chunks:
                 return False
@@ -235,21 +245,29 @@ def _divides(shape, spec, ctx: PassCtx) -> bool:
 def _gathered_before_use(node: fx.Node, tp: int, budget: int = 64) -> bool:
     """Some path along which ``node``'s shard on mesh axis index ``tp`` flows reaches a
     consumer that gathers it back (needs Replicate) before a row-parallel contraction turns
-    it into a partial sum. The model's output does not count: it is gathered anyway."""
+    it into a partial sum, or a fused (strided) shard reaches a consumer that wants it in any
+    other layout (no collective re-orders the parts). The model's output does not count: it is
+    gathered anyway (except a fused shard, which must not reach it)."""
     frontier, seen = [node], {node}
     while frontier and budget > 0:
         cur = frontier.pop()
         budget -= 1
+        have = cur.meta.get("fxshard_spec")
+        strided = isinstance(have, tuple) and isinstance(have[tp], StridedShard)
         for u in cur.users:
-            if u.op == "output":
+            if u.op == "output" and not strided:
                 continue
             for t, nd in zip(tensor_inputs(u), u.meta.get("fxshard_need") or []):
-                if t is cur and isinstance(nd[tp], Replicate):
+                if t is cur and (isinstance(nd[tp], Replicate) or strided and nd[tp] != have[tp]):
                     return True
-            out = u.meta.get("fxshard_spec")
-            if isinstance(out, tuple) and isinstance(out[tp], Shard) and u not in seen:
-                seen.add(u)
-                frontier.append(u)
+            outs = u.meta.get("fxshard_spec")
+            outs = [outs] if isinstance(outs, tuple) else \
+                [g.meta.get("fxshard_spec") for g in u.users] if isinstance(outs, list) else []
+            nxt = [u] if isinstance(u.meta.get("fxshard_spec"), tuple) else list(u.users)
+            for v, out in zip(nxt, outs):
+                if isinstance(out, tuple) and shard_dim(out[tp]) is not None and v not in seen:
+                    seen.add(v)
+                    frontier.append(v)
     return False
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..mesh import MeshSpec
-from ..placement import R, Partial, Replicate, Shard
+from ..placement import R, Partial, Replicate, Shard, StridedShard
 
 __all__ = ["Step", "plan_redistribution"]
 
@@ -58,6 +58,10 @@ def plan_redistribution(src: tuple, dst: tuple, mesh: MeshSpec,
     changing = [i for i in axes if src[i] != dst[i]]
     if not changing:
         return []
+    if any(isinstance(p, StridedShard) for i in changing for p in (src[i], dst[i])):
+        # propagation replicates a fused projection whose parts would need re-ordering
+        raise AssertionError(f"fxshard internal error: no redistribution of a fused (strided) "
+                             f"shard, {src} -> {dst}")
     # axes whose current placement must be undone (gathered / reduced) first
     undo = {i for i in changing if not isinstance(src[i], Replicate)}
     for i in changing:

@@ -9,7 +9,11 @@ each rank's block is the same elements before and after. That covers merging and
     view([B, S, H*D] -> [B, S, H, D])     S(2) -> needs R when H % tp != 0
 
 Transpose/permute map dims; unsqueeze/squeeze/expand shift them; slicing, selecting, splitting
-or concatenating along a sharded dim needs it whole first.
+or concatenating along a sharded dim needs it whole first. A fused projection's
+``StridedShard(d, parts)`` survives reshapes that keep dim ``d`` whole, and slicing or splitting
+``d`` into its parts gives each part a plain ``Shard(d)`` (``localize`` divides the bounds)::
+
+    slice(qkv: S(2|64+32+32), 2, 64, 96)     -> S(2)      (local bounds 32..48 on tp=2)
 """
 from __future__ import annotations
 
@@ -18,8 +22,9 @@ import math
 import torch
 import torch.fx as fx
 
-from ...placement import P, R, Partial, Shard
+from ...placement import P, R, Partial, Shard, StridedShard
 from . import Decision, RuleCtx, rule
+from .linear import fused_out, split_intervals
 
 aten = torch.ops.aten
 
@@ -49,6 +54,13 @@ def reshape_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     p = ins[0]
     if isinstance(p, Partial):
         return Decision(ins=[P], out=P)
+    if isinstance(p, StridedShard):
+        in_shape, out_shape = ctx.shape(node.args[0]), ctx.shape(node)
+        before = math.prod(in_shape[:p.dim])
+        for e, n in enumerate(out_shape):
+            if n == in_shape[p.dim] and math.prod(out_shape[:e]) == before:
+                return Decision(ins=[p], out=StridedShard(e, p.parts))
+        return Decision(ins=[R], out=R)
     if isinstance(p, Shard):
         e = reshape_dim_map(ctx.shape(node.args[0]), ctx.shape(node), p.dim, ctx.chunks)
         if e is not None:
@@ -88,6 +100,9 @@ def permute_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     if isinstance(p, Shard):
         perm = _permutation(node, ctx.ndim(node.args[0]))
         return Decision(ins=[p], out=Shard(perm.index(p.dim)))
+    if isinstance(p, StridedShard):
+        perm = _permutation(node, ctx.ndim(node.args[0]))
+        return Decision(ins=[p], out=StridedShard(perm.index(p.dim), p.parts))
     return Decision(ins=[p], out=p)
 
 
@@ -97,6 +112,12 @@ def slice_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     x = node.args[0]
     ndim = ctx.ndim(x)
     dim = _norm(node.args[1] if len(node.args) > 1 else 0, ndim)
+    if isinstance(p, StridedShard):
+        if p.dim != dim:
+            return Decision(ins=[p], out=p)
+        (start, end), = split_intervals(node, dim) or [(None, None)]
+        out = fused_out(p, start, end) if start is not None else None
+        return Decision(ins=[p], out=out) if out is not None else Decision(ins=[R], out=R)
     if isinstance(p, Shard) and p.dim == dim:
         start = node.args[2] if len(node.args) > 2 else None
         end = node.args[3] if len(node.args) > 3 else None
@@ -152,6 +173,15 @@ def split_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     def outs(q):
         return [q] * n if n is not None else q
 
+    if isinstance(p, StridedShard) and p.dim == dim:
+        pieces = split_intervals(node, dim) if node.target is not aten.narrow.default and \
+            node.target is not aten.unbind.int else None
+        got = [fused_out(p, a, b) for a, b in pieces or []]
+        if pieces and all(q is not None for q in got) and n == len(got):
+            return Decision(ins=[p], out=got)
+        return Decision(ins=[R], out=outs(R))
+    if isinstance(p, StridedShard) and node.target is aten.unbind.int:
+        return Decision(ins=[R], out=outs(R))
     if isinstance(p, Shard):
         if p.dim == dim:
             return Decision(ins=[R], out=outs(R))
