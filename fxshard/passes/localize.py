@@ -75,6 +75,8 @@ def localize_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
         if _fused_split(node, ctx):
             changed += 1
             continue
+        if node.op == "call_function" and node.target in (aten.mean.dim, aten.mean.default):
+            changed += _partial_mean(gm.graph, node, ctx)
         if node.op != "call_function" or local is None:
             continue
         val = node.meta["val"]
@@ -102,6 +104,31 @@ def localize_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
         gm.recompile()
     ctx.report("localize_pass", f"rewrote {changed} shape-dependent nodes")
     return gm
+
+
+def _partial_mean(graph: fx.Graph, node: fx.Node, ctx: PassCtx) -> int:
+    """A mean over a dim sharded ``n`` ways is a partial sum of the local means divided by
+    ``n`` (every rank holds the same count): divide right after the local mean."""
+    x = node.args[0]
+    nd = x.meta["val"].dim()
+    if node.target is aten.mean.default:
+        dims = set(range(nd))
+    else:
+        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        dims = set(range(nd)) if not dims else {d % nd for d in dims}
+    ways = 1
+    for n, p_in, p_out in zip(ctx.mesh.shape, x.meta.get("fxshard_spec") or (),
+                              node.meta.get("fxshard_spec") or ()):
+        if n > 1 and isinstance(p_in, Shard) and p_in.dim in dims:
+            assert type(p_out).__name__ == "Partial", node.format_node()
+            ways *= n
+    if ways == 1:
+        return 0
+    with graph.inserting_after(node):
+        div = graph.call_function(aten.div.Tensor, (node, ways))
+    div.meta.update(node.meta)
+    node.replace_all_uses_with(div, delete_user_cb=lambda u: u is not div)
+    return 1
 
 
 def _strided_ways(x: fx.Node, dim: int, ctx: PassCtx) -> int:

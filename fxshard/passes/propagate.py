@@ -12,9 +12,11 @@ User inputs arrive whole (every rank is given the global input) and are sharded 
 gathered back to Replicate. Parameters get the placement their first consumer asks for
 (a plan override wins); the rest stay Replicate.
 
-One refinement runs until nothing changes: a column-parallel weight whose output is gathered
-back before any row-parallel contraction uses the shard (e.g. K/V projections when ``tp``
-exceeds the KV heads) is replicated instead, and the graph is propagated again.
+Two refinements run until nothing changes, each propagating the graph again: a column-parallel
+weight whose output is gathered back before any row-parallel contraction uses the shard (e.g.
+K/V projections when ``tp`` exceeds the KV heads) is replicated instead; and a Partial value
+that one consumer needs reduced is handed reduced to all its consumers, so it is all-reduced
+once (a post-norm block: ``o = o_proj(a)`` feeds both the norm's ``pow`` and its ``mul``).
 
 Before (tp=2)::  linear(x, w_q) -> view [B,S,H,D] -> sdpa ... -> linear(a, w_o) -> add(res, .)
 After::          w_q: S(0) out S(2) -> S(2) -> S(1) ... w_o: S(1) out P -> add needs (R, R)
@@ -26,7 +28,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..placement import R, Replicate, Shard, StridedShard, shard_dim
+from ..placement import Partial, R, Replicate, Shard, StridedShard, shard_dim
 from . import PassCtx
 from .rules import (UNDECIDED, Decision, RuleCtx, fallback, lookup, tensor_inputs,
                     warn_fallback)
@@ -67,7 +69,8 @@ def _spec_of(node: fx.Node, param_spec: dict) -> object:
     return then if then is not None else node.meta.get("fxshard_spec")
 
 
-def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str]) -> dict:
+def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
+              reduced: dict | None = None) -> dict:
     mesh = ctx.mesh
     axes = [(i, a, n) for i, (a, n) in enumerate(zip(mesh.axis_names, mesh.shape)) if n > 1]
     rctx = {a: RuleCtx(axis=a, size=n, mesh=mesh, sequence_parallel=ctx.sequence_parallel,
@@ -141,6 +144,8 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str]) -> dict:
         decisions: dict[int, Decision] = {}
         for i, a, n in axes:
             cur = [_spec_of(t, param_spec)[i] for t in ins_nodes]
+            cur = [(reduced or {}).get((t.name, i), p) if isinstance(p, Partial) else p
+                   for t, p in zip(ins_nodes, cur)]
             if rule_fn is None:
                 if ctx.strict:
                     raise NotImplementedError(
@@ -271,16 +276,45 @@ def _gathered_before_use(node: fx.Node, tp: int, budget: int = 64) -> bool:
     return False
 
 
+def _reduced_twice(gm: fx.GraphModule) -> dict[tuple[str, int], object]:
+    """(node, axis index) -> placement, for Partial values that one consumer needs reduced
+    (to that placement) while another keeps using the partial sum (which would then be
+    reduced a second time)."""
+    out = {}
+    for node in gm.graph.nodes:
+        spec = node.meta.get("fxshard_spec")
+        if not isinstance(spec, tuple) or node.meta.get("fxshard_param") is not None:
+            continue
+        for i, p in enumerate(spec):
+            if not isinstance(p, Partial):
+                continue
+            needs = [nd[i] for u in node.users if u.op != "output"
+                     for t, nd in zip(tensor_inputs(u), u.meta.get("fxshard_need") or [])
+                     if t is node]
+            done = [q for q in needs if not isinstance(q, Partial)]
+            if done and any(isinstance(q, Partial) for q in needs):
+                out[(node.name, i)] = done[0]
+    return out
+
+
 def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     replicate: set[str] = set()
+    reduced: dict[tuple[str, int], object] = {}
     mesh = ctx.mesh
     tp = mesh.axis_names.index("tp") if "tp" in mesh.axis_names else None
     for _ in range(_MAX_REFINEMENTS):
-        auto_colwise = _run_once(gm, ctx, replicate)
+        auto_colwise = _run_once(gm, ctx, replicate, reduced)
+        twice = {k: v for k, v in _reduced_twice(gm).items() if k not in reduced}
+        for name, i in sorted(twice):
+            ctx.report("propagate_pass", f"reduce {name} once on {mesh.axis_names[i]}: "
+                                         f"several consumers use it")
+        reduced.update(twice)
         if tp is None or mesh.shape[tp] == 1:
+            if twice:
+                continue
             break
         wasted = {fqn for fqn, lin in auto_colwise.items() if _gathered_before_use(lin, tp)}
-        if not wasted - replicate:
+        if not wasted - replicate and not twice:
             break
         for fqn in sorted(wasted - replicate):
             ctx.report("propagate_pass", f"replicate {fqn} on tp: its column-parallel output "

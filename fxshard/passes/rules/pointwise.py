@@ -100,6 +100,14 @@ def pointwise_decision(node: fx.Node, ins: list, ctx: RuleCtx, tensors: list[fx.
         if all((i in partial_ok) == partial[i] for i in range(len(ins))) and \
                 sum(partial) == 1:
             return Decision(ins=[P if partial[i] else R for i in range(len(ins))], out=P)
+        if ctx.is_tp and ctx.sequence_parallel and len(out_shape) >= 3 and \
+                out_shape[1] % ctx.chunks == 0 and out_shape[-1] > 1:
+            # sequence parallelism: reduce-scatter an activation to the sequence shard, not
+            # all-reduce it (a post-norm block normalises the row-parallel output on sequence
+            # shards); a [B, S, 1] statistic stays a cheap all-reduce
+            need = [Shard(d) if (d := _aligned_dim(t, out_shape, 1)) is not None else R
+                    for t in tensors]
+            return Decision(ins=need, out=Shard(1))
     return Decision(ins=[R] * len(ins), out=R)
 
 

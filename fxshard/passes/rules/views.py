@@ -188,3 +188,17 @@ def split_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         if node.target is aten.unbind.int:
             return Decision(ins=[p], out=outs(Shard(p.dim - (p.dim > dim))))
     return Decision(ins=[p], out=outs(p))
+
+
+@rule(aten.stack.default)
+def stack_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``stack(xs, dim)``: a new dim at ``dim``; a shard of an input dim (all inputs alike, as
+    in interleaved RoPE's ``stack((-x2, x1), -1)``) moves past it, partials stay partial."""
+    ndim = ctx.ndim(node)
+    dim = _norm(node.args[1] if len(node.args) > 1 else 0, ndim)
+    for p in ins:
+        if isinstance(p, Shard):
+            return Decision(ins=[p] * len(ins), out=Shard(p.dim + (p.dim >= dim)))
+    if ins and all(isinstance(p, Partial) for p in ins):
+        return Decision(ins=[P] * len(ins), out=P)
+    return Decision(ins=[R] * len(ins), out=R)
