@@ -236,7 +236,7 @@ def _divides(shape, spec, ctx: PassCtx) -> bool:
     sizes = list(shape)
     for a, n, p in zip(ctx.mesh.axis_names, ctx.mesh.shape, spec):
         if n > 1 and isinstance(p, StridedShard):
-            if p.dim >= len(sizes) or sizes[p.dim] != sum(p.parts) or any(k % n for k in p.parts):
+            if p.dim >= len(sizes) or shape[p.dim] != sum(p.parts) or any(k % n for k in p.parts):
                 return False
             sizes[p.dim] //= n
         elif n > 1 and isinstance(p, Shard):

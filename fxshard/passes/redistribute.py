@@ -8,6 +8,7 @@ Per mesh axis::
     S(a) -> S(b)   all_to_all(split_dim=b, concat_dim=a)
     R    -> S(d)   local_shard(dim=d)            (no communication)
     R    -> P      partial_from_replicate        (coordinate 0 keeps it, the others zeros)
+    S(d|parts) -> R  fused_gather: all_gather(dim=d), then the pieces re-ordered part by part
 
 On the ``ring_cp`` axis the sequence is sharded zigzag (``zigzag_shard``/``zigzag_gather``).
 
@@ -58,10 +59,10 @@ def plan_redistribution(src: tuple, dst: tuple, mesh: MeshSpec,
     changing = [i for i in axes if src[i] != dst[i]]
     if not changing:
         return []
-    if any(isinstance(p, StridedShard) for i in changing for p in (src[i], dst[i])):
-        # propagation replicates a fused projection whose parts would need re-ordering
-        raise AssertionError(f"fxshard internal error: no redistribution of a fused (strided) "
-                             f"shard, {src} -> {dst}")
+    if any(isinstance(dst[i], StridedShard) for i in changing):
+        raise NotImplementedError(
+            f"fxshard: no redistribution into a fused (strided) shard, {src} -> {dst}; fused "
+            f"layouts come only from a projection's weight")
     # axes whose current placement must be undone (gathered / reduced) first
     undo = {i for i in changing if not isinstance(src[i], Replicate)}
     for i in changing:
@@ -84,6 +85,14 @@ def plan_redistribution(src: tuple, dst: tuple, mesh: MeshSpec,
 
     for i in sorted(undo, reverse=True):
         s, t = cur[i], dst[i]
+        if isinstance(s, StridedShard):
+            # gather, then put the parts back in order (rank-major -> part-major)
+            if not alone(i, [s.dim]):
+                raise NotImplementedError(
+                    f"fxshard: a fused (strided) shard of dim {s.dim} on {mesh.axis_names[i]} "
+                    f"cannot be gathered while another axis shards that dim ({src} -> {dst})")
+            emit("fused_gather", i, (s.dim, s.parts), R)
+            continue
         if i in zigzag:
             if isinstance(s, Partial):
                 emit("all_reduce", i, (), R)

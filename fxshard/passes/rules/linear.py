@@ -163,7 +163,8 @@ def linear_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         elif isinstance(x, Shard) and x.dim == last:
             w = Shard(1)
         else:
-            parts = fused_parts(node, last, ctx.size)
+            parts = fused_parts(node, last, ctx.size) if not has_bias or bias_param and \
+                b is UNDECIDED else None
             w = StridedShard(0, parts) if parts else Shard(0)
 
     if isinstance(w, StridedShard) and w.dim == 0:     # fused column-parallel
@@ -254,7 +255,7 @@ def addmm_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         elif isinstance(x, Shard) and x.dim == 1:
             w = Shard(0)
         else:
-            parts = fused_parts(node, 1, ctx.size)
+            parts = fused_parts(node, 1, ctx.size) if bias is UNDECIDED else None
             w = StridedShard(1, parts) if parts else Shard(1)
     if isinstance(w, StridedShard) and w.dim == 1 and bias_1d:        # fused column-parallel
         return Decision(ins=[StridedShard(0, w.parts), R, w], out=StridedShard(1, w.parts))
@@ -262,7 +263,9 @@ def addmm_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         return Decision(ins=[Shard(0), R, w], out=Shard(1))
     if isinstance(w, Shard) and w.dim == 0 and bias_1d:               # row-parallel
         return Decision(ins=[P, Shard(1), w], out=P)
-    if isinstance(x, Shard) and x.dim == 0 and not isinstance(w, (Shard, StridedShard)):
-        b = Shard(0) if ctx.ndim(tensors[0]) == 2 and ctx.shape(tensors[0])[0] == m else R
+    if isinstance(x, (Shard, StridedShard)) and x.dim == 0 and \
+            not isinstance(w, (Shard, StridedShard)):
+        # rows (tokens) pass through: a batch shard, or the sequence shard of flattened tokens
+        b = x if ctx.ndim(tensors[0]) == 2 and ctx.shape(tensors[0])[0] == m else R
         return Decision(ins=[b, x, R], out=x)
     return Decision(ins=[R, R, R], out=R)

@@ -54,18 +54,49 @@ def reshape_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     p = ins[0]
     if isinstance(p, Partial):
         return Decision(ins=[P], out=P)
+    in_shape, out_shape = ctx.shape(node.args[0]), ctx.shape(node)
     if isinstance(p, StridedShard):
-        in_shape, out_shape = ctx.shape(node.args[0]), ctx.shape(node)
         before = math.prod(in_shape[:p.dim])
         for e, n in enumerate(out_shape):
             if n == in_shape[p.dim] and math.prod(out_shape[:e]) == before:
                 return Decision(ins=[p], out=StridedShard(e, p.parts))
-        return Decision(ins=[R], out=R)
-    if isinstance(p, Shard):
-        e = reshape_dim_map(ctx.shape(node.args[0]), ctx.shape(node), p.dim, ctx.chunks)
+        e = _unmerge_dim(in_shape, out_shape, p)
         if e is not None:
             return Decision(ins=[p], out=Shard(e))
+        return Decision(ins=[R], out=R)
+    if isinstance(p, Shard):
+        e = reshape_dim_map(in_shape, out_shape, p.dim, ctx.chunks)
+        if e is not None:
+            return Decision(ins=[p], out=Shard(e))
+        merged = _merge_dim(in_shape, out_shape, p.dim)
+        if merged is not None and in_shape[p.dim] % ctx.chunks == 0:
+            return Decision(ins=[p], out=merged)
     return Decision(ins=[R], out=R)
+
+
+def _merge_dim(in_shape, out_shape, d: int) -> StridedShard | None:
+    """``[B, S, H] -> [B*S, H]`` with S sharded: each rank's rows are its share of every run of
+    ``S`` (a ``StridedShard`` with ``B`` equal parts; GPT-2's ``Conv1D`` flattens tokens so)."""
+    for a in range(d):
+        for e in range(len(out_shape)):
+            if math.prod(out_shape[:e]) == math.prod(in_shape[:a]) and \
+                    out_shape[e] == math.prod(in_shape[a:d + 1]) and \
+                    math.prod(out_shape[e + 1:]) == math.prod(in_shape[d + 1:]):
+                return StridedShard(e, (in_shape[d],) * math.prod(in_shape[a:d]))
+    return None
+
+
+def _unmerge_dim(in_shape, out_shape, p: StridedShard) -> int | None:
+    """The inverse of :func:`_merge_dim`: ``[B*S, H] -> [B, S, H]`` gives back ``Shard`` of S."""
+    k = p.parts[0]
+    if any(x != k for x in p.parts):
+        return None
+    before = math.prod(in_shape[:p.dim])
+    for e in range(1, len(out_shape)):
+        if out_shape[e] == k and math.prod(out_shape[:e]) == before * len(p.parts) and \
+                math.prod(out_shape[e + 1:]) == math.prod(in_shape[p.dim + 1:]):
+            return e
+    return None
 
 
 @rule(aten.expand.default)
