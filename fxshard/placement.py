@@ -27,7 +27,7 @@ from .mesh import MeshSpec
 
 __all__ = ["Shard", "Replicate", "Partial", "Placement", "StridedShard", "Spec", "R", "P",
            "short", "short_spec", "local_shape", "shard_slices", "local_block", "shard_dim",
-           "block_pieces"]
+           "block_pieces", "block_index"]
 
 Spec = tuple  # tuple[Placement, ...], one per mesh axis
 
@@ -139,12 +139,45 @@ def block_pieces(shape: Sequence[int], spec: Spec, mesh: MeshSpec, rank: int
     return p.dim, pieces
 
 
+def block_index(shape: Sequence[int], spec: Spec, mesh: MeshSpec, rank: int) -> list[list[int]]:
+    """The global indices rank ``rank`` holds along each dim, axes applied in mesh order. A
+    ``StridedShard`` takes the axis's share of every part; when an earlier axis has cut the dim
+    already, of every run of the (equal) part size in what is left."""
+    coords = mesh.coords(rank)
+    index = [list(range(n)) for n in shape]
+    for n, c, p in zip(mesh.shape, coords, spec):
+        if n == 1:
+            continue
+        if isinstance(p, Shard):
+            cur = index[p.dim]
+            k = len(cur) // n
+            index[p.dim] = cur[c * k:(c + 1) * k]
+        elif isinstance(p, StridedShard):
+            cur = index[p.dim]
+            parts = p.parts if sum(p.parts) == len(cur) else \
+                (p.parts[0],) * (len(cur) // p.parts[0])
+            assert sum(parts) == len(cur) and all(k == parts[0] for k in parts) \
+                or parts == p.parts, (spec, shape)
+            out, start = [], 0
+            for k in parts:
+                out += cur[start + c * (k // n):start + (c + 1) * (k // n)]
+                start += k
+            index[p.dim] = out
+    return index
+
+
 def local_block(t: torch.Tensor, spec: Spec, mesh: MeshSpec, rank: int) -> torch.Tensor:
     """Rank ``rank``'s block of the global tensor ``t`` (Partial: the full value on coordinate 0
     of each partial axis, zeros elsewhere, so the sum over the axis is ``t``)."""
     local_shape(t.shape, spec, mesh)
-    dim, pieces = block_pieces(t.shape, spec, mesh, rank)
-    block = t[pieces[0]] if dim is None else torch.cat([t[ix] for ix in pieces], dim)
+    if any(isinstance(p, StridedShard) for p in spec):
+        block = t
+        for d, ix in enumerate(block_index(t.shape, spec, mesh, rank)):
+            if len(ix) != t.shape[d]:
+                block = block.index_select(d, torch.tensor(ix, dtype=torch.long,
+                                                           device=t.device))
+    else:
+        block = t[shard_slices(t.shape, spec, mesh, rank)]
     coords = mesh.coords(rank)
     if any(isinstance(p, Partial) and n > 1 and c != 0
            for n, c, p in zip(mesh.shape, coords, spec)):

@@ -53,7 +53,7 @@ def _chain(graph: fx.Graph, src: fx.Node, spec, need, ctx: PassCtx) -> tuple[fx.
                     f"here; use a sequence length that divides by {2 * step.size} (times the "
                     f"other axes sharding it) or parallelize(..., ring_zigzag=False)")
         if step.op == "fused_gather":
-            x = _fused_gather(graph, x, src, spec, step, step.axis in ctx.zigzag_axes)
+            x = _fused_gather(graph, x, src, spec, step, ctx)
             spec = step.after
             continue
         x = graph.call_function(collective_target(step.op),
@@ -67,57 +67,76 @@ def _chain(graph: fx.Graph, src: fx.Node, spec, need, ctx: PassCtx) -> tuple[fx.
     return x, len(steps)
 
 
-def _fused_gather(graph: fx.Graph, x: fx.Node, src: fx.Node, spec, step, zigzag: bool
+def _relative_parts(val, spec, step, ctx: PassCtx) -> tuple[list[int], int]:
+    """The parts of a fused dim as this axis sees them, and how many ways the other axes split
+    the dim: an outer axis that cut the dim first leaves runs of the (equal) part size."""
+    dim, parts = step.args
+    n = step.size
+    here = local_shape(tuple(val.shape), spec, ctx.mesh)[dim] * n
+    rel = list(parts) if sum(parts) == here else [parts[0]] * (here // parts[0])
+    assert sum(rel) == here, (parts, here)
+    outer = 1
+    for a, m, p in zip(ctx.mesh.axis_names, ctx.mesh.shape, spec):
+        if m > 1 and a != step.axis and isinstance(p, Shard) and p.dim == dim:
+            outer *= m
+    return rel, outer
+
+
+def _fused_gather(graph: fx.Graph, x: fx.Node, src: fx.Node, spec, step, ctx: PassCtx
                   ) -> fx.Node:
     """All-gather a ``StridedShard`` and re-order it: the gather lays the ranks' blocks side by
     side (each holding a piece of every part); split into those pieces and concatenate them
-    part by part. On a zigzag axis each part's share is zigzag-gathered on its own."""
-    dim, parts = step.args
+    part by part. On a zigzag axis each part's share is zigzag-gathered on its own. (Piece
+    values get the global sizes that give their local sizes under the spec.)"""
+    dim, _ = step.args
     n = step.size
-    if zigzag:
-        return _fused_zigzag_gather(graph, x, src, spec, step)
-    gathered = graph.call_function(collective_target("all_gather"), (x, dim, step.axis, n))
     val = src.meta["val"]
+    stage = src.meta.get("fxshard_stage")
+    rel, outer = _relative_parts(val, spec, step, ctx)
+    if step.axis in ctx.zigzag_axes:
+        return _fused_zigzag_gather(graph, x, src, spec, step, rel, outer)
+    gathered = graph.call_function(collective_target("all_gather"), (x, dim, step.axis, n))
     gathered.meta.update({"val": val, "fxshard_spec": step.after, "fxshard_need": [spec],
-                          "fxshard_stage": src.meta.get("fxshard_stage"),
-                          "fxshard_collective": step})
-    local = [k // n for k in parts]
+                          "fxshard_stage": stage, "fxshard_collective": step})
+    local = [k // n for k in rel]
     split = graph.call_function(torch.ops.aten.split_with_sizes.default,
                                 (gathered, local * n, dim))
     pieces = []
     for r in range(n):
         for j, k in enumerate(local):
-            shape = list(val.shape)
-            shape[dim] = k
             g = graph.call_function(operator.getitem, (split, r * len(local) + j))
-            g.meta.update({"val": val.new_empty(shape), "fxshard_spec": step.after,
-                           "fxshard_stage": src.meta.get("fxshard_stage")})
+            g.meta.update({"val": _resized(val, dim, k * outer), "fxshard_spec": step.after,
+                           "fxshard_stage": stage})
             pieces.append(g)
     split.meta.update({"val": [p.meta["val"] for p in pieces], "fxshard_spec": None,
-                       "fxshard_stage": src.meta.get("fxshard_stage")})
+                       "fxshard_stage": stage})
     order = [pieces[r * len(local) + j] for j in range(len(local)) for r in range(n)]
     out = graph.call_function(torch.ops.aten.cat.default, (order, dim))
-    out.meta.update({"val": val, "fxshard_spec": step.after,
-                     "fxshard_stage": src.meta.get("fxshard_stage")})
+    out.meta.update({"val": val, "fxshard_spec": step.after, "fxshard_stage": stage})
     return out
 
 
-def _fused_zigzag_gather(graph: fx.Graph, x: fx.Node, src: fx.Node, spec, step) -> fx.Node:
-    dim, parts = step.args
+def _resized(val, dim: int, size: int):
+    shape = list(val.shape)
+    shape[dim] = size
+    return val.new_empty(shape)
+
+
+def _fused_zigzag_gather(graph: fx.Graph, x: fx.Node, src: fx.Node, spec, step, rel: list,
+                         outer: int) -> fx.Node:
+    dim, _ = step.args
     n = step.size
     val = src.meta["val"]
     stage = src.meta.get("fxshard_stage")
-    split = graph.call_function(torch.ops.aten.split_with_sizes.default,
-                                (x, [k // n for k in parts], dim))
+    # sizes before this axis's split: localize divides the split of a fused value by n
+    split = graph.call_function(torch.ops.aten.split_with_sizes.default, (x, rel, dim))
     whole = []
-    for j, k in enumerate(parts):
-        shape = list(val.shape)
-        shape[dim] = k
+    for j, k in enumerate(rel):
         g = graph.call_function(operator.getitem, (split, j))
-        g.meta.update({"val": val.new_empty(shape), "fxshard_stage": stage,
+        g.meta.update({"val": _resized(val, dim, k * outer), "fxshard_stage": stage,
                        "fxshard_spec": _part_spec(spec)})
         z = graph.call_function(collective_target("zigzag_gather"), (g, dim, step.axis, n))
-        z.meta.update({"val": val.new_empty(shape), "fxshard_spec": step.after,
+        z.meta.update({"val": _resized(val, dim, k * outer), "fxshard_spec": step.after,
                        "fxshard_need": [g.meta["fxshard_spec"]], "fxshard_stage": stage,
                        "fxshard_collective": step})
         whole.append(z)

@@ -86,11 +86,8 @@ def plan_redistribution(src: tuple, dst: tuple, mesh: MeshSpec,
     for i in sorted(undo, reverse=True):
         s, t = cur[i], dst[i]
         if isinstance(s, StridedShard):
-            # gather, then put the parts back in order (rank-major -> part-major)
-            if not alone(i, [s.dim]):
-                raise NotImplementedError(
-                    f"fxshard: a fused (strided) shard of dim {s.dim} on {mesh.axis_names[i]} "
-                    f"cannot be gathered while another axis shards that dim ({src} -> {dst})")
+            # gather, then put the parts back in order (rank-major -> part-major); an inner
+            # axis still sharding the dim is gathered first (undo runs innermost first)
             emit("fused_gather", i, (s.dim, s.parts), R)
             continue
         if i in zigzag:
