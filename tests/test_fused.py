@@ -219,3 +219,26 @@ def test_index_and_stack_rules(op, data):
         check(lambda a: torch.topk(a, 2, dim=-1), (x,), m, [sx])
     else:
         check(lambda a: a.repeat_interleave(2, dim=1), (x,), m, [sx])
+
+
+def test_replicated_weights_are_listed_and_strict_refuses_them():
+    from tests.models import hf_llama
+    model = hf_llama(layers=1, heads=4, kv_heads=2)
+    ids = torch.randint(0, 128, (2, 8))
+    pm = fxshard.parallelize(model, mesh(tp=4), example_inputs=(ids,))
+    reasons = dict(pm.explain().replicated)
+    assert set(reasons) == {"model.layers.0.self_attn.k_proj.weight",
+                            "model.layers.0.self_attn.v_proj.weight"}, reasons
+    assert "gathered before use" in reasons["model.layers.0.self_attn.k_proj.weight"]
+    assert "Weights kept whole on tp: 2" in str(pm.explain())
+    with pytest.raises(NotImplementedError, match=r"strict=True\): weight model\.layers\.0\."
+                       r"self_attn\.k_proj\.weight \(32, 64\) stays whole on mesh axis 'tp' of "
+                       r"size 4 .* plan=\{'model\.layers\.0\.self_attn\.k_proj': 'replicate'\}"):
+        fxshard.parallelize(model, mesh(tp=4), strict=True, example_inputs=(ids,))
+    plan = {"model.layers.*.self_attn.k_proj": "replicate",
+            "model.layers.*.self_attn.v_proj": "replicate"}
+    pm = fxshard.parallelize(model, mesh(tp=4), strict=True, plan=plan, example_inputs=(ids,))
+    assert dict(pm.explain().replicated)["model.layers.0.self_attn.k_proj.weight"] == \
+        "plan= asks for it"
+    torch.testing.assert_close(pm(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+    pm.close()

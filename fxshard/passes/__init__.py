@@ -42,6 +42,7 @@ class PassCtx:
     ring_zigzag: bool = True              # zigzag sequence layout on ring_cp (load balance)
     edits: list = field(default_factory=list)
     fallbacks: list = field(default_factory=list)
+    replicated: list = field(default_factory=list)   # (weight FQN, why it stays whole on tp)
 
     @property
     def zigzag_axes(self) -> tuple[str, ...]:

@@ -247,7 +247,7 @@ def _divides(shape, spec, ctx: PassCtx) -> bool:
     return True
 
 
-def _gathered_before_use(node: fx.Node, tp: int, budget: int = 64) -> bool:
+def _gathered_before_use(node: fx.Node, tp: int, budget: int = 64) -> fx.Node | None:
     """Some path along which ``node``'s shard on mesh axis index ``tp`` flows reaches a
     consumer that gathers it back (needs Replicate) before a row-parallel contraction turns
     it into a partial sum, or a fused (strided) shard reaches a consumer that wants it in any
@@ -264,7 +264,7 @@ def _gathered_before_use(node: fx.Node, tp: int, budget: int = 64) -> bool:
                 continue
             for t, nd in zip(tensor_inputs(u), u.meta.get("fxshard_need") or []):
                 if t is cur and (isinstance(nd[tp], Replicate) or strided and nd[tp] != have[tp]):
-                    return True
+                    return u
             outs = u.meta.get("fxshard_spec")
             outs = [outs] if isinstance(outs, tuple) else \
                 [g.meta.get("fxshard_spec") for g in u.users] if isinstance(outs, list) else []
@@ -273,7 +273,7 @@ def _gathered_before_use(node: fx.Node, tp: int, budget: int = 64) -> bool:
                 if isinstance(out, tuple) and shard_dim(out[tp]) is not None and v not in seen:
                     seen.add(v)
                     frontier.append(v)
-    return False
+    return None
 
 
 def _reduced_twice(gm: fx.GraphModule) -> dict[tuple[str, int], object]:
@@ -297,9 +297,35 @@ def _reduced_twice(gm: fx.GraphModule) -> dict[tuple[str, int], object]:
     return out
 
 
+def _list_replicated(gm: fx.GraphModule, ctx: PassCtx, tp: int, why: dict) -> None:
+    """Every weight matrix left whole on ``tp``, with the reason (``explain()`` lists them);
+    under ``strict=True`` each one the user's plan did not ask for is an error."""
+    ctx.replicated.clear()
+    for node in gm.graph.nodes:
+        fqn = node.meta.get("fxshard_param")
+        val = node.meta.get("val")
+        if fqn is None or val is None or val.dim() < 2 or not node.users or \
+                not isinstance(node.meta["fxshard_spec"][tp], Replicate):
+            continue
+        if ctx.plan_for(fqn) is not None:
+            ctx.replicated.append((fqn, "plan= asks for it"))
+            continue
+        u = next(iter(node.users))
+        reason = why.get(fqn, f"its consumer {u.name} ({u.target}) needs it whole")
+        ctx.replicated.append((fqn, reason))
+        if ctx.strict:
+            module = fqn.rpartition(".")[0]
+            raise NotImplementedError(
+                f"fxshard.parallelize(strict=True): weight {fqn} {tuple(val.shape)} stays whole "
+                f"on mesh axis 'tp' of size {ctx.mesh.axis_size('tp')} (mesh "
+                f"{ctx.mesh.describe()}): {reason}. Accept it with "
+                f"plan={{{module!r}: 'replicate'}} or drop strict=True.")
+
+
 def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     replicate: set[str] = set()
     reduced: dict[tuple[str, int], object] = {}
+    why: dict[str, str] = {}
     mesh = ctx.mesh
     tp = mesh.axis_names.index("tp") if "tp" in mesh.axis_names else None
     for _ in range(_MAX_REFINEMENTS):
@@ -313,13 +339,18 @@ def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
             if twice:
                 continue
             break
-        wasted = {fqn for fqn, lin in auto_colwise.items() if _gathered_before_use(lin, tp)}
+        users = {fqn: _gathered_before_use(lin, tp) for fqn, lin in auto_colwise.items()}
+        wasted = {fqn for fqn, u in users.items() if u is not None}
         if not wasted - replicate and not twice:
             break
         for fqn in sorted(wasted - replicate):
-            ctx.report("propagate_pass", f"replicate {fqn} on tp: its column-parallel output "
-                                         f"would be gathered before use")
+            u = users[fqn]
+            why[fqn] = (f"its column-parallel output would be gathered before use "
+                        f"(by {u.name}: {u.target})")
+            ctx.report("propagate_pass", f"replicate {fqn} on tp: {why[fqn]}")
         replicate |= wasted
+    if tp is not None and mesh.shape[tp] > 1:
+        _list_replicated(gm, ctx, tp, why)
     sharded = sum(1 for n in gm.graph.nodes
                   if isinstance(n.meta.get("fxshard_spec"), tuple)
                   and any(not isinstance(p, Replicate) for p in n.meta["fxshard_spec"]))
