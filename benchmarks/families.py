@@ -10,7 +10,8 @@ sequence parallelism and tp=2*ring_cp=2, print:
   ``stat`` = a [b, s, 1] norm statistic) and ring attention calls per layer;
 - ops that fell back (FallbackWarning) and weight matrices kept whole on tp.
 
-    python benchmarks/families.py            # ~3-4 minutes on 2 CPU cores
+    python benchmarks/families.py            # ~5 minutes on 2 CPU cores
+    python benchmarks/families.py gpt2 olmo2 # only these families
 """
 from __future__ import annotations
 
@@ -24,29 +25,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fxshard  # noqa: E402
 from fxshard.passes.rules import FallbackWarning  # noqa: E402
-from tests.families import FAMILIES, _common, _make, collectives_by_kind, \
-    layer_param_fraction  # noqa: E402
+from tests.families import FAMILIES, collectives_by_kind, layer_param_fraction, \
+    llama_eager, mixtral  # noqa: E402
 
 MESHES = {"tp2": (dict(tp=2), False), "dp2·tp2": (dict(dp=2, tp=2), False),
           "tp2+SP": (dict(tp=2), True), "tp2·ring2": (dict(tp=2, ring_cp=2), False)}
 
 
-def llama_eager(layers: int):
-    import transformers as T
-    cfg = T.LlamaConfig(intermediate_size=128, num_key_value_heads=2, **_common(layers))
-    model = _make(T.LlamaForCausalLM, cfg)
-    model.config._attn_implementation = "eager"
-    return model
-
-
-def mixtral(layers: int):
-    import transformers as T
-    cfg = T.MixtralConfig(intermediate_size=64, num_key_value_heads=2, num_local_experts=4,
-                          num_experts_per_tok=2, **_common(layers))
-    return _make(T.MixtralForCausalLM, cfg)
-
-
-EXTRA = {"llama (eager attention)": ("matmul -> softmax -> matmul attention", llama_eager),
+EXTRA = {"llama (eager attention)": ("matmul -> softmax -> matmul attention, recognised as "
+                                     "SDPA", llama_eager),
          "mixtral": ("MoE: router, top-k, grouped expert matmuls", mixtral)}
 
 
@@ -68,6 +55,8 @@ def main() -> None:
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     rows = []
     families = {k: v[:2] for k, v in FAMILIES.items()} | EXTRA
+    if sys.argv[1:]:
+        families = {k: v for k, v in families.items() if k.split()[0] in sys.argv[1:]}
     for name, (pattern, build) in families.items():
         for mesh_name, (axes, sp) in MESHES.items():
             model, pm, err, fb = run(build, 2, axes, sp, ids)

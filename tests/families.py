@@ -55,6 +55,23 @@ def olmo2(layers: int):
                                                    **_common(layers)))
 
 
+def llama_eager(layers: int):
+    """Llama with HuggingFace's eager attention (matmul -> softmax -> matmul)."""
+    import transformers as T
+    cfg = T.LlamaConfig(intermediate_size=128, num_key_value_heads=2, **_common(layers))
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return T.LlamaForCausalLM(cfg).eval()
+
+
+def mixtral(layers: int):
+    """Mixtral: router, top-k, grouped expert matmuls (transformers' MoE kernels)."""
+    import transformers as T
+    cfg = T.MixtralConfig(intermediate_size=64, num_key_value_heads=2, num_local_experts=4,
+                          num_experts_per_tok=2, **_common(layers))
+    return _make(T.MixtralForCausalLM, cfg)
+
+
 # name -> (pattern, builder, collectives per layer at tp=2: {(op, "full"|"stat"): n} without
 # and with sequence parallelism; "stat" = a [b, s, 1] norm statistic)
 FAMILIES = {

@@ -65,3 +65,44 @@ def test_family_collectives_per_layer_are_the_megatron_minimum(family, sp):
         pm.close()
     grown = {k: counts[1][k] - counts[0][k] for k in counts[1] | counts[0]}
     assert {k: v for k, v in grown.items() if v} == (per_layer_sp if sp else per_layer)
+
+
+@pytest.mark.parametrize("axes", [dict(ring_cp=2), dict(ulysses_cp=2), dict(tp=2, ring_cp=2)],
+                         ids=["ring2", "ulysses2", "tp2_ring2"])
+def test_eager_attention_is_lowered_like_sdpa(axes):
+    from tests.families import llama_eager
+    model = llama_eager(2)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits
+    pm, got = _parallel(model, axes, False, ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    code = pm.rank_module(0).code
+    assert "aten.matmul" not in code and "aten.softmax" not in code, code
+    if "ring_cp" in axes:
+        assert code.count("fxshard.ring_attention") == 2, code
+        assert "zigzag_gather" not in code.split("ring_attention")[0]
+    else:
+        assert code.count("fxshard.all_to_all") == 8, code
+    edits = dict(pm.explain().edits)
+    assert edits["eager_attention_pass"] == "recognised 2 eager attentions as SDPA (2 with a " \
+                                           "constant causal mask)"
+    pm.close()
+
+
+def test_soft_capped_eager_attention_stays_correct_under_cp():
+    """Gemma-2's tanh soft-cap is not SDPA: left as matmuls, sharded by the rules."""
+    import transformers as T
+    from tests.families import _common
+    cfg = T.Gemma2Config(intermediate_size=128, num_key_value_heads=2, head_dim=16,
+                         **_common(1))
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = T.Gemma2ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits
+    pm, got = _parallel(model, dict(ring_cp=2), False, ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert "recognised 0 eager" in dict(pm.explain().edits)["eager_attention_pass"]
+    pm.close()
