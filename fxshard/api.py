@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 from .mesh import MeshSpec, is_simulated, mesh_spec
 from .passes import PLAN_STYLES, PassCtx
 from .passes.fold_mask import fold_causal_mask_pass
+from .passes.eager_attention import eager_attention_pass
 from .passes.emit import Program, build_rank_module, emit_pass
 from .passes.insert_collectives import insert_collectives_pass
 from .passes.localize import localize_pass
@@ -65,6 +66,7 @@ def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: Pass
     if traced is None:
         traced = trace(model, args, kwargs)
     gm = cleanup_pass(traced.gm, ctx=ctx)
+    gm = eager_attention_pass(gm, ctx=ctx, constants=traced.constants)
     gm = fold_causal_mask_pass(gm, ctx=ctx, constants=traced.constants)
     gm = propagate_pass(gm, ctx=ctx)
     gm = insert_collectives_pass(gm, ctx=ctx)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .mesh import MeshSpec
-from .placement import Partial, shard_slices
+from .placement import Partial, block_pieces
 
 __all__ = ["load_safetensors", "SafetensorsSource"]
 
@@ -41,14 +41,18 @@ class SafetensorsSource:
     def block(self, spec: tuple, mesh: MeshSpec, rank: int) -> torch.Tensor:
         """Rank ``rank``'s block under ``spec`` (Partial: whole on coordinate 0, else zeros)."""
         from safetensors import safe_open
-        index = shard_slices(self.shape, spec, mesh, rank)
+        dim, pieces = block_pieces(self.shape, spec, mesh, rank)
+        index = pieces[0]
         coords = mesh.coords(rank)
         if any(isinstance(p, Partial) and n > 1 and c != 0
                for n, c, p in zip(mesh.shape, coords, spec)):
             return torch.zeros([s.stop - s.start for s in index], dtype=self.dtype,
                                device=self.device)
         with safe_open(self.file, framework="pt") as f:
-            t = f.get_slice(self.key)[index] if index else f.get_tensor(self.key)
+            if dim is not None:  # a fused weight: this rank's share of every part
+                t = torch.cat([f.get_slice(self.key)[ix] for ix in pieces], dim)
+            else:
+                t = f.get_slice(self.key)[index] if index else f.get_tensor(self.key)
         self.reads.append(t.numel())
         return t
 

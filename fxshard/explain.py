@@ -46,6 +46,7 @@ class Explanation:
     total_param_bytes: int = 0
     placements: list = field(default_factory=list)      # (fqn, spec, local shape, stage)
     fallbacks: list = field(default_factory=list)
+    replicated: list = field(default_factory=list)      # (weight FQN, why it stays whole on tp)
     edits: list = field(default_factory=list)
     microbatches: int = 1                               # runs of each program per forward
 
@@ -86,6 +87,8 @@ class Explanation:
         lines += ["", "Placements of weights (stage, placement per axis, local shape)"]
         for fqn, spec, shape, stage in self.placements:
             lines.append(f"  {fqn:50s} {stage:>5d}  {spec:20s} {shape}")
+        lines += ["", f"Weights kept whole on tp: {len(self.replicated)}"]
+        lines += [f"  {fqn}: {why}" for fqn, why in self.replicated]
         lines += ["", f"Ops without a sharding rule (run replicated): {len(self.fallbacks)}"]
         lines += [f"  {f}" for f in self.fallbacks]
         lines += ["", "Passes"] + [f"  {p}: {m}" for p, m in self.edits]
@@ -149,6 +152,7 @@ def explain(pm, compiled) -> Explanation:
     ex = Explanation(mesh=mesh.describe(), ranks=mesh.world_size,
                      fallbacks=[f for f in compiled.ctx.fallbacks if f.split(":")[0] in alive],
                      edits=list(compiled.ctx.edits),
+                     replicated=list(getattr(compiled.ctx, "replicated", [])),
                      microbatches=getattr(pm, "microbatches", 1))
     stage_of = pm.stage_of if hasattr(pm, "stage_of") else (lambda r: 0)
     per_stage = {p.stage: collectives_of(p.graph, mesh) for p in programs}

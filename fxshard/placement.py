@@ -7,9 +7,16 @@ out ``(Shard(1), Shard(1))``.
 
 Example on a ``(dp=2, tp=2)`` mesh: a ``[4, 6, 8]`` activation with spec ``(S(0), S(2))`` holds
 a ``[2, 6, 4]`` block on every rank; rank 3 (dp=1, tp=1) holds ``x[2:4, :, 4:8]``.
+
+``StridedShard(dim, parts)`` is the shard of a *fused* tensor: dim is the concatenation of parts
+of the given global sizes (q, k, v of a ``qkv_proj``) and each rank holds its contiguous share of
+every part, in part order. On ``tp=2`` a ``[.., 128]`` value with parts ``(64, 32, 32)`` holds
+``x[.., 0:32] ++ x[.., 64:80] ++ x[.., 96:112]`` on rank 0, so a later split into the parts is
+local (DTensor's ``_StridedShard`` is the equal-parts case).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -18,8 +25,9 @@ from torch.distributed.tensor.placement_types import Placement
 
 from .mesh import MeshSpec
 
-__all__ = ["Shard", "Replicate", "Partial", "Placement", "Spec", "R", "P", "short",
-           "short_spec", "local_shape", "shard_slices", "local_block"]
+__all__ = ["Shard", "Replicate", "Partial", "Placement", "StridedShard", "Spec", "R", "P",
+           "short", "short_spec", "local_shape", "shard_slices", "local_block", "shard_dim",
+           "block_pieces", "block_index"]
 
 Spec = tuple  # tuple[Placement, ...], one per mesh axis
 
@@ -27,10 +35,28 @@ R = Replicate()
 P = Partial()
 
 
+@dataclass(frozen=True)
+class StridedShard(Placement):
+    """Shard of a fused dim: every part (global sizes ``parts``) split evenly over the axis."""
+
+    dim: int
+    parts: tuple
+
+    def local_parts(self, n: int) -> tuple:
+        return tuple(k // n for k in self.parts)
+
+
+def shard_dim(p) -> int | None:
+    """The tensor dim a ``Shard`` or ``StridedShard`` splits, else None."""
+    return p.dim if isinstance(p, (Shard, StridedShard)) else None
+
+
 def short(p) -> str:
     """``S(1)``, ``R`` or ``P``: the short spelling used in explain tables."""
     if isinstance(p, Shard):
         return f"S({p.dim})"
+    if isinstance(p, StridedShard):
+        return f"S({p.dim}|{'+'.join(map(str, p.parts))})"
     if isinstance(p, Partial):
         return "P"
     if isinstance(p, Replicate):
@@ -54,7 +80,16 @@ def local_shape(shape: Sequence[int], spec: Spec, mesh: MeshSpec, *, what: str =
     """Shape of one rank's block; a dim that does not split evenly is a ValueError."""
     out = list(shape)
     for axis, n, p in zip(mesh.axis_names, mesh.shape, spec):
-        if n > 1 and isinstance(p, Shard):
+        if n > 1 and isinstance(p, StridedShard):
+            bad = [k for k in p.parts if k % n]
+            if bad or sum(p.parts) != shape[p.dim]:
+                raise ValueError(
+                    f"fxshard: {what} of global shape {tuple(shape)} is a fused tensor with parts "
+                    f"{p.parts} on dim {p.dim}, sharded part by part over mesh axis {axis!r} of "
+                    f"size {n} (mesh {mesh.describe()}), but parts {bad} do not divide by {n}. "
+                    f"Use a {axis} size that divides every part.")
+            out[p.dim] //= n
+        elif n > 1 and isinstance(p, Shard):
             d = p.dim
             if out[d] % n:
                 raise ValueError(
@@ -67,7 +102,9 @@ def local_shape(shape: Sequence[int], spec: Spec, mesh: MeshSpec, *, what: str =
 
 
 def shard_slices(shape: Sequence[int], spec: Spec, mesh: MeshSpec, rank: int) -> tuple[slice, ...]:
-    """The index of rank ``rank``'s block in the global tensor (Partial/Replicate: whole dims)."""
+    """The index of rank ``rank``'s block in the global tensor (Partial/Replicate: whole dims);
+    a ``StridedShard`` block is several pieces: use :func:`block_pieces`."""
+    assert not any(isinstance(p, StridedShard) for p in spec), spec
     coords = mesh.coords(rank)
     start = [0] * len(shape)
     size = list(shape)
@@ -79,11 +116,68 @@ def shard_slices(shape: Sequence[int], spec: Spec, mesh: MeshSpec, rank: int) ->
     return tuple(slice(s, s + k) for s, k in zip(start, size))
 
 
+def block_pieces(shape: Sequence[int], spec: Spec, mesh: MeshSpec, rank: int
+                 ) -> tuple[int | None, list[tuple[slice, ...]]]:
+    """Rank ``rank``'s block as pieces of the global tensor to concatenate along the returned
+    dim: one piece per part of a ``StridedShard`` (on at most one axis), else one piece."""
+    strided = [(i, p) for i, (n, p) in enumerate(zip(mesh.shape, spec))
+               if n > 1 and isinstance(p, StridedShard)]
+    if not strided:
+        return None, [shard_slices(shape, spec, mesh, rank)]
+    assert len(strided) == 1, spec
+    i, p = strided[0]
+    n, c = mesh.shape[i], mesh.coords(rank)[i]
+    rest = tuple(R if j == i else q for j, q in enumerate(spec))
+    base = list(shard_slices(shape, rest, mesh, rank))
+    assert base[p.dim] == slice(0, shape[p.dim]), (spec, "a fused dim split by two axes")
+    pieces, start = [], 0
+    for k in p.parts:
+        piece = list(base)
+        piece[p.dim] = slice(start + c * (k // n), start + (c + 1) * (k // n))
+        pieces.append(tuple(piece))
+        start += k
+    return p.dim, pieces
+
+
+def block_index(shape: Sequence[int], spec: Spec, mesh: MeshSpec, rank: int) -> list[list[int]]:
+    """The global indices rank ``rank`` holds along each dim, axes applied in mesh order. A
+    ``StridedShard`` takes the axis's share of every part; when an earlier axis has cut the dim
+    already, of every run of the (equal) part size in what is left."""
+    coords = mesh.coords(rank)
+    index = [list(range(n)) for n in shape]
+    for n, c, p in zip(mesh.shape, coords, spec):
+        if n == 1:
+            continue
+        if isinstance(p, Shard):
+            cur = index[p.dim]
+            k = len(cur) // n
+            index[p.dim] = cur[c * k:(c + 1) * k]
+        elif isinstance(p, StridedShard):
+            cur = index[p.dim]
+            parts = p.parts if sum(p.parts) == len(cur) else \
+                (p.parts[0],) * (len(cur) // p.parts[0])
+            assert sum(parts) == len(cur) and all(k == parts[0] for k in parts) \
+                or parts == p.parts, (spec, shape)
+            out, start = [], 0
+            for k in parts:
+                out += cur[start + c * (k // n):start + (c + 1) * (k // n)]
+                start += k
+            index[p.dim] = out
+    return index
+
+
 def local_block(t: torch.Tensor, spec: Spec, mesh: MeshSpec, rank: int) -> torch.Tensor:
     """Rank ``rank``'s block of the global tensor ``t`` (Partial: the full value on coordinate 0
     of each partial axis, zeros elsewhere, so the sum over the axis is ``t``)."""
     local_shape(t.shape, spec, mesh)
-    block = t[shard_slices(t.shape, spec, mesh, rank)]
+    if any(isinstance(p, StridedShard) for p in spec):
+        block = t
+        for d, ix in enumerate(block_index(t.shape, spec, mesh, rank)):
+            if len(ix) != t.shape[d]:
+                block = block.index_select(d, torch.tensor(ix, dtype=torch.long,
+                                                           device=t.device))
+    else:
+        block = t[shard_slices(t.shape, spec, mesh, rank)]
     coords = mesh.coords(rank)
     if any(isinstance(p, Partial) and n > 1 and c != 0
            for n, c, p in zip(mesh.shape, coords, spec)):

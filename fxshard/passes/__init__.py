@@ -1,7 +1,7 @@
 """Graph passes. Each is ``def name_pass(gm, *, ctx: PassCtx) -> GraphModule`` and reports
 what it changed through ``ctx.report``; the order is fixed by ``fxshard.api.compile_program``::
 
-    cleanup -> fold_causal_mask -> propagate -> insert_collectives -> lower_attention
+    cleanup -> eager_attention -> fold_causal_mask -> propagate -> insert_collectives -> lower_attention
             -> localize -> split_stages (pp > 1) -> emit
 
 ``split_stages`` runs after ``localize`` (DESIGN.md lists it before): a receive needs the local
@@ -42,6 +42,7 @@ class PassCtx:
     ring_zigzag: bool = True              # zigzag sequence layout on ring_cp (load balance)
     edits: list = field(default_factory=list)
     fallbacks: list = field(default_factory=list)
+    replicated: list = field(default_factory=list)   # (weight FQN, why it stays whole on tp)
 
     @property
     def zigzag_axes(self) -> tuple[str, ...]:

@@ -17,11 +17,13 @@ After::
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from ..placement import local_shape
+from ..placement import Shard, local_shape
 from . import PassCtx
 from .redistribute import plan_redistribution
 from .rules import is_tensor_node
@@ -50,6 +52,10 @@ def _chain(graph: fx.Graph, src: fx.Node, spec, need, ctx: PassCtx) -> tuple[fx.
                     f"causal attention), but dim {step.args[0]} of {src.name} has {n} elements "
                     f"here; use a sequence length that divides by {2 * step.size} (times the "
                     f"other axes sharding it) or parallelize(..., ring_zigzag=False)")
+        if step.op == "fused_gather":
+            x = _fused_gather(graph, x, src, spec, step, ctx)
+            spec = step.after
+            continue
         x = graph.call_function(collective_target(step.op),
                                 (x, *step.args, step.axis, step.size))
         x.meta["val"] = src.meta["val"]
@@ -59,6 +65,92 @@ def _chain(graph: fx.Graph, src: fx.Node, spec, need, ctx: PassCtx) -> tuple[fx.
         x.meta["fxshard_collective"] = step
         spec = step.after
     return x, len(steps)
+
+
+def _relative_parts(val, spec, step, ctx: PassCtx) -> tuple[list[int], int]:
+    """The parts of a fused dim as this axis sees them, and how many ways the other axes split
+    the dim: an outer axis that cut the dim first leaves runs of the (equal) part size."""
+    dim, parts = step.args
+    n = step.size
+    here = local_shape(tuple(val.shape), spec, ctx.mesh)[dim] * n
+    rel = list(parts) if sum(parts) == here else [parts[0]] * (here // parts[0])
+    assert sum(rel) == here, (parts, here)
+    outer = 1
+    for a, m, p in zip(ctx.mesh.axis_names, ctx.mesh.shape, spec):
+        if m > 1 and a != step.axis and isinstance(p, Shard) and p.dim == dim:
+            outer *= m
+    return rel, outer
+
+
+def _fused_gather(graph: fx.Graph, x: fx.Node, src: fx.Node, spec, step, ctx: PassCtx
+                  ) -> fx.Node:
+    """All-gather a ``StridedShard`` and re-order it: the gather lays the ranks' blocks side by
+    side (each holding a piece of every part); split into those pieces and concatenate them
+    part by part. On a zigzag axis each part's share is zigzag-gathered on its own. (Piece
+    values get the global sizes that give their local sizes under the spec.)"""
+    dim, _ = step.args
+    n = step.size
+    val = src.meta["val"]
+    stage = src.meta.get("fxshard_stage")
+    rel, outer = _relative_parts(val, spec, step, ctx)
+    if step.axis in ctx.zigzag_axes:
+        return _fused_zigzag_gather(graph, x, src, spec, step, rel, outer)
+    gathered = graph.call_function(collective_target("all_gather"), (x, dim, step.axis, n))
+    gathered.meta.update({"val": val, "fxshard_spec": step.after, "fxshard_need": [spec],
+                          "fxshard_stage": stage, "fxshard_collective": step})
+    local = [k // n for k in rel]
+    split = graph.call_function(torch.ops.aten.split_with_sizes.default,
+                                (gathered, local * n, dim))
+    pieces = []
+    for r in range(n):
+        for j, k in enumerate(local):
+            g = graph.call_function(operator.getitem, (split, r * len(local) + j))
+            g.meta.update({"val": _resized(val, dim, k * outer), "fxshard_spec": step.after,
+                           "fxshard_stage": stage})
+            pieces.append(g)
+    split.meta.update({"val": [p.meta["val"] for p in pieces], "fxshard_spec": None,
+                       "fxshard_stage": stage})
+    order = [pieces[r * len(local) + j] for j in range(len(local)) for r in range(n)]
+    out = graph.call_function(torch.ops.aten.cat.default, (order, dim))
+    out.meta.update({"val": val, "fxshard_spec": step.after, "fxshard_stage": stage})
+    return out
+
+
+def _resized(val, dim: int, size: int):
+    shape = list(val.shape)
+    shape[dim] = size
+    return val.new_empty(shape)
+
+
+def _fused_zigzag_gather(graph: fx.Graph, x: fx.Node, src: fx.Node, spec, step, rel: list,
+                         outer: int) -> fx.Node:
+    dim, _ = step.args
+    n = step.size
+    val = src.meta["val"]
+    stage = src.meta.get("fxshard_stage")
+    # sizes before this axis's split: localize divides the split of a fused value by n
+    split = graph.call_function(torch.ops.aten.split_with_sizes.default, (x, rel, dim))
+    whole = []
+    for j, k in enumerate(rel):
+        g = graph.call_function(operator.getitem, (split, j))
+        g.meta.update({"val": _resized(val, dim, k * outer), "fxshard_stage": stage,
+                       "fxshard_spec": _part_spec(spec)})
+        z = graph.call_function(collective_target("zigzag_gather"), (g, dim, step.axis, n))
+        z.meta.update({"val": _resized(val, dim, k * outer), "fxshard_spec": step.after,
+                       "fxshard_need": [g.meta["fxshard_spec"]], "fxshard_stage": stage,
+                       "fxshard_collective": step})
+        whole.append(z)
+    split.meta.update({"val": [w.meta["val"] for w in whole], "fxshard_spec": None,
+                       "fxshard_stage": stage})
+    out = graph.call_function(torch.ops.aten.cat.default, (whole, dim))
+    out.meta.update({"val": val, "fxshard_spec": step.after, "fxshard_stage": stage})
+    return out
+
+
+def _part_spec(spec: tuple) -> tuple:
+    """The spec of one part of a fused value: a plain shard of its dim on the step's axis."""
+    from ..placement import StridedShard
+    return tuple(Shard(p.dim) if isinstance(p, StridedShard) else p for p in spec)
 
 
 def _current(node: fx.Node):

@@ -25,7 +25,7 @@ import sys
 import torch
 import torch.fx as fx
 
-from ..placement import Shard, local_shape
+from ..placement import Shard, StridedShard, local_shape
 from . import PassCtx
 
 aten = torch.ops.aten
@@ -72,6 +72,11 @@ def localize_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
             # export dropped): reshape views where it can and copies where it must
             node.target = aten.reshape.default
             changed += 1
+        if _fused_split(node, ctx):
+            changed += 1
+            continue
+        if node.op == "call_function" and node.target in (aten.mean.dim, aten.mean.default):
+            changed += _partial_mean(gm.graph, node, ctx)
         if node.op != "call_function" or local is None:
             continue
         val = node.meta["val"]
@@ -99,6 +104,74 @@ def localize_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
         gm.recompile()
     ctx.report("localize_pass", f"rewrote {changed} shape-dependent nodes")
     return gm
+
+
+def _partial_mean(graph: fx.Graph, node: fx.Node, ctx: PassCtx) -> int:
+    """A mean over a dim sharded ``n`` ways is a partial sum of the local means divided by
+    ``n`` (every rank holds the same count): divide right after the local mean."""
+    x = node.args[0]
+    nd = x.meta["val"].dim()
+    if node.target is aten.mean.default:
+        dims = set(range(nd))
+    else:
+        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        dims = set(range(nd)) if not dims else {d % nd for d in dims}
+    ways = 1
+    for n, p_in, p_out in zip(ctx.mesh.shape, x.meta.get("fxshard_spec") or (),
+                              node.meta.get("fxshard_spec") or ()):
+        if n > 1 and isinstance(p_in, Shard) and p_in.dim in dims:
+            assert type(p_out).__name__ == "Partial", node.format_node()
+            ways *= n
+    if ways == 1:
+        return 0
+    with graph.inserting_after(node):
+        div = graph.call_function(aten.div.Tensor, (node, ways))
+    div.meta.update(node.meta)
+    node.replace_all_uses_with(div, delete_user_cb=lambda u: u is not div)
+    return 1
+
+
+def _strided_ways(x: fx.Node, dim: int, ctx: PassCtx) -> int:
+    """How many ways the fused (``StridedShard``) dim ``dim`` of ``x`` is split, else 1."""
+    spec = x.meta.get("fxshard_spec") or ()
+    ways = 1
+    for n, p in zip(ctx.mesh.shape, spec):
+        if n > 1 and isinstance(p, StridedShard) and p.dim == dim:
+            ways *= n
+    return ways
+
+
+def _fused_split(node: fx.Node, ctx: PassCtx) -> bool:
+    """A slice/split of a fused projection's output into its parts: every bound is a part
+    boundary, so the local bounds are the global ones divided by the axis size."""
+    if node.op != "call_function" or node.target not in (
+            aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default):
+        return False
+    x = node.args[0]
+    nd = x.meta["val"].dim()
+    if node.target is aten.slice.Tensor:
+        dim = (node.args[1] if len(node.args) > 1 else 0) % nd
+    else:
+        dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % nd
+    ways = _strided_ways(x, dim, ctx)
+    if ways == 1:
+        return False
+    size = x.meta["val"].shape[dim]
+    if node.target is aten.slice.Tensor:
+        args = list(node.args) + [0, None, None, 1][len(node.args) - 1:]
+        start = args[2] or 0
+        end = size if args[3] is None else min(args[3], size)
+        start, end = (start + size if start < 0 else start), (end + size if end < 0 else end)
+        assert start % ways == 0 and end % ways == 0, node.format_node()
+        args[2], args[3] = start // ways, end // ways
+        node.args = tuple(args)
+    elif node.target is aten.split.Tensor:
+        assert node.args[1] % ways == 0, node.format_node()
+        node.update_arg(1, node.args[1] // ways)
+    else:
+        assert all(k % ways == 0 for k in node.args[1]), node.format_node()
+        node.update_arg(1, [k // ways for k in node.args[1]])
+    return True
 
 
 def _vocab_embedding(node: fx.Node, ctx: PassCtx) -> int:

@@ -12,9 +12,11 @@ User inputs arrive whole (every rank is given the global input) and are sharded 
 gathered back to Replicate. Parameters get the placement their first consumer asks for
 (a plan override wins); the rest stay Replicate.
 
-One refinement runs until nothing changes: a column-parallel weight whose output is gathered
-back before any row-parallel contraction uses the shard (e.g. K/V projections when ``tp``
-exceeds the KV heads) is replicated instead, and the graph is propagated again.
+Two refinements run until nothing changes, each propagating the graph again: a column-parallel
+weight whose output is gathered back before any row-parallel contraction uses the shard (e.g.
+K/V projections when ``tp`` exceeds the KV heads) is replicated instead; and a Partial value
+that one consumer needs reduced is handed reduced to all its consumers, so it is all-reduced
+once (a post-norm block: ``o = o_proj(a)`` feeds both the norm's ``pow`` and its ``mul``).
 
 Before (tp=2)::  linear(x, w_q) -> view [B,S,H,D] -> sdpa ... -> linear(a, w_o) -> add(res, .)
 After::          w_q: S(0) out S(2) -> S(2) -> S(1) ... w_o: S(1) out P -> add needs (R, R)
@@ -26,16 +28,16 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..placement import R, Replicate, Shard
+from ..placement import Partial, R, Replicate, Shard, StridedShard, shard_dim
 from . import PassCtx
 from .rules import (UNDECIDED, Decision, RuleCtx, fallback, lookup, tensor_inputs,
                     warn_fallback)
 from .rules.embedding import embedding_rule
-from .rules.linear import linear_rule
+from .rules.linear import addmm_rule, linear_rule
 
 __all__ = ["propagate_pass", "input_spec"]
 
-_OWNS_WEIGHTS = (linear_rule, embedding_rule)
+_OWNS_WEIGHTS = (linear_rule, embedding_rule, addmm_rule)
 _MAX_REFINEMENTS = 8
 
 
@@ -67,7 +69,8 @@ def _spec_of(node: fx.Node, param_spec: dict) -> object:
     return then if then is not None else node.meta.get("fxshard_spec")
 
 
-def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str]) -> dict:
+def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
+              reduced: dict | None = None) -> dict:
     mesh = ctx.mesh
     axes = [(i, a, n) for i, (a, n) in enumerate(zip(mesh.axis_names, mesh.shape)) if n > 1]
     rctx = {a: RuleCtx(axis=a, size=n, mesh=mesh, sequence_parallel=ctx.sequence_parallel,
@@ -141,6 +144,8 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str]) -> dict:
         decisions: dict[int, Decision] = {}
         for i, a, n in axes:
             cur = [_spec_of(t, param_spec)[i] for t in ins_nodes]
+            cur = [(reduced or {}).get((t.name, i), p) if isinstance(p, Partial) else p
+                   for t, p in zip(ins_nodes, cur)]
             if rule_fn is None:
                 if ctx.strict:
                     raise NotImplementedError(
@@ -163,8 +168,7 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str]) -> dict:
                     ps = param_spec[t.name]
                     if ps[i] is UNDECIDED:
                         ps[i] = d.ins[k]
-                        if (rule_fn is linear_rule and k == 1 and a == "tp"
-                                and isinstance(d.ins[k], Shard) and d.ins[k].dim == 0):
+                        if a == "tp" and _column_weight(rule_fn, k, d.ins[k]):
                             auto_colwise[t.meta["fxshard_param"]] = node
             if n_out is not None:
                 for k in range(n_out):
@@ -189,6 +193,13 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str]) -> dict:
         if node.meta.get("fxshard_param") is not None:
             node.meta["fxshard_spec"] = tuple(param_spec[node.name])
     return auto_colwise
+
+
+def _column_weight(rule_fn, k: int, p) -> bool:
+    """Input ``k`` of a linear/addmm placed ``p`` is a column-parallel weight."""
+    if rule_fn is linear_rule and k == 1:
+        return shard_dim(p) == 0
+    return rule_fn is addmm_rule and k == 2 and shard_dim(p) == 1
 
 
 def _fit_nested(node: fx.Node, ins_nodes: list, decisions: dict, axes: list, rctx: dict,
@@ -224,7 +235,11 @@ def _fit_nested(node: fx.Node, ins_nodes: list, decisions: dict, axes: list, rct
 def _divides(shape, spec, ctx: PassCtx) -> bool:
     sizes = list(shape)
     for a, n, p in zip(ctx.mesh.axis_names, ctx.mesh.shape, spec):
-        if n > 1 and isinstance(p, Shard):
+        if n > 1 and isinstance(p, StridedShard):
+            if p.dim >= len(sizes) or shape[p.dim] != sum(p.parts) or any(k % n for k in p.parts):
+                return False
+            sizes[p.dim] //= n
+        elif n > 1 and isinstance(p, Shard):
             chunks = 2 * n if a in ctx.zigzag_axes else n
             if p.dim >= len(sizes) or sizes[p.dim] % chunks:
                 return False
@@ -232,42 +247,110 @@ def _divides(shape, spec, ctx: PassCtx) -> bool:
     return True
 
 
-def _gathered_before_use(node: fx.Node, tp: int, budget: int = 64) -> bool:
+def _gathered_before_use(node: fx.Node, tp: int, budget: int = 64) -> fx.Node | None:
     """Some path along which ``node``'s shard on mesh axis index ``tp`` flows reaches a
     consumer that gathers it back (needs Replicate) before a row-parallel contraction turns
-    it into a partial sum. The model's output does not count: it is gathered anyway."""
+    it into a partial sum, or a fused (strided) shard reaches a consumer that wants it in any
+    other layout (no collective re-orders the parts). The model's output does not count: it is
+    gathered anyway (except a fused shard, which must not reach it)."""
     frontier, seen = [node], {node}
     while frontier and budget > 0:
         cur = frontier.pop()
         budget -= 1
+        have = cur.meta.get("fxshard_spec")
+        strided = isinstance(have, tuple) and isinstance(have[tp], StridedShard)
         for u in cur.users:
-            if u.op == "output":
+            if u.op == "output" and not strided:
                 continue
             for t, nd in zip(tensor_inputs(u), u.meta.get("fxshard_need") or []):
-                if t is cur and isinstance(nd[tp], Replicate):
-                    return True
-            out = u.meta.get("fxshard_spec")
-            if isinstance(out, tuple) and isinstance(out[tp], Shard) and u not in seen:
-                seen.add(u)
-                frontier.append(u)
-    return False
+                if t is cur and (isinstance(nd[tp], Replicate) or strided and nd[tp] != have[tp]):
+                    return u
+            outs = u.meta.get("fxshard_spec")
+            outs = [outs] if isinstance(outs, tuple) else \
+                [g.meta.get("fxshard_spec") for g in u.users] if isinstance(outs, list) else []
+            nxt = [u] if isinstance(u.meta.get("fxshard_spec"), tuple) else list(u.users)
+            for v, out in zip(nxt, outs):
+                if isinstance(out, tuple) and shard_dim(out[tp]) is not None and v not in seen:
+                    seen.add(v)
+                    frontier.append(v)
+    return None
+
+
+def _reduced_twice(gm: fx.GraphModule) -> dict[tuple[str, int], object]:
+    """(node, axis index) -> placement, for Partial values that one consumer needs reduced
+    (to that placement) while another keeps using the partial sum (which would then be
+    reduced a second time)."""
+    out = {}
+    for node in gm.graph.nodes:
+        spec = node.meta.get("fxshard_spec")
+        if not isinstance(spec, tuple) or node.meta.get("fxshard_param") is not None:
+            continue
+        for i, p in enumerate(spec):
+            if not isinstance(p, Partial):
+                continue
+            needs = [nd[i] for u in node.users if u.op != "output"
+                     for t, nd in zip(tensor_inputs(u), u.meta.get("fxshard_need") or [])
+                     if t is node]
+            done = [q for q in needs if not isinstance(q, Partial)]
+            if done and any(isinstance(q, Partial) for q in needs):
+                out[(node.name, i)] = done[0]
+    return out
+
+
+def _list_replicated(gm: fx.GraphModule, ctx: PassCtx, tp: int, why: dict) -> None:
+    """Every weight matrix left whole on ``tp``, with the reason (``explain()`` lists them);
+    under ``strict=True`` each one the user's plan did not ask for is an error."""
+    ctx.replicated.clear()
+    for node in gm.graph.nodes:
+        fqn = node.meta.get("fxshard_param")
+        val = node.meta.get("val")
+        if fqn is None or val is None or val.dim() < 2 or not node.users or \
+                not isinstance(node.meta["fxshard_spec"][tp], Replicate):
+            continue
+        if ctx.plan_for(fqn) is not None:
+            ctx.replicated.append((fqn, "plan= asks for it"))
+            continue
+        u = next(iter(node.users))
+        reason = why.get(fqn, f"its consumer {u.name} ({u.target}) needs it whole")
+        ctx.replicated.append((fqn, reason))
+        if ctx.strict:
+            module = fqn.rpartition(".")[0]
+            raise NotImplementedError(
+                f"fxshard.parallelize(strict=True): weight {fqn} {tuple(val.shape)} stays whole "
+                f"on mesh axis 'tp' of size {ctx.mesh.axis_size('tp')} (mesh "
+                f"{ctx.mesh.describe()}): {reason}. Accept it with "
+                f"plan={{{module!r}: 'replicate'}} or drop strict=True.")
 
 
 def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     replicate: set[str] = set()
+    reduced: dict[tuple[str, int], object] = {}
+    why: dict[str, str] = {}
     mesh = ctx.mesh
     tp = mesh.axis_names.index("tp") if "tp" in mesh.axis_names else None
     for _ in range(_MAX_REFINEMENTS):
-        auto_colwise = _run_once(gm, ctx, replicate)
+        auto_colwise = _run_once(gm, ctx, replicate, reduced)
+        twice = {k: v for k, v in _reduced_twice(gm).items() if k not in reduced}
+        for name, i in sorted(twice):
+            ctx.report("propagate_pass", f"reduce {name} once on {mesh.axis_names[i]}: "
+                                         f"several consumers use it")
+        reduced.update(twice)
         if tp is None or mesh.shape[tp] == 1:
+            if twice:
+                continue
             break
-        wasted = {fqn for fqn, lin in auto_colwise.items() if _gathered_before_use(lin, tp)}
-        if not wasted - replicate:
+        users = {fqn: _gathered_before_use(lin, tp) for fqn, lin in auto_colwise.items()}
+        wasted = {fqn for fqn, u in users.items() if u is not None}
+        if not wasted - replicate and not twice:
             break
         for fqn in sorted(wasted - replicate):
-            ctx.report("propagate_pass", f"replicate {fqn} on tp: its column-parallel output "
-                                         f"would be gathered before use")
+            u = users[fqn]
+            why[fqn] = (f"its column-parallel output would be gathered before use "
+                        f"(by {u.name}: {u.target})")
+            ctx.report("propagate_pass", f"replicate {fqn} on tp: {why[fqn]}")
         replicate |= wasted
+    if tp is not None and mesh.shape[tp] > 1:
+        _list_replicated(gm, ctx, tp, why)
     sharded = sum(1 for n in gm.graph.nodes
                   if isinstance(n.meta.get("fxshard_spec"), tuple)
                   and any(not isinstance(p, Replicate) for p in n.meta["fxshard_spec"]))

@@ -8,6 +8,7 @@ Per mesh axis::
     S(a) -> S(b)   all_to_all(split_dim=b, concat_dim=a)
     R    -> S(d)   local_shard(dim=d)            (no communication)
     R    -> P      partial_from_replicate        (coordinate 0 keeps it, the others zeros)
+    S(d|parts) -> R  fused_gather: all_gather(dim=d), then the pieces re-ordered part by part
 
 On the ``ring_cp`` axis the sequence is sharded zigzag (``zigzag_shard``/``zigzag_gather``).
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..mesh import MeshSpec
-from ..placement import R, Partial, Replicate, Shard
+from ..placement import R, Partial, Replicate, Shard, StridedShard
 
 __all__ = ["Step", "plan_redistribution"]
 
@@ -58,6 +59,10 @@ def plan_redistribution(src: tuple, dst: tuple, mesh: MeshSpec,
     changing = [i for i in axes if src[i] != dst[i]]
     if not changing:
         return []
+    if any(isinstance(dst[i], StridedShard) for i in changing):
+        raise NotImplementedError(
+            f"fxshard: no redistribution into a fused (strided) shard, {src} -> {dst}; fused "
+            f"layouts come only from a projection's weight")
     # axes whose current placement must be undone (gathered / reduced) first
     undo = {i for i in changing if not isinstance(src[i], Replicate)}
     for i in changing:
@@ -80,6 +85,11 @@ def plan_redistribution(src: tuple, dst: tuple, mesh: MeshSpec,
 
     for i in sorted(undo, reverse=True):
         s, t = cur[i], dst[i]
+        if isinstance(s, StridedShard):
+            # gather, then put the parts back in order (rank-major -> part-major); an inner
+            # axis still sharding the dim is gathered first (undo runs innermost first)
+            emit("fused_gather", i, (s.dim, s.parts), R)
+            continue
         if i in zigzag:
             if isinstance(s, Partial):
                 emit("all_reduce", i, (), R)

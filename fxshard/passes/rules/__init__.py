@@ -156,4 +156,5 @@ def _caller_level() -> int:
 
 
 # Import the rule families so that they register themselves.
-from . import pointwise, views, reductions, linear, embedding, attention, factory  # noqa: E402,F401
+from . import (pointwise, views, reductions, linear, embedding, attention, factory,  # noqa: E402,F401
+               indexing)

@@ -9,18 +9,139 @@
 On every other axis weights stay Replicate and the shard of ``x`` passes through. A weight
 placed already (plan override, a tied embedding) is honoured and ``x`` is moved to match it.
 
+A *fused* projection (one Linear whose output every consumer splits into parts along the last
+dim: ``qkv_proj`` sliced into q, k, v; ``gate_up_proj`` chunked in two) is column-parallel part
+by part: ``w StridedShard(0, parts)``, out ``StridedShard(-1, parts)``; each rank then holds its
+share of every part and the split gives each part as a plain ``S(-1)``, with no gather::
+
+    linear(x, w_qkv[128, 64]) -> slice [0:64], [64:96], [96:128]
+    tp=2: w S(0|64+32+32) local [64, 64]; out S(2|64+32+32); slices local [0:32], [32:48], [48:64]
+
+``addmm(bias[N], x[M, K], w[K, N])`` (GPT-2's ``Conv1D``, weight stored ``[in, out]``) is the
+same projection with the weight transposed: column-parallel ``w S(1)``, ``bias S(0)``, out
+``S(1)``; row-parallel ``x S(1)``, ``w S(0)``, ``bias P``.
+
 ``matmul``/``mm``/``bmm`` use dimension labels, einsum style: a shard on a batch or free dim
 passes through, a shard on the contracted dim of both operands gives a partial sum.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 
-from ...placement import P, R, Partial, Replicate, Shard
-from . import UNDECIDED, Decision, RuleCtx, rule, tensor_inputs
+from ...placement import P, R, Partial, Replicate, Shard, StridedShard
+from . import UNDECIDED, Decision, RuleCtx, is_tensor_node, rule, tensor_inputs
 
 aten = torch.ops.aten
+
+_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+
+
+def split_intervals(node: fx.Node, dim: int) -> list[tuple[int, int]] | None:
+    """The ``[start, end)`` pieces a slice/split/chunk ``node`` takes out of dim ``dim`` of its
+    input, or None when it is not such a split of that dim."""
+    x = node.args[0]
+    nd = x.meta["val"].dim()
+    size = x.meta["val"].shape[dim]
+    if node.target is aten.slice.Tensor:
+        args = list(node.args) + [0, None, None, 1][len(node.args) - 1:]
+        d, start, end, step = args[1] % nd, args[2], args[3], args[4]
+        if d != dim or step != 1:
+            return None
+        start = 0 if start is None else (start + size if start < 0 else start)
+        end = size if end is None else (end + size if end < 0 else min(end, size))
+        return [(start, end)]
+    if node.target not in _SPLITS:
+        return None
+    d = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    if d % nd != dim:
+        return None
+    if node.target is aten.split_with_sizes.default:
+        sizes = list(node.args[1])
+    else:
+        step = node.args[1] if node.target is aten.split.Tensor else -(-size // node.args[1])
+        sizes = [min(step, size - i) for i in range(0, size, step)]
+    bounds = [0]
+    for k in sizes:
+        bounds.append(bounds[-1] + k)
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _carries(user: fx.Node, src: fx.Node, dim: int) -> int | None:
+    """The output dim of ``user`` that holds dim ``dim`` of ``src`` unchanged (a reshape that
+    keeps it, or an elementwise op whose other inputs broadcast along it), or None."""
+    from . import lookup
+    from .pointwise import identity_rule, pointwise_rule, untagged_pointwise_rule
+    val = user.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    in_shape, out_shape = tuple(src.meta["val"].shape), tuple(val.shape)
+    if user.target in _RESHAPES:
+        if user.args[0] is not src:
+            return None
+        before = math.prod(in_shape[:dim])
+        for e, n in enumerate(out_shape):
+            if n == in_shape[dim] and math.prod(out_shape[:e]) == before:
+                return e
+        return None
+    if lookup(user.target) not in (pointwise_rule, identity_rule, untagged_pointwise_rule):
+        return None
+    e = dim + len(out_shape) - len(in_shape)
+    if e < 0 or out_shape[e] != in_shape[dim]:
+        return None
+    for t in tensor_inputs(user):
+        if t is src:
+            continue
+        shp = tuple(t.meta["val"].shape)
+        td = e - (len(out_shape) - len(shp))
+        if td >= 0 and shp[td] != 1:
+            return None  # another full-width input: not a plain pass-through
+    return e
+
+
+def fused_parts(node: fx.Node, dim: int, size: int) -> tuple[int, ...] | None:
+    """Part sizes of a fused projection: when every use of ``node``'s dim ``dim`` ends, through
+    reshapes and elementwise ops, in slices/splits that cut it into the same disjoint parts
+    (each a multiple of ``size``), those parts; else None (a plain projection)."""
+    total = node.meta["val"].shape[dim]
+    pieces: set[tuple[int, int]] = set()
+    stack, budget = [(node, dim)], 64
+    while stack:
+        cur, d = stack.pop()
+        for u in cur.users:
+            budget -= 1
+            if budget < 0 or u.op != "call_function":
+                return None
+            iv = split_intervals(u, d) if u.args and u.args[0] is cur else None
+            if iv is not None:
+                pieces.update(iv)
+                continue
+            e = _carries(u, cur, d)
+            if e is None:
+                return None
+            stack.append((u, e))
+    bounds = sorted({b for iv in pieces for b in iv} | {0, total})
+    parts = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    if len(parts) < 2 or any(k % size for k in parts) or \
+            any(b - a not in parts or a not in bounds for a, b in pieces) or \
+            any(sum(1 for x in bounds if a < x < b) for a, b in pieces):
+        return None
+    return parts
+
+
+def fused_out(p, start: int, end: int):
+    """The placement of ``[start, end)`` of a ``StridedShard`` dim: plain ``Shard`` when it is
+    one part, a ``StridedShard`` of the parts when it is several, None when it cuts a part."""
+    bounds = [0]
+    for k in p.parts:
+        bounds.append(bounds[-1] + k)
+    if start not in bounds or end not in bounds or start >= end:
+        return None
+    sub = tuple(p.parts[bounds.index(start):bounds.index(end)])
+    return Shard(p.dim) if len(sub) == 1 else StridedShard(p.dim, sub)
 
 
 def _is_param(n: fx.Node) -> bool:
@@ -42,8 +163,13 @@ def linear_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         elif isinstance(x, Shard) and x.dim == last:
             w = Shard(1)
         else:
-            w = Shard(0)
+            parts = fused_parts(node, last, ctx.size) if not has_bias or bias_param and \
+                b is UNDECIDED else None
+            w = StridedShard(0, parts) if parts else Shard(0)
 
+    if isinstance(w, StridedShard) and w.dim == 0:     # fused column-parallel
+        need = [R, w] + ([StridedShard(0, w.parts)] if has_bias else [])
+        return Decision(ins=need, out=StridedShard(last, w.parts))
     if isinstance(w, Shard) and w.dim == 0:            # column-parallel
         need = [R, w] + ([Shard(0)] if has_bias else [])
         return Decision(ins=need, out=Shard(last))
@@ -114,8 +240,32 @@ def matmul_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
 
 @rule(aten.addmm.default)
 def addmm_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
-    # addmm(bias[N], x[M, K], w[K, N]): a shard on M passes through, anything else replicates
+    """``addmm(bias[N], x[M, K], w[K, N])``: a weight ``[in, out]`` (``Conv1D``). On ``tp`` an
+    undecided weight is column-parallel (``w S(1)``, fused parts as for linear) or, when ``x``
+    arrives sharded on K, row-parallel (``w S(0)``, bias Partial); a shard on M passes through."""
     bias, x, w = ins
-    if isinstance(x, Shard) and x.dim == 0 and isinstance(w, Replicate):
-        return Decision(ins=[R, x, R], out=x)
+    tensors = tensor_inputs(node)
+    m, n = ctx.shape(node)
+    if len(tensors) != 3 or node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+        return Decision(ins=[R] * len(ins), out=R)
+    bias_1d = ctx.shape(tensors[0]) == (n,)
+    if w is UNDECIDED:
+        if not ctx.is_tp or not bias_1d:
+            w = R
+        elif isinstance(x, Shard) and x.dim == 1:
+            w = Shard(0)
+        else:
+            parts = fused_parts(node, 1, ctx.size) if bias is UNDECIDED else None
+            w = StridedShard(1, parts) if parts else Shard(1)
+    if isinstance(w, StridedShard) and w.dim == 1 and bias_1d:        # fused column-parallel
+        return Decision(ins=[StridedShard(0, w.parts), R, w], out=StridedShard(1, w.parts))
+    if isinstance(w, Shard) and w.dim == 1 and bias_1d:               # column-parallel
+        return Decision(ins=[Shard(0), R, w], out=Shard(1))
+    if isinstance(w, Shard) and w.dim == 0 and bias_1d:               # row-parallel
+        return Decision(ins=[P, Shard(1), w], out=P)
+    if isinstance(x, (Shard, StridedShard)) and x.dim == 0 and \
+            not isinstance(w, (Shard, StridedShard)):
+        # rows (tokens) pass through: a batch shard, or the sequence shard of flattened tokens
+        b = x if ctx.ndim(tensors[0]) == 2 and ctx.shape(tensors[0])[0] == m else R
+        return Decision(ins=[b, x, R], out=x)
     return Decision(ins=[R, R, R], out=R)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ...placement import P, R, Partial, Replicate, Shard
+from ...placement import P, R, Partial, Replicate, Shard, StridedShard
 from . import Decision, RuleCtx, rule
 
 aten = torch.ops.aten
@@ -27,6 +27,18 @@ _IDENTITY = (aten.to.dtype, aten.to.device, aten.to.dtype_layout, aten._to_copy.
              aten.detach.default, aten.detach_.default, aten.lift_fresh_copy.default,
              aten.type_as.default, aten.dropout.default, aten.masked_fill.Scalar,
              aten.masked_fill.Tensor)
+
+# Identities that copy a Partial value's addends unchanged (no rounding, no fill)
+_PARTIAL_SAFE = {aten.clone.default, aten.contiguous.default, aten.alias.default,
+                 aten.detach.default, aten.lift_fresh_copy.default, aten.dropout.default}
+
+
+def _dropout_active(node: fx.Node) -> bool:
+    args = list(node.args) + [None, None]
+    p = args[1] if args[1] is not None else node.kwargs.get("p", 0.5)
+    train = args[2] if args[2] is not None else node.kwargs.get("train", True)
+    return bool(train) and p > 0
+
 
 # Ops linear in their Partial argument(s): name -> which tensor inputs may be Partial.
 _LINEAR_ALL = {aten.add.Tensor, aten.sub.Tensor, aten.neg.default}
@@ -54,6 +66,20 @@ def pointwise_decision(node: fx.Node, ins: list, ctx: RuleCtx, tensors: list[fx.
                        *, partial_ok: set[int] = frozenset()) -> Decision:
     """Shared by every elementwise op; ``partial_ok``: input positions in which the op is linear."""
     out_shape = tuple(node.meta["val"].shape)
+    strided = next((p for p in ins if isinstance(p, StridedShard)), None)
+    if strided is not None:
+        # a fused projection's output: passes through when every other input broadcasts along
+        # its dim or is the same fused layout (its bias); anything else computes it whole
+        t0 = tensors[ins.index(strided)]
+        od = _out_dim(t0, out_shape, strided.dim)
+        need = []
+        for t, p in zip(tensors, ins):
+            d = _aligned_dim(t, out_shape, od) if od is not None else None
+            need.append(R if d is None else StridedShard(d, strided.parts)
+                        if p in (strided, StridedShard(d, strided.parts)) else None)
+        if od is not None and None not in need:
+            return Decision(ins=need, out=StridedShard(od, strided.parts))
+        return Decision(ins=[R] * len(ins), out=R)
     target = None
     for t, p in zip(tensors, ins):
         if isinstance(p, Shard):
@@ -74,6 +100,14 @@ def pointwise_decision(node: fx.Node, ins: list, ctx: RuleCtx, tensors: list[fx.
         if all((i in partial_ok) == partial[i] for i in range(len(ins))) and \
                 sum(partial) == 1:
             return Decision(ins=[P if partial[i] else R for i in range(len(ins))], out=P)
+        if ctx.is_tp and ctx.sequence_parallel and len(out_shape) >= 3 and \
+                out_shape[1] % ctx.chunks == 0 and out_shape[-1] > 1:
+            # sequence parallelism: reduce-scatter an activation to the sequence shard, not
+            # all-reduce it (a post-norm block normalises the row-parallel output on sequence
+            # shards); a [B, S, 1] statistic stays a cheap all-reduce
+            need = [Shard(d) if (d := _aligned_dim(t, out_shape, 1)) is not None else R
+                    for t in tensors]
+            return Decision(ins=need, out=Shard(1))
     return Decision(ins=[R] * len(ins), out=R)
 
 
@@ -106,12 +140,15 @@ def identity_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     p = ins[0]
     need = [p] + [R] * (len(ins) - 1)
     if isinstance(p, Partial):
+        if node.target in _PARTIAL_SAFE and not (
+                node.target is aten.dropout.default and _dropout_active(node)):
+            return Decision(ins=need, out=P)   # a copy of each rank's addend
         need[0] = R
         return Decision(ins=need, out=R)
     if node.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.type_as.default):
         tensors = _tensors(node)
         return pointwise_decision(node, ins, ctx, tensors)
-    return Decision(ins=need, out=p if isinstance(p, (Shard, Replicate)) else R)
+    return Decision(ins=need, out=p if isinstance(p, (Shard, StridedShard, Replicate)) else R)
 
 
 def is_pointwise(target) -> bool:

@@ -1,8 +1,11 @@
-"""Reductions and softmax: reduced dims must be whole, except sums, which turn a shard into a
-partial sum::
+"""Reductions and softmax: reduced dims must be whole, except sums and means, which turn a
+shard into a partial sum::
 
     mean(x: S(1) [B,S,H], dim=-1, keepdim)   -> S(1)     (RMSNorm on sequence shards)
     sum(x: S(2) [B,S,H], dim=-1)             -> P        (all-reduce deferred to the consumer)
+    mean(x: S(2) [B,S,H], dim=-1, keepdim)   -> P        (local mean / axis size; localize
+                                                          divides: a norm over a tp-sharded
+                                                          width all-reduces a [B,S,1] tensor)
     softmax(x: S(3), dim=-1)                 -> needs R on dim 3
     mean(x: P, dim=-1)                       -> P        (mean is linear)
 """
@@ -52,7 +55,7 @@ def reduction_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         return Decision(ins=[R], out=outs(R))
     if isinstance(p, Shard):
         if p.dim in dims:
-            if node.target in (aten.sum.dim_IntList, aten.sum.default):
+            if node.target in _LINEAR:
                 return Decision(ins=[p], out=P)
             return Decision(ins=[R], out=outs(R))
         out_dim = p.dim if keep else p.dim - sum(d < p.dim for d in dims)

@@ -9,7 +9,11 @@ each rank's block is the same elements before and after. That covers merging and
     view([B, S, H*D] -> [B, S, H, D])     S(2) -> needs R when H % tp != 0
 
 Transpose/permute map dims; unsqueeze/squeeze/expand shift them; slicing, selecting, splitting
-or concatenating along a sharded dim needs it whole first.
+or concatenating along a sharded dim needs it whole first. A fused projection's
+``StridedShard(d, parts)`` survives reshapes that keep dim ``d`` whole, and slicing or splitting
+``d`` into its parts gives each part a plain ``Shard(d)`` (``localize`` divides the bounds)::
+
+    slice(qkv: S(2|64+32+32), 2, 64, 96)     -> S(2)      (local bounds 32..48 on tp=2)
 """
 from __future__ import annotations
 
@@ -18,8 +22,9 @@ import math
 import torch
 import torch.fx as fx
 
-from ...placement import P, R, Partial, Shard
+from ...placement import P, R, Partial, Shard, StridedShard
 from . import Decision, RuleCtx, rule
+from .linear import fused_out, split_intervals
 
 aten = torch.ops.aten
 
@@ -49,11 +54,49 @@ def reshape_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     p = ins[0]
     if isinstance(p, Partial):
         return Decision(ins=[P], out=P)
-    if isinstance(p, Shard):
-        e = reshape_dim_map(ctx.shape(node.args[0]), ctx.shape(node), p.dim, ctx.chunks)
+    in_shape, out_shape = ctx.shape(node.args[0]), ctx.shape(node)
+    if isinstance(p, StridedShard):
+        before = math.prod(in_shape[:p.dim])
+        for e, n in enumerate(out_shape):
+            if n == in_shape[p.dim] and math.prod(out_shape[:e]) == before:
+                return Decision(ins=[p], out=StridedShard(e, p.parts))
+        e = _unmerge_dim(in_shape, out_shape, p)
         if e is not None:
             return Decision(ins=[p], out=Shard(e))
+        return Decision(ins=[R], out=R)
+    if isinstance(p, Shard):
+        e = reshape_dim_map(in_shape, out_shape, p.dim, ctx.chunks)
+        if e is not None:
+            return Decision(ins=[p], out=Shard(e))
+        merged = _merge_dim(in_shape, out_shape, p.dim)
+        if merged is not None and in_shape[p.dim] % ctx.chunks == 0:
+            return Decision(ins=[p], out=merged)
     return Decision(ins=[R], out=R)
+
+
+def _merge_dim(in_shape, out_shape, d: int) -> StridedShard | None:
+    """``[B, S, H] -> [B*S, H]`` with S sharded: each rank's rows are its share of every run of
+    ``S`` (a ``StridedShard`` with ``B`` equal parts; GPT-2's ``Conv1D`` flattens tokens so)."""
+    for a in range(d):
+        for e in range(len(out_shape)):
+            if math.prod(out_shape[:e]) == math.prod(in_shape[:a]) and \
+                    out_shape[e] == math.prod(in_shape[a:d + 1]) and \
+                    math.prod(out_shape[e + 1:]) == math.prod(in_shape[d + 1:]):
+                return StridedShard(e, (in_shape[d],) * math.prod(in_shape[a:d]))
+    return None
+
+
+def _unmerge_dim(in_shape, out_shape, p: StridedShard) -> int | None:
+    """The inverse of :func:`_merge_dim`: ``[B*S, H] -> [B, S, H]`` gives back ``Shard`` of S."""
+    k = p.parts[0]
+    if any(x != k for x in p.parts):
+        return None
+    before = math.prod(in_shape[:p.dim])
+    for e in range(1, len(out_shape)):
+        if out_shape[e] == k and math.prod(out_shape[:e]) == before * len(p.parts) and \
+                math.prod(out_shape[e + 1:]) == math.prod(in_shape[p.dim + 1:]):
+            return e
+    return None
 
 
 @rule(aten.expand.default)
@@ -88,6 +131,9 @@ def permute_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     if isinstance(p, Shard):
         perm = _permutation(node, ctx.ndim(node.args[0]))
         return Decision(ins=[p], out=Shard(perm.index(p.dim)))
+    if isinstance(p, StridedShard):
+        perm = _permutation(node, ctx.ndim(node.args[0]))
+        return Decision(ins=[p], out=StridedShard(perm.index(p.dim), p.parts))
     return Decision(ins=[p], out=p)
 
 
@@ -97,6 +143,12 @@ def slice_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     x = node.args[0]
     ndim = ctx.ndim(x)
     dim = _norm(node.args[1] if len(node.args) > 1 else 0, ndim)
+    if isinstance(p, StridedShard):
+        if p.dim != dim:
+            return Decision(ins=[p], out=p)
+        (start, end), = split_intervals(node, dim) or [(None, None)]
+        out = fused_out(p, start, end) if start is not None else None
+        return Decision(ins=[p], out=out) if out is not None else Decision(ins=[R], out=R)
     if isinstance(p, Shard) and p.dim == dim:
         start = node.args[2] if len(node.args) > 2 else None
         end = node.args[3] if len(node.args) > 3 else None
@@ -152,9 +204,32 @@ def split_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     def outs(q):
         return [q] * n if n is not None else q
 
+    if isinstance(p, StridedShard) and p.dim == dim:
+        pieces = split_intervals(node, dim) if node.target is not aten.narrow.default and \
+            node.target is not aten.unbind.int else None
+        got = [fused_out(p, a, b) for a, b in pieces or []]
+        if pieces and all(q is not None for q in got) and n == len(got):
+            return Decision(ins=[p], out=got)
+        return Decision(ins=[R], out=outs(R))
+    if isinstance(p, StridedShard) and node.target is aten.unbind.int:
+        return Decision(ins=[R], out=outs(R))
     if isinstance(p, Shard):
         if p.dim == dim:
             return Decision(ins=[R], out=outs(R))
         if node.target is aten.unbind.int:
             return Decision(ins=[p], out=outs(Shard(p.dim - (p.dim > dim))))
     return Decision(ins=[p], out=outs(p))
+
+
+@rule(aten.stack.default)
+def stack_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``stack(xs, dim)``: a new dim at ``dim``; a shard of an input dim (all inputs alike, as
+    in interleaved RoPE's ``stack((-x2, x1), -1)``) moves past it, partials stay partial."""
+    ndim = ctx.ndim(node)
+    dim = _norm(node.args[1] if len(node.args) > 1 else 0, ndim)
+    for p in ins:
+        if isinstance(p, Shard):
+            return Decision(ins=[p] * len(ins), out=Shard(p.dim + (p.dim >= dim)))
+    if ins and all(isinstance(p, Partial) for p in ins):
+        return Decision(ins=[P] * len(ins), out=P)
+    return Decision(ins=[R] * len(ins), out=R)

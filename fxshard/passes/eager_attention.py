@@ -1,0 +1,147 @@
+"""Recognise eager attention and turn it into ``scaled_dot_product_attention``.
+
+HuggingFace's ``eager`` attention (and hand-written attention) computes
+``softmax(q @ k^T * scale + mask) @ v`` with plain matmuls. As SDPA it gets the attention rule
+and ``lower_attention``: local fused attention, Ulysses or ring attention on the CP axes, instead
+of K and V gathered along the sequence. A constant additive causal mask (0 on and below the
+diagonal, a huge negative number above) becomes ``is_causal=True``; any other mask is passed
+on as SDPA's additive ``attn_mask`` (same arithmetic). Scores changed in any other way (Gemma-2's
+tanh soft-cap, ALiBi biases from tensors) are left as they are, and the rules shard them.
+
+Before::
+
+    kt = transpose(k, 2, 3); s = matmul(q, kt); s = mul(s, 0.25); s = add(s, mask)
+    p = softmax(s, -1, torch.float32); p = dropout(p, 0.0, False); o = matmul(p, v)
+
+After::
+
+    o = scaled_dot_product_attention(q, k, v, None, 0.0, True, scale=0.25)
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from . import PassCtx
+from .fold_mask import _constant_value
+
+aten = torch.ops.aten
+
+__all__ = ["eager_attention_pass"]
+
+_PASS_THROUGH = (aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.clone.default,
+                 aten.contiguous.default, aten.detach.default)
+
+
+def _only_user(node: fx.Node) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _is_tensor(a) -> bool:
+    return isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+
+
+def _key_of(kt: fx.Node) -> fx.Node | None:
+    """``k`` when ``kt`` is ``k`` with its last two dims swapped."""
+    if kt.op != "call_function":
+        return None
+    nd = kt.meta["val"].dim()
+    if kt.target is aten.transpose.int:
+        dims = {kt.args[1] % nd, kt.args[2] % nd}
+        return kt.args[0] if dims == {nd - 2, nd - 1} else None
+    if kt.target is aten.permute.default:
+        perm = [d % nd for d in kt.args[1]]
+        want = list(range(nd - 2)) + [nd - 1, nd - 2]
+        return kt.args[0] if perm == want else None
+    return None
+
+
+def _additive_causal(value: torch.Tensor, sq: int, skv: int) -> bool:
+    if not value.is_floating_point() or value.shape[-2:] != (sq, skv):
+        return False
+    below = torch.ones(sq, skv, dtype=torch.bool).tril()
+    huge = value <= torch.finfo(value.dtype).min / 2
+    return bool((value[..., below] == 0).all() and huge[..., ~below].all())
+
+
+def _match(softmax: fx.Node):
+    """(q, k, v, mask, scale, final matmul) of an eager attention ending at ``softmax``."""
+    nd = softmax.meta["val"].dim()
+    if nd != 4 or softmax.args[1] % nd != nd - 1:
+        return None
+    scores, mask = softmax.args[0], None
+    if scores.target is aten.add.Tensor and all(_is_tensor(a) for a in scores.args[:2]) and \
+            _only_user(scores) is softmax:
+        scores, mask = scores.args[0], scores.args[1]
+    scale = 1.0
+    if scores.target in (aten.mul.Tensor, aten.div.Tensor) and \
+            isinstance(scores.args[1], (int, float)) and _only_user(scores) is not None:
+        scale = scores.args[1] if scores.target is aten.mul.Tensor else 1.0 / scores.args[1]
+        scores = scores.args[0]
+    if scores.target is not aten.matmul.default or _only_user(scores) is None:
+        return None
+    q, kt = scores.args[0], scores.args[1]
+    k = _key_of(kt) if _is_tensor(kt) else None
+    if k is None or q.meta["val"].dim() != 4 or k.meta["val"].dim() != 4:
+        return None
+    out = _only_user(softmax)
+    while out is not None and (out.target in _PASS_THROUGH or (
+            out.target is aten.dropout.default and (not out.args[2] or out.args[1] == 0))):
+        out = _only_user(out)
+    # (dropout counts as impure for dead-code elimination: the pass erases the chain itself)
+    if out is None or out.target is not aten.matmul.default or out.args[0] is out.args[1]:
+        return None
+    v = out.args[1]
+    if not _is_tensor(v) or v.meta["val"].dim() != 4 or \
+            v.meta["val"].shape[2] != k.meta["val"].shape[2]:
+        return None
+    if mask is not None and mask.meta["val"].dtype != q.meta["val"].dtype:
+        return None
+    return q, k, v, mask, float(scale), out
+
+
+def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase ``node`` and, recursively, the inputs it leaves without users."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n.users or n.op != "call_function":
+            continue
+        inputs = n.all_input_nodes
+        graph.erase_node(n)
+        stack.extend(inputs)
+
+
+def eager_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
+                         ) -> fx.GraphModule:
+    graph = gm.graph
+    found = causal_n = 0
+    for node in list(graph.nodes):
+        if node.target not in (aten.softmax.int, aten._softmax.default) or not node.users:
+            continue
+        m = _match(node)
+        if m is None:
+            continue
+        q, k, v, mask, scale, out = m
+        causal = False
+        if mask is not None:
+            value = _constant_value(mask, constants)
+            sq, skv = q.meta["val"].shape[2], k.meta["val"].shape[2]
+            if value is not None and _additive_causal(value, sq, skv):
+                mask, causal = None, True
+                causal_n += 1
+        with graph.inserting_before(out):
+            sdpa = graph.call_function(aten.scaled_dot_product_attention.default,
+                                       (q, k, v, mask, 0.0, causal), {"scale": scale})
+        sdpa.meta.update(out.meta)
+        out.replace_all_uses_with(sdpa)
+        _erase_unused(graph, out)
+        found += 1
+    if found:
+        graph.eliminate_dead_code()
+        graph.lint()
+        gm.recompile()
+    ctx.report("eager_attention_pass", f"recognised {found} eager attentions as SDPA "
+                                       f"({causal_n} with a constant causal mask)")
+    return gm
