@@ -95,6 +95,7 @@ def test_default_config_output_and_explicit_cache():
 
 FAMILIES = {
     "llama": lambda: transformers.LlamaConfig(**_COMMON),
+    "llama-eager": lambda: transformers.LlamaConfig(**_COMMON, attn_implementation="eager"),
     "mistral": lambda: transformers.MistralConfig(**_COMMON),
     "qwen2": lambda: transformers.Qwen2Config(**_COMMON),
     "qwen3": lambda: transformers.Qwen3Config(**_COMMON, head_dim=16),

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from . import PassCtx
-from .fold_mask import _constant_value
+from .fold_mask import MetaBuffer, _constant_value
 
 aten = torch.ops.aten
 
@@ -60,7 +60,7 @@ def _key_of(kt: fx.Node) -> fx.Node | None:
 def _additive_causal(value: torch.Tensor, sq: int, skv: int) -> bool:
     if not value.is_floating_point() or value.shape[-2:] != (sq, skv):
         return False
-    below = torch.ones(sq, skv, dtype=torch.bool).tril()
+    below = torch.ones(sq, skv, dtype=torch.bool, device=value.device).tril()
     huge = value <= torch.finfo(value.dtype).min / 2
     return bool((value[..., below] == 0).all() and huge[..., ~below].all())
 
@@ -103,13 +103,14 @@ def _match(softmax: fx.Node):
 
 def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
     """Erase ``node`` and, recursively, the inputs it leaves without users."""
-    stack = [node]
+    stack, erased = [node], set()
     while stack:
         n = stack.pop()
-        if n.users or n.op != "call_function":
+        if n in erased or n.users or n.op != "call_function":
             continue
         inputs = n.all_input_nodes
         graph.erase_node(n)
+        erased.add(n)
         stack.extend(inputs)
 
 
@@ -117,6 +118,7 @@ def eager_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
                          ) -> fx.GraphModule:
     graph = gm.graph
     found = causal_n = 0
+    additive: dict[tuple, bool] = {}  # (mask node, sq, skv) -> a constant causal mask?
     for node in list(graph.nodes):
         if node.target not in (aten.softmax.int, aten._softmax.default) or not node.users:
             continue
@@ -126,9 +128,16 @@ def eager_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
         q, k, v, mask, scale, out = m
         causal = False
         if mask is not None:
-            value = _constant_value(mask, constants)
             sq, skv = q.meta["val"].shape[2], k.meta["val"].shape[2]
-            if value is not None and _additive_causal(value, sq, skv):
+            if (mask, sq, skv) not in additive:  # layers share one mask: evaluate it once
+                try:
+                    with torch.no_grad():
+                        value = _constant_value(mask, constants)
+                except MetaBuffer:  # fold_causal_mask_pass warns about it on the SDPA node
+                    value = None
+                additive[mask, sq, skv] = value is not None and \
+                    _additive_causal(value, sq, skv)
+            if additive[mask, sq, skv]:
                 mask, causal = None, True
                 causal_n += 1
         with graph.inserting_before(out):
