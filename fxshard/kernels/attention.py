@@ -201,15 +201,18 @@ def _torch_attention(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_o
     """The torch backend: plain ops, NaN-free (also in autograd) for rows that see no key."""
     batch, heads_q, seq_q, head_dim = q_BHSD.shape
     heads_kv, seq_kv = k_BHSD.shape[1], k_BHSD.shape[2]
-    if seq_kv == 0:
+    if seq_q == 0 or seq_kv == 0:
         out = torch.zeros(q_BHSD.shape, dtype=q_BHSD.dtype, device=q_BHSD.device)
         lse = torch.full(q_BHSD.shape[:3], -math.inf, dtype=torch.float32,
                          device=q_BHSD.device)
         return out, lse
     if (mask is None and q_BHSD.device.type == "cpu" and (not causal or q_offset == kv_offset)
-            and q_BHSD.dtype in (torch.float32, torch.float64)):
+            and q_BHSD.dtype in (torch.float32, torch.float64) and seq_q > 0
+            and all(bool(torch.isfinite(t).all()) for t in (q_BHSD, k_BHSD, v_BHSD))):
         # torch's fused CPU flash attention has this contract whenever the causal diagonal
-        # starts at the top-left (equal offsets) and no row is empty: 3-4x the plain ops' speed
+        # starts at the top-left (equal offsets) and no row is empty: 3-4x the plain ops' speed.
+        # Not for zero queries (it dies of SIGFPE) nor non-finite inputs (it gives out = 0,
+        # lse = 0 for a NaN row where the plain ops, like eager SDPA, give NaN)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q_BHSD, k_BHSD, v_BHSD, 0.0, bool(causal), scale=_scale_of(q_BHSD, scale))
         return out.contiguous(), lse.to(torch.float32).contiguous()
@@ -243,6 +246,8 @@ def _triton_module():
 
 
 def _triton_attention(q, k, v, causal, scale, q_offset, kv_offset):
+    if q.shape[2] == 0 or k.shape[2] == 0:  # nothing to launch: the torch result is exact
+        return _torch_attention(q, k, v, None, causal, scale, q_offset, kv_offset)
     module = _triton_module()
     if module is None:
         raise ValueError(f"{_NAME}: the Triton backend needs the triton package, which is not "
