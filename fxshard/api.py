@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from .checks import check_parallelize_args, check_state_dict_values, unmatched_plan_patterns
 from .mesh import MeshSpec, is_simulated, mesh_spec
 from .passes import PLAN_STYLES, PassCtx
 from .passes.fold_mask import fold_causal_mask_pass
@@ -133,6 +134,7 @@ class ParallelModule:
         self.embedding = embedding
         self.stages = stages
         self.ring_zigzag = ring_zigzag
+        self.unmatched_plan: list[str] = []
         self._values = {k: v for k, v in model.state_dict(keep_vars=True).items()}
         self._expected = {k: (tuple(v.shape), v.dtype) for k, v in self._values.items()}
         self._compiled: dict[tuple, Compiled] = {}
@@ -277,6 +279,7 @@ class ParallelModule:
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load the unsharded model's state dict; each rank keeps only its slices."""
+        check_state_dict_values("ParallelModule.load_state_dict", state_dict)
         missing = sorted(set(self._expected) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(self._expected))
         if missing or unexpected:
@@ -326,17 +329,13 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
             2n-1-j of 2n) so causal ring attention gives every rank the same work; needs the
             sequence to divide by 2n. ``False``: contiguous chunks.
     """
-    if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"{_WHERE}: model must be a torch.nn.Module, got {type(model).__name__}")
+    check_parallelize_args(_WHERE, model=model, example_inputs=example_inputs,
+                           example_kwargs=example_kwargs, plan=plan, styles=PLAN_STYLES,
+                           sequence_parallel=sequence_parallel, microbatches=microbatches,
+                           strict=strict, embedding=embedding, stages=stages,
+                           ring_zigzag=ring_zigzag)
     spec = mesh_spec(mesh, where=_WHERE)
-    for pattern, style in (plan or {}).items():
-        if style not in PLAN_STYLES:
-            raise ValueError(f"{_WHERE}: plan[{pattern!r}] = {style!r} is not a style; use one "
-                             f"of {', '.join(PLAN_STYLES)}")
-    if embedding not in ("embed_dim", "vocab"):
-        raise ValueError(f"{_WHERE}: embedding={embedding!r}; use 'embed_dim' or 'vocab'")
-    if microbatches < 1:
-        raise ValueError(f"{_WHERE}: microbatches={microbatches} must be >= 1")
+    unmatched = unmatched_plan_patterns(_WHERE, model, plan)
     if microbatches > 1 and spec.axis_size("pp") == 1:
         warnings.warn(f"{_WHERE}: microbatches={microbatches} has no effect without a pp axis",
                       stacklevel=2)
@@ -344,6 +343,7 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
     pm = ParallelModule(model, mesh, plan=plan or {}, sequence_parallel=sequence_parallel,
                         microbatches=microbatches, strict=strict, embedding=embedding,
                         stages=stages, ring_zigzag=ring_zigzag)
+    pm.unmatched_plan = unmatched    # globs that matched no module (warned; in explain())
     if example_inputs is not None or example_kwargs is not None:
         pm._get(tuple(example_inputs or ()), dict(example_kwargs or {}))
     return pm

@@ -48,6 +48,7 @@ class Explanation:
     fallbacks: list = field(default_factory=list)
     edits: list = field(default_factory=list)
     microbatches: int = 1                               # runs of each program per forward
+    unmatched_plan: list = field(default_factory=list)  # plan globs that matched no module
 
     def counts(self, rank: int = 0) -> Counter:
         """``{(op, axis): count}`` of rank ``rank``'s collectives per forward (local slices
@@ -88,6 +89,9 @@ class Explanation:
             lines.append(f"  {fqn:50s} {stage:>5d}  {spec:20s} {shape}")
         lines += ["", f"Ops without a sharding rule (run replicated): {len(self.fallbacks)}"]
         lines += [f"  {f}" for f in self.fallbacks]
+        if self.unmatched_plan:
+            lines += ["", f"Plan patterns that match no module (ignored): "
+                          f"{', '.join(map(repr, self.unmatched_plan))}"]
         lines += ["", "Passes"] + [f"  {p}: {m}" for p, m in self.edits]
         return "\n".join(lines)
 
@@ -149,7 +153,8 @@ def explain(pm, compiled) -> Explanation:
     ex = Explanation(mesh=mesh.describe(), ranks=mesh.world_size,
                      fallbacks=[f for f in compiled.ctx.fallbacks if f.split(":")[0] in alive],
                      edits=list(compiled.ctx.edits),
-                     microbatches=getattr(pm, "microbatches", 1))
+                     microbatches=getattr(pm, "microbatches", 1),
+                     unmatched_plan=list(getattr(pm, "unmatched_plan", [])))
     stage_of = pm.stage_of if hasattr(pm, "stage_of") else (lambda r: 0)
     per_stage = {p.stage: collectives_of(p.graph, mesh) for p in programs}
     seen = set()

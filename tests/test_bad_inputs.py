@@ -83,3 +83,118 @@ def test_zero_queries_do_not_crash_the_process():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda: fxshard.init_device_mesh("cpu", (2.7,), mesh_dim_names=("tp",)), TypeError,
+     r"init_device_mesh: mesh_shape=\(2.7,\) holds 2.7 \(float\).*must be an int"),
+    (lambda: fxshard.init_device_mesh("cpu", ("two",), mesh_dim_names=("tp",)), TypeError,
+     r"mesh_shape=\('two',\) holds 'two' \(str\)"),
+    (lambda: fxshard.init_device_mesh("cpu", 4, mesh_dim_names=("tp",)), TypeError,
+     r"mesh_shape=4 must be a tuple of ints.*\(2, 2\)"),
+    (lambda: fxshard.init_device_mesh("cpu", (2,), mesh_dim_names="tp"), TypeError,
+     r"mesh_dim_names='tp' must be a tuple of axis names.*\(\"tp\",\)"),
+    (lambda: fxshard.init_device_mesh("gpu", (2,), mesh_dim_names=("tp",)), ValueError,
+     r"device_type='gpu' is not a torch device type; use \"cpu\" or \"cuda\""),
+    (lambda: fxshard.init_device_mesh("cpu:1", (2,), mesh_dim_names=("tp",)), ValueError,
+     r"device_type='cpu:1' names one device; give the type only \(\"cpu\"\)"),
+    (lambda: fxshard.init_device_mesh(0, (2,), mesh_dim_names=("tp",)), TypeError,
+     r"device_type=0 must be a string"),
+], ids=["float_size", "str_size", "int_shape", "str_names", "gpu", "indexed", "int_device"])
+def test_bad_mesh_arguments_name_the_argument_and_the_fix(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_mesh_without_cuda_is_a_value_error():
+    with pytest.raises(ValueError, match=r"device_type='cuda' but this machine has no cuda "
+                                         r"device.*use \"cpu\""):
+        fxshard.init_device_mesh("cuda", (2,), mesh_dim_names=("tp",))
+
+
+_PARALLELIZE_ERRORS = [
+    (dict(microbatches=2.0), TypeError, r"microbatches=2.0 \(float\) must be an int >= 1"),
+    (dict(microbatches=0), ValueError, r"microbatches=0 must be >= 1"),
+    (dict(example_inputs=torch.zeros(1, 4, dtype=torch.long)), TypeError,
+     r"example_inputs must be a tuple.*got Tensor; pass example_inputs=\(x,\)"),
+    (dict(example_kwargs=[1]), TypeError, r"example_kwargs must be a dict.*got list"),
+    (dict(plan=[("model.*", "colwise")]), TypeError, r"plan must be a dict.*got list"),
+    (dict(plan={"model.layers.*.mlp.up_proj": ["colwise"]}), TypeError,
+     r"plan\['model.layers.\*.mlp.up_proj'\] = \['colwise'\] is not a style; use one of "
+     r"colwise, rowwise"),
+    (dict(plan={"model.layers.*.mlp.up_proj": "column"}), ValueError,
+     r"plan\['model.layers.\*.mlp.up_proj'\] = 'column' is not a style"),
+    (dict(plan={3: "colwise"}), TypeError, r"plan key 3 \(int\) must be a module-name glob"),
+    (dict(sequence_parallel="yes"), TypeError, r"sequence_parallel='yes' \(str\) must be True"),
+    (dict(embedding="rows"), ValueError, r"embedding='rows'; use 'embed_dim' or 'vocab'"),
+    (dict(stages="01"), TypeError, r"stages='01' must be a list of ints"),
+]
+
+
+@pytest.mark.parametrize("kwargs,error,message", _PARALLELIZE_ERRORS,
+                         ids=[f"{next(iter(k))}-{i}" for i, (k, _, _) in
+                              enumerate(_PARALLELIZE_ERRORS)])
+def test_bad_parallelize_arguments_name_the_argument_and_the_fix(kwargs, error, message):
+    model = our_llama(num_hidden_layers=1)
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    with pytest.raises(error, match=r"fxshard.parallelize: " + message):
+        fxshard.parallelize(model, mesh, **kwargs)
+
+
+def test_bad_model_and_mesh_types():
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module, got function"):
+        fxshard.parallelize(lambda x: x, mesh)
+    with pytest.raises(TypeError, match=r"expected a mesh from fxshard.init_device_mesh.*"
+                                        r"got tuple"):
+        fxshard.parallelize(our_llama(num_hidden_layers=1), (2,))
+
+
+def test_plan_glob_that_matches_nothing_warns_and_shows_in_explain():
+    model = our_llama(num_hidden_layers=1)
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    ids = torch.randint(0, 128, (1, 8))
+    with pytest.warns(UserWarning, match=r"plan pattern 'model.layer.\*.mlp.up_proj' matches no "
+                                         r"module of LlamaForCausalLM.*model.layers.0.mlp.up_proj"):
+        pm = fxshard.parallelize(model, mesh, example_inputs=(ids,),
+                                 plan={"model.layer.*.mlp.up_proj": "replicate",
+                                       "model.layers.*.mlp.down_proj": "replicate"})
+    text = str(pm.explain())
+    assert "Plan patterns that match no module (ignored): 'model.layer.*.mlp.up_proj'" in text
+    assert "down_proj" not in text.split("match no module")[1]
+    torch.testing.assert_close(pm(ids), model(ids), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("value,message", [
+    (None, r"'model.norm.weight' is NoneType, not a torch.Tensor"),
+    ("w", r"'model.norm.weight' is str, not a torch.Tensor"),
+], ids=["none", "str"])
+def test_state_dict_values_must_be_tensors(value, message):
+    model = our_llama(num_hidden_layers=1)
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    pm = fxshard.parallelize(model, mesh)
+    sd = dict(model.state_dict())
+    sd["model.norm.weight"] = value
+    with pytest.raises(TypeError, match="ParallelModule.load_state_dict: " + message):
+        pm.load_state_dict(sd)
+    with pytest.raises(TypeError, match=r"expected a dict of parameter name -> tensor.*got list"):
+        pm.load_state_dict(list(sd.values()))
+
+
+def test_numpy_state_dict_value_says_how_to_convert():
+    np = pytest.importorskip("numpy")
+    model = our_llama(num_hidden_layers=1)
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    pm = fxshard.parallelize(model, mesh)
+    sd = dict(model.state_dict())
+    sd["model.norm.weight"] = np.ones(64, dtype=np.float32)
+    with pytest.raises(TypeError, match=r"is ndarray, not a torch.Tensor \(torch.from_numpy"):
+        pm.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("scale", [math.nan, math.inf])
+def test_attention_scale_must_be_finite(scale):
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=rf"scale={scale} is not finite"):
+        attention(q, q, q, scale=scale)

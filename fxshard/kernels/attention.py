@@ -164,6 +164,9 @@ def _check_inputs(q, k, v, mask, scale, q_offset, kv_offset) -> None:
                               or not isinstance(scale, (numbers.Real, torch.SymFloat))):
         raise ValueError(f"{_NAME}: scale={scale!r}; expected a float or None "
                          f"(None means 1/sqrt(head_dim)).")
+    if isinstance(scale, numbers.Real) and not math.isfinite(scale):
+        raise ValueError(f"{_NAME}: scale={scale!r} is not finite; pass a finite float or None "
+                         f"(None means 1/sqrt(head_dim)).")
 
 
 def _scale_of(q: torch.Tensor, scale: Optional[float]) -> float:
