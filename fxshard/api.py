@@ -18,7 +18,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from .checks import check_parallelize_args, check_state_dict_values, unmatched_plan_patterns
+from .checks import (check_parallelize_args, check_state_dict_values, inference_only,
+                     unmatched_plan_patterns)
 from .mesh import MeshSpec, is_simulated, mesh_spec
 from .passes import PLAN_STYLES, PassCtx
 from .passes.fold_mask import fold_causal_mask_pass
@@ -216,7 +217,8 @@ class ParallelModule:
         """Run rank ``rank``'s stage on every microbatch in turn; sends do not wait for the
         receiver, so stage s works on microbatch i while stage s+1 works on i-1 (GPipe)."""
         mod = self._module(c, rank)
-        outs = [mod(*[x for x in flat if isinstance(x, torch.Tensor)]) for flat in micro]
+        with torch.no_grad():  # inference only (per thread: simulated ranks are threads)
+            outs = [mod(*[x for x in flat if isinstance(x, torch.Tensor)]) for flat in micro]
         if self.stage_of(rank) != self.spec.axis_size("pp") - 1:
             return None
         if len(outs) == 1:
@@ -250,7 +252,7 @@ class ParallelModule:
                 out = self._run_rank(c, backend.rank, micro)
                 out = _share_output(c, backend, out, self.microbatches)
                 backend.flush()  # a failed send surfaces in this forward, not a later one
-        return pytree.tree_unflatten(list(out), c.traced.out_spec)
+        return pytree.tree_unflatten(inference_only(self.model, list(out)), c.traced.out_spec)
 
     # -- inspection --------------------------------------------------------------------
     def _require_compiled(self, what: str) -> Compiled:

@@ -98,3 +98,32 @@ def check_state_dict_values(where: str, state_dict) -> None:
                     if type(value).__module__ == "numpy" else "")
             raise TypeError(f"{where}: {key!r} is {type(value).__name__}, not a torch.Tensor"
                             f"{hint}; pass the unsharded model's state_dict() values")
+
+
+class _NoBackward(torch.autograd.Function):
+    """Identity forward; a backward that says fxshard's rank programs are inference only."""
+
+    @staticmethod
+    def forward(ctx, x, anchor):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            "fxshard.ParallelModule: backward through a parallelized model is not supported; "
+            "fxshard's rank programs are inference only (their collectives have no gradient). "
+            "Run pm(x) under torch.no_grad() or torch.inference_mode(), and train the "
+            "unparallelized model (or with torch.distributed's FSDP/DTensor)")
+
+
+def inference_only(model: torch.nn.Module, outputs: list) -> list:
+    """``outputs`` unchanged when grad mode is off or nothing requires grad; otherwise each
+    floating tensor output gets a backward that raises the clear error above (instead of torch's
+    "no autograd formula for fxshard.all_reduce" or "does not require grad")."""
+    if not torch.is_grad_enabled():
+        return outputs
+    anchor = next((p for p in model.parameters() if p.requires_grad), None)
+    if anchor is None:
+        return outputs
+    return [_NoBackward.apply(x, anchor) if isinstance(x, torch.Tensor) and
+            x.dtype.is_floating_point else x for x in outputs]

@@ -22,6 +22,8 @@ import torch.fx as fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from .export_errors import export_quietly, summarise_export_error
+
 aten = torch.ops.aten
 
 __all__ = ["Traced", "trace", "cleanup_pass"]
@@ -56,16 +58,16 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
     meta_args = torch.utils._pytree.tree_map(_fake_like, args)
     meta_kwargs = torch.utils._pytree.tree_map(_fake_like, kwargs)
     try:
-        ep = torch.export.export(model, tuple(meta_args), meta_kwargs, strict=False)
+        with export_quietly():
+            ep = torch.export.export(model, tuple(meta_args), meta_kwargs, strict=False)
     except Exception as e:  # meta inputs on a model with real weights: export on real inputs
         if on_meta:
-            raise ValueError(f"fxshard.parallelize: torch.export could not trace "
-                             f"{type(model).__name__} on meta inputs: {e}") from e
-        ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+            raise summarise_export_error(model, e) from None
+        ep = _export_real(model, args, kwargs)
     if not on_meta and any(isinstance(v, torch.Tensor) and v.device.type == "meta"
                            for v in ep.constants.values()):
         # constants the forward makes (torch.tensor([0, 3])) came out on meta: trace for real
-        ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+        ep = _export_real(model, args, kwargs)
     if any(_mutates(n) for n in ep.graph.nodes):
         ep = ep.run_decompositions({})
         bad = [n for n in ep.graph.nodes if _mutates(n)]
@@ -74,6 +76,14 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
                 f"fxshard.parallelize: {type(model).__name__}'s forward mutates state in place "
                 f"({bad[0].target} at {bad[0].name}); fxshard runs pure inference graphs")
     return _from_exported(ep, model)
+
+
+def _export_real(model, args, kwargs) -> ExportedProgram:
+    try:
+        with export_quietly():
+            return torch.export.export(model, tuple(args), kwargs, strict=False)
+    except Exception as e:
+        raise summarise_export_error(model, e) from None
 
 
 def _mutates(node: fx.Node) -> bool:

@@ -198,3 +198,43 @@ def test_attention_scale_must_be_finite(scale):
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match=rf"scale={scale} is not finite"):
         attention(q, q, q, scale=scale)
+
+
+class _DataDependent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum() > 0:
+            return y * 2
+        return y
+
+
+def test_data_dependent_control_flow_is_a_short_error_naming_the_line(capfd):
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    pm = fxshard.parallelize(_DataDependent(), mesh)
+    with pytest.raises(NotImplementedError) as info:
+        pm(torch.randn(2, 8))
+    msg = str(info.value)
+    assert msg.startswith("fxshard.parallelize: torch.export could not trace _DataDependent: "
+                          "its forward branches on a tensor's value"), msg
+    assert f"{__file__}:" in msg and "in forward: `if y.sum() > 0:`" in msg
+    assert "torch.where" in msg and len(msg.splitlines()) == 1
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    assert "def forward" not in capfd.readouterr().err  # torch's partial graph held back
+
+
+def test_backward_through_the_output_says_inference_only():
+    model = our_llama(num_hidden_layers=1)
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    pm = fxshard.parallelize(model, mesh)
+    ids = torch.randint(0, 128, (2, 8))
+    out = pm(ids)
+    with pytest.raises(NotImplementedError, match=r"backward through a parallelized model is "
+                                                  r"not supported.*torch.no_grad\(\)"):
+        out.sum().backward()
+    with torch.no_grad():
+        assert not pm(ids).requires_grad
+    torch.testing.assert_close(out.detach(), model(ids).detach(), rtol=1e-4, atol=1e-4)
