@@ -14,7 +14,7 @@ Backends share one contract:
   it is also the CPU implementation of the whole system, so it reshapes q to
   ``[B, Hkv, G, Sq, D]`` for GQA instead of repeating K/V, and it is differentiable;
 - ``"auto"``: the custom op ``torch.ops.fxshard.attention`` (Triton on CUDA tensors without a
-  mask, torch otherwise), which FX graphs, ``torch.export`` and ``torch.compile`` see as one op.
+  mask when triton is installed, torch otherwise: the same contract, so the same result), which FX graphs, ``torch.export`` and ``torch.compile`` see as one op.
   Its backward is computed with the torch reference (explicit formulas, no Triton backward).
 
 Shape legend: B batch, Hq query heads, Hkv key/value heads, G = Hq // Hkv query heads per KV
@@ -265,7 +265,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   q_offset: int, kv_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``fxshard::attention``: backend="auto" dispatch (Triton on CUDA without mask, else torch)."""
     _check_inputs(q, k, v, mask, scale, q_offset, kv_offset)
-    if q.device.type == "cuda" and mask is None:
+    if q.device.type == "cuda" and mask is None and _triton_module() is not None:
         return _triton_attention(q, k, v, causal, scale, q_offset, kv_offset)
     return _torch_attention(q, k, v, mask, causal, scale, q_offset, kv_offset)
 
