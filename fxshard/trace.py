@@ -14,6 +14,7 @@ without weights. Each placeholder is tagged with what it is::
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +70,10 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
         # constants the forward makes (torch.tensor([0, 3])) came out on meta: trace for real
         ep = _export_real(model, args, kwargs)
     if any(_mutates(n) for n in ep.graph.nodes):
-        ep = ep.run_decompositions({})
+        with warnings.catch_warnings():  # torch's own deprecation inside its deepcopy
+            warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\)",
+                                    FutureWarning)
+            ep = ep.run_decompositions({})
         bad = [n for n in ep.graph.nodes if _mutates(n)]
         if bad:
             raise NotImplementedError(
