@@ -1,53 +1,111 @@
-"""``python -m fxshard demo | explain``: a tiny bundled Llama on a simulated (or real) mesh.
+"""python -m fxshard demo | explain: a tiny bundled Llama on a simulated (or real) mesh.
 
-    python -m fxshard demo                       # dp=2, tp=2 on a simulated mesh
-    python -m fxshard demo --mesh tp=4 --sp      # tensor + sequence parallel
-    python -m fxshard explain --mesh dp=2,tp=2,pp=2
-    torchrun --nproc_per_node=4 -m fxshard demo --mesh dp=2,tp=2   # real collectives (gloo)
+  python -m fxshard demo                        dp=2, tp=2 on a simulated mesh
+  python -m fxshard demo --mesh tp=4 --sp       tensor + sequence parallel
+  python -m fxshard explain --mesh dp=2,tp=2,pp=2 --microbatches 2 --svg plan.svg
+  torchrun --nproc_per_node=4 -m fxshard demo --mesh dp=2,tp=2    real ranks (gloo)
 
-Prints the collectives per rank, parameter bytes per rank, an excerpt of rank 0's code and
-the largest difference from the single-device model.
+demo prints the collectives per rank, parameter bytes per rank, one layer of rank 0's program
+and the largest difference from the single-device model; explain prints the plan only.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 
 import torch
 
 
 def _parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``"dp=2,tp=2"`` -> ``((2, 2), ("dp", "tp"))``; an argparse error (usage, no traceback)
+    for anything else."""
+    from fxshard.mesh import AXIS_NAMES, canonical_axis
     names, shape = [], []
     for part in text.split(","):
-        if "=" not in part:
-            raise SystemExit(f"--mesh: expected NAME=SIZE pairs like dp=2,tp=2, got {part!r}")
-        name, size = part.split("=", 1)
-        names.append(name.strip())
+        name, eq, size = part.partition("=")
+        if not eq or not size.strip().isdigit() or int(size) < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected NAME=SIZE pairs with sizes >= 1, like dp=2,tp=2; got {part!r} in "
+                f"{text!r}")
+        try:
+            names.append(canonical_axis(name.strip(), where="--mesh"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"unknown axis {name.strip()!r}; use {', '.join(AXIS_NAMES)}") from None
         shape.append(int(size))
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r} names an axis twice")
     return tuple(shape), tuple(names)
+
+
+def layer_excerpt(code: str) -> list[str]:
+    """One decoder layer of a rank program's code: from the end of the previous layer (its
+    residual add) to this layer's own residual add, so its collectives show; the whole code
+    when no layer is recognised. Weight fetches (``x = self.model...``) are left out."""
+    lines = [ln for ln in code.strip().splitlines()[1:]
+             if not re.match(r"\s+\w+ = (self\.|getattr\(self)", ln)]
+    layers = sorted({int(m) for ln in lines for m in re.findall(r"model_layers_(\d+)_", ln)})
+    if not layers:
+        return lines
+
+    def end(layer: int) -> int:
+        last = max(i for i, ln in enumerate(lines) if f"model_layers_{layer}_" in ln)
+        for i in range(last + 1, min(last + 6, len(lines))):
+            if re.match(r"\s+add\w* = torch\.ops\.aten\.add\.Tensor", lines[i]):
+                return i
+        return last
+
+    layer = layers[1] if len(layers) > 1 else layers[0]
+    start = end(layer - 1) + 1 if layer - 1 in layers else 0
+    return lines[start:end(layer) + 1]
+
+
+def _ran_on(pm) -> str:
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return (f"ran on: torch.distributed ({dist.get_backend()}), {dist.get_world_size()} "
+                f"processes, mesh {pm.spec.describe()}")
+    return (f"ran on: simulated mesh {pm.spec.describe()}, {pm.spec.world_size} ranks as "
+            f"threads of this process ({pm.spec.device_type})")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fxshard", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["demo", "explain"])
-    parser.add_argument("--mesh", default="dp=2,tp=2", help="axis sizes, e.g. dp=2,tp=2")
+    parser.add_argument("command", choices=["demo", "explain"],
+                        help="demo: run and compare with one device; explain: the plan only")
+    parser.add_argument("--mesh", default=((2, 2), ("dp", "tp")), type=_parse_mesh,
+                        help="axis sizes, e.g. dp=2,tp=2 (axes: dp, tp, pp, ulysses_cp, "
+                             "ring_cp; default dp=2,tp=2)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism on tp")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--microbatches", type=int, default=1)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=16)
-    parser.add_argument("--lines", type=int, default=40, help="lines of rank 0's code to show")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    parser.add_argument("--microbatches", type=int, default=1,
+                        help="pipeline microbatches (GPipe; needs pp; default 1)")
+    parser.add_argument("--batch", type=int, default=4, help="batch size (default 4)")
+    parser.add_argument("--seq", type=int, default=16, help="sequence length (default 16)")
+    parser.add_argument("--lines", type=int, default=60,
+                        help="at most this many lines of rank 0's layer excerpt (default 60)")
+    parser.add_argument("--svg", metavar="FILE",
+                        help="also draw the plan to FILE (.svg/.png; needs matplotlib: "
+                             "pip install 'fxshard[plot]')")
     args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, TypeError, NotImplementedError) as e:  # fxshard's errors say the fix
+        parser.exit(2, f"{parser.prog} {args.command}: error: {e}\n")
 
+
+def _run(args) -> int:
     import torch.distributed as dist
 
     import fxshard
     from fxshard.models.llama import LlamaConfig, LlamaForCausalLM
 
-    if "RANK" in __import__("os").environ and not dist.is_initialized():
+    if "RANK" in os.environ and not dist.is_initialized():
         dist.init_process_group("gloo")
-    shape, names = _parse_mesh(args.mesh)
+    shape, names = args.mesh
     mesh = fxshard.init_device_mesh("cpu", shape, mesh_dim_names=names)
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(0)
@@ -69,16 +127,21 @@ def main(argv: list[str] | None = None) -> int:
 def _show(args, pm, model, ids, rank: int) -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
     say(pm.explain())
+    if args.svg and rank == 0:
+        pm.explain().save(args.svg)
+        say(f"\nplan drawn to {args.svg}")
     if args.command == "explain":
         return 0
-    code = pm.rank_module(rank).code.strip().splitlines()
-    say(f"\nRank {rank}'s program ({len(code)} lines), first {args.lines}:")
-    say("\n".join(code[:args.lines]))
+    excerpt = layer_excerpt(pm.rank_module(rank).code)
+    say(f"\nOne layer of rank {rank}'s program ({len(excerpt)} lines"
+        f"{f', first {args.lines}' if len(excerpt) > args.lines else ''}):")
+    say("\n".join(excerpt[:args.lines]))
     with torch.no_grad():
         want = model(ids)
         got = pm(ids)
     err = (got - want).abs().max().item()
-    say(f"\nmax |parallel - single device| = {err:.3g} on mesh {pm.spec.describe()}")
+    say(f"\n{_ran_on(pm)}")
+    say(f"max |parallel - single device| = {err:.3g} on mesh {pm.spec.describe()}")
     return 0 if err < 1e-4 else 1
 
 

@@ -18,6 +18,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from .checks import (check_parallelize_args, check_state_dict_values, inference_only,
+                     unmatched_plan_patterns)
 from .mesh import MeshSpec, is_simulated, mesh_spec
 from .passes import PLAN_STYLES, PassCtx
 from .passes.fold_mask import fold_causal_mask_pass
@@ -137,6 +139,7 @@ class ParallelModule:
         self.stages = stages
         self.ring_zigzag = ring_zigzag
         materialize_buffers(model)
+        self.unmatched_plan: list[str] = []
         self._values = {k: v for k, v in model.state_dict(keep_vars=True).items()}
         self._expected = {k: (tuple(v.shape), v.dtype) for k, v in self._values.items()}
         self._buffers_np = {k: (tuple(v.shape), v.dtype)
@@ -222,7 +225,8 @@ class ParallelModule:
         """Run rank ``rank``'s stage on every microbatch in turn; sends do not wait for the
         receiver, so stage s works on microbatch i while stage s+1 works on i-1 (GPipe)."""
         mod = self._module(c, rank)
-        outs = [mod(*[x for x in flat if isinstance(x, torch.Tensor)]) for flat in micro]
+        with torch.no_grad():  # inference only (per thread: simulated ranks are threads)
+            outs = [mod(*[x for x in flat if isinstance(x, torch.Tensor)]) for flat in micro]
         if self.stage_of(rank) != self.spec.axis_size("pp") - 1:
             return None
         if len(outs) == 1:
@@ -289,7 +293,7 @@ class ParallelModule:
                 out = self._run_rank(c, backend.rank, micro)
                 out = _share_output(c, backend, out, self.microbatches)
                 backend.flush()  # a failed send surfaces in this forward, not a later one
-        return pytree.tree_unflatten(list(out), c.traced.out_spec)
+        return pytree.tree_unflatten(inference_only(self.model, list(out)), c.traced.out_spec)
 
     # -- inspection --------------------------------------------------------------------
     def _require_compiled(self, what: str) -> Compiled:
@@ -322,6 +326,7 @@ class ParallelModule:
 
         Every key of ``model.state_dict()`` is required; the model's non-persistent buffers
         (in no checkpoint) may be given too, by name."""
+        check_state_dict_values("ParallelModule.load_state_dict", state_dict)
         missing = sorted(set(self._expected) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(self._expected) - set(self._buffers_np))
         if missing or unexpected:
@@ -377,17 +382,13 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
             2n-1-j of 2n) so causal ring attention gives every rank the same work; needs the
             sequence to divide by 2n. ``False``: contiguous chunks.
     """
-    if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"{_WHERE}: model must be a torch.nn.Module, got {type(model).__name__}")
+    check_parallelize_args(_WHERE, model=model, example_inputs=example_inputs,
+                           example_kwargs=example_kwargs, plan=plan, styles=PLAN_STYLES,
+                           sequence_parallel=sequence_parallel, microbatches=microbatches,
+                           strict=strict, embedding=embedding, stages=stages,
+                           ring_zigzag=ring_zigzag)
     spec = mesh_spec(mesh, where=_WHERE)
-    for pattern, style in (plan or {}).items():
-        if style not in PLAN_STYLES:
-            raise ValueError(f"{_WHERE}: plan[{pattern!r}] = {style!r} is not a style; use one "
-                             f"of {', '.join(PLAN_STYLES)}")
-    if embedding not in ("embed_dim", "vocab"):
-        raise ValueError(f"{_WHERE}: embedding={embedding!r}; use 'embed_dim' or 'vocab'")
-    if microbatches < 1:
-        raise ValueError(f"{_WHERE}: microbatches={microbatches} must be >= 1")
+    unmatched = unmatched_plan_patterns(_WHERE, model, plan)
     if microbatches > 1 and spec.axis_size("pp") == 1:
         warnings.warn(f"{_WHERE}: microbatches={microbatches} has no effect without a pp axis",
                       stacklevel=2)
@@ -395,6 +396,7 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
     pm = ParallelModule(model, mesh, plan=plan or {}, sequence_parallel=sequence_parallel,
                         microbatches=microbatches, strict=strict, embedding=embedding,
                         stages=stages, ring_zigzag=ring_zigzag)
+    pm.unmatched_plan = unmatched    # globs that matched no module (warned; in explain())
     if example_inputs is not None or example_kwargs is not None:
         pm._get(tuple(example_inputs or ()), dict(example_kwargs or {}))
     return pm

@@ -9,6 +9,7 @@ materialises a full weight and a rank's peak memory grows with its slice, not th
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -21,7 +22,8 @@ __all__ = ["load_safetensors", "SafetensorsSource"]
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
            "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
-           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 @dataclass
@@ -70,14 +72,67 @@ def _files(path: str) -> list[str]:
     return [path]
 
 
+def _header(file: str) -> dict:
+    """The JSON header of a safetensors file, checked against the file's size."""
+    where = "fxshard.load_safetensors"
+    size = os.path.getsize(file)
+    with open(file, "rb") as fh:
+        prefix = fh.read(8)
+        n = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if n < 2 or 8 + n > size:
+            raise ValueError(f"{where}: {file} is not a safetensors file or is truncated: its "
+                             f"{size} bytes cannot hold the header it announces; re-download "
+                             f"or re-save the checkpoint")
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{where}: {file} has a corrupt header ({e}); re-download or re-save "
+                         f"the checkpoint") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{where}: {file} has a header that is not a JSON object; re-download "
+                         f"or re-save the checkpoint")
+    data = size - 8 - n
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        bad = _bad_entry(info, data)
+        if bad:
+            raise ValueError(f"{where}: tensor {key!r} in {file} {bad}; the file is corrupt, "
+                             f"truncated or not written by safetensors: re-download or "
+                             f"re-save it")
+    return header
+
+
+def _bad_entry(info, data: int) -> str | None:
+    """Why a header entry cannot be read from a data section of ``data`` bytes, or None."""
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+        return "lacks one of dtype, shape, data_offsets"
+    if info["dtype"] not in _DTYPES:
+        return (f"has dtype {info['dtype']!r}, which fxshard cannot read (supported: "
+                f"{', '.join(_DTYPES)})")
+    shape, offsets = info["shape"], info["data_offsets"]
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        return f"has shape {shape!r}, not a list of sizes"
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(o, int) for o in offsets) and 0 <= offsets[0] <= offsets[1]):
+        return f"has data_offsets {offsets!r}, not [begin, end]"
+    nbytes = math.prod(shape) * _DTYPES[info["dtype"]].itemsize
+    if offsets[1] - offsets[0] != nbytes:
+        return (f"takes {offsets[1] - offsets[0]} bytes but shape {shape} of "
+                f"{info['dtype']} needs {nbytes}")
+    if offsets[1] > data:
+        return f"ends at byte {offsets[1]} of a data section of {data} bytes"
+    return None
+
+
 def sources(path: str) -> dict[str, SafetensorsSource]:
-    """Every tensor of the checkpoint at ``path`` as a lazy source (headers only are read)."""
+    """Every tensor of the checkpoint at ``path`` as a lazy source (headers only are read;
+    each is checked against its file's size, so a corrupt or truncated file fails here,
+    naming the file and the tensor, not at the first forward)."""
     out: dict[str, SafetensorsSource] = {}
     for file in _files(path):
-        with open(file, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(n))
-        for key, info in header.items():
+        for key, info in _header(file).items():
             if key == "__metadata__":
                 continue
             if key in out:

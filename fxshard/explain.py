@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .placement import local_shape, short_spec
+from .placement import Shard, local_shape, shard_slices, short_spec
 
 __all__ = ["Explanation", "explain", "COLLECTIVES"]
 
@@ -35,6 +35,7 @@ class CollectiveInfo:
     shape: tuple            # local input shape
     tensor_bytes: int
     wire_bytes: int
+    module: str = ""        # the model module the collective belongs to ("model.layers.3.mlp")
 
 
 @dataclass
@@ -49,6 +50,19 @@ class Explanation:
     replicated: list = field(default_factory=list)      # (weight FQN, why it stays whole on tp)
     edits: list = field(default_factory=list)
     microbatches: int = 1                               # runs of each program per forward
+    unmatched_plan: list = field(default_factory=list)  # plan globs that matched no module
+    stages: dict = field(default_factory=dict)          # rank -> pipeline stage
+    slices: dict = field(default_factory=dict)          # rank -> [(fqn, global index)] of
+    #                                                     the first sharded weights it holds
+    mesh_shape: tuple = ()
+    axis_names: tuple = ()
+
+    def save(self, path: str) -> str:
+        """Draw the plan to ``path`` (``.svg``, ``.png`` or ``.pdf``; needs matplotlib,
+        ``pip install 'fxshard[plot]'``): the mesh with each rank's weight slices, the
+        collectives per layer with their bytes, and the pipeline schedule. Returns ``path``."""
+        from .plot import draw_plan
+        return draw_plan(self, path)
 
     def counts(self, rank: int = 0) -> Counter:
         """``{(op, axis): count}`` of rank ``rank``'s collectives per forward (local slices
@@ -91,6 +105,9 @@ class Explanation:
         lines += [f"  {fqn}: {why}" for fqn, why in self.replicated]
         lines += ["", f"Ops without a sharding rule (run replicated): {len(self.fallbacks)}"]
         lines += [f"  {f}" for f in self.fallbacks]
+        if self.unmatched_plan:
+            lines += ["", f"Plan patterns that match no module (ignored): "
+                          f"{', '.join(map(repr, self.unmatched_plan))}"]
         lines += ["", "Passes"] + [f"  {p}: {m}" for p, m in self.edits]
         return "\n".join(lines)
 
@@ -129,7 +146,7 @@ def collectives_of(graph, mesh) -> list[CollectiveInfo]:
             shape = local_shape(tuple(k.meta["val"].shape), k.meta["fxshard_spec"], mesh)
             nbytes = 2 * int(torch.Size(shape).numel()) * k.meta["val"].element_size()
             out.append(CollectiveInfo(node.name, op, axis, size, shape, nbytes,
-                                      (size - 1) * nbytes))
+                                      (size - 1) * nbytes, _module_of(node)))
             continue
         if op == "recv":
             shape, dtype = tuple(node.args[0]), node.args[1]
@@ -141,25 +158,42 @@ def collectives_of(graph, mesh) -> list[CollectiveInfo]:
             size = mesh.axis_size(axis)
         nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
         out.append(CollectiveInfo(node.name, op, axis, size, shape, nbytes,
-                                  _wire(op, size, nbytes)))
+                                  _wire(op, size, nbytes), _module_of(node)))
     return out
+
+
+def _module_of(node) -> str:
+    """The deepest model module of ``node`` or of the value it moves (inserted collectives
+    have no module of their own; their input does)."""
+    for n in [node, *[a for a in node.args if hasattr(a, "meta")]]:
+        stack = n.meta.get("nn_module_stack")
+        if stack:
+            return list(stack.values())[-1][0]
+    return ""
 
 
 def explain(pm, compiled) -> Explanation:
     mesh = pm.spec
     programs = getattr(compiled, "programs", None) or [compiled.program]
     alive = {n.name for p in programs for n in p.graph.nodes}
-    ex = Explanation(mesh=mesh.describe(), ranks=mesh.world_size,
+    ex = Explanation(mesh=mesh.describe(), ranks=mesh.world_size, mesh_shape=tuple(mesh.shape),
+                     axis_names=tuple(mesh.axis_names),
                      fallbacks=[f for f in compiled.ctx.fallbacks if f.split(":")[0] in alive],
                      edits=list(compiled.ctx.edits),
                      replicated=list(getattr(compiled.ctx, "replicated", [])),
-                     microbatches=getattr(pm, "microbatches", 1))
+                     microbatches=getattr(pm, "microbatches", 1),
+                     unmatched_plan=list(getattr(pm, "unmatched_plan", [])))
     stage_of = pm.stage_of if hasattr(pm, "stage_of") else (lambda r: 0)
     per_stage = {p.stage: collectives_of(p.graph, mesh) for p in programs}
     seen = set()
     for r in range(mesh.world_size):
         prog = programs[stage_of(r)] if len(programs) > 1 else programs[0]
         ex.collectives[r] = per_stage[prog.stage]
+        ex.stages[r] = prog.stage
+        ex.slices[r] = [(s.fqn, shard_slices(s.shape, s.spec, mesh, r))
+                        for s in prog.slots.values()
+                        if s.kind == "param" and any(isinstance(p, Shard) and n > 1 for n, p
+                                                     in zip(mesh.shape, s.spec))][:3]
         total = 0
         for s in prog.slots.values():
             if s.kind != "param":

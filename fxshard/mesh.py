@@ -19,6 +19,7 @@ of this process. Passes only need the geometry, which :func:`mesh_spec` extracts
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -110,10 +111,23 @@ class SimulatedMesh(MeshSpec):
 
 
 def _validate(where: str, mesh_shape, mesh_dim_names) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    if isinstance(mesh_shape, (str, bytes)) or not isinstance(mesh_shape, Sequence):
+        raise TypeError(f"{where}: mesh_shape={mesh_shape!r} must be a tuple of ints, one size "
+                        f"per mesh axis, e.g. mesh_shape=(2, 2)")
+    for n in mesh_shape:
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"{where}: mesh_shape={tuple(mesh_shape)!r} holds {n!r} "
+                            f"({type(n).__name__}); every axis size must be an int, "
+                            f"e.g. mesh_shape=(2, 2)")
     shape = tuple(int(n) for n in mesh_shape)
     if mesh_dim_names is None:
         raise ValueError(f"{where}: mesh_dim_names is required, e.g. "
                          f"mesh_dim_names=(\"dp\", \"tp\") for a mesh of shape {shape}")
+    if isinstance(mesh_dim_names, str) or not isinstance(mesh_dim_names, Sequence) or \
+            not all(isinstance(n, str) for n in mesh_dim_names):
+        raise TypeError(f"{where}: mesh_dim_names={mesh_dim_names!r} must be a tuple of axis "
+                        f"names, one per mesh dimension, e.g. mesh_dim_names=(\"tp\",) (note "
+                        f"the comma: a bare string is not a tuple)")
     names = tuple(canonical_axis(n, where=where) for n in mesh_dim_names)
     if len(names) != len(shape):
         raise ValueError(f"{where}: mesh_shape {shape} has {len(shape)} dimensions but "
@@ -136,6 +150,7 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
     """
     where = "fxshard.init_device_mesh"
     shape, names = _validate(where, mesh_shape, mesh_dim_names)
+    _check_device_type(where, device_type)
     import torch.distributed as dist
     if dist.is_available() and dist.is_initialized():
         world = dist.get_world_size()
@@ -149,6 +164,30 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
         _bound_axis_timeouts(device_mesh, names)
         return device_mesh
     return SimulatedMesh(shape, names, device_type)
+
+
+def _check_device_type(where: str, device_type) -> None:
+    if not isinstance(device_type, str):
+        raise TypeError(f"{where}: device_type={device_type!r} must be a string such as "
+                        f"\"cpu\" or \"cuda\"")
+    try:
+        device = torch.device(device_type)
+    except RuntimeError:
+        raise ValueError(f"{where}: device_type={device_type!r} is not a torch device type; "
+                         f"use \"cpu\" or \"cuda\"") from None
+    if device.index is not None:
+        raise ValueError(f"{where}: device_type={device_type!r} names one device; give the type "
+                         f"only (\"{device.type}\"): ranks pick their device by rank")
+    if device.type == "meta":
+        raise ValueError(f"{where}: device_type=\"meta\" cannot run a model; build the model "
+                         f"on meta if you like, but give the mesh the device it runs on "
+                         f"(\"cpu\" or \"cuda\")")
+    module = getattr(torch, device.type, None)
+    if device.type != "cpu" and not (module is not None and hasattr(module, "is_available")
+                                     and module.is_available()):
+        raise ValueError(f"{where}: device_type={device_type!r} but this machine has no "
+                         f"{device.type} device that torch can use (torch {torch.__version__}); "
+                         f"use \"cpu\", or install a torch build for {device.type}")
 
 
 def _bound_axis_timeouts(device_mesh, names) -> None:
@@ -175,7 +214,7 @@ def mesh_spec(mesh, *, where: str = "fxshard") -> MeshSpec:
     if isinstance(mesh, DeviceMesh):
         shape, names = _validate(where, tuple(mesh.mesh.shape), mesh.mesh_dim_names)
         return MeshSpec(shape, names, mesh.device_type)
-    raise ValueError(f"{where}: expected a mesh from fxshard.init_device_mesh or a torch "
+    raise TypeError(f"{where}: expected a mesh from fxshard.init_device_mesh or a torch "
                      f"DeviceMesh, got {type(mesh).__name__}")
 
 

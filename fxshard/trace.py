@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,8 @@ import torch
 import torch.fx as fx
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
+
+from .export_errors import export_quietly, summarise_export_error
 
 aten = torch.ops.aten
 
@@ -58,19 +61,21 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
     meta_args = torch.utils._pytree.tree_map(_fake_like, args)
     meta_kwargs = torch.utils._pytree.tree_map(_fake_like, kwargs)
     try:
-        with _buffers_on_meta(model, on_meta):
+        with _buffers_on_meta(model, on_meta), export_quietly():
             ep = torch.export.export(model, tuple(meta_args), meta_kwargs, strict=False)
     except Exception as e:  # meta inputs on a model with real weights: export on real inputs
         if on_meta:
-            raise ValueError(f"fxshard.parallelize: torch.export could not trace "
-                             f"{type(model).__name__} on meta inputs: {e}") from e
-        ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+            raise summarise_export_error(model, e) from None
+        ep = _export_real(model, args, kwargs)
     if not on_meta and any(isinstance(v, torch.Tensor) and v.device.type == "meta"
                            for v in ep.constants.values()):
         # constants the forward makes (torch.tensor([0, 3])) came out on meta: trace for real
-        ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+        ep = _export_real(model, args, kwargs)
     if any(_mutates(n) for n in ep.graph.nodes):
-        ep = ep.run_decompositions({})
+        with warnings.catch_warnings():  # torch's own deprecation inside its deepcopy
+            warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\)",
+                                    FutureWarning)
+            ep = ep.run_decompositions({})
         bad = [n for n in ep.graph.nodes if _mutates(n)]
         if bad:
             raise NotImplementedError(
@@ -121,6 +126,14 @@ def _without_cache(model: torch.nn.Module, kwargs: dict) -> dict:
             f"use_cache (fxshard passes use_cache=False) or with use_cache=False")
     kwargs.setdefault("use_cache", False)
     return kwargs
+
+
+def _export_real(model, args, kwargs) -> ExportedProgram:
+    try:
+        with export_quietly():
+            return torch.export.export(model, tuple(args), kwargs, strict=False)
+    except Exception as e:
+        raise summarise_export_error(model, e) from None
 
 
 def _mutates(node: fx.Node) -> bool:

@@ -65,3 +65,56 @@ def test_bad_checkpoint_paths_and_keys(tmp_path):
     write_shards(ref, tmp_path, drop=("model.norm.weight",))
     with pytest.raises(ValueError, match=r"missing keys \['model.norm.weight'\]"):
         fxshard.load_safetensors(pm, str(tmp_path))
+
+
+def _one_file(tmp_path):
+    ref = our_llama(num_hidden_layers=1)
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(path))
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    return ref, path, fxshard.parallelize(ref, mesh)
+
+
+def _edit_header(path, edit):
+    import json
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * max(0, n - len(text))
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+
+
+def test_corrupt_header_names_the_file(tmp_path):
+    _, path, pm = _one_file(tmp_path)
+    raw = path.read_bytes()
+    path.write_bytes(raw[:8] + b"{not json" + raw[17:])
+    with pytest.raises(ValueError, match=rf"{path.name} has a corrupt header"):
+        fxshard.load_safetensors(pm, str(path))
+    path.write_bytes(b"\x01\x02")
+    with pytest.raises(ValueError, match=rf"{path.name} is not a safetensors file or is "
+                                         rf"truncated"):
+        fxshard.load_safetensors(pm, str(path))
+
+
+def test_truncated_file_is_refused_at_load_naming_the_tensor(tmp_path):
+    _, path, pm = _one_file(tmp_path)
+    raw = path.read_bytes()
+    path.write_bytes(raw[:len(raw) - 100])
+    with pytest.raises(ValueError, match=rf"tensor '[\w.]+' in .*{path.name} ends at byte "
+                                         rf"\d+ of a data section of \d+ bytes"):
+        fxshard.load_safetensors(pm, str(path))
+
+
+def test_unknown_dtype_and_wrong_offsets_are_value_errors(tmp_path):
+    _, path, pm = _one_file(tmp_path)
+    _edit_header(path, lambda h: h["model.norm.weight"].update(dtype="Q4"))
+    with pytest.raises(ValueError, match=r"tensor 'model.norm.weight' in .* has dtype 'Q4', "
+                                         r"which fxshard cannot read \(supported: F64"):
+        fxshard.load_safetensors(pm, str(path))
+    _, path, pm = _one_file(tmp_path)
+    _edit_header(path, lambda h: h["model.norm.weight"].update(shape=[65]))
+    with pytest.raises(ValueError, match=r"'model.norm.weight' .* takes 256 bytes but shape "
+                                         r"\[65\] of F32 needs 260"):
+        fxshard.load_safetensors(pm, str(path))

@@ -402,3 +402,4 @@ def test_torchrun_demo_tp2():
     m = re.search(r"max \|parallel - single device\| = (\S+) on mesh \(tp=2\)", stdout)
     assert m, stdout
     assert float(m.group(1)) < 1e-4, m.group(0)
+    assert "ran on: torch.distributed (gloo), 2 processes, mesh (tp=2)" in stdout, stdout

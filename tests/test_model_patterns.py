@@ -5,12 +5,16 @@ microbatches. Each must match the single-device model on every mesh, or fail wit
 error."""
 from __future__ import annotations
 
+import re
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import fxshard
+from fxshard.passes.rules import FallbackWarning
 from tests.models import hf_llama, our_llama
 
 MESHES = [dict(dp=2), dict(tp=2), dict(ring_cp=2), dict(dp=2, tp=2), dict(ulysses_cp=2)]
@@ -89,6 +93,21 @@ CASES = [(CloneThenInPlace, lambda: (torch.randn(4, 8, 8),)),
          (NanoGPTAttention, lambda: (torch.randn(4, 8, 16),))]
 
 
+def run_parallel(model, m, *args, **kwargs):
+    """``parallelize(model, m)(*args, **kwargs)`` with its warnings checked instead of printed:
+    only FallbackWarnings, each about an op ``explain()`` lists as run replicated."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = fxshard.parallelize(model, m)
+        out = pm(*args, **kwargs)
+    others = [str(w.message) for w in caught if not issubclass(w.category, FallbackWarning)]
+    assert not others, others
+    warned = {re.search(r"\((\w+)\) ", str(w.message)).group(1)
+              for w in caught}
+    assert warned <= {f.split(":")[0] for f in pm.explain().fallbacks}
+    return out
+
+
 @pytest.mark.parametrize("axes", MESHES, ids=lambda a: "x".join(f"{k}{v}" for k, v in a.items()))
 @pytest.mark.parametrize("make,inputs", CASES, ids=[c[0].__name__ for c in CASES])
 def test_pattern_matches_single_device(make, inputs, axes):
@@ -96,7 +115,7 @@ def test_pattern_matches_single_device(make, inputs, axes):
     model = make().eval()
     args = inputs()
     want = model(*args)
-    got = fxshard.parallelize(model, mesh(**axes))(*args)
+    got = run_parallel(model, mesh(**axes), *args)
     for g, w in zip(*(x if isinstance(x, tuple) else (x,) for x in (got, want))):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
 
@@ -105,7 +124,7 @@ def test_hf_llama_with_labels_returns_the_loss():
     model = hf_llama(layers=1)
     ids = torch.randint(0, 128, (2, 8))
     want = model(ids, labels=ids)
-    got = fxshard.parallelize(model, mesh(dp=2, tp=2))(ids, labels=ids)
+    got = run_parallel(model, mesh(dp=2, tp=2), ids, labels=ids)
     torch.testing.assert_close(got.loss, want.loss, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
 
@@ -197,7 +216,7 @@ def test_hf_position_ids_with_dp():
     ids = torch.randint(0, 128, (4, 16))
     pos = torch.arange(16).expand(4, 16).contiguous()
     want = model(ids, position_ids=pos).logits
-    got = fxshard.parallelize(model, mesh(dp=2, tp=2))(ids, position_ids=pos).logits
+    got = run_parallel(model, mesh(dp=2, tp=2), ids, position_ids=pos).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 

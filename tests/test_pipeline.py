@@ -139,3 +139,59 @@ def test_stages_override():
     assert {k.split(".")[2] for k in first if k.startswith("model.layers.")} == {"0"}
     with pytest.raises(ValueError, match="must give each of the 4 layers"):
         fxshard.parallelize(model, mesh(pp=2), stages=[0, 1], example_inputs=(ids,))
+
+
+class TwoStreams(torch.nn.Module):
+    """Each block passes two values of one shape to the next, so two values cross every cut
+    from the same stage: receiving them in another order than they were sent swaps them."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(TwoStreamBlock() for _ in range(2))
+
+    def forward(self, x):
+        a = self.inp(x)
+        b = torch.tanh(a) * 3
+        for blk in self.blocks:
+            a, b = blk(a, b)
+        return a - 2 * b
+
+
+class TwoStreamBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fa = torch.nn.Linear(16, 16)
+        self.fb = torch.nn.Linear(16, 16)
+
+    def forward(self, a, b):
+        return self.fa(a) + b, torch.sigmoid(self.fb(b)) - a
+
+
+@pytest.mark.parametrize("mb", [1, 2])
+def test_two_values_crossing_one_cut_keep_their_order(mb):
+    torch.manual_seed(0)
+    model = TwoStreams().eval()
+    x = torch.randn(4, 8)
+    pm = fxshard.parallelize(model, mesh(pp=2), microbatches=mb)
+    torch.testing.assert_close(pm(x), model(x), **TOL)
+    sends = ops_in(pm.rank_module(0), "fxshard.send")
+    recvs = ops_in(pm.rank_module(1), "fxshard.recv")
+    assert len(sends) == len(recvs) == 2
+    assert [tuple(s.args[0].meta["val"].shape) for s in sends] == [(4 // mb, 16)] * 2
+
+
+def test_explain_counts_per_forward_with_microbatches():
+    model = our_llama(num_hidden_layers=2)
+    ids = torch.randint(0, 128, (4, 8))
+    one, four = (fxshard.parallelize(model, mesh(tp=2, pp=2), example_inputs=(ids,),
+                                     microbatches=m).explain() for m in (1, 4))
+    # rank 0 is (tp=0, stage 0): embedding all-gather, 2 all-reduces in layer 0, one send
+    assert one.counts(0) == {("all_gather", "tp"): 1, ("all_reduce", "tp"): 2, ("send", "pp"): 1}
+    assert four.counts(0) == {k: 4 * n for k, n in one.counts(0).items()}
+    assert four.counts(1) == {k: 4 * n for k, n in one.counts(1).items()}
+    rows = {}
+    for ex in (one, four):  # the table: 4x the calls, the same bytes per forward
+        line = next(ln for ln in str(ex).splitlines() if ln.strip().startswith("all_reduce"))
+        rows[ex.microbatches] = [int(v.replace(",", "")) for v in line.split()[2:]]
+    assert rows[4][0] == 4 * rows[1][0] and rows[4][1:] == rows[1][1:]

@@ -14,7 +14,7 @@ Backends share one contract:
   it is also the CPU implementation of the whole system, so it reshapes q to
   ``[B, Hkv, G, Sq, D]`` for GQA instead of repeating K/V, and it is differentiable;
 - ``"auto"``: the custom op ``torch.ops.fxshard.attention`` (Triton on CUDA tensors without a
-  mask, torch otherwise), which FX graphs, ``torch.export`` and ``torch.compile`` see as one op.
+  mask when triton is installed, torch otherwise: the same contract, so the same result), which FX graphs, ``torch.export`` and ``torch.compile`` see as one op.
   Its backward is computed with the torch reference (explicit formulas, no Triton backward).
 
 Shape legend: B batch, Hq query heads, Hkv key/value heads, G = Hq // Hkv query heads per KV
@@ -164,6 +164,9 @@ def _check_inputs(q, k, v, mask, scale, q_offset, kv_offset) -> None:
                               or not isinstance(scale, (numbers.Real, torch.SymFloat))):
         raise ValueError(f"{_NAME}: scale={scale!r}; expected a float or None "
                          f"(None means 1/sqrt(head_dim)).")
+    if isinstance(scale, numbers.Real) and not math.isfinite(scale):
+        raise ValueError(f"{_NAME}: scale={scale!r} is not finite; pass a finite float or None "
+                         f"(None means 1/sqrt(head_dim)).")
 
 
 def _scale_of(q: torch.Tensor, scale: Optional[float]) -> float:
@@ -201,15 +204,18 @@ def _torch_attention(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_o
     """The torch backend: plain ops, NaN-free (also in autograd) for rows that see no key."""
     batch, heads_q, seq_q, head_dim = q_BHSD.shape
     heads_kv, seq_kv = k_BHSD.shape[1], k_BHSD.shape[2]
-    if seq_kv == 0:
+    if seq_q == 0 or seq_kv == 0:
         out = torch.zeros(q_BHSD.shape, dtype=q_BHSD.dtype, device=q_BHSD.device)
         lse = torch.full(q_BHSD.shape[:3], -math.inf, dtype=torch.float32,
                          device=q_BHSD.device)
         return out, lse
     if (mask is None and q_BHSD.device.type == "cpu" and (not causal or q_offset == kv_offset)
-            and q_BHSD.dtype in (torch.float32, torch.float64)):
+            and q_BHSD.dtype in (torch.float32, torch.float64) and seq_q > 0
+            and all(bool(torch.isfinite(t).all()) for t in (q_BHSD, k_BHSD, v_BHSD))):
         # torch's fused CPU flash attention has this contract whenever the causal diagonal
-        # starts at the top-left (equal offsets) and no row is empty: 3-4x the plain ops' speed
+        # starts at the top-left (equal offsets) and no row is empty: 3-4x the plain ops' speed.
+        # Not for zero queries (it dies of SIGFPE) nor non-finite inputs (it gives out = 0,
+        # lse = 0 for a NaN row where the plain ops, like eager SDPA, give NaN)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q_BHSD, k_BHSD, v_BHSD, 0.0, bool(causal), scale=_scale_of(q_BHSD, scale))
         return out.contiguous(), lse.to(torch.float32).contiguous()
@@ -243,6 +249,8 @@ def _triton_module():
 
 
 def _triton_attention(q, k, v, causal, scale, q_offset, kv_offset):
+    if q.shape[2] == 0 or k.shape[2] == 0:  # nothing to launch: the torch result is exact
+        return _torch_attention(q, k, v, None, causal, scale, q_offset, kv_offset)
     module = _triton_module()
     if module is None:
         raise ValueError(f"{_NAME}: the Triton backend needs the triton package, which is not "
@@ -257,7 +265,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   q_offset: int, kv_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``fxshard::attention``: backend="auto" dispatch (Triton on CUDA without mask, else torch)."""
     _check_inputs(q, k, v, mask, scale, q_offset, kv_offset)
-    if q.device.type == "cuda" and mask is None:
+    if q.device.type == "cuda" and mask is None and _triton_module() is not None:
         return _triton_attention(q, k, v, causal, scale, q_offset, kv_offset)
     return _torch_attention(q, k, v, mask, causal, scale, q_offset, kv_offset)
 

@@ -2,7 +2,8 @@
 
 ``fxshard::vocab_embedding(weight, ids, axis, size)``: the rank holds rows
 ``[r * V/size, (r + 1) * V/size)`` of a vocab-sharded embedding; ids outside that range look up
-zeros, so the sum over ``axis`` (the all-reduce that follows) is the full embedding.
+zeros, so the sum over ``axis`` (the all-reduce that follows) is the full embedding; an id outside
+the whole vocabulary is an ``IndexError``, as on one device.
 
 ``fxshard::partial_from_replicate(x, axis, size)``: Replicate -> Partial, ``x`` on coordinate
 0 and zeros elsewhere.
@@ -23,6 +24,14 @@ __all__ = ["vocab_embedding", "partial_from_replicate", "zigzag_shard", "zigzag_
 def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, axis: str, size: int
                     ) -> torch.Tensor:
     rows = weight.shape[0]
+    vocab = rows * size
+    bad = (ids < 0) | (ids >= vocab)
+    if bool(bad.any()):  # each rank sees zeros for the id: without this the sum would be 0
+        raise IndexError(
+            f"fxshard::vocab_embedding: token id {int(ids[bad][0])} is outside the vocabulary "
+            f"[0, {vocab}) of an embedding sharded over mesh axis {axis!r} (the single-device "
+            f"model raises IndexError too); check that the input ids come from a tokenizer "
+            f"with at most {vocab} tokens")
     start = current_backend().axis_index(axis) * rows
     local = ids - start
     outside = (local < 0) | (local >= rows)

@@ -1,0 +1,240 @@
+"""Adversarial inputs: every bad input is a clear error or the single-device answer, never a
+silent wrong one (out-of-range token ids, NaN weights, zero queries, bad API arguments)."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fxshard
+from fxshard.kernels import attention
+from tests.models import our_llama
+
+
+@pytest.mark.parametrize("bad_id", [128, -1])
+def test_out_of_range_token_id_with_vocab_embedding_is_an_index_error(bad_id):
+    model = our_llama(num_hidden_layers=1)
+    ids = torch.randint(0, 128, (2, 8))
+    ids[1, 3] = bad_id
+    with pytest.raises(IndexError):
+        model(ids)
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    pm = fxshard.parallelize(model, mesh, embedding="vocab")
+    with pytest.raises(IndexError, match=rf"token id {bad_id} is outside the vocabulary "
+                                         rf"\[0, 128\).*'tp'"):
+        pm(ids)
+    ids[1, 3] = 5  # the mesh recovers
+    torch.testing.assert_close(pm(ids), model(ids), rtol=1e-4, atol=1e-4)
+    pm.close()
+
+
+@pytest.mark.parametrize("where", ["q_proj", "first_token"])
+@pytest.mark.parametrize("axis", ["ring_cp", "ulysses_cp", "tp"])
+def test_nan_weight_gives_nan_where_single_device_does(axis, where):
+    model = our_llama(num_hidden_layers=2)
+    ids = torch.randint(8, 128, (2, 8))
+    with torch.no_grad():
+        if where == "q_proj":  # every query of one head is NaN: the whole output is NaN
+            model.model.layers[1].self_attn.q_proj.weight[3, 5] = math.nan
+        else:  # sample 1 is NaN from its first token on, sample 0 stays finite
+            model.model.embed_tokens.weight[7, 5] = math.nan
+            ids[1, 0] = 7
+    want = model(ids)
+    assert want.isnan().any() and (where == "q_proj" or not want[0].isnan().any())
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=(axis,))
+    pm = fxshard.parallelize(model, mesh)
+    got = pm(ids)
+    assert torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, equal_nan=True)
+    pm.close()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("nan_in", ["q", "k", "v"])
+def test_attention_fast_path_agrees_with_plain_path_on_nan(causal, nan_in):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=g) for _ in range(3))
+    dict(q=q, k=k, v=v)[nan_in][0, 1, 2, 3] = math.nan
+    # the reference in float64: torch's fused float32 CPU kernel gives 0 for a NaN query row
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), is_causal=causal).float()
+    out, lse = attention(q, k, v, causal=causal)
+    # the mask argument forces the plain path
+    out_plain, lse_plain = attention(q, k, v, causal=causal,
+                                     mask=torch.ones(5, 5, dtype=torch.bool))
+    assert torch.equal(out.isnan(), ref.isnan()) and out.isnan().any()
+    torch.testing.assert_close(out, ref, equal_nan=True)
+    torch.testing.assert_close(out, out_plain, equal_nan=True)
+    torch.testing.assert_close(lse, lse_plain, equal_nan=True)
+
+
+def test_zero_queries_do_not_crash_the_process():
+    code = ("import torch\nfrom fxshard.kernels import attention\n"
+            "k = torch.randn(1, 2, 4, 8)\n"
+            "for backend in ('auto', 'torch'):\n"
+            "    for causal in (True, False):\n"
+            "        out, lse = attention(torch.randn(1, 2, 0, 8), k, k, causal=causal,"
+            " backend=backend)\n"
+            "        assert out.shape == (1, 2, 0, 8) and lse.shape == (1, 2, 0), out.shape\n"
+            "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda: fxshard.init_device_mesh("cpu", (2.7,), mesh_dim_names=("tp",)), TypeError,
+     r"init_device_mesh: mesh_shape=\(2.7,\) holds 2.7 \(float\).*must be an int"),
+    (lambda: fxshard.init_device_mesh("cpu", ("two",), mesh_dim_names=("tp",)), TypeError,
+     r"mesh_shape=\('two',\) holds 'two' \(str\)"),
+    (lambda: fxshard.init_device_mesh("cpu", 4, mesh_dim_names=("tp",)), TypeError,
+     r"mesh_shape=4 must be a tuple of ints.*\(2, 2\)"),
+    (lambda: fxshard.init_device_mesh("cpu", (2,), mesh_dim_names="tp"), TypeError,
+     r"mesh_dim_names='tp' must be a tuple of axis names.*\(\"tp\",\)"),
+    (lambda: fxshard.init_device_mesh("gpu", (2,), mesh_dim_names=("tp",)), ValueError,
+     r"device_type='gpu' is not a torch device type; use \"cpu\" or \"cuda\""),
+    (lambda: fxshard.init_device_mesh("cpu:1", (2,), mesh_dim_names=("tp",)), ValueError,
+     r"device_type='cpu:1' names one device; give the type only \(\"cpu\"\)"),
+    (lambda: fxshard.init_device_mesh(0, (2,), mesh_dim_names=("tp",)), TypeError,
+     r"device_type=0 must be a string"),
+], ids=["float_size", "str_size", "int_shape", "str_names", "gpu", "indexed", "int_device"])
+def test_bad_mesh_arguments_name_the_argument_and_the_fix(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_mesh_without_cuda_is_a_value_error():
+    with pytest.raises(ValueError, match=r"device_type='cuda' but this machine has no cuda "
+                                         r"device.*use \"cpu\""):
+        fxshard.init_device_mesh("cuda", (2,), mesh_dim_names=("tp",))
+
+
+_PARALLELIZE_ERRORS = [
+    (dict(microbatches=2.0), TypeError, r"microbatches=2.0 \(float\) must be an int >= 1"),
+    (dict(microbatches=0), ValueError, r"microbatches=0 must be >= 1"),
+    (dict(example_inputs=torch.zeros(1, 4, dtype=torch.long)), TypeError,
+     r"example_inputs must be a tuple.*got Tensor; pass example_inputs=\(x,\)"),
+    (dict(example_kwargs=[1]), TypeError, r"example_kwargs must be a dict.*got list"),
+    (dict(plan=[("model.*", "colwise")]), TypeError, r"plan must be a dict.*got list"),
+    (dict(plan={"model.layers.*.mlp.up_proj": ["colwise"]}), TypeError,
+     r"plan\['model.layers.\*.mlp.up_proj'\] = \['colwise'\] is not a style; use one of "
+     r"colwise, rowwise"),
+    (dict(plan={"model.layers.*.mlp.up_proj": "column"}), ValueError,
+     r"plan\['model.layers.\*.mlp.up_proj'\] = 'column' is not a style"),
+    (dict(plan={3: "colwise"}), TypeError, r"plan key 3 \(int\) must be a module-name glob"),
+    (dict(sequence_parallel="yes"), TypeError, r"sequence_parallel='yes' \(str\) must be True"),
+    (dict(embedding="rows"), ValueError, r"embedding='rows'; use 'embed_dim' or 'vocab'"),
+    (dict(stages="01"), TypeError, r"stages='01' must be a list of ints"),
+]
+
+
+@pytest.mark.parametrize("kwargs,error,message", _PARALLELIZE_ERRORS,
+                         ids=[f"{next(iter(k))}-{i}" for i, (k, _, _) in
+                              enumerate(_PARALLELIZE_ERRORS)])
+def test_bad_parallelize_arguments_name_the_argument_and_the_fix(kwargs, error, message):
+    model = our_llama(num_hidden_layers=1)
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    with pytest.raises(error, match=r"fxshard.parallelize: " + message):
+        fxshard.parallelize(model, mesh, **kwargs)
+
+
+def test_bad_model_and_mesh_types():
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module, got function"):
+        fxshard.parallelize(lambda x: x, mesh)
+    with pytest.raises(TypeError, match=r"expected a mesh from fxshard.init_device_mesh.*"
+                                        r"got tuple"):
+        fxshard.parallelize(our_llama(num_hidden_layers=1), (2,))
+
+
+def test_plan_glob_that_matches_nothing_warns_and_shows_in_explain():
+    model = our_llama(num_hidden_layers=1)
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    ids = torch.randint(0, 128, (1, 8))
+    with pytest.warns(UserWarning, match=r"plan pattern 'model.layer.\*.mlp.up_proj' matches no "
+                                         r"module of LlamaForCausalLM.*model.layers.0.mlp.up_proj"):
+        pm = fxshard.parallelize(model, mesh, example_inputs=(ids,),
+                                 plan={"model.layer.*.mlp.up_proj": "replicate",
+                                       "model.layers.*.mlp.down_proj": "replicate"})
+    text = str(pm.explain())
+    assert "Plan patterns that match no module (ignored): 'model.layer.*.mlp.up_proj'" in text
+    assert "down_proj" not in text.split("match no module")[1]
+    torch.testing.assert_close(pm(ids), model(ids), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("value,message", [
+    (None, r"'model.norm.weight' is NoneType, not a torch.Tensor"),
+    ("w", r"'model.norm.weight' is str, not a torch.Tensor"),
+], ids=["none", "str"])
+def test_state_dict_values_must_be_tensors(value, message):
+    model = our_llama(num_hidden_layers=1)
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    pm = fxshard.parallelize(model, mesh)
+    sd = dict(model.state_dict())
+    sd["model.norm.weight"] = value
+    with pytest.raises(TypeError, match="ParallelModule.load_state_dict: " + message):
+        pm.load_state_dict(sd)
+    with pytest.raises(TypeError, match=r"expected a dict of parameter name -> tensor.*got list"):
+        pm.load_state_dict(list(sd.values()))
+
+
+def test_numpy_state_dict_value_says_how_to_convert():
+    np = pytest.importorskip("numpy")
+    model = our_llama(num_hidden_layers=1)
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    pm = fxshard.parallelize(model, mesh)
+    sd = dict(model.state_dict())
+    sd["model.norm.weight"] = np.ones(64, dtype=np.float32)
+    with pytest.raises(TypeError, match=r"is ndarray, not a torch.Tensor \(torch.from_numpy"):
+        pm.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("scale", [math.nan, math.inf])
+def test_attention_scale_must_be_finite(scale):
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=rf"scale={scale} is not finite"):
+        attention(q, q, q, scale=scale)
+
+
+class _DataDependent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum() > 0:
+            return y * 2
+        return y
+
+
+def test_data_dependent_control_flow_is_a_short_error_naming_the_line(capfd):
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    pm = fxshard.parallelize(_DataDependent(), mesh)
+    with pytest.raises(NotImplementedError) as info:
+        pm(torch.randn(2, 8))
+    msg = str(info.value)
+    assert msg.startswith("fxshard.parallelize: torch.export could not trace _DataDependent: "
+                          "its forward branches on a tensor's value"), msg
+    assert f"{__file__}:" in msg and "in forward: `if y.sum() > 0:`" in msg
+    assert "torch.where" in msg and len(msg.splitlines()) == 1
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    assert "def forward" not in capfd.readouterr().err  # torch's partial graph held back
+
+
+def test_backward_through_the_output_says_inference_only():
+    model = our_llama(num_hidden_layers=1)
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    pm = fxshard.parallelize(model, mesh)
+    ids = torch.randint(0, 128, (2, 8))
+    out = pm(ids)
+    with pytest.raises(NotImplementedError, match=r"backward through a parallelized model is "
+                                                  r"not supported.*torch.no_grad\(\)"):
+        out.sum().backward()
+    with torch.no_grad():
+        assert not pm(ids).requires_grad
+    torch.testing.assert_close(out.detach(), model(ids).detach(), rtol=1e-4, atol=1e-4)
