@@ -55,6 +55,11 @@ def emit_pass(gm: fx.GraphModule | fx.Graph, *, ctx: PassCtx, stage: int = 0) ->
             continue
         fqn = node.meta.get("fxshard_param") or node.meta.get("fxshard_buffer")
         if fqn is None:
+            if not node.users and not isinstance(node.meta.get("val"), torch.Tensor):
+                # a non-tensor user input (int, None, str): export specialised it into the
+                # graph; the runtime passes tensor inputs only
+                graph.erase_node(node)
+                dropped += 1
             continue
         if not node.users:
             graph.erase_node(node)
