@@ -15,8 +15,9 @@ opaque ops with known output shapes). A call then costs one boxed dispatch into 
     @_all_reduce.register_fake
     def _(x, axis, size): return x.new_empty(x.shape)
 
-No autograd formula is registered: backward through these ops is not supported (fxshard runs
-inference graphs).
+No autograd formula is registered by default: backward through the collectives is not
+supported (fxshard runs inference graphs); an op that has a backward registers its own
+``Autograd`` kernel with :meth:`Op.register_kernel` (``fxshard::attention`` does).
 """
 from __future__ import annotations
 
@@ -47,6 +48,10 @@ class Op:
     def register_fake(self, fake: Callable) -> Callable:
         torch.library.register_fake(self.qualname, fake, lib=self._lib)
         return fake
+
+    def register_kernel(self, key: str, fn: Callable, *, with_keyset: bool = False) -> None:
+        """Register ``fn`` for dispatch key ``key`` (e.g. an ``Autograd`` kernel)."""
+        self._lib.impl(self.qualname.split("::")[1], fn, key, with_keyset=with_keyset)
 
 
 def define_op(qualname: str, schema: str) -> Callable[[Callable], Op]:
