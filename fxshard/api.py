@@ -359,6 +359,9 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
                              f"of {', '.join(PLAN_STYLES)}")
     if embedding not in ("embed_dim", "vocab"):
         raise ValueError(f"{_WHERE}: embedding={embedding!r}; use 'embed_dim' or 'vocab'")
+    if not isinstance(compile, bool):
+        raise TypeError(f"{_WHERE}: compile={compile!r}; pass True (Inductor-compiled rank "
+                        f"programs) or False")
     if microbatches < 1:
         raise ValueError(f"{_WHERE}: microbatches={microbatches} must be >= 1")
     if microbatches > 1 and spec.axis_size("pp") == 1:

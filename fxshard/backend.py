@@ -80,6 +80,12 @@ class _Region(torch.nn.Module):
 
 def _lift(gm: fx.GraphModule, example_inputs) -> tuple[_Region, list[int]]:
     """The region module and, per user input, its position among the graph's inputs."""
+    if next(gm.parameters(), None) is not None:
+        raise NotImplementedError(
+            f"{_WHERE}: the graph handed to the backend holds parameters as attributes "
+            f"({next(n for n, _ in gm.named_parameters())!r} ...); fxshard shards parameters "
+            f"that dynamo lifted to graph inputs (what torch.compile does). For a GraphModule "
+            f"of your own use fxshard.parallelize(gm, mesh)")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_inputs):
         raise ValueError(f"{_WHERE}: dynamo gave {len(example_inputs)} example inputs for a "

@@ -149,6 +149,19 @@ def test_backend_rejects_example_inputs_option():
         fxshard.backend(mesh, example_inputs=(torch.zeros(1),))
 
 
+def test_backend_needs_lifted_parameters():
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    with pytest.raises(NotImplementedError, match=r"fxshard.backend: .*'weight'.*lifted"):
+        fxshard.backend(mesh)(gm, [torch.zeros(2, 4)])
+
+
+def test_parallelize_compile_must_be_bool():
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    with pytest.raises(TypeError, match=r"fxshard.parallelize: compile='yes'"):
+        fxshard.parallelize(our_llama(num_hidden_layers=1), mesh, compile="yes")
+
+
 # --- Inductor ---------------------------------------------------------------------------------
 
 def test_backend_compiles_rank_programs_with_inductor():
