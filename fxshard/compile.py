@@ -73,9 +73,15 @@ def compile_stage(program: Program, example_module: fx.GraphModule,
                   example_inputs: list[torch.Tensor]) -> CompiledStage:
     """Compile ``program`` with Inductor, on the weights of one of its ranks
     (``example_module``) and that rank's inputs (no collective runs while compiling)."""
+    from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
     gm, names = _weights_as_inputs(program)
     example = [*_weights_of(example_module, names), *example_inputs]
-    with torch.no_grad():
-        fn = compile_fx(gm, example)
+    # a fake mode with a shape env, as dynamo would give: Inductor's FX graph cache needs one
+    # (without it every process recompiles the same stage from scratch)
+    fake = FakeTensorMode(shape_env=ShapeEnv())
+    with torch.no_grad(), tracing(TracingContext(fake)):
+        fn = compile_fx(gm, [fake.from_tensor(x, static_shapes=True) for x in example])
     return CompiledStage(fn=fn, names=names)
