@@ -32,6 +32,11 @@ input ids. Variants:
   fxshard gm+sdpa    diagnostic: a copy of that GraphModule whose ``fxshard.attention`` nodes
                      call ``F.scaled_dot_product_attention`` instead (patched here, in the
                      benchmark) - separates the attention kernel from the rest of the program.
+  fxshard compiled   ``fxshard.parallelize(model, mesh, example_inputs=(ids,), compile=True)``:
+                     the rank program compiled by Inductor (``fxshard.compile``), called as
+                     ``pm(ids)``.
+  megatron compiled  the hand-written Megatron forward under ``torch.compile`` (Inductor;
+                     dynamo traces its ``dist.*`` collectives).
   dtensor            ``torch.distributed.tensor.parallel.parallelize_module`` on a copy of the
                      model (ColwiseParallel q/k/v/gate/up, RowwiseParallel o/down, embedding and
                      lm_head ColwiseParallel with Replicate output), eager.
@@ -47,6 +52,10 @@ blocked on the peer; gloo's own threads are not counted) with its ratio. Micro-b
 explain the gaps: one collective through ``dist.*``, ``funcol`` and ``torch.ops.fxshard.*``
 (wall and thread CPU time), and ``fxshard.attention`` (the op fxshard lowers SDPA to) vs SDPA
 on one rank's shapes.
+Compile cost: seconds from the call to the first output (tracing, passes, Inductor, both ranks
+waiting for each other) for fxshard eager and compiled, Megatron under ``torch.compile`` and
+``torch.compile`` of the unsharded model (rank 0 alone). ``--no-compile`` skips the compiled
+variants.
 Numbers and environment go to ``--json`` (default ``benchmarks/runtime_tp.json``).
 """
 from __future__ import annotations
@@ -323,7 +332,7 @@ def worker(rank: int, port: int, args) -> None:
     # fxshard's backend calls funcol.all_gather_tensor too; its deprecation note is noise here
     warnings.filterwarnings("ignore", message=".*all_gather_tensor", category=FutureWarning)
     torch.set_num_threads(args.threads)
-    timeout = datetime.timedelta(seconds=120)
+    timeout = datetime.timedelta(seconds=600)  # one rank may still be compiling
     store = dist.TCPStore("127.0.0.1", port, TP, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=TP, timeout=timeout)
     try:
@@ -358,6 +367,13 @@ def _run(rank: int, args) -> None:
                 return module(ids)
         return call
 
+    compile_s = {"fxshard eager (parallelize + first forward)": None}
+    with torch.no_grad():
+        dist.barrier()
+        t0 = time.perf_counter()
+        pm(ids)
+        compile_s["fxshard eager (parallelize + first forward)"] = \
+            parallelize_s + time.perf_counter() - t0
     variants = {
         BASELINE: lambda: megatron(ids),
         "megatron+funcol (diag.)": lambda: megatron_funcol(ids),
@@ -365,6 +381,28 @@ def _run(rank: int, args) -> None:
         "fxshard gm(ids)": gm_call(gm),
         "fxshard gm+sdpa (diag.)": gm_call(gm_sdpa),
     }
+    if args.compile:
+        with torch.no_grad():
+            dist.barrier()
+            t0 = time.perf_counter()
+            pm_c = fxshard.parallelize(model, mesh, example_inputs=(ids,), compile=True)
+            pm_c(ids)
+            compile_s["fxshard compiled (parallelize + Inductor + first forward)"] = \
+                time.perf_counter() - t0
+            dist.barrier()
+            t0 = time.perf_counter()
+            megatron_c = torch.compile(megatron.__call__)
+            megatron_c(ids)
+            compile_s["megatron under torch.compile (first forward)"] = time.perf_counter() - t0
+            if rank == 0:
+                t0 = time.perf_counter()
+                single_c = torch.compile(model)
+                single_c(ids)
+                compile_s["torch.compile of the unsharded model (first forward)"] = \
+                    time.perf_counter() - t0
+            dist.barrier()
+        variants["fxshard compiled"] = lambda: pm_c(ids)
+        variants["megatron compiled"] = lambda: megatron_c(ids)
     try:
         dmodel = dtensor_model(model, mesh)
         variants["dtensor"] = lambda: dmodel(ids)
@@ -416,7 +454,8 @@ def _run(rank: int, args) -> None:
 
     gathered = [None] * TP
     dist.all_gather_object(gathered, {"samples": samples, "cpu": cpu, "errors": errors,
-                                      "notes": notes, "micro_c": micro_c})
+                                      "notes": notes, "micro_c": micro_c,
+                                      "compile_s": compile_s})
     if rank != 0:
         return
 
@@ -463,7 +502,10 @@ def _run(rank: int, args) -> None:
         "batch": args.batch, "seq": args.seq, "warmup": args.warmup, "iters": args.iters,
         "rounds": args.rounds, "micro_iters": args.micro_iters}
     coll = pm.explain()
+    compile_max = {k: max(g["compile_s"][k] for g in gathered if g["compile_s"].get(k))
+                   for k in compile_s if compile_s[k] is not None}
     report = {"env": env, "config": config, "parallelize_s": parallelize_s,
+              "seconds_to_first_output": compile_max,
               "attention_nodes_patched_in_diag": n_patched, "results": results,
               "micro_collectives_rank0": micro_c,
               "micro_collectives_rank1": gathered[1]["micro_c"],
@@ -495,6 +537,10 @@ def _run(rank: int, args) -> None:
     print("collectives per rank (fxshard explain):")
     print("\n".join(line for line in str(coll).splitlines()
                     if line.strip().startswith(("all_", "reduce_"))))
+    print()
+    print("seconds to first output (slower rank; torch.compile of the unsharded model: rank 0)")
+    for k, v in compile_max.items():
+        print(f"  {k:<64} {v:7.1f}")
     g = results.get("fxshard gm(ids)", {}).get("ratio_to_megatron")
     d = results.get("dtensor", {}).get("median_ms")
     met_a = g is not None and g <= 1.05
@@ -502,6 +548,15 @@ def _run(rank: int, args) -> None:
     print(f"target: fxshard gm / megatron = {g:.3f} (<= 1.05: {'met' if met_a else 'NOT met'}); "
           f"fxshard < dtensor: {'met' if met_b else 'NOT met' if d else 'n/a'}")
     report["target_met"] = {"ratio_le_1.05": met_a, "beats_dtensor": met_b}
+    fc = results.get("fxshard compiled", {}).get("median_ms")
+    mc = results.get("megatron compiled", {}).get("median_ms")
+    if fc and mc:
+        r_eager, r_comp = fc / results[BASELINE]["median_ms"], fc / mc
+        print(f"target: fxshard compiled / megatron eager = {r_eager:.3f} (<= 0.9: "
+              f"{'met' if r_eager <= 0.9 else 'NOT met'}); fxshard compiled / megatron "
+              f"compiled = {r_comp:.3f} (<= 1.05: {'met' if r_comp <= 1.05 else 'NOT met'})")
+        report["target_met"].update({"compiled_le_0.9_eager_megatron": r_eager <= 0.9,
+                                     "compiled_le_1.05_compiled_megatron": r_comp <= 1.05})
     bad = [n for n, r in results.items() if not r.get("max_abs_err", 0.0) < TOL]
     if bad:
         print(f"CORRECTNESS: max abs error >= {TOL} (or failed) for: {', '.join(bad)}")
@@ -555,13 +610,15 @@ def main() -> None:
     ap.add_argument("--micro-iters", type=int, default=200,
                     help="calls per micro-benchmark case")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--no-compile", dest="compile", action="store_false",
+                    help="skip the Inductor variants (fxshard compiled, megatron compiled)")
     ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "runtime_tp.json"))
     args = ap.parse_args()
     args.loadavg_before = os.getloadavg()[0]  # other work on the machine skews the numbers
     # The launcher holds the rendezvous store on a free port (port 0: the OS picks one), so
     # no other process can take the port between choosing it and the ranks connecting.
     store = dist.TCPStore("127.0.0.1", 0, TP, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=120))
+                          timeout=datetime.timedelta(seconds=600))
     mp.spawn(worker, args=(store.port, args), nprocs=TP, join=True)
 
 

@@ -46,6 +46,8 @@ class Compiled:
     ctx: PassCtx
     programs: list
     modules: dict = field(default_factory=dict)     # rank -> GraphModule
+    compiled: dict = field(default_factory=dict)    # stage -> CompiledStage (compile=True)
+    runners: dict = field(default_factory=dict)     # rank -> (GraphModule, compiled callable)
     loaded: bool = False                            # every weight slot has a value
 
     @property
@@ -127,7 +129,7 @@ class ParallelModule:
 
     def __init__(self, model: torch.nn.Module, mesh, *, plan: dict, sequence_parallel: bool,
                  microbatches: int, strict: bool, embedding: str, stages=None,
-                 ring_zigzag: bool = True):
+                 ring_zigzag: bool = True, compile: bool = False):
         self.model = model
         self.mesh = mesh
         self.spec: MeshSpec = mesh_spec(mesh, where=_WHERE)
@@ -140,6 +142,7 @@ class ParallelModule:
         self.ring_zigzag = ring_zigzag
         materialize_buffers(model)
         self.unmatched_plan: list[str] = []
+        self.compile = compile
         self._values = {k: v for k, v in model.state_dict(keep_vars=True).items()}
         self._expected = {k: (tuple(v.shape), v.dtype) for k, v in self._values.items()}
         self._buffers_np = {k: (tuple(v.shape), v.dtype)
@@ -220,11 +223,28 @@ class ParallelModule:
                                                 self.spec, self._values, self._device)
         return c.modules[rank]
 
+    def _runner(self, c: Compiled, rank: int, flat: list):
+        """What rank ``rank`` calls: its GraphModule, or with ``compile=True`` its stage's
+        Inductor-compiled function bound to its weights (compiled once per stage, here, in the
+        calling thread: call it for every rank before the ranks run)."""
+        mod = self._module(c, rank)
+        if not self.compile:
+            return mod
+        built = c.runners.get(rank)
+        if built is None or built[0] is not mod:
+            from .compile import compile_stage
+            stage = self.stage_of(rank)
+            if stage not in c.compiled:
+                c.compiled[stage] = compile_stage(
+                    c.programs[stage], mod, [x for x in flat if isinstance(x, torch.Tensor)])
+            built = c.runners[rank] = (mod, c.compiled[stage].bind(mod))
+        return built[1]
+
     # -- running -----------------------------------------------------------------------
     def _run_rank(self, c: Compiled, rank: int, micro: list[list]):
         """Run rank ``rank``'s stage on every microbatch in turn; sends do not wait for the
         receiver, so stage s works on microbatch i while stage s+1 works on i-1 (GPipe)."""
-        mod = self._module(c, rank)
+        mod = self._runner(c, rank, micro[0])
         with torch.no_grad():  # inference only (per thread: simulated ranks are threads)
             outs = [mod(*[x for x in flat if isinstance(x, torch.Tensor)]) for flat in micro]
         if self.stage_of(rank) != self.spec.axis_size("pp") - 1:
@@ -246,6 +266,7 @@ class ParallelModule:
     def _invalidate(self) -> None:
         for c in self._compiled.values():
             c.modules.clear()
+            c.runners.clear()
             c.loaded = False
 
     def _check_loaded(self, c: Compiled) -> None:
@@ -282,7 +303,7 @@ class ParallelModule:
             if self._world is None:
                 self._world = SimulatedWorld(self.spec)
             for r in range(self.spec.world_size):
-                self._module(c, r)
+                self._runner(c, r, micro[0])
             results = self._world.run(lambda r: self._run_rank(c, r, micro))
             out = next(r for r in results if r is not None)
         else:
@@ -362,7 +383,7 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
                 example_kwargs: dict | None = None, plan: dict | None = None,
                 sequence_parallel: bool = False, microbatches: int = 1, strict: bool = False,
                 embedding: str = "embed_dim", stages: list[int] | None = None,
-                ring_zigzag: bool = True) -> ParallelModule:
+                ring_zigzag: bool = True, compile: bool = False) -> ParallelModule:
     """Parallelize an unmodified ``model`` over ``mesh`` by rewriting its traced ATen graph.
 
     Args:
@@ -381,6 +402,9 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
         ring_zigzag: shard the sequence zigzag on ``ring_cp`` (rank j holds chunks j and
             2n-1-j of 2n) so causal ring attention gives every rank the same work; needs the
             sequence to divide by 2n. ``False``: contiguous chunks.
+        compile: compile each stage's rank program with Inductor (``fxshard.compile``), once
+            per stage and input signature; every rank of the stage shares it with its own
+            weights. ``rank_module(r)`` still shows the (uncompiled) GraphModule.
     """
     check_parallelize_args(_WHERE, model=model, example_inputs=example_inputs,
                            example_kwargs=example_kwargs, plan=plan, styles=PLAN_STYLES,
@@ -388,6 +412,9 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
                            strict=strict, embedding=embedding, stages=stages,
                            ring_zigzag=ring_zigzag)
     spec = mesh_spec(mesh, where=_WHERE)
+    if not isinstance(compile, bool):
+        raise TypeError(f"{_WHERE}: compile={compile!r}; pass True (Inductor-compiled rank "
+                        f"programs) or False")
     unmatched = unmatched_plan_patterns(_WHERE, model, plan)
     if microbatches > 1 and spec.axis_size("pp") == 1:
         warnings.warn(f"{_WHERE}: microbatches={microbatches} has no effect without a pp axis",
@@ -395,7 +422,7 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
     model.eval()
     pm = ParallelModule(model, mesh, plan=plan or {}, sequence_parallel=sequence_parallel,
                         microbatches=microbatches, strict=strict, embedding=embedding,
-                        stages=stages, ring_zigzag=ring_zigzag)
+                        stages=stages, ring_zigzag=ring_zigzag, compile=compile)
     pm.unmatched_plan = unmatched    # globs that matched no module (warned; in explain())
     if example_inputs is not None or example_kwargs is not None:
         pm._get(tuple(example_inputs or ()), dict(example_kwargs or {}))

@@ -108,14 +108,6 @@ def test_explain_counts_bytes_and_parameters():
     assert ex.fallbacks == []  # HF's mask folds to causal; nothing left without a rule
 
 
-def test_torch_compile_backend():
-    model = our_llama(num_hidden_layers=1)
-    mesh = fxshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    ids = torch.randint(0, 128, (2, 8))
-    compiled = torch.compile(model, backend=fxshard.backend(mesh))
-    torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-4, atol=1e-4)
-
-
 def test_demo_runs_and_reports_error():
     out = subprocess.run([sys.executable, "-m", "fxshard", "demo", "--mesh", "tp=2",
                           "--layers", "2"], capture_output=True, text=True, timeout=300)

@@ -31,6 +31,8 @@ from typing import Optional
 
 import torch
 
+from ..runtime.library import define_op
+
 __all__ = ["attention", "merge_attention"]
 
 _NAME = "fxshard.kernels.attention"
@@ -259,7 +261,9 @@ def _triton_attention(q, k, v, causal, scale, q_offset, kv_offset):
                                 q_offset=int(q_offset), kv_offset=int(kv_offset))
 
 
-@torch.library.custom_op("fxshard::attention", mutates_args=())
+@define_op("fxshard::attention",
+           "(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float? scale, "
+           "SymInt q_offset, SymInt kv_offset) -> (Tensor, Tensor)")
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   mask: Optional[torch.Tensor], causal: bool, scale: Optional[float],
                   q_offset: int, kv_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,13 +278,6 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _attention_fake(q, k, v, mask, causal, scale, q_offset, kv_offset):
     _check_inputs(q, k, v, mask, scale, q_offset, kv_offset)
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
-
-
-def _attention_setup_context(ctx, inputs, output):
-    q, k, v, mask, causal, scale, q_offset, kv_offset = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, mask, out, lse)
-    ctx.options = (causal, scale, q_offset, kv_offset)
 
 
 def _attention_backward(ctx, dout_BHSD, dlse_BHS):
@@ -314,4 +311,28 @@ def _attention_backward(ctx, dout_BHSD, dlse_BHS):
             None, None, None, None, None)
 
 
-_attention_op.register_autograd(_attention_backward, setup_context=_attention_setup_context)
+class _AttentionFunction(torch.autograd.Function):
+    """``fxshard::attention`` with the backward above (used only when an input needs grad)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, causal, scale, q_offset, kv_offset):
+        out, lse = _attention_op.default(q, k, v, mask, causal, scale, q_offset, kv_offset)
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.options = (causal, scale, q_offset, kv_offset)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout_BHSD, dlse_BHS):
+        return _attention_backward(ctx, dout_BHSD, dlse_BHS)
+
+
+def _attention_autograd(keyset, q, k, v, mask, causal, scale, q_offset, kv_offset):
+    """The Autograd kernel: inference calls go straight to the device kernel (no
+    ``autograd.Function`` on the hot path); calls that need a gradient record the backward."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _AttentionFunction.apply(q, k, v, mask, causal, scale, q_offset, kv_offset)
+    return _attention_op.default.redispatch(keyset & torch._C._after_autograd_keyset, q, k, v,
+                                            mask, causal, scale, q_offset, kv_offset)
+
+
+_attention_op.register_kernel("Autograd", _attention_autograd, with_keyset=True)

@@ -23,12 +23,16 @@ from typing import Optional
 import torch
 
 from ..runtime.context import current_backend
+from ..runtime.library import define_op
 from .attention import attention, merge_attention
 
 __all__ = ["ring_attention"]
 
 
-@torch.library.custom_op("fxshard::ring_attention", mutates_args=())
+@define_op("fxshard::ring_attention",
+           "(Tensor q, Tensor k, Tensor v, bool causal, float? scale, str axis, int size, "
+           "int segments=1, int stride=0, bool zigzag=False, int kv_stride=-1) "
+           "-> (Tensor, Tensor)")
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                    scale: Optional[float], axis: str, size: int, segments: int = 1,
                    stride: int = 0, zigzag: bool = False, kv_stride: int = -1

@@ -54,7 +54,7 @@ def emit_pass(gm: fx.GraphModule | fx.Graph, *, ctx: PassCtx, stage: int = 0) ->
         if node.op != "placeholder":
             continue
         fqn = node.meta.get("fxshard_param") or node.meta.get("fxshard_buffer")
-        if fqn is None:
+        if fqn is None:  # a user input (non-tensor ones went in cleanup_pass)
             continue
         if not node.users:
             graph.erase_node(node)

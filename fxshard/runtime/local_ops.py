@@ -16,11 +16,12 @@ from __future__ import annotations
 import torch
 
 from .context import current_backend
+from .library import define_op
 
 __all__ = ["vocab_embedding", "partial_from_replicate", "zigzag_shard", "zigzag_gather"]
 
 
-@torch.library.custom_op("fxshard::vocab_embedding", mutates_args=())
+@define_op("fxshard::vocab_embedding", "(Tensor weight, Tensor ids, str axis, int size) -> Tensor")
 def vocab_embedding(weight: torch.Tensor, ids: torch.Tensor, axis: str, size: int
                     ) -> torch.Tensor:
     rows = weight.shape[0]
@@ -44,7 +45,7 @@ def _(weight, ids, axis, size):
     return weight.new_empty((*ids.shape, weight.shape[1]))
 
 
-@torch.library.custom_op("fxshard::partial_from_replicate", mutates_args=())
+@define_op("fxshard::partial_from_replicate", "(Tensor x, str axis, int size) -> Tensor")
 def partial_from_replicate(x: torch.Tensor, axis: str, size: int) -> torch.Tensor:
     """Replicate -> Partial on ``axis``: coordinate 0 keeps ``x``, the others hold zeros, so
     the sum over the axis is ``x`` (how a bias joins a row-parallel partial sum once)."""
@@ -66,7 +67,7 @@ def _zigzag_order(size: int) -> list[int]:
     return order
 
 
-@torch.library.custom_op("fxshard::zigzag_shard", mutates_args=())
+@define_op("fxshard::zigzag_shard", "(Tensor x, int dim, str axis, int size) -> Tensor")
 def zigzag_shard(x: torch.Tensor, dim: int, axis: str, size: int) -> torch.Tensor:
     """Replicate -> zigzag shard on ``axis``: of ``2 * size`` equal chunks of ``dim``, rank j
     keeps chunks j and ``2*size-1-j``, so every rank gets the same share of causal attention
@@ -86,7 +87,7 @@ def _(x, dim, axis, size):
     return x.new_empty(shape)
 
 
-@torch.library.custom_op("fxshard::zigzag_gather", mutates_args=())
+@define_op("fxshard::zigzag_gather", "(Tensor x, int dim, str axis, int size) -> Tensor")
 def zigzag_gather(x: torch.Tensor, dim: int, axis: str, size: int) -> torch.Tensor:
     """Zigzag shard -> Replicate on ``axis``: all-gather, then put the chunks back in order."""
     dim = dim % x.dim()

@@ -31,6 +31,7 @@ import torch
 from torch._library.effects import EffectType
 
 from fxshard.runtime.context import Backend, current_backend
+from fxshard.runtime.library import define_op
 
 __all__ = ["COLLECTIVE_OPS", "POINT_TO_POINT_OPS", "is_communication", "is_point_to_point"]
 
@@ -80,7 +81,7 @@ def _check_peer(op: str, backend: Backend, axis: str, peer: int) -> None:
 
 
 def _define(name: str, schema: str):
-    return torch.library.custom_op(f"{_LIB}::{name}", mutates_args=(), schema=schema)
+    return define_op(f"{_LIB}::{name}", schema)
 
 
 # --- all_gather ---------------------------------------------------------------------------

@@ -1,0 +1,104 @@
+"""Inductor-compiled rank programs on real torch.distributed ranks (gloo, CPU, 2 processes).
+
+One launch runs, on every rank: ``parallelize(model, mesh, compile=True)`` with tp=2, and
+``torch.compile(model, backend=fxshard.backend(mesh))`` (Inductor by default) with tp=2. Each
+must give every rank the full output equal to the single-device model (fp32, 1e-4) and the
+eager rank program's output, and hold only its own parameter slices.
+"""
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import json
+import os
+import time
+import traceback
+
+import pytest
+import torch
+
+from tests.launch import launch
+
+LAUNCH_TIMEOUT_S = 420   # two cold Inductor compiles per process on a loaded 2-core machine
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def _cases(rank: int, report: dict) -> None:
+    import fxshard
+    from tests.models import our_llama
+
+    model = our_llama(num_hidden_layers=1)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3))
+    want = model(ids)
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    eager = fxshard.parallelize(model, mesh)(ids)
+    start = time.monotonic()
+    pm = fxshard.parallelize(model, mesh, compile=True)
+    got = pm(ids)
+    report["seconds"]["parallelize_compile"] = round(time.monotonic() - start, 1)
+    report["parallelize"] = {
+        "vs_model": float((got - want).abs().max()),
+        "vs_eager": float((got - eager).abs().max()),
+        "compiled_stages": sorted(pm._last.compiled),
+        "runners": sorted(pm._last.runners),
+    }
+    start = time.monotonic()
+    inner, regions = fxshard.backend(mesh), []
+
+    def record(gm, example_inputs):
+        regions.append(inner(gm, example_inputs))
+        return regions[-1]
+    got = torch.compile(model, backend=record)(ids)
+    report["seconds"]["backend"] = round(time.monotonic() - start, 1)
+    region = regions[0].parallel_module
+    own = region.rank_module(rank).state_dict()
+    total = sum(p.numel() for p in model.parameters())
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    report["backend"] = {
+        "vs_model": float((got - want).abs().max()),
+        "regions": len(regions),
+        "own_numel": sum(t.numel() for t in own.values()),
+        "expected_numel": (total - norms) // 2 + norms,
+        "all_reduces": region.rank_module(rank).code.count("fxshard.all_reduce.default"),
+        "compiled_stages": sorted(region._last.compiled),
+    }
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    report = {"rank": rank, "seconds": {}, "errors": []}
+    log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    faulthandler.dump_traceback_later(LAUNCH_TIMEOUT_S - 15, file=log)
+    try:
+        import warnings
+        warnings.simplefilter("ignore")
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=2, timeout=datetime.timedelta(seconds=120))
+        with torch.no_grad():
+            _cases(rank, report)
+    except BaseException:  # noqa: BLE001 - reported to the test process
+        report["errors"].append(traceback.format_exc())
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    os._exit(0)
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    return launch(_worker, 2, str(tmp_path_factory.mktemp("compile_gloo")),
+                  timeout_s=LAUNCH_TIMEOUT_S)
+
+
+def test_compiled_programs_on_gloo_match_model_and_eager(reports):
+    for r, rep in reports.items():
+        assert not rep["errors"], f"rank {r}: {rep['errors'][-1][-1500:]}"
+        p = rep["parallelize"]
+        assert p["vs_model"] < 1e-4 and p["vs_eager"] < 1e-4, (r, p)
+        assert p["compiled_stages"] == [0] and p["runners"] == [r]   # this rank's only
+        b = rep["backend"]
+        assert b["vs_model"] < 1e-4 and b["regions"] == 1, (r, b)
+        assert b["own_numel"] == b["expected_numel"] and b["all_reduces"] == 2, (r, b)
+        assert b["compiled_stages"] == [0], (r, b)
