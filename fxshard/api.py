@@ -30,6 +30,7 @@ from .passes.localize import localize_pass
 from .passes.lower_attention import lower_attention_pass
 from .passes.propagate import propagate_pass
 from .passes.split_stages import assign_layers_to_stages, find_layer_stack, split_stages_pass
+from .placement import R
 from .trace import Traced, cleanup_pass, trace
 from .weights import WeightWatch, materialize_buffers, non_persistent_buffers
 
@@ -61,17 +62,20 @@ def _signature(flat) -> tuple:
 
 
 def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx, *,
-                    stages: list[int] | None = None, traced: Traced | None = None) -> Compiled:
+                    stages: list[int] | None = None, traced: Traced | None = None,
+                    buffers: dict | None = None) -> Compiled:
     """Trace ``model`` on ``args``/``kwargs`` (unless ``traced`` is given) and run the pass
-    pipeline under ``ctx``."""
+    pipeline under ``ctx``. ``buffers`` (FQN -> tensor) are the values the mask folds read
+    instead of the model's own (what ``load_state_dict`` loaded)."""
     n_stages = ctx.mesh.axis_size("pp")
     if n_stages > 1:  # validate before the (slower) trace
         stack, layer_stages = _layer_stages(model, n_stages, stages)
     if traced is None:
         traced = trace(model, args, kwargs)
     gm = cleanup_pass(traced.gm, ctx=ctx)
-    gm = eager_attention_pass(gm, ctx=ctx, constants=traced.constants)
-    gm = fold_causal_mask_pass(gm, ctx=ctx, constants=traced.constants)
+    constants = {**traced.constants, **(buffers or {})}
+    gm = eager_attention_pass(gm, ctx=ctx, constants=constants)
+    gm = fold_causal_mask_pass(gm, ctx=ctx, constants=constants)
     gm = propagate_pass(gm, ctx=ctx)
     gm = insert_collectives_pass(gm, ctx=ctx)
     gm = lower_attention_pass(gm, ctx=ctx)
@@ -148,6 +152,7 @@ class ParallelModule:
         self._buffers_np = {k: (tuple(v.shape), v.dtype)
                             for k, v in non_persistent_buffers(model).items()}
         self._values.update(non_persistent_buffers(model))
+        self._buffer_fqns = {n for n, _ in model.named_buffers(remove_duplicate=False)}
         self._watch = WeightWatch(model)
         self._compiled: dict[tuple, Compiled] = {}
         self._last: Compiled | None = None
@@ -159,11 +164,23 @@ class ParallelModule:
         ctx = PassCtx(mesh=self.spec, sequence_parallel=self.sequence_parallel,
                       strict=self.strict, plan=self.plan, embedding_style=self.embedding,
                       ring_zigzag=self.ring_zigzag)
-        c = compile_program(self.model, args, kwargs, ctx, stages=self.stages)
+        c = compile_program(self.model, args, kwargs, ctx, stages=self.stages,
+                            buffers=self._buffer_values())
         for fqn, value in c.traced.constants.items():
             if value is not None:
                 self._values.setdefault(fqn, value)
         return c
+
+    def _buffer_values(self) -> dict:
+        """The buffers' values as loaded (a checkpoint's read whole: buffers are small)."""
+        out = {}
+        for fqn in self._buffer_fqns:
+            v = self._values.get(fqn)
+            if hasattr(v, "block"):
+                v = v.block((R,) * len(self.spec.shape), self.spec, 0)
+            if isinstance(v, torch.Tensor) and v.device.type != "meta":
+                out[fqn] = v
+        return out
 
     def _split(self, args: tuple, kwargs: dict) -> list[list]:
         """The flat inputs of each microbatch (the batch is dim 0 of every tensor input)."""
@@ -256,14 +273,29 @@ class ParallelModule:
 
     def _sync_weights(self) -> None:
         """Take the model's tensors that changed since the last call (in place, reloaded,
-        reassigned) and re-slice every rank's weights from them."""
+        reassigned, cast) and re-slice every rank's weights from them; a new dtype or shape,
+        or a changed buffer (a mask the trace may have folded), also retraces."""
         changed = {k: v for k, v in self._watch.changed().items()
                    if v is not None and v.device.type != "meta"}
-        if changed:
-            self._values.update(changed)
-            self._invalidate()
+        if not changed:
+            return
+        self._values.update(changed)
+        self._invalidate(retrace=self._needs_retrace(changed))
 
-    def _invalidate(self) -> None:
+    def _needs_retrace(self, values: dict) -> bool:
+        retrace = False
+        for k, v in values.items():
+            table = self._expected if k in self._expected else self._buffers_np
+            if k in self._buffer_fqns or table.get(k, (None, v.dtype)) != (tuple(v.shape),
+                                                                             v.dtype):
+                retrace = True
+            if k in table:
+                table[k] = (tuple(v.shape), v.dtype)
+        return retrace
+
+    def _invalidate(self, *, retrace: bool = False) -> None:
+        if retrace:  # the next call traces again (rank_module shows the old program till then)
+            self._compiled.clear()
         for c in self._compiled.values():
             c.modules.clear()
             c.runners.clear()
@@ -294,8 +326,8 @@ class ParallelModule:
                          f"fxshard.load_safetensors(pm, path) before running it")
 
     def __call__(self, *args, **kwargs):
-        c, micro = self._get(args, kwargs)
         self._sync_weights()
+        c, micro = self._get(args, kwargs)
         if not c.loaded:
             self._check_loaded(c)
         if is_simulated(self.mesh):
@@ -366,7 +398,7 @@ class ParallelModule:
                     f"expects {shape}; load a checkpoint of the same configuration")
         self._values.update(state_dict)
         self._watch.changed()  # the model's own tensors as they are now count as seen
-        self._invalidate()
+        self._invalidate(retrace=any(k in self._buffer_fqns for k in state_dict))
 
     def close(self) -> None:
         """Release the ranks' threads (simulated mesh) or this process's backend and its

@@ -81,8 +81,9 @@ def local_shape(shape: Sequence[int], spec: Spec, mesh: MeshSpec, *, what: str =
     out = list(shape)
     for axis, n, p in zip(mesh.axis_names, mesh.shape, spec):
         if n > 1 and isinstance(p, StridedShard):
+            assert sum(p.parts) == shape[p.dim], (what, tuple(shape), p)  # a rule's invariant
             bad = [k for k in p.parts if k % n]
-            if bad or sum(p.parts) != shape[p.dim]:
+            if bad:
                 raise ValueError(
                     f"fxshard: {what} of global shape {tuple(shape)} is a fused tensor with parts "
                     f"{p.parts} on dim {p.dim}, sharded part by part over mesh axis {axis!r} of "

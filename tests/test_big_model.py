@@ -186,6 +186,30 @@ def test_weight_changes_after_parallelize_are_seen():
     check()
     model.model.rotary_emb.inv_freq.mul_(0.5)  # a buffer
     check()
+    model.model.layers[0].mlp.up_proj.weight.data = torch.randn_like(  # new storage via .data
+        model.model.layers[0].mlp.up_proj.weight)
+    check()
+    model.double()  # a new dtype: the program is traced again in float64
+    with torch.no_grad():
+        got, want = pm(IDS).logits, model(IDS).logits
+    assert got.dtype == want.dtype == torch.float64
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_a_loaded_mask_buffer_decides_the_causal_fold():
+    """The fold reads the buffer values pm holds: a mask buffer loaded into pm (not into the
+    model) that is not causal must not be folded to causal attention."""
+    torch.manual_seed(0)
+    ref = MaskBuffer().eval()
+    with fxshard.init_empty_weights():
+        empty = MaskBuffer()  # its real buffer is causal
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("ring_cp",))
+    pm = fxshard.parallelize(empty, mesh)
+    full = torch.ones(8, 8, dtype=torch.bool)  # attend everywhere: not causal
+    pm.load_state_dict({**ref.state_dict(), "causal": full})
+    ref.causal = full
+    torch.testing.assert_close(pm(IDS), ref(IDS), **TOL)
+    assert "fxshard.ring_attention" not in pm.rank_module(0).code
 
 
 def test_pm_load_state_dict_then_model_edits():

@@ -106,3 +106,19 @@ def test_soft_capped_eager_attention_stays_correct_under_cp():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert "recognised 0 eager" in dict(pm.explain().edits)["eager_attention_pass"]
     pm.close()
+
+
+def test_softmax_as_the_right_operand_is_not_attention():
+    """``x @ softmax(q @ k^T)`` is no attention: the eager-attention pass must leave it."""
+    class RightOperand(torch.nn.Module):
+        def forward(self, q, k, x):
+            return torch.matmul(x, torch.softmax(q @ k.transpose(-1, -2) * 0.5, dim=-1))
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 2, 8, 8, generator=g), torch.randn(2, 2, 8, 8, generator=g)
+    x = torch.randn(2, 2, 8, 8, generator=g)
+    model = RightOperand().eval()
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    pm = fxshard.parallelize(model, mesh, example_inputs=(q, k, x))
+    torch.testing.assert_close(pm(q, k, x), model(q, k, x), rtol=1e-4, atol=1e-4)
+    assert "attention" not in pm.rank_module(0).code

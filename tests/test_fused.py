@@ -242,3 +242,27 @@ def test_replicated_weights_are_listed_and_strict_refuses_them():
         "plan= asks for it"
     torch.testing.assert_close(pm(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
     pm.close()
+
+
+@pytest.mark.parametrize("hidden", [8, 16])  # 8 == batch*seq: a wrong dim would still fit
+@pytest.mark.parametrize("pick", ["select", "index_expand"])
+def test_select_on_flattened_tokens_under_cp(hidden, pick):
+    """GPT-2's Conv1D flattens tokens, so under CP the token dim is a strided shard; ``select``
+    on it gathers, and on an earlier dim shifts it."""
+    class Flat(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(hidden, hidden))
+            self.b = torch.nn.Parameter(torch.randn(hidden))
+
+        def forward(self, x):
+            b, s, h = x.shape
+            y = torch.addmm(self.b, x.reshape(b * s, h), self.w)
+            z = y.unsqueeze(0).select(0, 0) if pick == "select" else y[0].expand(b * s, h)
+            return z.reshape(b, s, h)
+
+    torch.manual_seed(0)
+    model, x = Flat().eval(), torch.randn(2, 4, hidden)
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("ulysses_cp",))
+    pm = fxshard.parallelize(model, mesh)
+    torch.testing.assert_close(pm(x), model(x), rtol=1e-4, atol=1e-4)

@@ -85,12 +85,14 @@ def _match(softmax: fx.Node):
     k = _key_of(kt) if _is_tensor(kt) else None
     if k is None or q.meta["val"].dim() != 4 or k.meta["val"].dim() != 4:
         return None
-    out = _only_user(softmax)
+    probs, out = softmax, _only_user(softmax)
     while out is not None and (out.target in _PASS_THROUGH or (
             out.target is aten.dropout.default and (not out.args[2] or out.args[1] == 0))):
-        out = _only_user(out)
+        probs, out = out, _only_user(out)
     # (dropout counts as impure for dead-code elimination: the pass erases the chain itself)
-    if out is None or out.target is not aten.matmul.default or out.args[0] is out.args[1]:
+    # the probabilities must be the left operand: x @ softmax(...) is no attention
+    if out is None or out.target is not aten.matmul.default or out.args[0] is not probs or \
+            out.args[1] is probs:
         return None
     v = out.args[1]
     if not _is_tensor(v) or v.meta["val"].dim() != 4 or \

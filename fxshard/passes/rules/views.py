@@ -167,6 +167,10 @@ def select_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         if p.dim == dim:
             return Decision(ins=[R], out=R)
         return Decision(ins=[p], out=Shard(p.dim - (p.dim > dim)))
+    if isinstance(p, StridedShard):
+        if p.dim == dim:  # one index of a fused dim: gather the parts, then pick
+            return Decision(ins=[R], out=R)
+        return Decision(ins=[p], out=StridedShard(p.dim - (p.dim > dim), p.parts))
     return Decision(ins=[p], out=p)
 
 
