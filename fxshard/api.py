@@ -149,9 +149,9 @@ class ParallelModule:
         self.compile = compile
         self._values = {k: v for k, v in model.state_dict(keep_vars=True).items()}
         self._expected = {k: (tuple(v.shape), v.dtype) for k, v in self._values.items()}
-        self._buffers_np = {k: (tuple(v.shape), v.dtype)
-                            for k, v in non_persistent_buffers(model).items()}
-        self._values.update(non_persistent_buffers(model))
+        extra = non_persistent_buffers(model)  # in no state dict or checkpoint
+        self._buffers_np = {k: (tuple(v.shape), v.dtype) for k, v in extra.items()}
+        self._values.update(extra)
         self._buffer_fqns = {n for n, _ in model.named_buffers(remove_duplicate=False)}
         self._watch = WeightWatch(model)
         self._compiled: dict[tuple, Compiled] = {}
@@ -283,14 +283,13 @@ class ParallelModule:
         self._invalidate(retrace=self._needs_retrace(changed))
 
     def _needs_retrace(self, values: dict) -> bool:
+        """A changed buffer, dtype or shape needs a new trace; records the new dtypes/shapes."""
         retrace = False
         for k, v in values.items():
             table = self._expected if k in self._expected else self._buffers_np
-            if k in self._buffer_fqns or table.get(k, (None, v.dtype)) != (tuple(v.shape),
-                                                                             v.dtype):
-                retrace = True
-            if k in table:
-                table[k] = (tuple(v.shape), v.dtype)
+            now = (tuple(v.shape), v.dtype)
+            retrace |= k in self._buffer_fqns or table.get(k) != now
+            table[k] = now
         return retrace
 
     def _invalidate(self, *, retrace: bool = False) -> None:
