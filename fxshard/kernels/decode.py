@@ -1,0 +1,160 @@
+"""Decode attention: a few new queries against a static KV cache, with the ``(out, lse)`` contract.
+
+``decode_attention(q, k_cache, v_cache, lengths)`` attends each sequence's queries to the first
+``lengths[b]`` slots of its cache (the slots after it are unwritten capacity). With
+``causal=True`` the ``Sq`` queries are the last ``Sq`` of those keys (query ``i`` sees keys
+``j <= lengths[b] - Sq + i``: a decode step whose own keys were written into the cache first);
+with ``causal=False`` every query sees every valid key (a cache piece of another rank, all in
+the past). A row that sees no key gives ``out = 0``, ``lse = -inf``, so pieces of the cache held
+by different ranks merge exactly with :func:`fxshard.kernels.merge_attention`
+(flash-decoding across ranks).
+
+Backends (one contract):
+
+- ``"torch"``: plain torch ops in float32 (float64 for float64), on the keys up to the longest
+  valid length; the CPU implementation;
+- ``"triton"``: a split-K kernel (CUDA, or Triton's interpreter with ``TRITON_INTERPRET=1``):
+  the keys are cut into blocks, each program reduces one block for all query heads of one KV
+  head, and a second pass merges the blocks by logsumexp;
+- ``"auto"``: Triton on CUDA when triton is installed, torch otherwise.
+
+Shape legend: B batch, Hq query heads, Hkv KV heads, G = Hq // Hkv, Sq new queries, L cache
+capacity, D head dim. ``q_BHSD`` ``[B, Hq, Sq, D]``; ``k_BKLD``/``v_BKLD`` ``[B, Hkv, L, D]``;
+``lengths_B`` ``[B]`` int; ``lse_BHS`` ``[B, Hq, Sq]`` float32.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+from typing import Optional
+
+import torch
+
+__all__ = ["decode_attention"]
+
+_NAME = "fxshard.kernels.decode_attention"
+_BACKENDS = ("auto", "torch", "triton")
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     lengths: torch.Tensor, *, scale: Optional[float] = None,
+                     causal: bool = True, backend: str = "auto"):
+    """Attention of ``q`` to the valid part of a KV cache, returning ``(out, lse)``.
+
+    Args:
+        q: ``[B, Hq, Sq, D]``; k_cache, v_cache: ``[B, Hkv, L, D]``, ``Hq % Hkv == 0`` (query
+            head ``h`` uses KV head ``h // (Hq // Hkv)``), one floating dtype and device.
+        lengths: ``[B]`` integer tensor on q's device, ``0 <= lengths[b] <= L``: how many cache
+            slots of sequence ``b`` hold keys.
+        scale: multiplies ``q @ k^T``; defaults to ``1 / sqrt(D)``.
+        causal: the queries are the last ``Sq`` valid keys' positions (see the module doc);
+            ``False``: every query sees all ``lengths[b]`` keys.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+
+    Returns:
+        ``out`` like ``q``, ``lse`` ``[B, Hq, Sq]`` float32; a row with no key: 0 and ``-inf``.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"{_NAME}: backend={backend!r}; choose one of {_BACKENDS}.")
+    check_decode_inputs(q, k_cache, v_cache, lengths, scale)
+    if backend == "auto":
+        backend = "triton" if q.device.type == "cuda" and _triton_module() is not None \
+            else "torch"
+    if backend == "torch":
+        return _torch_decode(q, k_cache, v_cache, lengths, scale, causal)
+    module = _triton_module()
+    if module is None:
+        raise ValueError(f"{_NAME}: backend='triton' needs the triton package, which is not "
+                         f"installed; install triton or use backend='torch'.")
+    return module.decode_fwd(q, k_cache, v_cache, lengths, scale=_scale_of(q, scale),
+                             causal=bool(causal))
+
+
+def check_decode_inputs(q, k_cache, v_cache, lengths, scale) -> None:
+    """Shape, dtype and device checks shared by the backends."""
+    for arg, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.dtype.is_floating_point:
+            raise ValueError(
+                f"{_NAME}: {arg} must be a 4-dim floating tensor [batch, heads, seq, head_dim], "
+                f"got {getattr(t, 'dtype', type(t).__name__)} of shape "
+                f"{tuple(getattr(t, 'shape', ()))}.")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"{_NAME}: k_cache has shape {tuple(k_cache.shape)}, v_cache "
+                         f"{tuple(v_cache.shape)}; both must be [B, Hkv, L, D].")
+    if q.shape[0] != k_cache.shape[0] or q.shape[-1] != k_cache.shape[-1]:
+        raise ValueError(f"{_NAME}: q has shape {tuple(q.shape)} and the cache "
+                         f"{tuple(k_cache.shape)}; batch (dim 0) and head_dim (dim 3) must "
+                         f"match.")
+    if k_cache.shape[1] == 0 or q.shape[1] % k_cache.shape[1]:
+        raise ValueError(f"{_NAME}: q has {q.shape[1]} heads, the cache {k_cache.shape[1]}; "
+                         f"Hq must be a multiple of Hkv.")
+    if not q.dtype == k_cache.dtype == v_cache.dtype or \
+            not q.device == k_cache.device == v_cache.device:
+        raise ValueError(f"{_NAME}: q ({q.dtype}, {q.device}) and the cache "
+                         f"({k_cache.dtype}, {k_cache.device}) must share dtype and device.")
+    if not isinstance(lengths, torch.Tensor) or lengths.dtype.is_floating_point or \
+            lengths.dtype == torch.bool or tuple(lengths.shape) != (q.shape[0],) or \
+            lengths.device != q.device:
+        raise ValueError(f"{_NAME}: lengths must be an integer tensor of shape "
+                         f"[{q.shape[0]}] on {q.device}, got "
+                         f"{getattr(lengths, 'dtype', type(lengths).__name__)} of shape "
+                         f"{tuple(getattr(lengths, 'shape', ()))}.")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                              or not math.isfinite(scale)):
+        raise ValueError(f"{_NAME}: scale={scale!r}; expected a finite float or None.")
+
+
+def _scale_of(q: torch.Tensor, scale: Optional[float]) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def _torch_decode(q_BHSD, k_BKLD, v_BKLD, lengths_B, scale, causal):
+    batch, heads_q, seq_q, head_dim = q_BHSD.shape
+    heads_kv = k_BKLD.shape[1]
+    group = heads_q // heads_kv
+    cdtype = torch.float64 if q_BHSD.dtype == torch.float64 else torch.float32
+    n_keys = min(int(lengths_B.max()), k_BKLD.shape[2]) if batch else 0
+    if n_keys <= 0 or seq_q == 0:
+        return (torch.zeros(q_BHSD.shape, dtype=q_BHSD.dtype, device=q_BHSD.device),
+                torch.full(q_BHSD.shape[:3], -math.inf, dtype=torch.float32,
+                           device=q_BHSD.device))
+    k_c = k_BKLD[:, :, :n_keys].to(cdtype)
+    v_c = v_BKLD[:, :, :n_keys].to(cdtype)
+    q_BKMD = q_BHSD.to(cdtype).reshape(batch, heads_kv, group * seq_q, head_dim)
+    s_BKGST = (torch.matmul(q_BKMD, k_c.transpose(-1, -2)) * _scale_of(q_BHSD, scale)).view(
+        batch, heads_kv, group, seq_q, n_keys)
+    pos_T = torch.arange(n_keys, device=q_BHSD.device)
+    # the last key each query sees: causal, query i of Sq is at position lengths - Sq + i
+    len_B1 = lengths_B.to(torch.int64).view(batch, 1)
+    if causal:
+        last_BS = len_B1 - seq_q + torch.arange(seq_q, device=q_BHSD.device).view(1, seq_q)
+    else:
+        last_BS = (len_B1 - 1).expand(batch, seq_q)
+    visible_BST = pos_T.view(1, 1, n_keys) <= last_BS.view(batch, seq_q, 1)
+    s_BKGST = s_BKGST.masked_fill(~visible_BST.view(batch, 1, 1, seq_q, n_keys), -math.inf)
+    row_max = s_BKGST.amax(-1, keepdim=True)
+    row_max = torch.where(torch.isneginf(row_max), 0.0, row_max)
+    e_BKGST = torch.exp(s_BKGST - row_max)
+    denom = e_BKGST.sum(-1, keepdim=True)
+    empty = denom == 0
+    denom = torch.where(empty, 1.0, denom)
+    o_BKMD = torch.matmul(e_BKGST.view(batch, heads_kv, group * seq_q, n_keys), v_c)
+    out = (o_BKMD.view(batch, heads_kv, group, seq_q, head_dim) / denom).reshape(
+        batch, heads_q, seq_q, head_dim)
+    lse = torch.where(empty, -math.inf, row_max + torch.log(denom)).reshape(
+        batch, heads_q, seq_q)
+    return out.to(q_BHSD.dtype), lse.to(torch.float32)
+
+
+@functools.cache
+def _triton_module():
+    """The Triton decode kernel module, or None when triton is not installed (or not yet
+    written)."""
+    try:
+        from . import triton_decode
+    except ModuleNotFoundError as err:
+        if err.name is None or err.name.split(".")[0] not in ("triton", "fxshard"):
+            raise
+        return None
+    return triton_decode
