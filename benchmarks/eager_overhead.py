@@ -1,0 +1,182 @@
+"""Where the eager per-call CPU time of a ParallelModule goes, component by component.
+
+    python benchmarks/eager_overhead.py                 # ~1 minute on 2 cores
+    python benchmarks/eager_overhead.py --layers 32     # more weights per rank program
+
+One process, one torch thread, no communication: the collectives run on a *loopback*
+backend (``all_reduce`` = a copy, ``all_gather`` = ``cat`` of copies of the local piece), so
+every number is this thread's CPU time (``time.thread_time``) spent in Python, dispatch and
+compute, undisturbed by a peer. The model and shapes are ``benchmarks/runtime_tp.py``'s
+(``fxshard.models.llama``, hidden 256, 8/4 heads, 2 layers, batch 2, seq 64), rank 0 of a
+``tp=2`` program. Rows (median microseconds per call over ``--rounds`` rounds of ``--iters``):
+
+  megatron (loopback)      the hand-written tp=2 forward of runtime_tp.py, collectives
+                           replaced by the same loopback (in place / cat): the baseline
+  rank GraphModule         ``pm.rank_module(0)(ids)``: the readable FX module
+  rank runner              what ``pm(ids)`` runs per rank (``fxshard.runtime.fast``): weights
+                           bound once, ops called without ``OpOverload.__call__``
+  attention op / SDPA      ``torch.ops.fxshard.attention`` vs ``F.scaled_dot_product_attention``
+                           on one rank's q/k/v
+  all_reduce op / direct   ``torch.ops.fxshard.all_reduce`` vs the backend's method (the
+                           dispatcher + checks around one collective)
+  weight fetch             the rank GraphModule's ``self.model.layers.0....weight`` reads
+  weight watch             ``WeightWatch.changed()`` on the model (every ``pm(x)``)
+  pm wrapper               the rest of ``pm(x)`` around the rank runs: ``_sync_weights``,
+                           ``_get`` (flatten, signature, split), output unflatten
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fxshard  # noqa: E402
+from fxshard.mesh import mesh_spec  # noqa: E402
+from fxshard.models.llama import LlamaForCausalLM  # noqa: E402
+from fxshard.runtime import use_backend  # noqa: E402
+from fxshard.weights import WeightWatch  # noqa: E402
+from runtime_tp import MegatronLlama, make_config  # noqa: E402
+
+TP = 2
+
+
+class Loopback:
+    """A backend that communicates with nobody: rank 0 of ``mesh``, collectives as copies."""
+
+    def __init__(self, mesh):
+        self.mesh, self.rank = mesh, 0
+
+    def axis_index(self, axis):
+        return 0
+
+    def axis_size(self, axis):
+        return self.mesh.axis_size(axis)
+
+    def all_gather(self, x, dim, axis):
+        return torch.cat([x] * self.axis_size(axis), dim)
+
+    def all_reduce(self, x, axis):
+        return x.contiguous().clone()
+
+    def flush(self):
+        pass
+
+
+class LoopbackMegatron(MegatronLlama):
+    def _all_reduce(self, x):
+        return x                                    # dist.all_reduce is in place
+
+    def _gather_last(self, x):
+        return torch.cat([x.contiguous()] * self.tp, dim=-1)
+
+
+def _us(fn, iters: int, rounds: int) -> tuple[float, float, float]:
+    """Median, min and max over rounds of the mean thread-CPU microseconds per call."""
+    for _ in range(max(3, iters // 4)):
+        fn()
+    per = []
+    for _ in range(rounds):
+        c0 = time.thread_time()
+        for _ in range(iters):
+            fn()
+        per.append((time.thread_time() - c0) / iters * 1e6)
+    return statistics.median(per), min(per), max(per)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--intermediate", type=int, default=688)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    cfg = make_config(args)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq),
+                        generator=torch.Generator().manual_seed(1))
+    mesh = fxshard.init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
+    pm = fxshard.parallelize(model, mesh, example_inputs=(ids,))
+    backend = Loopback(mesh_spec(mesh))
+    c = pm._last
+    gm = pm.rank_module(0)
+    runner = pm._runner(c, 0, [ids])
+    megatron = LoopbackMegatron(model, 0, TP)
+
+    hq, hkv, d = cfg.num_attention_heads // TP, cfg.num_key_value_heads // TP, cfg.head_dim
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(args.batch, hq, args.seq, d, generator=g)
+    k = torch.randn(args.batch, hkv, args.seq, d, generator=g)
+    v = torch.randn(args.batch, hkv, args.seq, d, generator=g)
+    x = torch.randn(args.batch, args.seq, cfg.hidden_size, generator=g)
+    scale = d ** -0.5
+    weights = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
+    fetch = gm.graph.python_code("self").src   # the generated forward, weight reads only
+    reads = "\n".join(line for line in fetch.splitlines() if " = self." in line
+                      or "getattr(self." in line)
+    read_fn = eval(compile("lambda self: [" + ", ".join(
+        line.split(" = ", 1)[1] for line in reads.splitlines()) + "]", "<fetch>", "eval"))
+    watch = WeightWatch(model)
+    flat, spec = pytree.tree_flatten(((ids,), {}))
+    out = [torch.empty(0)]
+
+    def wrapper():
+        pm._sync_weights()
+        pm._get((ids,), {})
+        pytree.tree_unflatten(out, c.traced.out_spec)
+
+    rows = {}
+    with torch.no_grad(), use_backend(backend):
+        rows["megatron (loopback), forward"] = _us(lambda: megatron(ids), args.iters,
+                                                    args.rounds)
+        rows["rank GraphModule gm(ids), forward"] = _us(lambda: gm(ids), args.iters,
+                                                         args.rounds)
+        rows["rank runner (what pm runs), forward"] = _us(lambda: runner(ids), args.iters,
+                                                           args.rounds)
+        rows["torch.ops.fxshard.attention, one call"] = _us(
+            lambda: torch.ops.fxshard.attention(q, k, v, None, True, scale, 0, 0),
+            args.iters * 4, args.rounds)
+        rows["F.scaled_dot_product_attention, one call"] = _us(
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                   enable_gqa=hq != hkv),
+            args.iters * 4, args.rounds)
+        rows["torch.ops.fxshard.all_reduce, one call"] = _us(
+            lambda: torch.ops.fxshard.all_reduce(x, "tp", TP), args.iters * 4, args.rounds)
+        rows["backend.all_reduce direct, one call"] = _us(
+            lambda: backend.all_reduce(x, "tp"), args.iters * 4, args.rounds)
+        rows[f"weight fetch, {len(weights)} GraphModule attribute reads"] = _us(
+            lambda: read_fn(gm), args.iters * 4, args.rounds)
+        rows[f"WeightWatch.changed(), {len(watch._fqns)} tensors"] = _us(
+            watch.changed, args.iters * 4, args.rounds)
+        rows["pm wrapper (sync weights, _get, unflatten)"] = _us(wrapper, args.iters * 4,
+                                                                  args.rounds)
+    print(f"torch {torch.__version__}, 1 thread, {cfg.num_hidden_layers} layers, hidden "
+          f"{cfg.hidden_size}, batch {args.batch}, seq {args.seq}; thread CPU us per call, "
+          f"median (min-max) of {args.rounds} rounds")
+    print(f"{'component':<48} {'median us':>10} {'min':>9} {'max':>9}")
+    for name, (med, lo, hi) in rows.items():
+        print(f"{name:<48} {med:>10.1f} {lo:>9.1f} {hi:>9.1f}")
+    base = rows["megatron (loopback), forward"][0]
+    for name in ("rank GraphModule gm(ids), forward", "rank runner (what pm runs), forward"):
+        print(f"{name} / megatron: {rows[name][0] / base:.3f}")
+
+
+if __name__ == "__main__":
+    main()
