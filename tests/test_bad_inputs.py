@@ -53,11 +53,14 @@ def test_nan_weight_gives_nan_where_single_device_does(axis, where):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("nan_in", ["q", "k", "v"])
+@pytest.mark.parametrize("nan_in", ["q", "k", "v", "q+inf,k-inf"])
 def test_attention_fast_path_agrees_with_plain_path_on_nan(causal, nan_in):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 5, 8, generator=g) for _ in range(3))
-    dict(q=q, k=k, v=v)[nan_in][0, 1, 2, 3] = math.nan
+    if nan_in == "q+inf,k-inf":  # no NaN anywhere, and the sums of q and k cancel to NaN
+        q[0, 1, 2, 3], k[0, 0, 4, 1] = math.inf, -math.inf
+    else:
+        dict(q=q, k=k, v=v)[nan_in][0, 1, 2, 3] = math.nan
     # the reference in float64: torch's fused float32 CPU kernel gives 0 for a NaN query row
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.double(), k.double(), v.double(), is_causal=causal).float()
@@ -69,6 +72,24 @@ def test_attention_fast_path_agrees_with_plain_path_on_nan(causal, nan_in):
     torch.testing.assert_close(out, ref, equal_nan=True)
     torch.testing.assert_close(out, out_plain, equal_nan=True)
     torch.testing.assert_close(lse, lse_plain, equal_nan=True)
+
+
+def test_attention_finite_check_is_sums_that_never_miss_a_non_finite_value():
+    from fxshard.kernels.attention import _all_finite
+    x = torch.randn(3, 4)
+    assert _all_finite(x, x.double())
+    for bad in (math.nan, math.inf, -math.inf):
+        y = x.clone()
+        y[2, 1] = bad
+        assert not _all_finite(x, y)
+    # finite values whose float32 sum overflows: reported non-finite, so the exact plain path
+    # runs, and its result is the float64 reference's
+    q, k, v = torch.full((1, 1, 4, 2), 3e38), torch.zeros(1, 1, 4, 2), torch.randn(1, 1, 4, 2)
+    assert not _all_finite(q)
+    out, _ = attention(q, k, v, causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), is_causal=True).float()
+    torch.testing.assert_close(out, ref)
 
 
 def test_zero_queries_do_not_crash_the_process():

@@ -202,6 +202,14 @@ def _masked_scores(q_BHSD, k_BHSD, mask, causal, scale, q_offset, kv_offset):
     return s_BKGST
 
 
+def _all_finite(*tensors: torch.Tensor) -> bool:
+    """Whether every element is finite, from one sum per tensor: a NaN or an infinity makes
+    the sum non-finite (``inf - inf`` is NaN too), so a False never misses one; a sum that
+    overflows a finite input gives a False that only costs the slower exact path. About
+    1/10 of the CPU time of ``isfinite(t).all()``, which this runs on every attention call."""
+    return math.isfinite(sum(t.sum().item() for t in tensors))
+
+
 def _torch_attention(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_offset):
     """The torch backend: plain ops, NaN-free (also in autograd) for rows that see no key."""
     batch, heads_q, seq_q, head_dim = q_BHSD.shape
@@ -213,7 +221,7 @@ def _torch_attention(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_o
         return out, lse
     if (mask is None and q_BHSD.device.type == "cpu" and (not causal or q_offset == kv_offset)
             and q_BHSD.dtype in (torch.float32, torch.float64) and seq_q > 0
-            and all(bool(torch.isfinite(t).all()) for t in (q_BHSD, k_BHSD, v_BHSD))):
+            and _all_finite(q_BHSD, k_BHSD, v_BHSD)):
         # torch's fused CPU flash attention has this contract whenever the causal diagonal
         # starts at the top-left (equal offsets) and no row is empty: 3-4x the plain ops' speed.
         # Not for zero queries (it dies of SIGFPE) nor non-finite inputs (it gives out = 0,
