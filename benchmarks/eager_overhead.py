@@ -67,6 +67,9 @@ class Loopback:
     def all_reduce(self, x, axis):
         return x.contiguous().clone()
 
+    def all_reduce_(self, x, axis):              # DistributedBackend's in-place all_reduce
+        return x
+
     def flush(self):
         pass
 
@@ -92,6 +95,22 @@ def _us(fn, iters: int, rounds: int) -> tuple[float, float, float]:
     return statistics.median(per), min(per), max(per)
 
 
+def _interleaved(fns: dict, iters: int, rounds: int) -> dict:
+    """:func:`_us` for several callables, interleaved round by round (so a burst of other
+    load on the machine hits all of them alike)."""
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    per = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            c0 = time.thread_time()
+            for _ in range(iters):
+                fn()
+            per[name].append((time.thread_time() - c0) / iters * 1e6)
+    return {name: (statistics.median(v), min(v), max(v)) for name, v in per.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -104,7 +123,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=7,
+                    help="rounds per component (3x as many, interleaved, for the forwards)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     cfg = make_config(args)
@@ -144,12 +164,11 @@ def main() -> None:
 
     rows = {}
     with torch.no_grad(), use_backend(backend):
-        rows["megatron (loopback), forward"] = _us(lambda: megatron(ids), args.iters,
-                                                    args.rounds)
-        rows["rank GraphModule gm(ids), forward"] = _us(lambda: gm(ids), args.iters,
-                                                         args.rounds)
-        rows["rank runner (what pm runs), forward"] = _us(lambda: runner(ids), args.iters,
-                                                           args.rounds)
+        rows.update(_interleaved({
+            "megatron (loopback), forward": lambda: megatron(ids),
+            "rank GraphModule gm(ids), forward": lambda: gm(ids),
+            "rank runner (what pm runs), forward": lambda: runner(ids)},
+            max(1, args.iters // 5), args.rounds * 3))
         rows["torch.ops.fxshard.attention, one call"] = _us(
             lambda: torch.ops.fxshard.attention(q, k, v, None, True, scale, 0, 0),
             args.iters * 4, args.rounds)
@@ -174,8 +193,10 @@ def main() -> None:
     for name, (med, lo, hi) in rows.items():
         print(f"{name:<48} {med:>10.1f} {lo:>9.1f} {hi:>9.1f}")
     base = rows["megatron (loopback), forward"][0]
+    low = rows["megatron (loopback), forward"][1]
     for name in ("rank GraphModule gm(ids), forward", "rank runner (what pm runs), forward"):
-        print(f"{name} / megatron: {rows[name][0] / base:.3f}")
+        print(f"{name} / megatron: median {rows[name][0] / base:.3f}, min "
+              f"{rows[name][1] / low:.3f}")
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ class Compiled:
     programs: list
     modules: dict = field(default_factory=dict)     # rank -> GraphModule
     compiled: dict = field(default_factory=dict)    # stage -> CompiledStage (compile=True)
-    runners: dict = field(default_factory=dict)     # rank -> (GraphModule, compiled callable)
+    runners: dict = field(default_factory=dict)     # rank -> (GraphModule, bound callable)
     loaded: bool = False                            # every weight slot has a value
 
     @property
@@ -241,20 +241,23 @@ class ParallelModule:
         return c.modules[rank]
 
     def _runner(self, c: Compiled, rank: int, flat: list):
-        """What rank ``rank`` calls: its GraphModule, or with ``compile=True`` its stage's
-        Inductor-compiled function bound to its weights (compiled once per stage, here, in the
-        calling thread: call it for every rank before the ranks run)."""
+        """What rank ``rank`` calls: its stage's program bound to its weights, as a plain
+        GraphModule with weights as inputs (``fxshard.compile.eager_stage``) or, with
+        ``compile=True``, Inductor-compiled (once per stage, here, in the calling thread: call
+        it for every rank before the ranks run)."""
         mod = self._module(c, rank)
-        if not self.compile:
-            return mod
         built = c.runners.get(rank)
         if built is None or built[0] is not mod:
-            from .compile import compile_stage
+            from .compile import compile_stage, eager_stage
             stage = self.stage_of(rank)
-            if stage not in c.compiled:
-                c.compiled[stage] = compile_stage(
-                    c.programs[stage], mod, [x for x in flat if isinstance(x, torch.Tensor)])
-            built = c.runners[rank] = (mod, c.compiled[stage].bind(mod))
+            if not self.compile:
+                fn = eager_stage(c.programs[stage])
+            else:
+                if stage not in c.compiled:
+                    c.compiled[stage] = compile_stage(
+                        c.programs[stage], mod, [x for x in flat if isinstance(x, torch.Tensor)])
+                fn = c.compiled[stage]
+            built = c.runners[rank] = (mod, fn.bind(mod))
         return built[1]
 
     # -- running -----------------------------------------------------------------------

@@ -14,6 +14,12 @@ and every rank calls that one compiled function with its own weight slices::
 The compile runs in the calling thread before any rank runs (collectives never execute while
 compiling); inputs are static: one compiled function per input signature, like the programs.
 Inductor on CPU needs a C++ compiler (``g++``/``clang++``) at run time.
+
+Eager programs (``compile=False``) run the same way without Inductor (:func:`eager_stage`):
+one plain GraphModule per stage with the weights as leading inputs, bound to each rank's
+slices once. The rank module's ``forward`` reads every weight through ``nn.Module``
+attributes on every call (``getattr(self.model.layers, "0").self_attn.q_proj.weight``: 5-10 us
+each on a small CPU, ~2 ms per forward for an 8B's 291 weights); the bound stage reads none.
 """
 from __future__ import annotations
 
@@ -23,8 +29,10 @@ import torch
 import torch.fx as fx
 
 from .passes.emit import Program
+from .runtime.library import direct_kernel
+from .runtime.ops import all_reduce_consuming
 
-__all__ = ["CompiledStage", "compile_stage"]
+__all__ = ["CompiledStage", "compile_stage", "eager_stage"]
 
 
 def _weights_as_inputs(program: Program) -> tuple[fx.GraphModule, list[str]]:
@@ -36,8 +44,9 @@ def _weights_as_inputs(program: Program) -> tuple[fx.GraphModule, list[str]]:
     for node in list(graph.nodes):
         if node.op != "get_attr":
             continue
+        name = node.target.replace(".", "_")   # "0_weight" (nn.Sequential) is no identifier
         with graph.inserting_before(first):
-            ph = graph.placeholder(node.target.replace(".", "_"))
+            ph = graph.placeholder(name if name.isidentifier() else "w_" + name)
         ph.meta.update(node.meta)
         node.replace_all_uses_with(ph)
         graph.erase_node(node)
@@ -58,6 +67,7 @@ class CompiledStage:
 
     fn: object
     names: list
+    module: fx.GraphModule | None = None   # eager_stage: the graph its fn runs (its .code)
 
     def bind(self, module: fx.GraphModule):
         """A callable running the compiled stage with ``module``'s (one rank's) weights."""
@@ -67,6 +77,60 @@ class CompiledStage:
         def run(*inputs):
             return fn(*weights, *inputs)
         return run
+
+
+def _direct_forward(gm: fx.GraphModule):
+    """``gm``'s generated forward with every ``torch.ops.<ns>.<op>.<overload>(...)`` call
+    made through the overload's dispatcher entry (``OpOverload._op``: all that
+    ``OpOverload.__call__`` does, minus one Python frame per node), and fxshard's own ops
+    straight to their Python kernels (``fxshard.runtime.library.direct_kernel``)."""
+    code = gm.graph.python_code(root_module="self")
+    src, scope = code.src, dict(code.globals)
+    targets = {n.target for n in gm.graph.nodes
+               if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)}
+    for i, op in enumerate(sorted(targets, key=lambda t: -len(fx.node._get_qualified_name(t)))):
+        name = f"_fxshard_op_{i}"
+        src = src.replace(fx.node._get_qualified_name(op) + "(", name + "(")
+        scope[name] = direct_kernel(op) or op._op
+    exec(compile(src, f"<fxshard eager {type(gm).__name__}>", "exec"), scope)
+    forward = scope["forward"]
+    return lambda *args: forward(None, *args)
+
+
+def _fresh_and_dead(node: fx.Node, user: fx.Node) -> bool:
+    """Whether ``node``'s value is a tensor of its own (made by an op whose schema returns no
+    alias of an input) that ``user`` is the only reader of, so ``user`` may overwrite it."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    returns = node.target._schema.returns
+    return (len(returns) == 1 and returns[0].alias_info is None
+            and list(node.users) == [user])
+
+
+def _consume_dead_inputs(gm: fx.GraphModule) -> int:
+    """Point every ``fxshard::all_reduce`` whose input is fresh and read by nothing else (a
+    row-parallel linear's output) at :func:`all_reduce_consuming`: no copy of the input."""
+    n = 0
+    for node in gm.graph.nodes:
+        if (node.op == "call_function" and node.target is torch.ops.fxshard.all_reduce.default
+                and _fresh_and_dead(node.args[0], node)):
+            node.target = all_reduce_consuming
+            n += 1
+    gm.recompile()
+    return n
+
+
+def eager_stage(program: Program) -> CompiledStage:
+    """``program`` as an uncompiled function with its weights as leading inputs (built once
+    per program and shared by the ranks of its stage; :meth:`CompiledStage.bind` gives each
+    rank its callable): the rank GraphModule's code, without its per-call weight reads,
+    ``nn.Module.__call__`` and ``OpOverload.__call__`` frames, and with all-reduces that sum
+    into their dead inputs (:func:`fxshard.runtime.ops.all_reduce_consuming`)."""
+    if program.eager is None:
+        gm, names = _weights_as_inputs(program)
+        _consume_dead_inputs(gm)
+        program.eager = CompiledStage(fn=_direct_forward(gm), names=names, module=gm)
+    return program.eager
 
 
 def compile_stage(program: Program, example_module: fx.GraphModule,

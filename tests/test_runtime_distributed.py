@@ -73,6 +73,18 @@ def _check_collectives(rank: int) -> list[str]:
     ints = ops.all_reduce(torch.full((3,), rank, dtype=torch.int64), "tp", 2)
     if ints.tolist() != [sum(_group(rank, "tp"))] * 3:
         failures.append(f"rank {rank}: int64 all_reduce gave {ints.tolist()}")
+    # the eager programs' all_reduce into a dead input: in place when contiguous, else a copy
+    from fxshard.runtime.ops import all_reduce_consuming
+    members = _group(rank, "tp")
+    xs = {q: _rank_input(q + 50, [4, 6]) for q in members}
+    for layout in ("contiguous", "transposed"):
+        x = xs[rank].clone() if layout == "contiguous" else xs[rank].t().contiguous().t()
+        got = all_reduce_consuming(x, "tp", 2)
+        inplace = got.data_ptr() == x.data_ptr()
+        if not torch.allclose(got, xs[members[0]] + xs[members[1]], atol=1e-6) or \
+                inplace != (layout == "contiguous"):
+            failures.append(f"rank {rank}: all_reduce_consuming ({layout}) gave a wrong sum "
+                            f"or in place={inplace}")
     return failures
 
 

@@ -282,6 +282,16 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _torch_attention(q, k, v, mask, causal, scale, q_offset, kv_offset)
 
 
+@_attention_op.register_direct
+def _attention_direct(q, k, v, mask, causal, scale, q_offset, kv_offset):
+    """The kernel above for eager rank programs: their attention inputs passed
+    ``_check_inputs`` in the fake impl when the program was traced, with the shapes and dtypes
+    every call has (a new shape or dtype traces a new program)."""
+    if q.device.type == "cuda" and mask is None and _triton_module() is not None:
+        return _triton_attention(q, k, v, causal, scale, q_offset, kv_offset)
+    return _torch_attention(q, k, v, mask, causal, scale, q_offset, kv_offset)
+
+
 @_attention_op.register_fake
 def _attention_fake(q, k, v, mask, causal, scale, q_offset, kv_offset):
     _check_inputs(q, k, v, mask, scale, q_offset, kv_offset)

@@ -41,6 +41,7 @@ class Program:
     graph: fx.Graph
     slots: dict = field(default_factory=dict)   # fqn -> Slot
     stage: int = 0
+    eager: object = field(default=None, repr=False, compare=False)  # fxshard.compile.eager_stage
 
 
 def emit_pass(gm: fx.GraphModule | fx.Graph, *, ctx: PassCtx, stage: int = 0) -> Program:

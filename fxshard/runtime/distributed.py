@@ -152,6 +152,16 @@ class DistributedBackend:
             return out
         return self._call("all_reduce", axis, run)
 
+    def all_reduce_(self, x: torch.Tensor, axis: str) -> torch.Tensor:
+        """Sum into ``x`` itself (contiguous, referenced by nobody else: see
+        ``fxshard.runtime.ops.all_reduce_consuming``) and return it."""
+        group = self._group("all_reduce", axis)
+
+        def run() -> torch.Tensor:
+            dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+            return x
+        return self._call("all_reduce", axis, run)
+
     def reduce_scatter(self, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
         group = self._group("reduce_scatter", axis)
         size = self.axis_size(axis)

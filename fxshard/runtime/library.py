@@ -18,6 +18,11 @@ opaque ops with known output shapes). A call then costs one boxed dispatch into 
 No autograd formula is registered by default: backward through the collectives is not
 supported (fxshard runs inference graphs); an op that has a backward registers its own
 ``Autograd`` kernel with :meth:`Op.register_kernel` (``fxshard::attention`` does).
+
+Eager rank programs (``fxshard.compile.eager_stage``) call the Python kernel itself, without
+the dispatcher's boxing: :func:`direct_kernel` maps each op to it (or to the leaner kernel an
+op registers with :meth:`Op.register_direct`, for checks its programs already passed when
+they were traced). Those calls run under ``torch.no_grad`` on real tensors only.
 """
 from __future__ import annotations
 
@@ -25,10 +30,16 @@ from typing import Callable
 
 import torch
 
-__all__ = ["define_op", "Op"]
+__all__ = ["define_op", "direct_kernel", "Op"]
 
 _LIBRARIES: dict[str, torch.library.Library] = {}   # registry: namespace -> fragment
 _KEYS = ("CPU", "CUDA", "CompositeExplicitAutograd")
+_DIRECT: dict = {}   # registry: OpOverload -> the Python kernel eager programs call
+
+
+def direct_kernel(op: torch._ops.OpOverload) -> Callable | None:
+    """The Python kernel of an op defined here (None for any other op)."""
+    return _DIRECT.get(op)
 
 
 class Op:
@@ -41,6 +52,7 @@ class Op:
         self.__doc__ = fn.__doc__
         ns, name = qualname.split("::")
         self.default = getattr(getattr(torch.ops, ns), name).default
+        _DIRECT[self.default] = fn
 
     def __call__(self, *args, **kwargs):
         return self.default(*args, **kwargs)
@@ -48,6 +60,12 @@ class Op:
     def register_fake(self, fake: Callable) -> Callable:
         torch.library.register_fake(self.qualname, fake, lib=self._lib)
         return fake
+
+    def register_direct(self, fn: Callable) -> Callable:
+        """What eager rank programs call instead of the kernel (same results for the inputs
+        a traced program gives it; no autograd)."""
+        _DIRECT[self.default] = fn
+        return fn
 
     def register_kernel(self, key: str, fn: Callable, *, with_keyset: bool = False) -> None:
         """Register ``fn`` for dispatch key ``key`` (e.g. an ``Autograd`` kernel)."""

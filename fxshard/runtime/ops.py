@@ -33,7 +33,8 @@ from torch._library.effects import EffectType
 from fxshard.runtime.context import Backend, current_backend
 from fxshard.runtime.library import define_op
 
-__all__ = ["COLLECTIVE_OPS", "POINT_TO_POINT_OPS", "is_communication", "is_point_to_point"]
+__all__ = ["COLLECTIVE_OPS", "POINT_TO_POINT_OPS", "is_communication", "is_point_to_point",
+           "all_reduce_consuming"]
 
 _LIB = "fxshard"
 
@@ -112,6 +113,21 @@ def _all_reduce(x, axis, size):
 @_all_reduce.register_fake
 def _(x, axis, size):
     return x.new_empty(x.shape)
+
+
+def all_reduce_consuming(x: torch.Tensor, axis: str, size: int) -> torch.Tensor:
+    """``fxshard::all_reduce`` for an ``x`` nothing reads afterwards and nothing else
+    references (eager rank programs pick it per node: ``fxshard.compile.eager_stage``): the
+    sum may be written into ``x``'s own memory, as hand-written Megatron does, instead of a
+    fresh copy. Backends without an in-place ``all_reduce_`` (the simulated mesh) and
+    non-contiguous ``x`` take the copying path."""
+    backend = _checked_backend("all_reduce", axis, size)
+    if size == 1:
+        return x
+    inplace = getattr(backend, "all_reduce_", None)
+    if inplace is None or not x.is_contiguous():
+        return backend.all_reduce(x, axis)
+    return inplace(x, axis)
 
 
 # --- reduce_scatter -----------------------------------------------------------------------
