@@ -1,4 +1,5 @@
-"""Inductor-compiled rank programs (``parallelize(..., compile=True)``).
+"""Rank programs as ranks run them: Inductor-compiled (``parallelize(..., compile=True)``)
+or the eager runner.
 
 Every rank of a pipeline stage runs the same graph; only the weights differ (and the rank's
 coordinate, which the ``fxshard::*`` ops read from the runtime backend at run time). So each
@@ -19,7 +20,8 @@ Eager programs (``compile=False``) run the same way without Inductor (:func:`eag
 one plain GraphModule per stage with the weights as leading inputs, bound to each rank's
 slices once. The rank module's ``forward`` reads every weight through ``nn.Module``
 attributes on every call (``getattr(self.model.layers, "0").self_attn.q_proj.weight``: 5-10 us
-each on a small CPU, ~2 ms per forward for an 8B's 291 weights); the bound stage reads none.
+each on a small CPU: 1.5-3 ms per forward for an 8B's ~290 weights); the bound stage reads
+none.
 """
 from __future__ import annotations
 
