@@ -13,8 +13,9 @@ compute, undisturbed by a peer. The model and shapes are ``benchmarks/runtime_tp
   megatron (loopback)      the hand-written tp=2 forward of runtime_tp.py, collectives
                            replaced by the same loopback (in place / cat): the baseline
   rank GraphModule         ``pm.rank_module(0)(ids)``: the readable FX module
-  rank runner              what ``pm(ids)`` runs per rank (``fxshard.runtime.fast``): weights
-                           bound once, ops called without ``OpOverload.__call__``
+  rank runner              what ``pm(ids)`` runs per rank (``fxshard.compile.eager_stage``):
+                           weights bound once, ops called without ``OpOverload.__call__``,
+                           all-reduces into dead inputs in place (a no-op on the loopback)
   attention op / SDPA      ``torch.ops.fxshard.attention`` vs ``F.scaled_dot_product_attention``
                            on one rank's q/k/v
   all_reduce op / direct   ``torch.ops.fxshard.all_reduce`` vs the backend's method (the
@@ -154,7 +155,6 @@ def main() -> None:
     read_fn = eval(compile("lambda self: [" + ", ".join(
         line.split(" = ", 1)[1] for line in reads.splitlines()) + "]", "<fetch>", "eval"))
     watch = WeightWatch(model)
-    flat, spec = pytree.tree_flatten(((ids,), {}))
     out = [torch.empty(0)]
 
     def wrapper():
