@@ -40,6 +40,7 @@ class PassCtx:
     input_specs: dict | None = None       # user input index -> spec (default: input_spec)
     keep_output_placement: bool = False   # leave outputs sharded (rule tests read the blocks)
     ring_zigzag: bool = True              # zigzag sequence layout on ring_cp (load balance)
+    split_sequence: bool = True           # user inputs' dim 1 on the CP axes (off: decode)
     edits: list = field(default_factory=list)
     fallbacks: list = field(default_factory=list)
     replicated: list = field(default_factory=list)   # (weight FQN, why it stays whole on tp)

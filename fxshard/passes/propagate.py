@@ -42,8 +42,9 @@ _MAX_REFINEMENTS = 8
 
 
 def input_spec(val: torch.Tensor, ctx: PassCtx, main: torch.Tensor | None = None) -> tuple:
-    """Where a user input goes: batch (dim 0) on ``dp``, sequence (dim 1) on the CP axes,
-    whole elsewhere. ``main`` is the first tensor input (the ids): another input is split only
+    """Where a user input goes: batch (dim 0) on ``dp``, sequence (dim 1) on the CP axes
+    (unless ``ctx.split_sequence`` is off: a decode step's one token), whole elsewhere.
+    ``main`` is the first tensor input (the ids): another input is split only
     on the dims it shares with it, so a ``[1]`` temperature or a ``[B, 5]`` feature input
     stays whole where it has no batch or no sequence."""
     main = val if main is None else main
@@ -55,7 +56,7 @@ def input_spec(val: torch.Tensor, ctx: PassCtx, main: torch.Tensor | None = None
     for axis, n in zip(ctx.mesh.axis_names, ctx.mesh.shape):
         if n > 1 and axis == "dp" and shares(0):
             out.append(Shard(0))
-        elif n > 1 and axis in ("ulysses_cp", "ring_cp") and shares(1):
+        elif n > 1 and axis in ("ulysses_cp", "ring_cp") and ctx.split_sequence and shares(1):
             out.append(Shard(1))
         else:
             out.append(R)
