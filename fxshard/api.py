@@ -23,6 +23,7 @@ from .checks import (check_parallelize_args, check_state_dict_values, inference_
 from .mesh import MeshSpec, is_simulated, mesh_spec
 from .passes import PLAN_STYLES, PassCtx
 from .passes.fold_mask import fold_causal_mask_pass
+from .passes.gqa import unrepeat_kv_pass
 from .passes.eager_attention import eager_attention_pass
 from .passes.emit import Program, build_rank_module, emit_pass
 from .passes.insert_collectives import insert_collectives_pass
@@ -76,11 +77,13 @@ def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: Pass
     if n_stages > 1:  # validate before the (slower) trace
         stack, layer_stages = _layer_stages(model, n_stages, stages)
     if traced is None:
-        traced = trace(model, args, kwargs)
+        traced = trace(model, args, kwargs, real_inputs=generation is not None
+                       and generation[0] == "decode")
     gm = cleanup_pass(traced.gm, ctx=ctx)
     constants = {**traced.constants, **(buffers or {})}
     gm = eager_attention_pass(gm, ctx=ctx, constants=constants)
     gm = fold_causal_mask_pass(gm, ctx=ctx, constants=constants)
+    gm = unrepeat_kv_pass(gm, ctx=ctx)
     gm = propagate_pass(gm, ctx=ctx)
     gm = insert_collectives_pass(gm, ctx=ctx)
     mode, capacity = generation or (None, 0)
@@ -141,6 +144,7 @@ class ParallelModule:
         self._compiled: dict[tuple, Compiled] = {}
         self._last: Compiled | None = None
         self._world = None
+        self._kv_state = None    # the last generate's caches (fxshard.generate._Caches)
         self._device = torch.device(self.spec.device_type)
 
     # -- building ----------------------------------------------------------------------
@@ -376,6 +380,7 @@ class ParallelModule:
     def close(self) -> None:
         """Release the ranks' threads (simulated mesh) or this process's backend and its
         pending sends (real mesh); the module can still be called afterwards."""
+        self._kv_state = None
         if self._world is not None:
             self._world.close()
             self._world = None

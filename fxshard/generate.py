@@ -245,7 +245,7 @@ def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: boo
     c, micro = pm._get((input_ids,), {}, generation=("prefill", capacity))
     if not c.loaded:
         pm._check_loaded(c)
-    caches = _Caches(pm, c, prompt, capacity, device)
+    caches = pm._kv_state = _Caches(pm, c, prompt, capacity, device)  # kept for inspection
     out = run(pm, c, micro, state=lambda r: caches.state[r])
     scores = _logits(pm, c, out)
     tokens = [input_ids]

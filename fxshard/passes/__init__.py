@@ -1,8 +1,11 @@
 """Graph passes. Each is ``def name_pass(gm, *, ctx: PassCtx) -> GraphModule`` and reports
 what it changed through ``ctx.report``; the order is fixed by ``fxshard.api.compile_program``::
 
-    cleanup -> eager_attention -> fold_causal_mask -> propagate -> insert_collectives -> lower_attention
+    cleanup -> eager_attention -> fold_causal_mask -> unrepeat_kv -> propagate
+            -> insert_collectives -> [decode_attention] -> lower_attention -> [prefill_cache]
             -> localize -> split_stages (pp > 1) -> emit
+
+(the bracketed passes build text generation's programs, ``fxshard.passes.kv_cache``).
 
 ``split_stages`` runs after ``localize`` (DESIGN.md lists it before): a receive needs the local
 shape of what it receives. ``split_stages`` returns one graph per stage and ``emit`` one
