@@ -242,8 +242,13 @@ class ParallelModule:
             from .compile import compile_stage
             stage = self.stage_of(rank)
             if stage not in c.compiled:
+                state = [torch.zeros(n.meta["val"].shape, dtype=n.meta["val"].dtype,
+                                     device=self._device)
+                         for n in c.programs[stage].graph.nodes
+                         if n.op == "placeholder" and n.meta.get("fxshard_state") is not None]
                 c.compiled[stage] = compile_stage(
-                    c.programs[stage], mod, [x for x in flat if isinstance(x, torch.Tensor)])
+                    c.programs[stage], mod,
+                    [x for x in flat if isinstance(x, torch.Tensor)] + state)
             built = c.runners[rank] = (mod, c.compiled[stage].bind(mod))
         return built[1]
 

@@ -56,6 +56,8 @@ class Explanation:
     #                                                     the first sharded weights it holds
     mesh_shape: tuple = ()
     axis_names: tuple = ()
+    kv_cache_bytes: dict = field(default_factory=dict)  # rank -> KV-cache bytes per cached
+    #                                                     position (a generate program only)
 
     def save(self, path: str) -> str:
         """Draw the plan to ``path`` (``.svg``, ``.png`` or ``.pdf``; needs matplotlib,
@@ -98,6 +100,14 @@ class Explanation:
             by_bytes.setdefault(b, []).append(r)
         for b, ranks in by_bytes.items():
             lines.append(f"  ranks {_ranges(ranks)}: {b:,d}")
+        if self.kv_cache_bytes:
+            lines += ["", "KV cache bytes per rank per cached position (all sequences of the "
+                          "batch; ring_cp ranks hold every n-th position)"]
+            by_bytes = {}
+            for r, b in self.kv_cache_bytes.items():
+                by_bytes.setdefault(b, []).append(r)
+            for b, ranks in by_bytes.items():
+                lines.append(f"  ranks {_ranges(ranks)}: {b:,d}")
         lines += ["", "Placements of weights (stage, placement per axis, local shape)"]
         for fqn, spec, shape, stage in self.placements:
             lines.append(f"  {fqn:50s} {stage:>5d}  {spec:20s} {shape}")
@@ -201,6 +211,11 @@ def explain(pm, compiled) -> Explanation:
             numel = int(torch.Size(local_shape(s.shape, s.spec, mesh)).numel())
             total += numel * s.dtype.itemsize
         ex.param_bytes[r] = total
+        caches = [n.meta["val"] for n in prog.graph.nodes if n.op == "placeholder"
+                  and str(n.meta.get("fxshard_state", "")).startswith("kv.")]
+        if caches:
+            ex.kv_cache_bytes[r] = ex.microbatches * sum(
+                v.shape[0] * v.shape[1] * v.shape[3] * v.element_size() for v in caches)
     for prog in programs:
         for s in prog.slots.values():
             if s.kind != "param":

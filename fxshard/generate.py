@@ -21,7 +21,8 @@ group's token, so a step's pipeline fills and drains.
 Token choice follows HuggingFace ``generate``: greedy ``argmax``, or temperature, then top-k,
 then top-p (nucleus), then ``torch.multinomial`` with ``generator`` (the global RNG when
 ``None``). After a sequence emits ``eos_token_id`` it gets ``pad_token_id`` (default: the
-first eos id) and generation stops when every sequence has finished. On a real mesh the token
+first eos id) and generation stops when every sequence has finished; as in HF, an
+``eos_token_id``/``pad_token_id`` left ``None`` is the model's ``generation_config``'s. On a real mesh the token
 chosen on mesh rank 0 is broadcast, so every rank feeds the same ids whatever its RNG state.
 """
 from __future__ import annotations
@@ -233,6 +234,11 @@ def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: boo
              eos_token_id=None, pad_token_id: int | None = None,
              generator: torch.Generator | None = None) -> torch.Tensor:
     """See :meth:`fxshard.ParallelModule.generate`."""
+    config = getattr(pm.model, "generation_config", None)  # HF: the model's defaults
+    if eos_token_id is None:
+        eos_token_id = getattr(config, "eos_token_id", None)
+    if pad_token_id is None:
+        pad_token_id = getattr(config, "pad_token_id", None)
     eos = _check(pm, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p,
                  eos_token_id, pad_token_id, generator)
     if max_new_tokens == 0:

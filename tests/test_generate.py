@@ -58,6 +58,7 @@ FAMILIES = {
     "bundled": _bundled,
 }
 _OTHER = ["tp2ring2", "pp2mb2", "ulysses2", "seed16"]
+MESHES["tp2ulysses2"] = {"tp": 2, "ulysses_cp": 2}   # 1 KV head per tp rank: picked
 CASES = [("llama", m) for m in MESHES] + [
     (f, m) for i, f in enumerate(["mistral", "qwen2", "qwen3", "bundled"])
     for m in ([_OTHER[i]] if not THOROUGH else list(MESHES))]
@@ -139,6 +140,7 @@ def test_each_rank_holds_its_share_of_the_cache(axes, share):
         caches = [t for k, t in st.items() if k.startswith("kv.")]
         per_slot = sum(t[:, :, 0].numel() * t.element_size() for t in caches)
         assert per_slot * share == whole, (rank, per_slot)  # ring: the slots are split
+        assert pm.explain().kv_cache_bytes[rank] == per_slot
         # what was written: the prompt's positions and the decode steps', nothing after
         n_ring = axes.get("ring_cp", 1)
         coord = pm.spec.axis_index(rank, "ring_cp")
@@ -191,6 +193,22 @@ def test_eos_stops_each_sequence_like_hf():
     pm.close()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert int(got[0, 8 + 1]) == eos and bool((got[0, 8 + 2:] == 0).all())
+
+
+def test_the_models_generation_config_eos_applies_like_hf():
+    model = family("qwen2")
+    ids = prompt(4, 8, seed=2)
+    free = reference(model, ids, 6)
+    model.generation_config.eos_token_id = int(free[1, 8 + 2])
+    try:
+        want = reference(model, ids, 6)
+        pm = parallel(model, {"tp": 2})
+        got = pm.generate(ids, max_new_tokens=6)
+        pm.close()
+    finally:
+        model.generation_config.eos_token_id = None
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.equal(want, free[:, :want.shape[1]])    # eos changed the output
 
 
 def test_all_sequences_finished_stops_early():
