@@ -214,6 +214,21 @@ class _Caches:
                                       device=self.device)
 
 
+def _check_same_caches(prefill, decode) -> None:
+    """The decode program must read every cache the prefill wrote: an attention the decode
+    trace did not recognise would attend only the new token."""
+    def keys(c):
+        return sorted(k for p in c.programs for k, _, _ in cache_keys(p.graph))
+    written, read = keys(prefill), keys(decode)
+    if written != read:
+        raise NotImplementedError(
+            f"{_WHERE}: the prompt's forward has {len(written) // 2} attentions but fxshard "
+            f"recognised {len(read) // 2} in the one-token decode step (its attention is "
+            f"written in a form fxshard does not lower for a single query, e.g. eager "
+            f"attention with a mask built from position_ids); run the model with "
+            f"attn_implementation='sdpa'")
+
+
 def _capacity(pm, prompt: int, new: int) -> int:
     ring = pm.spec.axis_size("ring_cp")
     need = prompt // ring + -(-max(new - 1, 0) // ring)
@@ -225,8 +240,9 @@ def _broadcast(pm, tokens: torch.Tensor) -> torch.Tensor:
         return tokens
     import torch.distributed as dist
     src = int(pm.mesh.mesh.flatten()[0])
-    dist.broadcast(tokens, src=src)
-    return tokens
+    on_mesh = tokens.to(torch.device(pm.spec.device_type))   # NCCL sends device tensors
+    dist.broadcast(on_mesh, src=src)
+    return on_mesh.to(tokens.device)
 
 
 def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: bool = False,
@@ -251,6 +267,7 @@ def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: boo
     c, micro = pm._get((input_ids,), {}, generation=("prefill", capacity))
     if not c.loaded:
         pm._check_loaded(c)
+    prefill = c
     caches = pm._kv_state = _Caches(pm, c, prompt, capacity, device)  # kept for inspection
     out = run(pm, c, micro, state=lambda r: caches.state[r])
     scores = _logits(pm, c, out)
@@ -271,6 +288,7 @@ def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: boo
         c, micro = pm._get((nxt[:, None],), {"position_ids": positions},
                            generation=("decode", capacity))
         if not c.loaded:
+            _check_same_caches(prefill, c)
             pm._check_loaded(c)
         caches.step(t)
         out = run(pm, c, micro, state=lambda r: caches.state[r])

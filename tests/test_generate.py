@@ -59,6 +59,8 @@ FAMILIES = {
 }
 _OTHER = ["tp2ring2", "pp2mb2", "ulysses2", "seed16"]
 MESHES["tp2ulysses2"] = {"tp": 2, "ulysses_cp": 2}   # 1 KV head per tp rank: picked
+MESHES["dp2tp2pp2-sp-mb2"] = {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2,
+                              "sequence_parallel": True}   # the seed's "all options" test
 CASES = [("llama", m) for m in MESHES] + [
     (f, m) for i, f in enumerate(["mistral", "qwen2", "qwen3", "bundled"])
     for m in ([_OTHER[i]] if not THOROUGH else list(MESHES))]
@@ -91,8 +93,9 @@ def reference(model, ids, new, **kwargs):
 def parallel(model, axes: dict):
     axes = dict(axes)
     microbatches = axes.pop("microbatches", 1)
+    sp = axes.pop("sequence_parallel", False)
     mesh = fxshard.init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
-    return fxshard.parallelize(model, mesh, microbatches=microbatches)
+    return fxshard.parallelize(model, mesh, microbatches=microbatches, sequence_parallel=sp)
 
 
 @pytest.mark.parametrize("name,mesh", CASES, ids=[f"{f}-{m}" for f, m in CASES])
@@ -287,4 +290,21 @@ def test_state_inputs_are_bound_per_rank():
     st = pm._kv_state.state
     # after step t=2 (the last decode step of 3): coordinate 0 wrote steps 0 and 2
     assert int(st[0][READ_LEN][0]) == 4 + 2 and int(st[1][READ_LEN][0]) == 4 + 1
+    pm.close()
+
+
+def test_generate_on_a_model_built_empty_and_loaded_from_shards(tmp_path):
+    """What users run: the config built under init_empty_weights, the checkpoint loaded shard
+    by shard into each rank's slices, then generate."""
+    import transformers
+    model = family("llama")
+    ids = prompt(2, 8)
+    want = reference(model, ids, 4)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    with fxshard.init_empty_weights():
+        empty = transformers.AutoModelForCausalLM.from_config(model.config)
+    pm = parallel(empty, {"tp": 2, "ring_cp": 2})
+    fxshard.load_safetensors(pm, str(tmp_path))
+    torch.testing.assert_close(pm.generate(ids, max_new_tokens=4), want, rtol=0, atol=0)
     pm.close()
