@@ -13,9 +13,10 @@ Backends (one contract):
 
 - ``"torch"``: plain torch ops in float32 (float64 for float64), on the keys up to the longest
   valid length; the CPU implementation;
-- ``"triton"``: a split-K kernel (CUDA, or Triton's interpreter with ``TRITON_INTERPRET=1``):
-  the keys are cut into blocks, each program reduces one block for all query heads of one KV
-  head, and a second pass merges the blocks by logsumexp;
+- ``"triton"``: a split-K kernel (CUDA, or Triton's interpreter with ``TRITON_INTERPRET=1``),
+  :mod:`fxshard.kernels.triton_decode`: the keys are cut into splits, each program reduces one
+  split for all query heads of one KV head, and a second kernel merges the splits by
+  logsumexp; forward-only (inputs that require grad are refused);
 - ``"auto"``: Triton on CUDA when triton is installed, torch otherwise.
 
 Shape legend: B batch, Hq query heads, Hkv KV heads, G = Hq // Hkv, Sq new queries, L cache
