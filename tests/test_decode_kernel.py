@@ -12,6 +12,7 @@ tests/test_attention_kernel.py does for the forward kernel); here they skip.
 """
 import importlib
 import importlib.util
+import json
 import math
 import os
 import re
@@ -175,10 +176,10 @@ def test_error_messages():
 def test_triton_error_messages(monkeypatch):
     triton_decode = pytest.importorskip("fxshard.kernels.triton_decode")
     name = r"fxshard.kernels.decode_attention: "
-    q, k, v = make_inputs(1, 2, 1, 1, 6, 24)
+    q, k, v = make_inputs(1, 2, 1, 1, 6, 320)
     lengths = torch.tensor([4])
-    with pytest.raises(ValueError, match=name + r"head_dim is 24, but backend='triton' "
-                                                r"supports head_dim in \{16, 32, 64, 128, 256\}"):
+    with pytest.raises(ValueError, match=name + r"head_dim is 320, but backend='triton' "
+                                                r"supports head_dim up to 256"):
         decode_attention(q, k, v, lengths, backend="triton")
     q, k, v = q[..., :16].double(), k[..., :16].double(), v[..., :16].double()
     with pytest.raises(ValueError, match=name + r"q has dtype torch.float64, but "
@@ -270,14 +271,15 @@ def test_triton_decode_kernel_subprocess():
     assert not {"failed", "error", "errors", "skipped"} & counts.keys(), report
 
 
-# (B, Hq, Hkv, Sq, L, D, lengths, causal, n_splits): GQA groups 1/2/4, Sq 1 and 3, lengths
-# 0, 1, L and uneven, several splits (some past every length), one split, many row blocks
+# (B, Hq, Hkv, Sq, L, D, lengths, causal, n_splits): GQA groups 1/2/4/24 (24 x 3 rows: two
+# row blocks), Sq 1 and 3, lengths 0, 1, L and uneven, several splits (some past every length),
+# one split, head dims 8 and 24 (padded to 16 and 32 in the kernel)
 INTERP_CASES = [
-    (3, 4, 1, 1, 37, 16, [37, 0, 19], True, None),
+    (3, 4, 1, 1, 37, 24, [37, 0, 19], True, None),
     (2, 4, 2, 3, 45, 32, [1, 45], True, 3),
-    (2, 2, 2, 3, 33, 16, [2, 30], False, 4),
+    (2, 2, 2, 3, 33, 8, [2, 30], False, 4),
     (1, 8, 2, 3, 20, 16, [20], True, 1),
-    (2, 48, 2, 3, 18, 16, [17, 5], True, 2),
+    (1, 24, 1, 3, 18, 16, [17], True, 2),
 ]
 
 
@@ -372,7 +374,7 @@ def test_triton_decode_compiles_for_hopper():
     from fxshard.kernels import triton_decode
 
     block_n, num_warps, num_stages = triton_decode._GPU_CONFIGS[2][128]
-    constexprs = {"HEAD_DIM": 128, "BLOCK_M": 16, "BLOCK_N": block_n, "CAUSAL": True,
+    constexprs = {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 16, "BLOCK_N": block_n, "CAUSAL": True,
                   "INPUT_PRECISION": "tf32", "stride_qk": 1, "stride_kk": 1, "stride_vk": 1,
                   "stride_pk": 1, "stride_ls": 1}
     kernel = triton_decode._decode_split
@@ -398,7 +400,7 @@ def test_triton_decode_compiles_for_hopper():
     assert "mma.sync" in ptx and "cp.async" in ptx and ".local" not in ptx   # no spills
 
     merge = triton_decode._decode_merge
-    constexprs = {"HEAD_DIM": 128, "BLOCK_S": 64, "CHUNK_S": 16, "stride_pk": 1,
+    constexprs = {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_S": 64, "CHUNK_S": 16, "stride_pk": 1,
                   "stride_ls": 1, "stride_ok": 1}
     signature = {name: "constexpr" if name in constexprs else
                  "*bf16" if name == "Out" else "*fp32" if name[0].isupper() and
@@ -407,3 +409,48 @@ def test_triton_decode_compiles_for_hopper():
     compiled = triton.compile(ASTSource(merge, signature, constexprs, {}),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert ".local" not in compiled.asm["ptx"]
+
+
+# ---------------------------------------------------------------- benchmark report
+
+
+def _load_benchmark():
+    path = REPO / "benchmarks" / "decode.py"
+    spec = importlib.util.spec_from_file_location("fxshard_decode_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_report_on_fake_timings():
+    bench = _load_benchmark()
+    case = {"batch": 8, "keys": 32768, "itemsize": 2}
+    assert bench.kv_bytes(case) == 2 * 8 * 8 * 32768 * 128 * 2
+    # 1 GiB of K+V in 250 us is 4295 GB/s, 89.5 % of 4.8 TB/s
+    row = dict(case, ours_us=250.0, ours_eager_us=270.0, flash_us=None, cudnn_us=300.0,
+               cudnn_max_err=1e-3)
+    for name in ("ours", "flash", "cudnn"):
+        row[f"{name}_gbps"] = bench.gbps(case, row[f"{name}_us"])
+    row["ours_pct_h200"] = 100 * row["ours_gbps"] * 1e9 / bench.H200_BANDWIDTH
+    table = bench.format_table([row, dict(row, batch=1, keys=4096)])
+    lines = table.splitlines()
+    assert len(lines) == 4 and len({len(line) for line in lines}) == 1
+    assert "4295.0" in lines[2] and "89.5" in lines[2] and "3579.1" in lines[2]
+    assert "flash us" in lines[0] and "sdpa" not in lines[0]
+
+
+def test_benchmark_runs_on_cpu(tmp_path, capsys):
+    bench = _load_benchmark()
+    out = tmp_path / "decode.json"
+    assert bench.main(["--device", "cpu", "--batch", "2", "--keys", "48", "--reps", "2",
+                       "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    (row,) = data["results"]
+    assert row["batch"] == 2 and row["keys"] == 48 and row["dtype"] == "float32"
+    assert row["ours_us"] > 0 and row["sdpa_us"] > 0 and row["sdpa_max_err"] < 1e-5
+    assert row["ours_pct_h200"] is None and data["environment"]["head_dim"] == 128
+    assert "sdpa us" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        assert bench.main(["--json", str(tmp_path / "b.json")]) == 0
+        assert "no CUDA GPU" in capsys.readouterr().out
+        assert not (tmp_path / "b.json").exists()

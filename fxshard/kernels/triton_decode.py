@@ -7,7 +7,8 @@ every byte of K and V should be read once, by many programs in parallel. Two ker
    KV head) pair and one split of the cache's keys, and loads the ``M = G * Sq`` query rows of
    *all* G query heads of that KV head at once (row ``r`` is query head ``kvh * G + r // Sq``,
    query ``r % Sq``), padded to ``BLOCK_M``, a power of two >= 16 for ``tl.dot``; so a K/V block
-   is read once for the whole group. It reads ``lengths[b]`` itself (no host sync), streams its
+   is read once for the whole group; the head dim is padded (masked) to a power of two >= 16
+   as well, so any ``D <= 256`` runs. It reads ``lengths[b]`` itself (no host sync), streams its
    keys below that length through an online softmax (fp32, ``exp2``) and writes a partial
    ``out`` (normalised, fp32) and ``lse`` for its split; a split that sees no key writes
    ``out = 0``, ``lse = -inf``. Causal: query ``i`` sees key ``j`` iff
@@ -37,9 +38,9 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-__all__ = ["HEAD_DIMS", "decode_fwd", "interpreting", "num_splits"]
+__all__ = ["MAX_HEAD_DIM", "decode_fwd", "interpreting", "num_splits"]
 
-HEAD_DIMS = (16, 32, 64, 128, 256)
+MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NAME = "fxshard.kernels.decode_attention"
 _LOG2E = 1.4426950408889634
@@ -53,8 +54,8 @@ def _decode_split(Q, K, V, Lengths, OutPart, LsePart,
                   stride_pz, stride_ph, stride_pm, stride_ps, stride_pk,
                   stride_lz, stride_lh, stride_lm, stride_ls,
                   H_KV, GROUP, SEQ_Q, CAPACITY, SPLIT_KEYS, qk_scale,
-                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     off_zk = tl.program_id(0)
     split = tl.program_id(1)
     block_m = tl.program_id(2)
@@ -67,11 +68,12 @@ def _decode_split(Q, K, V, Lengths, OutPart, LsePart,
     head = off_kvh * GROUP + offs_m // SEQ_Q
     query = offs_m % SEQ_Q
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)      # head dim padded to a power of two >= 16
+    d_ok = offs_d < HEAD_DIM
 
     q_rows = off_z.to(tl.int64) * stride_qz + head.to(tl.int64) * stride_qh + query * stride_qm
-    q = tl.load(Q + q_rows[:, None] + offs_d[None, :] * stride_qk, mask=row_ok[:, None],
-                other=0.0)
+    q = tl.load(Q + q_rows[:, None] + offs_d[None, :] * stride_qk,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     k_base = K + off_z.to(tl.int64) * stride_kz + off_kvh.to(tl.int64) * stride_kh
     v_base = V + off_z.to(tl.int64) * stride_vz + off_kvh.to(tl.int64) * stride_vh
     k_cols = k_base + offs_d[None, :] * stride_kk
@@ -93,7 +95,7 @@ def _decode_split(Q, K, V, Lengths, OutPart, LsePart,
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for phase in tl.static_range(2):
         if phase == 0:
             start = lo
@@ -105,13 +107,16 @@ def _decode_split(Q, K, V, Lengths, OutPart, LsePart,
             offs_kv = start_n + offs_n
             k_ptrs = k_cols + offs_kv.to(tl.int64)[:, None] * stride_kn
             v_ptrs = v_cols + offs_kv.to(tl.int64)[:, None] * stride_vn
-            if phase == 0:
+            if phase == 0 and BLOCK_D == HEAD_DIM:
                 k = tl.load(k_ptrs)
                 v = tl.load(v_ptrs)
+            elif phase == 0:
+                k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+                v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
             else:
-                kv_ok = offs_kv < stop
-                k = tl.load(k_ptrs, mask=kv_ok[:, None], other=0.0)
-                v = tl.load(v_ptrs, mask=kv_ok[:, None], other=0.0)
+                kv_ok = (offs_kv < stop)[:, None] & d_ok[None, :]
+                k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
+                v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
             qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
             if phase == 1:
                 valid = (offs_kv[None, :] < stop) & (offs_kv[None, :] <= last[:, None])
@@ -130,7 +135,8 @@ def _decode_split(Q, K, V, Lengths, OutPart, LsePart,
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     p_rows = (off_z.to(tl.int64) * stride_pz + head.to(tl.int64) * stride_ph
               + query * stride_pm + split * stride_ps)
-    tl.store(OutPart + p_rows[:, None] + offs_d[None, :] * stride_pk, out, mask=row_ok[:, None])
+    tl.store(OutPart + p_rows[:, None] + offs_d[None, :] * stride_pk, out,
+             mask=row_ok[:, None] & d_ok[None, :])
     l_rows = (off_z.to(tl.int64) * stride_lz + head.to(tl.int64) * stride_lh
               + query * stride_lm + split * stride_ls)
     tl.store(LsePart + l_rows, lse, mask=row_ok)
@@ -141,7 +147,8 @@ def _decode_merge(OutPart, LsePart, Out, Lse,
                   stride_pr, stride_ps, stride_pk, stride_lr, stride_ls,
                   stride_oz, stride_oh, stride_om, stride_ok,
                   H_Q, SEQ_Q, N_SPLITS,
-                  HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                  CHUNK_S: tl.constexpr):
     row = tl.program_id(0)
     off_z = row // (H_Q * SEQ_Q)
     off_h = (row // SEQ_Q) % H_Q
@@ -156,8 +163,9 @@ def _decode_merge(OutPart, LsePart, Out, Lse,
     total_safe = tl.where(empty, 1.0, total)
 
     offs_c = tl.arange(0, CHUNK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for start in range(0, N_SPLITS, CHUNK_S):
         split_ok = start + offs_c < N_SPLITS
         lse_c = tl.load(LsePart + row.to(tl.int64) * stride_lr + (start + offs_c) * stride_ls,
@@ -166,13 +174,13 @@ def _decode_merge(OutPart, LsePart, Out, Lse,
         # a split that saw no key has weight 0: its partial out (0) need not be read
         part = tl.load(OutPart + row.to(tl.int64) * stride_pr
                        + (start + offs_c)[:, None] * stride_ps + offs_d[None, :] * stride_pk,
-                       mask=(split_ok & (weight > 0.0))[:, None], other=0.0)
+                       mask=(split_ok & (weight > 0.0))[:, None] & d_ok[None, :], other=0.0)
         acc += tl.sum(part * weight[:, None], 0)
 
     lse = tl.where(empty, float("-inf"), lse_max + tl.log(total_safe))
     o_ptrs = (Out + off_z.to(tl.int64) * stride_oz + off_h.to(tl.int64) * stride_oh
               + off_m * stride_om + offs_d * stride_ok)
-    tl.store(o_ptrs, acc.to(Out.dtype.element_ty))
+    tl.store(o_ptrs, acc.to(Out.dtype.element_ty), mask=d_ok)
     tl.store(Lse + row, lse)
 
 
@@ -232,11 +240,10 @@ def decode_fwd(q_BHSD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor,
     (``_INTERPRETER_CONFIG`` in the interpreter); they are exposed for tests and benchmarks.
     """
     head_dim = q_BHSD.shape[-1]
-    if head_dim not in HEAD_DIMS:
+    if head_dim > MAX_HEAD_DIM:
         raise ValueError(
-            f"{_NAME}: head_dim is {head_dim}, but backend='triton' supports head_dim in "
-            f"{{16, 32, 64, 128, 256}}; pad q and the cache to the next supported size (and "
-            f"pass scale=1/sqrt({head_dim})) or use backend='torch'.")
+            f"{_NAME}: head_dim is {head_dim}, but backend='triton' supports head_dim up to "
+            f"{MAX_HEAD_DIM} (one program holds a row's whole output); use backend='torch'.")
     if q_BHSD.dtype not in _DTYPES:
         raise ValueError(
             f"{_NAME}: q has dtype {q_BHSD.dtype}, but backend='triton' supports torch.float16, "
@@ -250,6 +257,7 @@ def decode_fwd(q_BHSD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor,
         raise ValueError(
             f"{_NAME}: backend='triton' (what 'auto' picks on CUDA) is forward-only and its "
             f"inputs require grad; run decoding under torch.no_grad() or use backend='torch'.")
+    block_d = max(16, triton.next_power_of_2(head_dim))
     interpret = interpreting()
     if q_BHSD.device.type != "cuda" and not triton.knobs.runtime.interpret:
         raise ValueError(
@@ -263,7 +271,7 @@ def decode_fwd(q_BHSD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor,
             f"Triton built its functions for the GPU; set TRITON_INTERPRET=1 in the environment "
             f"before the process first imports triton, or use backend='torch'.")
     config = (_INTERPRETER_CONFIG if interpret
-              else _GPU_CONFIGS[q_BHSD.element_size()][head_dim])
+              else _GPU_CONFIGS[q_BHSD.element_size()][block_d])
     block_n = config[0] if block_n is None else block_n
     num_warps = config[1] if num_warps is None else num_warps
     num_stages = config[2] if num_stages is None else num_stages
@@ -295,14 +303,15 @@ def decode_fwd(q_BHSD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor,
         *q_BHSD.stride(), *k_BKLD.stride(), *v_BKLD.stride(), *o_BHSPD.stride(),
         *lse_BHSP.stride(),
         heads_kv, heads_q // heads_kv, seq_q, capacity, split_keys, float(scale) * _LOG2E,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=bool(causal),
         INPUT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
     o_RPD = o_BHSPD.view(-1, n_splits, head_dim)
     lse_RP = lse_BHSP.view(-1, n_splits)
     _decode_merge[(batch * heads_q * seq_q,)](
         o_RPD, lse_RP, out_BHSD, lse_BHS, *o_RPD.stride(), *lse_RP.stride(),
         *out_BHSD.stride(), heads_q, seq_q, n_splits,
-        HEAD_DIM=head_dim, BLOCK_S=max(16, triton.next_power_of_2(n_splits)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(16, triton.next_power_of_2(n_splits)),
         CHUNK_S=min(_MERGE_CHUNK, max(16, triton.next_power_of_2(n_splits))),
         num_warps=1 if interpret else 4)
     return out_BHSD, lse_BHS
