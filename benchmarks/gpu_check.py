@@ -11,10 +11,10 @@
    ``save_pretrained`` directory; and with real weights on the GPU), fp32 and bf16, on tp=2,
    tp=2 x ring_cp=2 and the seed's 16-rank dp x tp x pp x ulysses_cp mesh, simulated on the
    GPU; then ``torch.compile`` with ``fxshard.backend`` (dp=2 x tp=2).
-4. The decode kernel (``decode_attention(backend="triton")``, split-K) against the float64
-   reference and the torch path: fp32/fp16/bf16, GQA groups 1/4/8, 1 and 4 queries, uneven
-   lengths (0, 1, full) in caches up to 20k keys, causal and not, D 64/96/128/256, several
-   splits.
+4. Run right after step 1: the decode kernel (``decode_attention(backend="triton")``,
+   split-K) against the float64 reference and the torch path: fp32/fp16/bf16, GQA groups
+   1/3/4/8, 1, 2 and 4 queries, uneven lengths (0, 1, full) in caches up to 20k keys, causal
+   and not, D 64/96/128/256, several splits.
 5. ``benchmarks/attention.py``'s table against SDPA flash/cuDNN, and ``benchmarks/decode.py``'s
    decode bandwidth table (GB/s of K+V read vs SDPA flash/cuDNN, % of 4.8 TB/s), JSON in
    ``--out``.

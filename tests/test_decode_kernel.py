@@ -454,3 +454,19 @@ def test_benchmark_runs_on_cpu(tmp_path, capsys):
         assert bench.main(["--json", str(tmp_path / "b.json")]) == 0
         assert "no CUDA GPU" in capsys.readouterr().out
         assert not (tmp_path / "b.json").exists()
+
+
+def test_gpu_check_decode_dry_run(capsys):
+    """benchmarks/gpu_check.py's decode check, on the CPU (the torch path vs its float64
+    reference): the prepared GPU script's code runs and its reference agrees."""
+    spec = importlib.util.spec_from_file_location("fxshard_gpu_check",
+                                                  REPO / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.decode_checks("cpu")
+    assert "PASS decode_attention(backend='torch') on cpu" in capsys.readouterr().out
+    q, k, v = make_inputs(2, 4, 2, 3, 9, 8, seed=4)
+    lengths = torch.tensor([9, 2])
+    want = reference_decode(q, k, v, lengths, causal=True)
+    got = module.decode_reference(q, k, v, lengths, True)
+    assert_matches(got[0].float(), got[1].float(), *want, tol=1e-6)
