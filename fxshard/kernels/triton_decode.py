@@ -132,7 +132,8 @@ def _decode_split(Q, K, V, Lengths, OutPart, LsePart,
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    lse = tl.where(empty, float("-inf"),
+                   (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     p_rows = (off_z.to(tl.int64) * stride_pz + head.to(tl.int64) * stride_ph
               + query * stride_pm + split * stride_ps)
     tl.store(OutPart + p_rows[:, None] + offs_d[None, :] * stride_pk, out,
