@@ -12,9 +12,10 @@ bound by memory, so the figure of merit is the bandwidth of the K and V reads,
 Variants: ``ours`` = ``fxshard.kernels.decode_attention(backend="triton")`` (the split-K
 kernel); ``flash`` and ``cudnn`` = ``F.scaled_dot_product_attention(..., enable_gqa=True)``
 pinned to that SDPA backend (a row says ``-`` where a backend refuses the shape). On CUDA each
-variant is captured in a CUDA graph of ``--inner`` calls, which rotate over enough copies of the
-cache to exceed 4x the L2 cache (so every call reads HBM), and the graph is replayed ``--reps``
-times, each timed with CUDA events; a row reports the median per call. ``ours eager us`` times
+variant is captured in a CUDA graph of ``--inner`` calls (at least one per copy), which rotate
+over enough copies of the cache to exceed 4x the L2 cache (so every call reads HBM), and the
+graph is replayed ``--reps`` times, each timed with CUDA events; a row reports the median per
+call. ``ours eager us`` times
 the same calls without a graph (Python launch overhead included). On CPU: the torch path
 (``backend="torch"``) vs SDPA, wall-clock medians, float32, small sizes, so the script runs
 without a GPU. Each row also gives the largest difference between ours and SDPA's output.
@@ -113,6 +114,7 @@ def measure_case(case, *, device, reps, inner, sweep=False):
                torch.randn(batch, HEADS_KV, keys, HEAD_DIM, device=device, dtype=dtype))
               for _ in range(copies)]
     lengths = torch.full((batch,), keys, device=device, dtype=torch.int64)
+    inner = max(inner, copies)      # every copy once per graph, or the L2 holds the rest
     row = dict(case, device=device, dtype=str(dtype).removeprefix("torch."), copies=copies)
     backend = "triton" if device == "cuda" else "torch"
 
