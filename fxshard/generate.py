@@ -245,6 +245,7 @@ def _broadcast(pm, tokens: torch.Tensor) -> torch.Tensor:
     return on_mesh.to(tokens.device)
 
 
+@torch.no_grad()
 def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: bool = False,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              eos_token_id=None, pad_token_id: int | None = None,
