@@ -277,6 +277,39 @@ def compile_backend_check(device: str) -> bool:
     return good
 
 
+def generate_check(device: str) -> bool:
+    """Text generation on the device: HF Llama greedy tokens (fp32) from pm.generate on a
+    simulated tp=2 and tp=2 x ring_cp=2 mesh equal HF generate on one device; the decode
+    steps use fxshard.kernels.decode (Triton on CUDA)."""
+    import transformers
+
+    import fxshard
+    torch.manual_seed(0)
+    config = _hf_config("llama")
+    model = transformers.AutoModelForCausalLM.from_config(config).to(device).eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(0, 256, (4, 16), device=device,
+                        generator=torch.Generator(device=device).manual_seed(1))
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                              do_sample=False)
+    ok = True
+    for names, shape in ((("tp",), (2,)), (("tp", "ring_cp"), (2, 2))):
+        mesh = fxshard.init_device_mesh(device, shape, mesh_dim_names=names)
+        pm = fxshard.parallelize(model, mesh)
+        try:
+            got = pm.generate(ids, max_new_tokens=8)
+            good = torch.equal(got, want)
+            err = f"{int((got != want).sum())} tokens differ"
+        except Exception as exc:  # noqa: BLE001 - reported, then next case
+            err, good = f"{type(exc).__name__}: {str(exc)[:300]}", False
+        ok &= good
+        print(f"{'PASS' if good else 'FAIL'} pm.generate (HF llama, 8 new tokens) on a simulated "
+              f"{device} mesh {dict(zip(names, shape))}: {err}", flush=True)
+        pm.close()
+    return ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -289,7 +322,8 @@ def main() -> int:
     if args.device == "cpu":
         if args.decode_only:
             return 0 if decode_checks("cpu") else 1
-        ok = hf_checks("cpu") & compile_backend_check("cpu") & decode_checks("cpu")
+        ok = hf_checks("cpu") & compile_backend_check("cpu") & decode_checks("cpu") & \
+            generate_check("cpu")
         return 0 if ok else 1
     if not torch.cuda.is_available():
         print("benchmarks/gpu_check.py: no CUDA GPU; nothing to check")
@@ -307,6 +341,7 @@ def main() -> int:
     ok &= model_check()
     ok &= hf_checks("cuda")
     ok &= compile_backend_check("cuda")
+    ok &= generate_check("cuda")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention.py"), "--json",
                     str(Path(args.out) / "attention.json")], check=False)
