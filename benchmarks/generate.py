@@ -105,7 +105,8 @@ class MegatronDecoder:
                 wg=rows(sd[p + "mlp.gate_proj.weight"]),
                 wu=rows(sd[p + "mlp.up_proj.weight"]),
                 wd=cols(sd[p + "mlp.down_proj.weight"]),
-                ln1=sd[p + "input_layernorm.weight"], ln2=sd[p + "post_attention_layernorm.weight"]))
+                ln1=sd[p + "input_layernorm.weight"],
+                ln2=sd[p + "post_attention_layernorm.weight"]))
         self.norm = sd["model.norm.weight"]
         self.lm_head = rows(sd["lm_head.weight"])
 
