@@ -22,8 +22,10 @@ Token choice follows HuggingFace ``generate``: greedy ``argmax``, or temperature
 then top-p (nucleus), then ``torch.multinomial`` with ``generator`` (the global RNG when
 ``None``). After a sequence emits ``eos_token_id`` it gets ``pad_token_id`` (default: the
 first eos id) and generation stops when every sequence has finished; as in HF, an
-``eos_token_id``/``pad_token_id`` left ``None`` is the model's ``generation_config``'s. On a real mesh the token
-chosen on mesh rank 0 is broadcast, so every rank feeds the same ids whatever its RNG state.
+``eos_token_id``/``pad_token_id`` left ``None`` is the model's ``generation_config``'s. On a
+real mesh a token sampled on mesh rank 0 is broadcast, so every rank feeds the same ids
+whatever its RNG state (greedy tokens need no broadcast: every rank takes the argmax of the
+same gathered logits).
 """
 from __future__ import annotations
 
@@ -235,11 +237,10 @@ def _capacity(pm, prompt: int, new: int) -> int:
     return max(CAPACITY_STEP, -(-need // CAPACITY_STEP) * CAPACITY_STEP)
 
 
-def _broadcast(pm, tokens: torch.Tensor) -> torch.Tensor:
-    if is_simulated(pm.mesh):
+def _broadcast(pm, tokens: torch.Tensor, src: int | None) -> torch.Tensor:
+    if src is None:
         return tokens
     import torch.distributed as dist
-    src = int(pm.mesh.mesh.flatten()[0])
     on_mesh = tokens.to(torch.device(pm.spec.device_type))   # NCCL sends device tensors
     dist.broadcast(on_mesh, src=src)
     return on_mesh.to(tokens.device)
@@ -269,6 +270,7 @@ def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: boo
     if not c.loaded:
         pm._check_loaded(c)
     prefill = c
+    src = None if is_simulated(pm.mesh) else int(pm.mesh.mesh.flatten()[0])  # mesh rank 0
     caches = pm._kv_state = _Caches(pm, c, prompt, capacity, device)  # kept for inspection
     out = run(pm, c, micro, state=lambda r: caches.state[r])
     scores = _logits(pm, c, out)
@@ -277,7 +279,9 @@ def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: boo
     eos_t = torch.tensor(eos, dtype=input_ids.dtype, device=input_ids.device)
     for t in range(max_new_tokens):
         nxt = _choose(scores, do_sample, temperature, top_k, top_p, generator)
-        nxt = _broadcast(pm, nxt.to(device=input_ids.device, dtype=input_ids.dtype))
+        nxt = nxt.to(device=input_ids.device, dtype=input_ids.dtype)
+        if do_sample:  # greedy: every rank's argmax reads the same gathered logits
+            nxt = _broadcast(pm, nxt, src)
         if eos:
             nxt = torch.where(unfinished, nxt, torch.full_like(nxt, pad))
             unfinished = unfinished & ~torch.isin(nxt, eos_t)

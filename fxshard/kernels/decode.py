@@ -12,7 +12,8 @@ by different ranks merge exactly with :func:`fxshard.kernels.merge_attention`
 Backends (one contract):
 
 - ``"torch"``: plain torch ops in float32 (float64 for float64), on the keys up to the longest
-  valid length; the CPU implementation;
+  valid length; the CPU implementation (torch's fused CPU flash attention when every sequence
+  has the same length, as in ``pm.generate``);
 - ``"triton"``: a split-K kernel (CUDA, or Triton's interpreter with ``TRITON_INTERPRET=1``),
   :mod:`fxshard.kernels.triton_decode`: the keys are cut into splits, each program reduces one
   split for all query heads of one KV head, and a second kernel merges the splits by
@@ -124,6 +125,16 @@ def _torch_decode(q_BHSD, k_BKLD, v_BKLD, lengths_B, scale, causal):
         return (torch.zeros(q_BHSD.shape, dtype=q_BHSD.dtype, device=q_BHSD.device),
                 torch.full(q_BHSD.shape[:3], -math.inf, dtype=torch.float32,
                            device=q_BHSD.device))
+    if q_BHSD.device.type == "cpu" and q_BHSD.dtype in (torch.float32, torch.float64) and \
+            (seq_q == 1 or not causal) and int(lengths_B.min()) == n_keys:
+        # every sequence sees the same n_keys keys: torch's fused CPU flash attention on the
+        # valid prefix, the G query heads of each KV head (times Sq) as its query rows
+        q_BKMD = q_BHSD.reshape(batch, heads_kv, group * seq_q, head_dim)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q_BKMD, k_BKLD[:, :, :n_keys], v_BKLD[:, :, :n_keys], 0.0, False,
+            scale=_scale_of(q_BHSD, scale))
+        return (out.reshape(batch, heads_q, seq_q, head_dim),
+                lse.to(torch.float32).reshape(batch, heads_q, seq_q))
     k_c = k_BKLD[:, :, :n_keys].to(cdtype)
     v_c = v_BKLD[:, :, :n_keys].to(cdtype)
     q_BKMD = q_BHSD.to(cdtype).reshape(batch, heads_kv, group * seq_q, head_dim)
