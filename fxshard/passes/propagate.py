@@ -33,11 +33,15 @@ from . import PassCtx
 from .rules import (UNDECIDED, Decision, RuleCtx, fallback, lookup, tensor_inputs,
                     warn_fallback)
 from .rules.embedding import embedding_rule
+from .rules.experts import grouped_mm_rule
 from .rules.linear import addmm_rule, linear_rule
+from .rules.views import _permutation
 
 __all__ = ["propagate_pass", "input_spec"]
 
-_OWNS_WEIGHTS = (linear_rule, embedding_rule, addmm_rule)
+_OWNS_WEIGHTS = (linear_rule, embedding_rule, addmm_rule, grouped_mm_rule)
+_WEIGHT_VIEWS = (torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
+                 torch.ops.aten.t.default)
 _MAX_REFINEMENTS = 8
 
 
@@ -63,10 +67,50 @@ def input_spec(val: torch.Tensor, ctx: PassCtx, main: torch.Tensor | None = None
 
 
 def _spec_of(node: fx.Node, param_spec: dict) -> object:
-    if node.meta.get("fxshard_param") is not None:
+    if node.name in param_spec:
         return param_spec[node.name]
     then = node.meta.get("fxshard_then")
     return then if then is not None else node.meta.get("fxshard_spec")
+
+
+def _weight_view(node: fx.Node, param_spec: dict) -> fx.Node | None:
+    """The parameter ``node`` transposes/permutes when only weight-owning rules use the result
+    (MoE experts: ``grouped_mm(x, w.transpose(-2, -1), offs)``): the parameter is then placed
+    by that rule, through the view, like a weight the rule takes directly."""
+    if node.target not in _WEIGHT_VIEWS or not node.users:
+        return None
+    src = node.args[0]
+    if src.name not in param_spec or src.meta.get("fxshard_param") is None or \
+            len(src.users) != 1 or UNDECIDED not in param_spec[src.name]:
+        return None
+    if any(u.op != "call_function" or lookup(u.target) not in _OWNS_WEIGHTS for u in node.users):
+        return None
+    return src
+
+
+def _moved(p, dim_map):
+    """``p`` with its sharded dim renamed by ``dim_map`` (a transpose/permute of the tensor)."""
+    if isinstance(p, StridedShard):
+        return StridedShard(dim_map(p.dim), p.parts)
+    if isinstance(p, Shard):
+        return Shard(dim_map(p.dim))
+    return p
+
+
+def _place_through_views(gm: fx.GraphModule, views: dict, param_spec: dict) -> None:
+    """Each weight view's placement, decided by its consumer, back to its parameter."""
+    for node in gm.graph.nodes:
+        src = views.get(node.name)
+        if src is None:
+            continue
+        spec = [R if p is UNDECIDED else p for p in param_spec.pop(node.name)]
+        perm = _permutation(node, src.meta["val"].dim())
+        have = param_spec[src.name]
+        for i, p in enumerate(spec):
+            if have[i] is UNDECIDED:
+                have[i] = _moved(p, perm.__getitem__)
+        node.meta["fxshard_spec"] = tuple(spec)
+        node.meta["fxshard_need"] = [tuple(R if p is UNDECIDED else p for p in have)]
 
 
 def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
@@ -78,6 +122,7 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
                        zigzag=a in ctx.zigzag_axes)
             for _, a, n in axes}
     param_spec: dict[str, list] = {}
+    views: dict[str, fx.Node] = {}   # weight view -> its parameter (see _weight_view)
     auto_colwise: dict[str, fx.Node] = {}
     ctx.fallbacks.clear()
     main = None  # the first tensor input: its dim 0 is the batch, its dim 1 the sequence
@@ -130,6 +175,12 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
             continue
         val = node.meta.get("val")
         ins_nodes = tensor_inputs(node)
+        src = _weight_view(node, param_spec)
+        if src is not None:
+            views[node.name] = src
+            perm = _permutation(node, src.meta["val"].dim())
+            param_spec[node.name] = [_moved(p, perm.index) for p in param_spec[src.name]]
+            continue
         if not isinstance(val, (torch.Tensor, list, tuple)):
             node.meta["fxshard_spec"] = None
             node.meta["fxshard_need"] = [_spec_of(t, param_spec) for t in ins_nodes]
@@ -164,12 +215,13 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
             d = decisions[i]
             for k, t in enumerate(ins_nodes):
                 need[k][i] = d.ins[k]
-                if t.meta.get("fxshard_param") is not None:
+                if t.name in param_spec:
                     ps = param_spec[t.name]
                     if ps[i] is UNDECIDED:
                         ps[i] = d.ins[k]
                         if a == "tp" and _column_weight(rule_fn, k, d.ins[k]):
-                            auto_colwise[t.meta["fxshard_param"]] = node
+                            fqn = (views[t.name] if t.name in views else t).meta["fxshard_param"]
+                            auto_colwise[fqn] = node
             if n_out is not None:
                 for k in range(n_out):
                     out[k][i] = d.out[k]
@@ -185,6 +237,7 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
         node.meta["fxshard_need"] = [tuple(x) for x in need]
         if then_axes:
             node.meta["fxshard_then"] = tuple(then_axes.get(i, p) for i, p in enumerate(out))
+    _place_through_views(gm, views, param_spec)
     for name, spec in param_spec.items():
         for i, p in enumerate(spec):
             if p is UNDECIDED:
@@ -199,6 +252,8 @@ def _column_weight(rule_fn, k: int, p) -> bool:
     """Input ``k`` of a linear/addmm placed ``p`` is a column-parallel weight."""
     if rule_fn is linear_rule and k == 1:
         return shard_dim(p) == 0
+    if rule_fn is grouped_mm_rule and k == 1:
+        return shard_dim(p) == 2
     return rule_fn is addmm_rule and k == 2 and shard_dim(p) == 1
 
 
