@@ -30,6 +30,7 @@ import torch.fx as fx
 
 from ..placement import Partial, R, Replicate, Shard, StridedShard, shard_dim
 from . import PassCtx
+from .moe_routing import TAG, moe_routing_pass
 from .rules import (UNDECIDED, Decision, RuleCtx, fallback, lookup, tensor_inputs,
                     warn_fallback)
 from .rules.embedding import embedding_rule
@@ -377,14 +378,46 @@ def _list_replicated(gm: fx.GraphModule, ctx: PassCtx, tp: int, why: dict) -> No
                 f"plan={{{module!r}: 'replicate'}} or drop strict=True.")
 
 
+def _moved_inside_region(gm: fx.GraphModule, ctx: PassCtx) -> set[str]:
+    """Expert-routing regions (``moe_routing_pass``) in which a collective would move a value
+    on an axis where it holds the rank's own rows in the rank's own order: the only move
+    allowed there is slicing a whole value from outside the region to the rank's rows."""
+    bad = set()
+    for node in gm.graph.nodes:
+        region = node.meta.get(TAG)
+        if region is None or node.target is operator.getitem:
+            continue
+        for t, need in zip(tensor_inputs(node), node.meta.get("fxshard_need") or []):
+            have = _spec_of(t, {})
+            for i, (a, n) in enumerate(zip(ctx.mesh.axis_names, ctx.mesh.shape)):
+                if n == 1 or a == "tp" or have is None or need[i] == have[i]:
+                    continue
+                if t.meta.get(TAG) != region and isinstance(have[i], Replicate) and \
+                        shard_dim(need[i]) is not None:
+                    continue
+                bad.add(region)
+    return bad
+
+
 def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     replicate: set[str] = set()
     reduced: dict[tuple[str, int], object] = {}
     why: dict[str, str] = {}
     mesh = ctx.mesh
     tp = mesh.axis_names.index("tp") if "tp" in mesh.axis_names else None
+    # the routing regions' tags are read by the rules; tagged here, where the rules run
+    moe_routing_pass(gm, ctx=ctx)
     for _ in range(_MAX_REFINEMENTS):
         auto_colwise = _run_once(gm, ctx, replicate, reduced)
+        moved = _moved_inside_region(gm, ctx)
+        if moved:
+            for node in gm.graph.nodes:
+                if node.meta.get(TAG) in moved:
+                    del node.meta[TAG]
+            for region in sorted(moved):
+                ctx.report("propagate_pass", f"routing of {region} gathered: a collective "
+                                             f"would move rows inside it")
+            continue
         twice = {k: v for k, v in _reduced_twice(gm).items() if k not in reduced}
         for name, i in sorted(twice):
             ctx.report("propagate_pass", f"reduce {name} once on {mesh.axis_names[i]}: "

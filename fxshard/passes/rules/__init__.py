@@ -30,7 +30,7 @@ from ...mesh import MeshSpec
 from ...placement import R
 
 __all__ = ["rule", "lookup", "Decision", "RuleCtx", "UNDECIDED", "tensor_inputs", "fallback",
-           "FallbackWarning"]
+           "FallbackWarning", "token_local"]
 
 aten = torch.ops.aten
 
@@ -116,6 +116,12 @@ def lookup(target) -> Rule | None:
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
         return pointwise.pointwise_rule
     return None
+
+
+def token_local(node: fx.Node, ctx: RuleCtx) -> bool:
+    """``node`` is inside an expert-routing region (``passes/moe_routing.py``) and ``ctx.axis``
+    may shard its tokens: each rank then sorts and un-sorts its own rows."""
+    return node.meta.get("fxshard_token_local") is not None and not ctx.is_tp
 
 
 def is_tensor_node(a) -> bool:

@@ -37,8 +37,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ...placement import P, R, Partial, Shard, StridedShard
-from . import UNDECIDED, Decision, RuleCtx, rule, tensor_inputs
+from ...placement import P, R, Partial, Shard, StridedShard, shard_dim
+from . import UNDECIDED, Decision, RuleCtx, rule, tensor_inputs, token_local
 from .linear import fused_parts
 
 aten = torch.ops.aten
@@ -55,6 +55,9 @@ def grouped_mm_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         # a 3-D input (batched, no offsets) or a bias: not the grouped expert matmul
         return Decision(ins=[R] * len(ins), out=R)
     x, w = ins[0], ins[1]
+    if token_local(node, ctx) and shard_dim(x) == 0:
+        # the rank's own rows, sorted by the rank's own sort: its counts are a partial sum
+        return Decision(ins=[x, R, P], out=x)
     if w is UNDECIDED:
         if not ctx.is_tp:
             w = R

@@ -23,16 +23,32 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ...placement import P, R, Partial, Shard
-from . import Decision, RuleCtx, rule, tensor_inputs
+from ...placement import P, R, Partial, Shard, StridedShard, shard_dim
+from . import Decision, RuleCtx, rule, tensor_inputs, token_local
 
 aten = torch.ops.aten
+
+
+def rows_like(p, n_from: int, n_to: int):
+    """The placement of a ``[n_to, ..]`` tensor whose rows are laid out like ``p``'s rows of a
+    ``[n_from]`` one (``x[T, H]`` vs the routing's ``[T * k]`` pairs), or None."""
+    if isinstance(p, Shard) and p.dim == 0:
+        return p
+    if isinstance(p, StridedShard) and p.dim == 0 and \
+            all(k * n_to % n_from == 0 for k in p.parts):
+        return StridedShard(0, tuple(k * n_to // n_from for k in p.parts))
+    return None
 
 
 @rule(aten.index.Tensor)
 def index_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     x = node.args[0]
     indices = list(node.args[1])
+    if token_local(node, ctx) and len(ins) == 2 and shard_dim(ins[1]) == 0:
+        # rank-local positions into the rank's own rows (passes/moe_routing.py)
+        need = rows_like(ins[1], ctx.shape(indices[0])[0], ctx.shape(x)[0])
+        if need is not None:
+            return Decision(ins=[need, ins[1]], out=ins[1])
     nd = ctx.ndim(x)
     where = [i for i, t in enumerate(indices) if t is not None]
     tensors = tensor_inputs(node)
@@ -88,7 +104,9 @@ def topk_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     else:
         dim = _dim_arg(node, 1, -1)
     p = ins[0]
-    if isinstance(p, Shard) and p.dim != dim:
+    if token_local(node, ctx) and shard_dim(p) == dim == 0:
+        return Decision(ins=[p], out=[p, p])   # each rank sorts its own routing pairs
+    if shard_dim(p) is not None and p.dim != dim:
         return Decision(ins=[p], out=[p, p])
     return Decision(ins=[R], out=[R, R])
 
@@ -113,6 +131,9 @@ def index_put_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     indices = list(node.args[1])
     tensors = tensor_inputs(node)
     m = len(indices)
+    if token_local(node, ctx) and m == 1 and len(ins) == 3 and shard_dim(ins[1]) == 0:
+        p = ins[1]   # the inverse permutation of the rank's own sort
+        return Decision(ins=[p, p, p], out=p)
     if any(not isinstance(t, fx.Node) for t in indices) or len(tensors) != m + 2:
         return Decision(ins=[R] * len(ins), out=R)
     px = ins[0]
@@ -165,7 +186,7 @@ def scatter_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
 @rule(aten.histc.default)
 def histc_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     """Counts of a shard add up to the counts of the whole."""
-    if isinstance(ins[0], Shard):
+    if shard_dim(ins[0]) is not None:
         return Decision(ins=[ins[0]], out=P)
     return Decision(ins=[R], out=R)
 

@@ -181,7 +181,7 @@ def linear_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         return Decision(ins=need, out=P)
     # replicated weight
     bias = [R] if has_bias else []
-    if isinstance(x, Shard) and x.dim != last:
+    if isinstance(x, (Shard, StridedShard)) and x.dim != last:
         return Decision(ins=[x, R] + bias, out=x)
     if isinstance(x, Partial) and not has_bias:
         return Decision(ins=[P, R], out=P)
