@@ -368,6 +368,10 @@ def _list_replicated(gm: fx.GraphModule, ctx: PassCtx, tp: int, why: dict) -> No
             continue
         u = next(iter(node.users))
         reason = why.get(fqn, f"its consumer {u.name} ({u.target}) needs it whole")
+        if val.dim() == 3 and u.target is torch.ops.aten.index.Tensor and u.args[0] is node:
+            reason += (" (whole expert matrices picked per token, HuggingFace's "
+                       "experts_implementation='batched_mm'; the default 'grouped_mm' shards "
+                       "each expert's intermediate dim)")
         ctx.replicated.append((fqn, reason))
         if ctx.strict:
             module = fqn.rpartition(".")[0]

@@ -136,8 +136,12 @@ def index_put_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         return Decision(ins=[p, p, p], out=p)
     if any(not isinstance(t, fx.Node) for t in indices) or len(tensors) != m + 2:
         return Decision(ins=[R] * len(ins), out=R)
-    px = ins[0]
+    px, pv = ins[0], ins[-1]
     values = node.args[2]
+    if isinstance(pv, Shard) and not isinstance(px, Shard):   # self follows the values' shard
+        d = pv.dim + ctx.ndim(node.args[0]) - ctx.ndim(values)
+        if d >= m and ctx.shape(values)[pv.dim] == ctx.shape(node.args[0])[d]:
+            px = Shard(d)
     if isinstance(px, Shard) and px.dim >= m:
         vd = px.dim - ctx.ndim(node.args[0]) + ctx.ndim(values)   # aligned from the right
         if 0 <= vd < ctx.ndim(values) and \
