@@ -1,5 +1,6 @@
 """Mixture-of-experts (HF Mixtral / Qwen2-MoE, tiny random configs) and the rules MoE routing
-and ALiBi need: grouped expert matmuls, histc, index_put, index_add, scatter, copy, baddbmm.
+and ALiBi need: grouped expert matmuls, histc, index_put, index_add, scatter, copy, baddbmm,
+repeat.
 
 Models: outputs equal the single-device model; each expert's intermediate dim is sharded on tp
 (0.5 of the layer weights per rank), the router stays whole and is listed with its reason; the
@@ -115,7 +116,7 @@ def _grouped_mm(x, w, offs):
 
 
 @pytest.mark.parametrize("op", ["grouped_mm", "histc", "index_put", "index_add", "scatter",
-                                "scatter_add", "copy", "baddbmm"])
+                                "scatter_add", "copy", "baddbmm", "repeat"])
 @settings(max_examples=max(4, settings.default.max_examples // 3))
 @given(data=st.data())
 def test_moe_and_alibi_rules(op, data):
@@ -151,6 +152,8 @@ def test_moe_and_alibi_rules(op, data):
     elif op == "copy":
         check(lambda a, b: torch.zeros_like(a).copy_(b), (x, torch.randn(h, generator=g)), m,
               [specs(draw, m, 2), specs(draw, m, 1, True)])
+    elif op == "repeat":
+        check(lambda a: a.repeat(2, 1, 3), (x,), m, [specs(draw, m, 2)])
     else:
         b1, b2 = torch.randn(e, n, h, generator=g), torch.randn(e, h, 3, generator=g)
         bias = torch.randn(e, 1, 3, generator=g)

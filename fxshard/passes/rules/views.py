@@ -125,6 +125,19 @@ def _unmerge_dim(in_shape, out_shape, p: StridedShard) -> int | None:
     return None
 
 
+@rule(aten.repeat.default)
+def repeat_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``repeat(x, sizes)`` tiles ``x`` (aligned to the right of ``sizes``): a shard of a dim
+    repeated once passes (BLOOM repeats its ALiBi slopes along the batch)."""
+    p = ins[0]
+    sizes = list(node.args[1])
+    if isinstance(p, Shard):
+        e = p.dim + len(sizes) - ctx.ndim(node.args[0])
+        if sizes[e] == 1:
+            return Decision(ins=[p], out=Shard(e))
+    return Decision(ins=[R], out=R)
+
+
 @rule(aten.expand.default)
 def expand_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     p = ins[0]
