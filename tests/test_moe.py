@@ -60,6 +60,9 @@ def test_mixtral_tp2_experts_sharded_one_all_reduce_per_moe_layer():
     placed = {f: s for f, s, _, _ in e.placements}
     assert "tp:S(1|64+64)" in placed["model.layers.0.mlp.experts.gate_up_proj"]
     assert "tp:S(2)" in placed["model.layers.0.mlp.experts.down_proj"]
+    assert ("propagate_pass", "experts model.layers.1.mlp.experts.down_proj: every expert's "
+            "intermediate dim split on tp (S(2)), not expert-parallel "
+            "(fxshard/passes/rules/experts.py says why)") in e.edits
     router = dict(e.replicated)
     assert set(router) == {"model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"}
     assert "gathered before use (by softmax" in router["model.layers.0.mlp.gate.weight"]

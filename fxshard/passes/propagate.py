@@ -403,6 +403,23 @@ def _moved_inside_region(gm: fx.GraphModule, ctx: PassCtx) -> set[str]:
     return bad
 
 
+def _report_experts(gm: fx.GraphModule, ctx: PassCtx, tp: int) -> None:
+    """Say, in ``explain()``'s pass log, how each MoE expert weight is split on ``tp``."""
+    from ..placement import short
+    for node in gm.graph.nodes:
+        fqn = node.meta.get("fxshard_param")
+        if fqn is None or node.meta["val"].dim() != 3:
+            continue
+        users = [v for u in node.users for v in ([u] if u.target not in _WEIGHT_VIEWS
+                                                 else u.users)]
+        p = node.meta["fxshard_spec"][tp]
+        if users and all(lookup(u.target) is grouped_mm_rule for u in users) and \
+                shard_dim(p) is not None:
+            ctx.report("propagate_pass", f"experts {fqn}: every expert's intermediate dim "
+                                         f"split on tp ({short(p)}), not expert-parallel "
+                                         f"(fxshard/passes/rules/experts.py says why)")
+
+
 def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     replicate: set[str] = set()
     reduced: dict[tuple[str, int], object] = {}
@@ -443,6 +460,7 @@ def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
         replicate |= wasted
     if tp is not None and mesh.shape[tp] > 1:
         _list_replicated(gm, ctx, tp, why)
+        _report_experts(gm, ctx, tp)
     sharded = sum(1 for n in gm.graph.nodes
                   if isinstance(n.meta.get("fxshard_spec"), tuple)
                   and any(not isinstance(p, Replicate) for p in n.meta["fxshard_spec"]))
