@@ -48,6 +48,7 @@ class Explanation:
     placements: list = field(default_factory=list)      # (fqn, spec, local shape, stage)
     fallbacks: list = field(default_factory=list)
     replicated: list = field(default_factory=list)      # (weight FQN, why it stays whole on tp)
+    gathered: list = field(default_factory=list)        # (node, why a CP axis gathers there)
     edits: list = field(default_factory=list)
     microbatches: int = 1                               # runs of each program per forward
     unmatched_plan: list = field(default_factory=list)  # plan globs that matched no module
@@ -113,6 +114,10 @@ class Explanation:
             lines.append(f"  {fqn:50s} {stage:>5d}  {spec:20s} {shape}")
         lines += ["", f"Weights kept whole on tp: {len(self.replicated)}"]
         lines += [f"  {fqn}: {why}" for fqn, why in self.replicated]
+        if self.gathered:
+            lines += ["", f"Attention not lowered on the CP axes (sequence gathered): "
+                          f"{len(self.gathered)}"]
+            lines += [f"  {node}: {why}" for node, why in self.gathered]
         lines += ["", f"Ops without a sharding rule (run replicated): {len(self.fallbacks)}"]
         lines += [f"  {f}" for f in self.fallbacks]
         if self.unmatched_plan:
@@ -191,6 +196,7 @@ def explain(pm, compiled) -> Explanation:
                      fallbacks=[f for f in compiled.ctx.fallbacks if f.split(":")[0] in alive],
                      edits=list(compiled.ctx.edits),
                      replicated=list(getattr(compiled.ctx, "replicated", [])),
+                     gathered=list(getattr(compiled.ctx, "gathered", [])),
                      microbatches=getattr(pm, "microbatches", 1),
                      unmatched_plan=list(getattr(pm, "unmatched_plan", [])))
     stage_of = pm.stage_of if hasattr(pm, "stage_of") else (lambda r: 0)

@@ -6,7 +6,7 @@ what it changed through ``ctx.report``; the order is fixed by ``fxshard.api.comp
             -> localize -> split_stages (pp > 1) -> emit
 
 (the bracketed passes build text generation's programs, ``fxshard.passes.kv_cache``).
-
+``propagate`` first runs ``moe_routing`` (it tags the expert-routing regions its rules read).
 ``split_stages`` runs after ``localize`` (DESIGN.md lists it before): a receive needs the local
 shape of what it receives. ``split_stages`` returns one graph per stage and ``emit`` one
 ``Program`` per graph.
@@ -47,6 +47,7 @@ class PassCtx:
     edits: list = field(default_factory=list)
     fallbacks: list = field(default_factory=list)
     replicated: list = field(default_factory=list)   # (weight FQN, why it stays whole on tp)
+    gathered: list = field(default_factory=list)     # (node, why a CP axis gathers around it)
 
     @property
     def zigzag_axes(self) -> tuple[str, ...]:
