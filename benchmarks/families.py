@@ -1,8 +1,8 @@
 """HuggingFace families x meshes: does every pattern shard, and at what cost?
 
-For each family of ``tests/families.py`` (tiny random configs, no downloads) plus the two
-patterns still open (eager attention under CP, MoE experts), on tp=2, dp=2*tp=2, tp=2 with
-sequence parallelism and tp=2*ring_cp=2, print:
+For each family of ``tests/families.py`` (tiny random configs, no downloads) plus eager
+attention and the MoE families (Mixtral; Qwen2-MoE with its shared expert), on tp=2,
+dp=2*tp=2, tp=2 with sequence parallelism and tp=2*ring_cp=2, print:
 
 - the largest difference from the single-device logits;
 - the largest per-rank share of the layer-stack matrices (embeddings, lm_head, norms aside);
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fxshard  # noqa: E402
 from fxshard.passes.rules import FallbackWarning  # noqa: E402
 from tests.families import FAMILIES, collectives_by_kind, layer_param_fraction, \
-    llama_eager, mixtral  # noqa: E402
+    llama_eager, mixtral, qwen2_moe  # noqa: E402
 
 MESHES = {"tp2": (dict(tp=2), False), "dp2·tp2": (dict(dp=2, tp=2), False),
           "tp2+SP": (dict(tp=2), True), "tp2·ring2": (dict(tp=2, ring_cp=2), False)}
@@ -34,7 +34,9 @@ MESHES = {"tp2": (dict(tp=2), False), "dp2·tp2": (dict(dp=2, tp=2), False),
 
 EXTRA = {"llama (eager attention)": ("matmul -> softmax -> matmul attention, recognised as "
                                      "SDPA", llama_eager),
-         "mixtral": ("MoE: router, top-k, grouped expert matmuls", mixtral)}
+         "mixtral": ("MoE: router, top-k, grouped expert matmuls (each expert's intermediate "
+                     "dim sharded on tp; routing on each rank's tokens under dp/CP)", mixtral),
+         "qwen2_moe": ("MoE with a shared expert and its sigmoid gate", qwen2_moe)}
 
 
 def run(build, layers: int, axes: dict, sp: bool, ids):

@@ -1,12 +1,15 @@
-"""python -m fxshard demo | explain: a tiny bundled Llama on a simulated (or real) mesh.
+"""python -m fxshard demo | explain | generate: a tiny bundled Llama on a simulated (or real) mesh.
 
   python -m fxshard demo                        dp=2, tp=2 on a simulated mesh
   python -m fxshard demo --mesh tp=4 --sp       tensor + sequence parallel
   python -m fxshard explain --mesh dp=2,tp=2,pp=2 --microbatches 2 --svg plan.svg
+  python -m fxshard generate --mesh tp=2 --prompt-len 8 --new-tokens 16
   torchrun --nproc_per_node=4 -m fxshard demo --mesh dp=2,tp=2    real ranks (gloo)
 
 demo prints the collectives per rank, parameter bytes per rank, one layer of rank 0's program
-and the largest difference from the single-device model; explain prints the plan only.
+and the largest difference from the single-device model; explain prints the plan only;
+generate prints greedy tokens from pm.generate, whether they equal the single-device model's
+(a plain loop without a cache) and the prefill time and decode tokens per second.
 """
 from __future__ import annotations
 
@@ -38,6 +41,13 @@ def _parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
     if len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"{text!r} names an axis twice")
     return tuple(shape), tuple(names)
+
+
+def _positive(text: str) -> int:
+    """An int >= 1; an argparse error (usage, no traceback) otherwise."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
 
 
 def layer_excerpt(code: str) -> list[str]:
@@ -74,8 +84,9 @@ def _ran_on(pm) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fxshard", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["demo", "explain"],
-                        help="demo: run and compare with one device; explain: the plan only")
+    parser.add_argument("command", choices=["demo", "explain", "generate"],
+                        help="demo: run and compare with one device; explain: the plan only; "
+                             "generate: greedy text generation vs one device")
     parser.add_argument("--mesh", default=((2, 2), ("dp", "tp")), type=_parse_mesh,
                         help="axis sizes, e.g. dp=2,tp=2 (axes: dp, tp, pp, ulysses_cp, "
                              "ring_cp; default dp=2,tp=2)")
@@ -85,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="pipeline microbatches (GPipe; needs pp; default 1)")
     parser.add_argument("--batch", type=int, default=4, help="batch size (default 4)")
     parser.add_argument("--seq", type=int, default=16, help="sequence length (default 16)")
+    parser.add_argument("--prompt-len", type=_positive, default=8,
+                        help="generate: prompt tokens per sequence (default 8)")
+    parser.add_argument("--new-tokens", type=_positive, default=16,
+                        help="generate: new tokens per sequence (default 16)")
+    parser.add_argument("--seed", type=int, default=1,
+                        help="generate: seed of the random prompt (default 1)")
     parser.add_argument("--lines", type=int, default=60,
                         help="at most this many lines of rank 0's layer excerpt (default 60)")
     parser.add_argument("--svg", metavar="FILE",
@@ -110,11 +127,19 @@ def _run(args) -> int:
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig.tiny(num_hidden_layers=args.layers)).eval()
-    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device="cpu",
-                        generator=torch.Generator().manual_seed(1))
-    pm = fxshard.parallelize(model, mesh, example_inputs=(ids,), sequence_parallel=args.sp,
-                             microbatches=args.microbatches)
+    if args.command == "generate":
+        ids = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt_len),
+                            device="cpu", generator=torch.Generator().manual_seed(args.seed))
+        pm = fxshard.parallelize(model, mesh, sequence_parallel=args.sp,
+                                 microbatches=args.microbatches)
+    else:
+        ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device="cpu",
+                            generator=torch.Generator().manual_seed(1))
+        pm = fxshard.parallelize(model, mesh, example_inputs=(ids,), sequence_parallel=args.sp,
+                                 microbatches=args.microbatches)
     try:
+        if args.command == "generate":
+            return _generate(args, pm, model, ids, rank)
         return _show(args, pm, model, ids, rank)
     finally:
         # release fxshard's backend, then the process groups, before the interpreter exits:
@@ -122,6 +147,49 @@ def _run(args) -> int:
         pm.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def greedy_reference(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """The single-device model's greedy tokens: a plain loop, the whole sequence every step
+    (no cache), ``[B, S + new_tokens]``."""
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            logits = model(ids)
+            logits = logits if isinstance(logits, torch.Tensor) else logits.logits
+            ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids
+
+
+def _generate(args, pm, model, ids: torch.Tensor, rank: int) -> int:
+    import time
+
+    say = print if rank == 0 else (lambda *a, **k: None)
+    pm.generate(ids, max_new_tokens=args.new_tokens)  # traces prefill and decode programs
+    start = time.perf_counter()
+    pm.generate(ids, max_new_tokens=1)                 # prefill and the first token only
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    got = pm.generate(ids, max_new_tokens=args.new_tokens)
+    total_s = time.perf_counter() - start
+    want = greedy_reference(model, ids, args.new_tokens)
+    say(f"{_ran_on(pm)}")
+    say(f"prompt: {args.batch} x {args.prompt_len} tokens (seed {args.seed}), "
+        f"{args.new_tokens} new tokens per sequence, greedy")
+    for b in range(args.batch):
+        say(f"  sequence {b}: {got[b, args.prompt_len:].tolist()}")
+    same = torch.equal(got, want)
+    say(f"tokens equal the single-device model's greedy tokens: "
+        f"{'yes' if same else 'NO'}")
+    if not same:
+        for b in range(args.batch):
+            say(f"  single device {b}: {want[b, args.prompt_len:].tolist()}")
+    steps = args.new_tokens - 1  # the first new token comes from the prefill
+    decode_s = max(total_s - prefill_s, 0.0)
+    say(f"prefill: {prefill_s * 1e3:.1f} ms for {args.batch} x {args.prompt_len} tokens")
+    if steps:
+        say(f"decode: {steps} steps, {decode_s / steps * 1e3:.2f} ms per step, "
+            f"{args.batch * steps / decode_s:.1f} tokens/s (batch {args.batch})")
+    return 0 if same else 1
 
 
 def _show(args, pm, model, ids, rank: int) -> int:

@@ -23,14 +23,17 @@ from .checks import (check_parallelize_args, check_state_dict_values, inference_
 from .mesh import MeshSpec, is_simulated, mesh_spec
 from .passes import PLAN_STYLES, PassCtx
 from .passes.fold_mask import fold_causal_mask_pass
+from .passes.gqa import unrepeat_kv_pass
 from .passes.eager_attention import eager_attention_pass
 from .passes.emit import Program, build_rank_module, emit_pass
 from .passes.insert_collectives import insert_collectives_pass
+from .passes.kv_cache import decode_attention_pass, prefill_cache_pass
 from .passes.localize import localize_pass
 from .passes.lower_attention import lower_attention_pass
 from .passes.propagate import propagate_pass
 from .passes.split_stages import assign_layers_to_stages, find_layer_stack, split_stages_pass
 from .placement import R
+from .runtime.runner import run
 from .trace import Traced, cleanup_pass, trace
 from .weights import WeightWatch, materialize_buffers, non_persistent_buffers
 
@@ -63,22 +66,32 @@ def _signature(flat) -> tuple:
 
 def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx, *,
                     stages: list[int] | None = None, traced: Traced | None = None,
-                    buffers: dict | None = None) -> Compiled:
+                    buffers: dict | None = None,
+                    generation: tuple[str, int] | None = None) -> Compiled:
     """Trace ``model`` on ``args``/``kwargs`` (unless ``traced`` is given) and run the pass
     pipeline under ``ctx``. ``buffers`` (FQN -> tensor) are the values the mask folds read
-    instead of the model's own (what ``load_state_dict`` loaded)."""
+    instead of the model's own (what ``load_state_dict`` loaded). ``generation``:
+    ``("prefill" | "decode", cache capacity per rank)`` binds a KV cache
+    (:mod:`fxshard.passes.kv_cache`)."""
     n_stages = ctx.mesh.axis_size("pp")
     if n_stages > 1:  # validate before the (slower) trace
         stack, layer_stages = _layer_stages(model, n_stages, stages)
     if traced is None:
-        traced = trace(model, args, kwargs)
+        traced = trace(model, args, kwargs, real_inputs=generation is not None
+                       and generation[0] == "decode")
     gm = cleanup_pass(traced.gm, ctx=ctx)
     constants = {**traced.constants, **(buffers or {})}
     gm = eager_attention_pass(gm, ctx=ctx, constants=constants)
     gm = fold_causal_mask_pass(gm, ctx=ctx, constants=constants)
+    gm = unrepeat_kv_pass(gm, ctx=ctx)
     gm = propagate_pass(gm, ctx=ctx)
     gm = insert_collectives_pass(gm, ctx=ctx)
+    mode, capacity = generation or (None, 0)
+    if mode == "decode":
+        gm = decode_attention_pass(gm, ctx=ctx, capacity=capacity)
     gm = lower_attention_pass(gm, ctx=ctx)
+    if mode == "prefill":
+        gm = prefill_cache_pass(gm, ctx=ctx, capacity=capacity)
     gm = localize_pass(gm, ctx=ctx)
     if n_stages > 1:
         graphs = split_stages_pass(gm, ctx=ctx, stack=stack, layer_stages=layer_stages)
@@ -100,32 +113,6 @@ def _layer_stages(model, n_stages: int, stages) -> tuple[str, list[int]]:
             f"stage in 0..{n_stages - 1}, in non-decreasing order, using every stage, e.g. "
             f"{assign_layers_to_stages(n_layers, n_stages) if n_layers >= n_stages else '-'}")
     return stack, stages
-
-
-def _share_output(c: Compiled, backend, out, microbatches: int):
-    """Real mesh: the last stage sends the output to the ranks of every earlier stage that
-    share its other coordinates, so every rank returns the full output (as the seed's
-    ``redistribute_output``)."""
-    n = backend.mesh.axis_size("pp")
-    if n == 1:
-        return out
-    if backend.axis_index("pp") == n - 1:
-        for dst in range(n - 1):
-            for x in out:
-                if isinstance(x, torch.Tensor):
-                    backend.send(x.contiguous(), "pp", dst)
-        return out
-    out_node = next(x for x in c.programs[-1].graph.nodes if x.op == "output")
-    result = []
-    for a in out_node.args[0]:
-        if isinstance(a, fx.Node):
-            v = a.meta["val"]
-            shape = [v.shape[0] * microbatches, *v.shape[1:]] if v.dim() else []
-            result.append(backend.recv(shape, v.dtype, torch.device(backend.mesh.device_type),
-                                       "pp", n - 1))
-        else:
-            result.append(a)
-    return result
 
 
 class ParallelModule:
@@ -157,15 +144,17 @@ class ParallelModule:
         self._compiled: dict[tuple, Compiled] = {}
         self._last: Compiled | None = None
         self._world = None
+        self._kv_state = None    # the last generate's caches (fxshard.generate._Caches)
         self._device = torch.device(self.spec.device_type)
 
     # -- building ----------------------------------------------------------------------
-    def _build(self, args: tuple, kwargs: dict) -> Compiled:
-        ctx = PassCtx(mesh=self.spec, sequence_parallel=self.sequence_parallel,
+    def _build(self, args: tuple, kwargs: dict, generation: tuple | None = None) -> Compiled:
+        decode = generation is not None and generation[0] == "decode"
+        ctx = PassCtx(mesh=self.spec, sequence_parallel=self.sequence_parallel and not decode,
                       strict=self.strict, plan=self.plan, embedding_style=self.embedding,
-                      ring_zigzag=self.ring_zigzag)
+                      ring_zigzag=self.ring_zigzag, split_sequence=not decode)
         c = compile_program(self.model, args, kwargs, ctx, stages=self.stages,
-                            buffers=self._buffer_values())
+                            buffers=self._buffer_values(), generation=generation)
         for fqn, value in c.traced.constants.items():
             if value is not None:
                 self._values.setdefault(fqn, value)
@@ -197,14 +186,15 @@ class ParallelModule:
         return [[x.chunk(m)[i] if isinstance(x, torch.Tensor) else x for x in flat]
                 for i in range(m)]
 
-    def _get(self, args: tuple, kwargs: dict) -> tuple[Compiled, list[list]]:
+    def _get(self, args: tuple, kwargs: dict, generation: tuple | None = None
+             ) -> tuple[Compiled, list[list]]:
         micro = self._split(args, kwargs)
-        key = _signature(micro[0])
+        key = (generation, _signature(micro[0]))
         if key not in self._compiled:
             _, spec = pytree.tree_flatten((args, kwargs))
             a, k = pytree.tree_unflatten(micro[0], spec)
             try:
-                self._compiled[key] = self._build(tuple(a), dict(k))
+                self._compiled[key] = self._build(tuple(a), dict(k), generation)
             except ValueError as e:
                 if len(micro) == 1:
                     raise
@@ -254,26 +244,18 @@ class ParallelModule:
                 fn = eager_stage(c.programs[stage])
             else:
                 if stage not in c.compiled:
+                    state = [torch.zeros(n.meta["val"].shape, dtype=n.meta["val"].dtype,
+                                         device=self._device)
+                             for n in c.programs[stage].graph.nodes
+                             if n.op == "placeholder" and n.meta.get("fxshard_state") is not None]
                     c.compiled[stage] = compile_stage(
-                        c.programs[stage], mod, [x for x in flat if isinstance(x, torch.Tensor)])
+                        c.programs[stage], mod,
+                        [x for x in flat if isinstance(x, torch.Tensor)] + state)
                 fn = c.compiled[stage]
             built = c.runners[rank] = (mod, fn.bind(mod))
         return built[1]
 
     # -- running -----------------------------------------------------------------------
-    def _run_rank(self, c: Compiled, rank: int, micro: list[list]):
-        """Run rank ``rank``'s stage on every microbatch in turn; sends do not wait for the
-        receiver, so stage s works on microbatch i while stage s+1 works on i-1 (GPipe)."""
-        mod = self._runner(c, rank, micro[0])
-        with torch.no_grad():  # inference only (per thread: simulated ranks are threads)
-            outs = [mod(*[x for x in flat if isinstance(x, torch.Tensor)]) for flat in micro]
-        if self.stage_of(rank) != self.spec.axis_size("pp") - 1:
-            return None
-        if len(outs) == 1:
-            return list(outs[0])
-        return [torch.cat(parts) if isinstance(parts[0], torch.Tensor) else parts[0]
-                for parts in zip(*outs)]
-
     def _sync_weights(self) -> None:
         """Take the model's tensors that changed since the last call (in place, reloaded,
         reassigned, cast) and re-slice every rank's weights from them; a new dtype or shape,
@@ -332,23 +314,24 @@ class ParallelModule:
         c, micro = self._get(args, kwargs)
         if not c.loaded:
             self._check_loaded(c)
-        if is_simulated(self.mesh):
-            from .runtime.simulated import SimulatedWorld
-            if self._world is None:
-                self._world = SimulatedWorld(self.spec)
-            for r in range(self.spec.world_size):
-                self._runner(c, r, micro[0])
-            results = self._world.run(lambda r: self._run_rank(c, r, micro))
-            out = next(r for r in results if r is not None)
-        else:
-            from .runtime.context import use_backend
-            from .runtime.distributed import backend_for
-            backend = backend_for(self.mesh)
-            with use_backend(backend):
-                out = self._run_rank(c, backend.rank, micro)
-                out = _share_output(c, backend, out, self.microbatches)
-                backend.flush()  # a failed send surfaces in this forward, not a later one
+        out = run(self, c, micro)
         return pytree.tree_unflatten(inference_only(self.model, list(out)), c.traced.out_spec)
+
+    def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int,
+                 do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, eos_token_id=None, pad_token_id: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Prompt plus up to ``max_new_tokens`` new tokens, ``[B, S + new]``, as HuggingFace's
+        ``model.generate`` returns them: greedy (``do_sample=False``) or sampled (temperature,
+        top-k, top-p, ``generator``); a sequence that emits ``eos_token_id`` (an id or a list)
+        is padded with ``pad_token_id`` (default: the eos id) and generation stops when all
+        have. A static KV cache per rank, sharded like the K/V it holds (see
+        :mod:`fxshard.generate`); the model's forward must take ``position_ids``."""
+        from .generate import generate
+        return generate(self, input_ids, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                        temperature=temperature, top_k=top_k, top_p=top_p,
+                        eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                        generator=generator)
 
     # -- inspection --------------------------------------------------------------------
     def _require_compiled(self, what: str) -> Compiled:
@@ -405,6 +388,7 @@ class ParallelModule:
     def close(self) -> None:
         """Release the ranks' threads (simulated mesh) or this process's backend and its
         pending sends (real mesh); the module can still be called afterwards."""
+        self._kv_state = None
         if self._world is not None:
             self._world.close()
             self._world = None

@@ -48,6 +48,7 @@ class Explanation:
     placements: list = field(default_factory=list)      # (fqn, spec, local shape, stage)
     fallbacks: list = field(default_factory=list)
     replicated: list = field(default_factory=list)      # (weight FQN, why it stays whole on tp)
+    gathered: list = field(default_factory=list)        # (node, why a CP axis gathers there)
     edits: list = field(default_factory=list)
     microbatches: int = 1                               # runs of each program per forward
     unmatched_plan: list = field(default_factory=list)  # plan globs that matched no module
@@ -56,6 +57,8 @@ class Explanation:
     #                                                     the first sharded weights it holds
     mesh_shape: tuple = ()
     axis_names: tuple = ()
+    kv_cache_bytes: dict = field(default_factory=dict)  # rank -> KV-cache bytes per cached
+    #                                                     position (a generate program only)
 
     def save(self, path: str) -> str:
         """Draw the plan to ``path`` (``.svg``, ``.png`` or ``.pdf``; needs matplotlib,
@@ -98,11 +101,23 @@ class Explanation:
             by_bytes.setdefault(b, []).append(r)
         for b, ranks in by_bytes.items():
             lines.append(f"  ranks {_ranges(ranks)}: {b:,d}")
+        if self.kv_cache_bytes:
+            lines += ["", "KV cache bytes per rank per cached position (all sequences of the "
+                          "batch; ring_cp ranks hold every n-th position)"]
+            by_bytes = {}
+            for r, b in self.kv_cache_bytes.items():
+                by_bytes.setdefault(b, []).append(r)
+            for b, ranks in by_bytes.items():
+                lines.append(f"  ranks {_ranges(ranks)}: {b:,d}")
         lines += ["", "Placements of weights (stage, placement per axis, local shape)"]
         for fqn, spec, shape, stage in self.placements:
             lines.append(f"  {fqn:50s} {stage:>5d}  {spec:20s} {shape}")
         lines += ["", f"Weights kept whole on tp: {len(self.replicated)}"]
         lines += [f"  {fqn}: {why}" for fqn, why in self.replicated]
+        if self.gathered:
+            lines += ["", f"Attention not lowered on the CP axes (sequence gathered): "
+                          f"{len(self.gathered)}"]
+            lines += [f"  {node}: {why}" for node, why in self.gathered]
         lines += ["", f"Ops without a sharding rule (run replicated): {len(self.fallbacks)}"]
         lines += [f"  {f}" for f in self.fallbacks]
         if self.unmatched_plan:
@@ -181,6 +196,7 @@ def explain(pm, compiled) -> Explanation:
                      fallbacks=[f for f in compiled.ctx.fallbacks if f.split(":")[0] in alive],
                      edits=list(compiled.ctx.edits),
                      replicated=list(getattr(compiled.ctx, "replicated", [])),
+                     gathered=list(getattr(compiled.ctx, "gathered", [])),
                      microbatches=getattr(pm, "microbatches", 1),
                      unmatched_plan=list(getattr(pm, "unmatched_plan", [])))
     stage_of = pm.stage_of if hasattr(pm, "stage_of") else (lambda r: 0)
@@ -201,6 +217,11 @@ def explain(pm, compiled) -> Explanation:
             numel = int(torch.Size(local_shape(s.shape, s.spec, mesh)).numel())
             total += numel * s.dtype.itemsize
         ex.param_bytes[r] = total
+        caches = [n.meta["val"] for n in prog.graph.nodes if n.op == "placeholder"
+                  and str(n.meta.get("fxshard_state", "")).startswith("kv.")]
+        if caches:
+            ex.kv_cache_bytes[r] = ex.microbatches * sum(
+                v.shape[0] * v.shape[1] * v.shape[3] * v.element_size() for v in caches)
     for prog in programs:
         for s in prog.slots.values():
             if s.kind != "param":

@@ -49,8 +49,12 @@ def _fake_like(x):
     return x
 
 
-def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Traced:
+def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
+          real_inputs: bool = False) -> Traced:
     """Export ``model`` on meta copies of ``args``/``kwargs`` (no compute, no weights needed).
+    ``real_inputs``: a model with real weights is exported on the inputs themselves (export
+    fakes them; nothing is computed), for inputs that meet a buffer (``position_ids`` times
+    RoPE's ``inv_freq``), where meta copies would mix devices.
 
     In-place ops (``y[..., 0] = -inf``, ``x.mul_(2)``) are functionalised (``select_scatter``,
     out-of-place ``mul``): the passes move values between ranks, which would break the aliasing
@@ -61,6 +65,8 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
     meta_args = torch.utils._pytree.tree_map(_fake_like, args)
     meta_kwargs = torch.utils._pytree.tree_map(_fake_like, kwargs)
     try:
+        if real_inputs and not on_meta:
+            raise _RealInputs()
         with _buffers_on_meta(model, on_meta), export_quietly():
             ep = torch.export.export(model, tuple(meta_args), meta_kwargs, strict=False)
     except Exception as e:  # meta inputs on a model with real weights: export on real inputs
@@ -82,6 +88,10 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Tr
                 f"fxshard.parallelize: {type(model).__name__}'s forward mutates state in place "
                 f"({bad[0].target} at {bad[0].name}); fxshard runs pure inference graphs")
     return _from_exported(ep, model)
+
+
+class _RealInputs(Exception):
+    """Export on the real inputs straight away."""
 
 
 @contextlib.contextmanager

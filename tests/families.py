@@ -72,6 +72,15 @@ def mixtral(layers: int):
     return _make(T.MixtralForCausalLM, cfg)
 
 
+def qwen2_moe(layers: int):
+    """Qwen2-MoE: routed experts plus a shared expert with a sigmoid gate."""
+    import transformers as T
+    cfg = T.Qwen2MoeConfig(intermediate_size=128, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=64, num_experts=4,
+                           num_experts_per_tok=2, num_key_value_heads=2, **_common(layers))
+    return _make(T.Qwen2MoeForCausalLM, cfg)
+
+
 # name -> (pattern, builder, collectives per layer at tp=2: {(op, "full"|"stat"): n} without
 # and with sequence parallelism; "stat" = a [b, s, 1] norm statistic)
 FAMILIES = {

@@ -39,7 +39,7 @@ def test_help_has_no_markup_and_every_option_a_help_text(capsys):
     assert info.value.code == 0 and "`" not in out
     lines = out.split("options:")[1].splitlines()
     for opt in ("--mesh", "--sp", "--layers", "--microbatches", "--batch", "--seq", "--lines",
-                "--svg"):
+                "--svg", "--prompt-len", "--new-tokens", "--seed"):
         i = next(i for i, ln in enumerate(lines) if ln.strip().startswith(opt + " ")
                  or ln.strip() == opt)
         # help sits on the option's line or, for long options, on the next one
@@ -64,3 +64,31 @@ def test_demo_shows_one_layer_and_the_backend(capsys):
 def test_layer_excerpt_falls_back_to_the_whole_body():
     code = "def forward(self, x):\n    w = self.w\n    y = torch.ops.aten.relu.default(x)\n"
     assert layer_excerpt(code) == ["    y = torch.ops.aten.relu.default(x)"]
+
+
+def test_generate_prints_tokens_equal_to_one_device_and_the_speed(capsys):
+    assert main(["generate", "--mesh", "tp=2", "--layers", "1", "--batch", "2",
+                 "--prompt-len", "5", "--new-tokens", "4", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "ran on: simulated mesh (tp=2), 2 ranks as threads of this process (cpu)" in out
+    assert "prompt: 2 x 5 tokens (seed 3), 4 new tokens per sequence, greedy" in out
+    rows = re.findall(r"sequence \d: \[([\d, ]+)\]", out)
+    assert len(rows) == 2 and all(len(r.split(",")) == 4 for r in rows), out
+    assert "tokens equal the single-device model's greedy tokens: yes" in out
+    assert re.search(r"prefill: [\d.]+ ms for 2 x 5 tokens", out), out
+    assert re.search(r"decode: 3 steps, [\d.]+ ms per step, [\d.]+ tokens/s \(batch 2\)", out)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--new-tokens", "0"], r"argument --new-tokens: expected an integer >= 1, got '0'"),
+    (["--prompt-len", "x"], r"argument --prompt-len: expected an integer >= 1, got 'x'"),
+    (["--mesh", "dp=2", "--batch", "3"],
+     r"python -m fxshard generate: error: ParallelModule.generate: the batch of 3 sequences "
+     r"cannot be split over mesh \(dp=2\).*multiple of 2"),
+])
+def test_generate_bad_argument_is_one_line_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--layers", "1", *argv])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert re.search(message, err), err

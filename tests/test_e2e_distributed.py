@@ -12,6 +12,9 @@ each running many cases and writing a JSON report that the tests below read:
 * 4 processes: dp2 x tp2 (with and without sequence parallelism), tp2 x pp2 (microbatches 1
   and 2) and dp2 x pp2, on both models.
 
+Both launches also run ``pm.generate`` (tp=2; tp=2 x pp=2) against HuggingFace ``generate``
+(greedy, and seeded sampling equal on every rank): ``tests/generate_checks.py``.
+
 Every rank passes the same global input and must get the full output back, equal to the
 unmodified single-device model (fp32, rtol = atol = 1e-4). A third test runs the README's
 ``torchrun -m fxshard demo`` on 2 processes.
@@ -31,6 +34,7 @@ import traceback
 import pytest
 import torch
 
+from tests.generate_checks import check_greedy, check_sampling, generate_case
 from tests.launch import free_port, launch
 
 LAUNCH_TIMEOUT_S = 300
@@ -228,6 +232,7 @@ def _two_proc_cases(rank: int, report: dict, out_dir: str) -> None:
             _run_case(kind, (2,), ("tp",), {})
         report["seconds"][f"tp2/{kind}"] = round(time.monotonic() - start, 2)
     report["safetensors"] = _safetensors_case(rank, os.path.join(out_dir, "ckpt"))
+    report["generate"] = generate_case(rank, (2,), ("tp",))
     report["cases_done"] = True
     import torch.distributed as dist
     dist.barrier()
@@ -242,6 +247,7 @@ def _four_proc_cases(rank: int, report: dict, out_dir: str) -> None:
             start = time.monotonic()
             report["cases"][f"{name}/{kind}"], _ = _run_case(kind, shape, names, kwargs)
             report["seconds"][f"{name}/{kind}"] = round(time.monotonic() - start, 2)
+    report["generate"] = generate_case(rank, (2, 2), ("tp", "pp"))
     report["cases_done"] = True
 
 
@@ -374,6 +380,22 @@ def test_failing_rank_makes_peer_fail_fast_naming_op_and_axis(two):
 def test_four_ranks(four, name):
     for kind in MODELS:
         _check_case(four, f"{name}/{kind}")
+
+
+@pytest.mark.parametrize("job", ["two", "four"])
+def test_generate_greedy_equals_hf_generate_on_every_rank(request, job):
+    reports = request.getfixturevalue(job)
+    for r, rep in reports.items():
+        assert "generate" in rep, f"rank {r} stopped before it: {_tail(rep['errors'])}"
+    check_greedy(reports, job)
+
+
+@pytest.mark.parametrize("job", ["two", "four"])
+def test_generate_sampling_equal_on_every_rank_and_to_hf(request, job):
+    reports = request.getfixturevalue(job)
+    for r, rep in reports.items():
+        assert "generate" in rep, f"rank {r} stopped before it: {_tail(rep['errors'])}"
+    check_sampling(reports, job)
 
 
 @pytest.mark.parametrize("job", ["two", "four"])

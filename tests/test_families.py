@@ -105,7 +105,14 @@ def test_soft_capped_eager_attention_stays_correct_under_cp():
     pm, got = _parallel(model, dict(ring_cp=2), False, ids)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert "recognised 0 eager" in dict(pm.explain().edits)["eager_attention_pass"]
+    (node, why), = pm.explain().gathered   # not silent: listed with its reason
+    assert "tanh" in why and "all-gathered along the sequence on ring_cp" in why, why
+    assert "Attention not lowered on the CP axes (sequence gathered): 1" in str(pm.explain())
     pm.close()
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("ring_cp",))
+    with pytest.raises(NotImplementedError, match=r"strict=True\): attention at softmax on mesh "
+                                                  r"\(ring_cp=2\): scores change .*tanh"):
+        fxshard.parallelize(model, mesh, strict=True, example_inputs=(ids,))
 
 
 def test_softmax_as_the_right_operand_is_not_attention():

@@ -12,11 +12,14 @@ by different ranks merge exactly with :func:`fxshard.kernels.merge_attention`
 Backends (one contract):
 
 - ``"torch"``: plain torch ops in float32 (float64 for float64), on the keys up to the longest
-  valid length; the CPU implementation;
-- ``"triton"``: a split-K kernel (CUDA, or Triton's interpreter with ``TRITON_INTERPRET=1``):
-  the keys are cut into blocks, each program reduces one block for all query heads of one KV
-  head, and a second pass merges the blocks by logsumexp;
-- ``"auto"``: Triton on CUDA when triton is installed, torch otherwise.
+  valid length; the CPU implementation (torch's fused CPU flash attention when every sequence
+  has the same length, as in ``pm.generate``);
+- ``"triton"``: a split-K kernel (CUDA, or Triton's interpreter with ``TRITON_INTERPRET=1``),
+  :mod:`fxshard.kernels.triton_decode`: the keys are cut into splits, each program reduces one
+  split for all query heads of one KV head, and a second kernel merges the splits by
+  logsumexp; forward-only (inputs that require grad are refused);
+- ``"auto"``: Triton on CUDA when triton is installed and the kernel takes the inputs (fp16,
+  bf16 or fp32, head dim <= 256, no gradient wanted), torch otherwise.
 
 Shape legend: B batch, Hq query heads, Hkv KV heads, G = Hq // Hkv, Sq new queries, L cache
 capacity, D head dim. ``q_BHSD`` ``[B, Hq, Sq, D]``; ``k_BKLD``/``v_BKLD`` ``[B, Hkv, L, D]``;
@@ -59,8 +62,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"{_NAME}: backend={backend!r}; choose one of {_BACKENDS}.")
     check_decode_inputs(q, k_cache, v_cache, lengths, scale)
     if backend == "auto":
-        backend = "triton" if q.device.type == "cuda" and _triton_module() is not None \
-            else "torch"
+        fits = q.dtype in (torch.float16, torch.bfloat16, torch.float32) and \
+            q.shape[-1] <= 256 and not (torch.is_grad_enabled() and any(
+                t.requires_grad for t in (q, k_cache, v_cache)))
+        backend = "triton" if q.device.type == "cuda" and fits and \
+            _triton_module() is not None else "torch"
     if backend == "torch":
         return _torch_decode(q, k_cache, v_cache, lengths, scale, causal)
     module = _triton_module()
@@ -119,6 +125,16 @@ def _torch_decode(q_BHSD, k_BKLD, v_BKLD, lengths_B, scale, causal):
         return (torch.zeros(q_BHSD.shape, dtype=q_BHSD.dtype, device=q_BHSD.device),
                 torch.full(q_BHSD.shape[:3], -math.inf, dtype=torch.float32,
                            device=q_BHSD.device))
+    if q_BHSD.device.type == "cpu" and q_BHSD.dtype in (torch.float32, torch.float64) and \
+            (seq_q == 1 or not causal) and int(lengths_B.min()) == n_keys:
+        # every sequence sees the same n_keys keys: torch's fused CPU flash attention on the
+        # valid prefix, the G query heads of each KV head (times Sq) as its query rows
+        q_BKMD = q_BHSD.reshape(batch, heads_kv, group * seq_q, head_dim)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q_BKMD, k_BKLD[:, :, :n_keys], v_BKLD[:, :, :n_keys], 0.0, False,
+            scale=_scale_of(q_BHSD, scale))
+        return (out.reshape(batch, heads_q, seq_q, head_dim),
+                lse.to(torch.float32).reshape(batch, heads_q, seq_q))
     k_c = k_BKLD[:, :, :n_keys].to(cdtype)
     v_c = v_BKLD[:, :, :n_keys].to(cdtype)
     q_BKMD = q_BHSD.to(cdtype).reshape(batch, heads_kv, group * seq_q, head_dim)

@@ -149,14 +149,20 @@ class LlamaRMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device, dtype):
-    """cos/sin tables ``[seq_len, head_dim]`` for positions ``arange(seq_len)``.
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device, dtype,
+                 position_ids: torch.Tensor | None = None):
+    """cos/sin tables ``[seq_len, head_dim]`` for positions ``arange(seq_len)``, or
+    ``[B, 1, seq_len, head_dim]`` for explicit ``position_ids`` ``[B, seq_len]``.
 
     Same op sequence as HF's default RoPE (float32 throughout, cast at the
     end), so the result is bit-identical; computed on every call, no buffer.
     """
     inv_freq = 1.0 / (theta ** (
         torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    if position_ids is not None:
+        freqs = position_ids[:, None, :, None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
     positions = torch.arange(seq_len, dtype=torch.float32, device=device)
     freqs = positions[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -171,7 +177,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary_pos_emb(q, k, cos, sin):
-    """q, k: ``[B, H, S, D]``; cos, sin: ``[S, D]`` (broadcast over B and H)."""
+    """q, k: ``[B, H, S, D]``; cos, sin: ``[S, D]`` or ``[B, 1, S, D]`` (broadcast)."""
     q_embed = (q * cos) + (rotate_half(q) * sin)
     k_embed = (k * cos) + (rotate_half(k) * sin)
     return q_embed, k_embed
@@ -245,18 +251,19 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(
             input_ids.shape[1], self.config.head_dim, self.config.rope_theta,
-            device=hidden_states.device, dtype=hidden_states.dtype)
+            device=hidden_states.device, dtype=hidden_states.dtype, position_ids=position_ids)
         for layer in self.layers:
             hidden_states = layer(hidden_states, cos, sin)
         return self.norm(hidden_states)
 
 
 class LlamaForCausalLM(nn.Module):
-    """``forward(input_ids[B, S]) -> logits[B, S, vocab]`` (a plain tensor).
+    """``forward(input_ids[B, S], position_ids=None) -> logits[B, S, vocab]`` (a plain tensor).
 
     With ``tie_word_embeddings`` the output projection shares its parameter
     with the embedding (``lm_head.weight is model.embed_tokens.weight``).
@@ -295,5 +302,8 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
         return self
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model(input_ids))
+    def forward(self, input_ids: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids`` ``[B, S]`` (default ``arange(S)``): the positions RoPE encodes, as
+        in HuggingFace's models (text generation passes them for the new tokens)."""
+        return self.lm_head(self.model(input_ids, position_ids))

@@ -1,9 +1,12 @@
 """Graph passes. Each is ``def name_pass(gm, *, ctx: PassCtx) -> GraphModule`` and reports
 what it changed through ``ctx.report``; the order is fixed by ``fxshard.api.compile_program``::
 
-    cleanup -> eager_attention -> fold_causal_mask -> propagate -> insert_collectives -> lower_attention
+    cleanup -> eager_attention -> fold_causal_mask -> unrepeat_kv -> propagate
+            -> insert_collectives -> [decode_attention] -> lower_attention -> [prefill_cache]
             -> localize -> split_stages (pp > 1) -> emit
 
+(the bracketed passes build text generation's programs, ``fxshard.passes.kv_cache``).
+``propagate`` first runs ``moe_routing`` (it tags the expert-routing regions its rules read).
 ``split_stages`` runs after ``localize`` (DESIGN.md lists it before): a receive needs the local
 shape of what it receives. ``split_stages`` returns one graph per stage and ``emit`` one
 ``Program`` per graph.
@@ -40,9 +43,11 @@ class PassCtx:
     input_specs: dict | None = None       # user input index -> spec (default: input_spec)
     keep_output_placement: bool = False   # leave outputs sharded (rule tests read the blocks)
     ring_zigzag: bool = True              # zigzag sequence layout on ring_cp (load balance)
+    split_sequence: bool = True           # user inputs' dim 1 on the CP axes (off: decode)
     edits: list = field(default_factory=list)
     fallbacks: list = field(default_factory=list)
     replicated: list = field(default_factory=list)   # (weight FQN, why it stays whole on tp)
+    gathered: list = field(default_factory=list)     # (node, why a CP axis gathers around it)
 
     @property
     def zigzag_axes(self) -> tuple[str, ...]:

@@ -6,7 +6,8 @@ and ``lower_attention``: local fused attention, Ulysses or ring attention on the
 of K and V gathered along the sequence. A constant additive causal mask (0 on and below the
 diagonal, a huge negative number above) becomes ``is_causal=True``; any other mask is passed
 on as SDPA's additive ``attn_mask`` (same arithmetic). Scores changed in any other way (Gemma-2's
-tanh soft-cap, ALiBi biases from tensors) are left as they are, and the rules shard them.
+tanh soft-cap, ALiBi biases from tensors) are left as they are, and the rules shard them: on a
+CP axis K and V are then all-gathered, which ``explain()`` lists and ``strict=True`` refuses.
 
 Before::
 
@@ -103,6 +104,33 @@ def _match(softmax: fx.Node):
     return q, k, v, mask, float(scale), out
 
 
+def _changed_scores(softmax: fx.Node) -> list[str] | None:
+    """The ops between ``q @ k^T`` and ``softmax`` of an attention :func:`_match` refused
+    because its scores change beyond scale + mask (Gemma-2's ``tanh(s / cap) * cap``), or None
+    when ``softmax`` does not take ``q @ k^T`` through elementwise ops at all."""
+    from .rules import lookup
+    from .rules.pointwise import identity_rule, pointwise_rule
+    nd = softmax.meta["val"].dim()
+    if nd != 4 or softmax.args[1] % nd != nd - 1:
+        return None
+    ops, cur = [], softmax.args[0]
+    while _is_tensor(cur) and cur.op == "call_function" and len(ops) < 16:
+        if cur.target in (aten.matmul.default, aten.bmm.default, aten.baddbmm.default):
+            kt = cur.args[2 if cur.target is aten.baddbmm.default else 1]
+            if cur.target is aten.baddbmm.default:
+                ops.append("baddbmm (a bias added to q @ k^T, e.g. ALiBi)")
+            return ops[::-1] if _is_tensor(kt) and _key_of(kt) is not None and ops else None
+        if cur.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+            cur = cur.args[0]
+            continue
+        if lookup(cur.target) not in (pointwise_rule, identity_rule):
+            return None
+        ops.append(str(cur.target).split(".")[1] if "." in str(cur.target) else str(cur.target))
+        cur = next((a for a in cur.args if _is_tensor(a) and
+                    a.meta["val"].shape == cur.meta["val"].shape), None)
+    return None
+
+
 def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
     """Erase ``node`` and, recursively, the inputs it leaves without users."""
     stack, erased = [node], set()
@@ -116,16 +144,38 @@ def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
         stack.extend(inputs)
 
 
+def _refuse_on_cp(softmax: fx.Node, ctx: PassCtx) -> None:
+    """An attention whose scores change beyond scale + mask stays matmuls: on a CP axis its
+    queries keep the sequence shard and K/V are all-gathered (correct, not ring/Ulysses).
+    Listed in ``explain()``; ``strict=True`` refuses it."""
+    ops = _changed_scores(softmax)
+    axes = [a for a, n in zip(ctx.mesh.axis_names, ctx.mesh.shape)
+            if n > 1 and a in ("ulysses_cp", "ring_cp")]
+    if ops is None or not axes:
+        return
+    why = (f"scores change beyond scale + mask ({' -> '.join(ops)} between q @ k^T and "
+           f"softmax, e.g. a tanh soft-cap): K and V are all-gathered along the sequence on "
+           f"{', '.join(axes)} instead of ring/Ulysses attention")
+    if ctx.strict:
+        raise NotImplementedError(
+            f"fxshard.parallelize(strict=True): attention at {softmax.name} on mesh "
+            f"{ctx.mesh.describe()}: {why}. Use an attention without a soft-cap (SDPA), a "
+            f"mesh without {' / '.join(axes)}, or drop strict=True.")
+    ctx.gathered.append((softmax.name, why))
+
+
 def eager_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
                          ) -> fx.GraphModule:
     graph = gm.graph
     found = causal_n = 0
+    ctx.gathered.clear()
     additive: dict[tuple, bool] = {}  # (mask node, sq, skv) -> a constant causal mask?
     for node in list(graph.nodes):
         if node.target not in (aten.softmax.int, aten._softmax.default) or not node.users:
             continue
         m = _match(node)
         if m is None:
+            _refuse_on_cp(node, ctx)
             continue
         q, k, v, mask, scale, out = m
         causal = False

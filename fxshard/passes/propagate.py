@@ -30,20 +30,26 @@ import torch.fx as fx
 
 from ..placement import Partial, R, Replicate, Shard, StridedShard, shard_dim
 from . import PassCtx
+from .moe_routing import TAG, moe_routing_pass
 from .rules import (UNDECIDED, Decision, RuleCtx, fallback, lookup, tensor_inputs,
                     warn_fallback)
 from .rules.embedding import embedding_rule
+from .rules.experts import grouped_mm_rule
 from .rules.linear import addmm_rule, linear_rule
+from .rules.views import _permutation
 
 __all__ = ["propagate_pass", "input_spec"]
 
-_OWNS_WEIGHTS = (linear_rule, embedding_rule, addmm_rule)
+_OWNS_WEIGHTS = (linear_rule, embedding_rule, addmm_rule, grouped_mm_rule)
+_WEIGHT_VIEWS = (torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
+                 torch.ops.aten.t.default)
 _MAX_REFINEMENTS = 8
 
 
 def input_spec(val: torch.Tensor, ctx: PassCtx, main: torch.Tensor | None = None) -> tuple:
-    """Where a user input goes: batch (dim 0) on ``dp``, sequence (dim 1) on the CP axes,
-    whole elsewhere. ``main`` is the first tensor input (the ids): another input is split only
+    """Where a user input goes: batch (dim 0) on ``dp``, sequence (dim 1) on the CP axes
+    (unless ``ctx.split_sequence`` is off: a decode step's one token), whole elsewhere.
+    ``main`` is the first tensor input (the ids): another input is split only
     on the dims it shares with it, so a ``[1]`` temperature or a ``[B, 5]`` feature input
     stays whole where it has no batch or no sequence."""
     main = val if main is None else main
@@ -55,7 +61,7 @@ def input_spec(val: torch.Tensor, ctx: PassCtx, main: torch.Tensor | None = None
     for axis, n in zip(ctx.mesh.axis_names, ctx.mesh.shape):
         if n > 1 and axis == "dp" and shares(0):
             out.append(Shard(0))
-        elif n > 1 and axis in ("ulysses_cp", "ring_cp") and shares(1):
+        elif n > 1 and axis in ("ulysses_cp", "ring_cp") and ctx.split_sequence and shares(1):
             out.append(Shard(1))
         else:
             out.append(R)
@@ -63,10 +69,50 @@ def input_spec(val: torch.Tensor, ctx: PassCtx, main: torch.Tensor | None = None
 
 
 def _spec_of(node: fx.Node, param_spec: dict) -> object:
-    if node.meta.get("fxshard_param") is not None:
+    if node.name in param_spec:
         return param_spec[node.name]
     then = node.meta.get("fxshard_then")
     return then if then is not None else node.meta.get("fxshard_spec")
+
+
+def _weight_view(node: fx.Node, param_spec: dict) -> fx.Node | None:
+    """The parameter ``node`` transposes/permutes when only weight-owning rules use the result
+    (MoE experts: ``grouped_mm(x, w.transpose(-2, -1), offs)``): the parameter is then placed
+    by that rule, through the view, like a weight the rule takes directly."""
+    if node.target not in _WEIGHT_VIEWS or not node.users:
+        return None
+    src = node.args[0]
+    if src.name not in param_spec or src.meta.get("fxshard_param") is None or \
+            len(src.users) != 1 or UNDECIDED not in param_spec[src.name]:
+        return None
+    if any(u.op != "call_function" or lookup(u.target) not in _OWNS_WEIGHTS for u in node.users):
+        return None
+    return src
+
+
+def _moved(p, dim_map):
+    """``p`` with its sharded dim renamed by ``dim_map`` (a transpose/permute of the tensor)."""
+    if isinstance(p, StridedShard):
+        return StridedShard(dim_map(p.dim), p.parts)
+    if isinstance(p, Shard):
+        return Shard(dim_map(p.dim))
+    return p
+
+
+def _place_through_views(gm: fx.GraphModule, views: dict, param_spec: dict) -> None:
+    """Each weight view's placement, decided by its consumer, back to its parameter."""
+    for node in gm.graph.nodes:
+        src = views.get(node.name)
+        if src is None:
+            continue
+        spec = [R if p is UNDECIDED else p for p in param_spec.pop(node.name)]
+        perm = _permutation(node, src.meta["val"].dim())
+        have = param_spec[src.name]
+        for i, p in enumerate(spec):
+            if have[i] is UNDECIDED:
+                have[i] = _moved(p, perm.__getitem__)
+        node.meta["fxshard_spec"] = tuple(spec)
+        node.meta["fxshard_need"] = [tuple(R if p is UNDECIDED else p for p in have)]
 
 
 def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
@@ -78,6 +124,7 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
                        zigzag=a in ctx.zigzag_axes)
             for _, a, n in axes}
     param_spec: dict[str, list] = {}
+    views: dict[str, fx.Node] = {}   # weight view -> its parameter (see _weight_view)
     auto_colwise: dict[str, fx.Node] = {}
     ctx.fallbacks.clear()
     main = None  # the first tensor input: its dim 0 is the batch, its dim 1 the sequence
@@ -130,6 +177,12 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
             continue
         val = node.meta.get("val")
         ins_nodes = tensor_inputs(node)
+        src = _weight_view(node, param_spec)
+        if src is not None:
+            views[node.name] = src
+            perm = _permutation(node, src.meta["val"].dim())
+            param_spec[node.name] = [_moved(p, perm.index) for p in param_spec[src.name]]
+            continue
         if not isinstance(val, (torch.Tensor, list, tuple)):
             node.meta["fxshard_spec"] = None
             node.meta["fxshard_need"] = [_spec_of(t, param_spec) for t in ins_nodes]
@@ -164,12 +217,13 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
             d = decisions[i]
             for k, t in enumerate(ins_nodes):
                 need[k][i] = d.ins[k]
-                if t.meta.get("fxshard_param") is not None:
+                if t.name in param_spec:
                     ps = param_spec[t.name]
                     if ps[i] is UNDECIDED:
                         ps[i] = d.ins[k]
                         if a == "tp" and _column_weight(rule_fn, k, d.ins[k]):
-                            auto_colwise[t.meta["fxshard_param"]] = node
+                            fqn = (views[t.name] if t.name in views else t).meta["fxshard_param"]
+                            auto_colwise[fqn] = node
             if n_out is not None:
                 for k in range(n_out):
                     out[k][i] = d.out[k]
@@ -185,6 +239,7 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
         node.meta["fxshard_need"] = [tuple(x) for x in need]
         if then_axes:
             node.meta["fxshard_then"] = tuple(then_axes.get(i, p) for i, p in enumerate(out))
+    _place_through_views(gm, views, param_spec)
     for name, spec in param_spec.items():
         for i, p in enumerate(spec):
             if p is UNDECIDED:
@@ -199,6 +254,8 @@ def _column_weight(rule_fn, k: int, p) -> bool:
     """Input ``k`` of a linear/addmm placed ``p`` is a column-parallel weight."""
     if rule_fn is linear_rule and k == 1:
         return shard_dim(p) == 0
+    if rule_fn is grouped_mm_rule and k == 1:
+        return shard_dim(p) == 2
     return rule_fn is addmm_rule and k == 2 and shard_dim(p) == 1
 
 
@@ -312,6 +369,10 @@ def _list_replicated(gm: fx.GraphModule, ctx: PassCtx, tp: int, why: dict) -> No
             continue
         u = next(iter(node.users))
         reason = why.get(fqn, f"its consumer {u.name} ({u.target}) needs it whole")
+        if val.dim() == 3 and u.target is torch.ops.aten.index.Tensor and u.args[0] is node:
+            reason += (" (whole expert matrices picked per token, HuggingFace's "
+                       "experts_implementation='batched_mm'; the default 'grouped_mm' shards "
+                       "each expert's intermediate dim)")
         ctx.replicated.append((fqn, reason))
         if ctx.strict:
             module = fqn.rpartition(".")[0]
@@ -322,14 +383,63 @@ def _list_replicated(gm: fx.GraphModule, ctx: PassCtx, tp: int, why: dict) -> No
                 f"plan={{{module!r}: 'replicate'}} or drop strict=True.")
 
 
+def _moved_inside_region(gm: fx.GraphModule, ctx: PassCtx) -> set[str]:
+    """Expert-routing regions (``moe_routing_pass``) in which a collective would move a value
+    on an axis where it holds the rank's own rows in the rank's own order: the only move
+    allowed there is slicing a whole value from outside the region to the rank's rows."""
+    bad = set()
+    for node in gm.graph.nodes:
+        region = node.meta.get(TAG)
+        if region is None or node.target is operator.getitem:
+            continue
+        for t, need in zip(tensor_inputs(node), node.meta.get("fxshard_need") or []):
+            have = _spec_of(t, {})
+            for i, (a, n) in enumerate(zip(ctx.mesh.axis_names, ctx.mesh.shape)):
+                if n == 1 or a == "tp" or have is None or need[i] == have[i]:
+                    continue
+                if t.meta.get(TAG) != region and isinstance(have[i], Replicate) and \
+                        shard_dim(need[i]) is not None:
+                    continue
+                bad.add(region)
+    return bad
+
+
+def _report_experts(gm: fx.GraphModule, ctx: PassCtx, tp: int) -> None:
+    """Say, in ``explain()``'s pass log, how each MoE expert weight is split on ``tp``."""
+    from ..placement import short
+    for node in gm.graph.nodes:
+        fqn = node.meta.get("fxshard_param")
+        if fqn is None or node.meta["val"].dim() != 3:
+            continue
+        users = [v for u in node.users for v in ([u] if u.target not in _WEIGHT_VIEWS
+                                                 else u.users)]
+        p = node.meta["fxshard_spec"][tp]
+        if users and all(lookup(u.target) is grouped_mm_rule for u in users) and \
+                shard_dim(p) is not None:
+            ctx.report("propagate_pass", f"experts {fqn}: every expert's intermediate dim "
+                                         f"split on tp ({short(p)}), not expert-parallel "
+                                         f"(fxshard/passes/rules/experts.py says why)")
+
+
 def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     replicate: set[str] = set()
     reduced: dict[tuple[str, int], object] = {}
     why: dict[str, str] = {}
     mesh = ctx.mesh
     tp = mesh.axis_names.index("tp") if "tp" in mesh.axis_names else None
+    # the routing regions' tags are read by the rules; tagged here, where the rules run
+    moe_routing_pass(gm, ctx=ctx)
     for _ in range(_MAX_REFINEMENTS):
         auto_colwise = _run_once(gm, ctx, replicate, reduced)
+        moved = _moved_inside_region(gm, ctx)
+        if moved:
+            for node in gm.graph.nodes:
+                if node.meta.get(TAG) in moved:
+                    del node.meta[TAG]
+            for region in sorted(moved):
+                ctx.report("propagate_pass", f"routing of {region} gathered: a collective "
+                                             f"would move rows inside it")
+            continue
         twice = {k: v for k, v in _reduced_twice(gm).items() if k not in reduced}
         for name, i in sorted(twice):
             ctx.report("propagate_pass", f"reduce {name} once on {mesh.axis_names[i]}: "
@@ -351,6 +461,7 @@ def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
         replicate |= wasted
     if tp is not None and mesh.shape[tp] > 1:
         _list_replicated(gm, ctx, tp, why)
+        _report_experts(gm, ctx, tp)
     sharded = sum(1 for n in gm.graph.nodes
                   if isinstance(n.meta.get("fxshard_spec"), tuple)
                   and any(not isinstance(p, Replicate) for p in n.meta["fxshard_spec"]))

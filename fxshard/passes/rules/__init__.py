@@ -30,7 +30,7 @@ from ...mesh import MeshSpec
 from ...placement import R
 
 __all__ = ["rule", "lookup", "Decision", "RuleCtx", "UNDECIDED", "tensor_inputs", "fallback",
-           "FallbackWarning"]
+           "FallbackWarning", "token_local"]
 
 aten = torch.ops.aten
 
@@ -93,7 +93,8 @@ _RULES: dict[Any, Rule] = {}
 
 
 def rule(*ops) -> Callable[[Rule], Rule]:
-    """Register ``fn`` as the rule of each op (an OpOverload, or a packet for all overloads)."""
+    """Register ``fn`` as the rule of each op (an OpOverload, a packet for all overloads, or
+    the ``"namespace::name"`` of a custom op another library registers when imported)."""
     def register(fn: Rule) -> Rule:
         for op in ops:
             if op in _RULES:
@@ -110,9 +111,17 @@ def lookup(target) -> Rule | None:
     packet = getattr(target, "overloadpacket", None)
     if packet in _RULES:
         return _RULES[packet]
+    if isinstance(target, torch._ops.OpOverload) and target.name() in _RULES:
+        return _RULES[target.name()]
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
         return pointwise.pointwise_rule
     return None
+
+
+def token_local(node: fx.Node, ctx: RuleCtx) -> bool:
+    """``node`` is inside an expert-routing region (``passes/moe_routing.py``) and ``ctx.axis``
+    may shard its tokens: each rank then sorts and un-sorts its own rows."""
+    return node.meta.get("fxshard_token_local") is not None and not ctx.is_tp
 
 
 def is_tensor_node(a) -> bool:
@@ -157,4 +166,4 @@ def _caller_level() -> int:
 
 # Import the rule families so that they register themselves.
 from . import (pointwise, views, reductions, linear, embedding, attention, factory,  # noqa: E402,F401
-               indexing)
+               indexing, experts)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ...placement import R, Shard
+from ...placement import R, Shard, StridedShard
 from . import Decision, RuleCtx, rule
 
 aten = torch.ops.aten
@@ -24,4 +24,5 @@ def factory_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
 def like_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     """``*_like`` keeps the shard of its input (its values do not depend on the input's)."""
     p = ins[0]
-    return Decision(ins=[p], out=p) if isinstance(p, Shard) else Decision(ins=[R], out=R)
+    return Decision(ins=[p], out=p) if isinstance(p, (Shard, StridedShard)) \
+        else Decision(ins=[R], out=R)

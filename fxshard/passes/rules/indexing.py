@@ -7,23 +7,48 @@ gives ``x.shape[:a] + broadcast(idx shapes) + x.shape[b+1:]``::
     index(x: S(0) [B, S, D], [None, idx: R [K]])    -> S(0) [B, K, D]
 
 ``gather(x, dim, idx)``, ``topk(x, k, dim)``, ``sort`` and ``repeat_interleave(x, n, dim)``
-keep a shard of any dim but ``dim``; the looked-up / sorted dim must be whole.
+keep a shard of any dim but ``dim``; the looked-up / sorted dim must be whole. A partial sum
+indexed by replicated indices stays partial (a Partial MoE output un-permuted by expert).
+
+The writing side (MoE routing, HF's eager experts) mirrors it: ``index_put``, ``index_add``,
+``scatter``/``scatter_add`` keep a shard of a dim they do not write along; ``index_add`` and
+``scatter_add`` of rows sharded along the written dim give a partial sum (``self`` added on one
+rank); ``histc`` of a shard is the partial sum of the shards' counts::
+
+    index_add(out: R [T, H], 0, idx: S(0) [N], src: S(0) [N, H])  -> out P (ins P, S(0), S(0))
+    histc(ids: S(0) [N], bins=E)                                   -> counts P [E]
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 
-from ...placement import R, Shard
-from . import Decision, RuleCtx, rule, tensor_inputs
+from ...placement import P, R, Partial, Shard, StridedShard, shard_dim
+from . import Decision, RuleCtx, rule, tensor_inputs, token_local
 
 aten = torch.ops.aten
+
+
+def rows_like(p, n_from: int, n_to: int):
+    """The placement of a ``[n_to, ..]`` tensor whose rows are laid out like ``p``'s rows of a
+    ``[n_from]`` one (``x[T, H]`` vs the routing's ``[T * k]`` pairs), or None."""
+    if isinstance(p, Shard) and p.dim == 0:
+        return p
+    if isinstance(p, StridedShard) and p.dim == 0 and \
+            all(k * n_to % n_from == 0 for k in p.parts):
+        return StridedShard(0, tuple(k * n_to // n_from for k in p.parts))
+    return None
 
 
 @rule(aten.index.Tensor)
 def index_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     x = node.args[0]
     indices = list(node.args[1])
+    if token_local(node, ctx) and len(ins) == 2 and shard_dim(ins[1]) == 0:
+        # rank-local positions into the rank's own rows (passes/moe_routing.py)
+        need = rows_like(ins[1], ctx.shape(indices[0])[0], ctx.shape(x)[0])
+        if need is not None:
+            return Decision(ins=[need, ins[1]], out=ins[1])
     nd = ctx.ndim(x)
     where = [i for i, t in enumerate(indices) if t is not None]
     tensors = tensor_inputs(node)
@@ -36,6 +61,8 @@ def index_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     bshape = tuple(torch.broadcast_shapes(*(ctx.shape(t) for t in idx)))
     bnd = len(bshape)
     px, pidx = ins[0], ins[1:]
+    if isinstance(px, Partial) and not any(isinstance(p, Shard) for p in pidx):
+        return Decision(ins=[P] + [R] * len(idx), out=P)   # picking addends = addends picked
     if isinstance(px, Shard) and (px.dim < a or px.dim > b):
         out = px.dim if px.dim < a else px.dim - (b - a + 1) + bnd
         return Decision(ins=[px] + [R] * len(idx), out=Shard(out))
@@ -77,7 +104,9 @@ def topk_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     else:
         dim = _dim_arg(node, 1, -1)
     p = ins[0]
-    if isinstance(p, Shard) and p.dim != dim:
+    if token_local(node, ctx) and shard_dim(p) == dim == 0:
+        return Decision(ins=[p], out=[p, p])   # each rank sorts its own routing pairs
+    if shard_dim(p) is not None and p.dim != dim:
         return Decision(ins=[p], out=[p, p])
     return Decision(ins=[R], out=[R, R])
 
@@ -89,3 +118,100 @@ def repeat_interleave_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     if dim is not None and isinstance(p, Shard) and p.dim != dim % ctx.ndim(node.args[0]):
         return Decision(ins=[p], out=p)
     return Decision(ins=[R], out=R)
+
+
+def _written_dim(node: fx.Node, pos: int) -> int:
+    return node.args[pos] % max(RuleCtx.ndim(node.args[0]), 1)
+
+
+@rule(aten.index_put.default)
+def index_put_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``index_put(self, [i0, i1, ..], values)`` writes along the leading dims ``0..m-1``;
+    ``values`` is ``broadcast(indices) + self.shape[m:]``: a shard of a later dim passes."""
+    indices = list(node.args[1])
+    tensors = tensor_inputs(node)
+    m = len(indices)
+    if token_local(node, ctx) and m == 1 and len(ins) == 3 and shard_dim(ins[1]) == 0:
+        p = ins[1]   # the inverse permutation of the rank's own sort
+        return Decision(ins=[p, p, p], out=p)
+    if any(not isinstance(t, fx.Node) for t in indices) or len(tensors) != m + 2:
+        return Decision(ins=[R] * len(ins), out=R)
+    px, pv = ins[0], ins[-1]
+    values = node.args[2]
+    if isinstance(pv, Shard) and not isinstance(px, Shard):   # self follows the values' shard
+        d = pv.dim + ctx.ndim(node.args[0]) - ctx.ndim(values)
+        if d >= m and ctx.shape(values)[pv.dim] == ctx.shape(node.args[0])[d]:
+            px = Shard(d)
+    if isinstance(px, Shard) and px.dim >= m:
+        vd = px.dim - ctx.ndim(node.args[0]) + ctx.ndim(values)   # aligned from the right
+        if 0 <= vd < ctx.ndim(values) and \
+                ctx.shape(values)[vd] == ctx.shape(node.args[0])[px.dim]:
+            return Decision(ins=[px] + [R] * m + [Shard(vd)], out=px)
+        return Decision(ins=[px] + [R] * m + [R], out=px)
+    return Decision(ins=[R] * len(ins), out=R)
+
+
+@rule(aten.index_add.default)
+def index_add_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``index_add(self, dim, index, source)``: ``self[index[i]] += source[i]`` along ``dim``."""
+    dim = _written_dim(node, 1)
+    x, idx, src = tensor_inputs(node)[:3]
+    if len(ins) != 3 or node.kwargs.get("alpha", 1) != 1 or len(node.args) > 4:
+        return Decision(ins=[R] * len(ins), out=R)
+    ps, pi, psrc = ins
+    for p in (ps, psrc):
+        if isinstance(p, Shard) and p.dim != dim and \
+                ctx.shape(x)[p.dim] == ctx.shape(src)[p.dim]:
+            return Decision(ins=[p, R, Shard(p.dim)], out=p)
+    if isinstance(psrc, Shard) and psrc.dim == dim or isinstance(pi, Shard):
+        return Decision(ins=[P, Shard(0), Shard(dim)], out=P)     # each rank adds its rows
+    if isinstance(psrc, Partial) or isinstance(ps, Partial):
+        return Decision(ins=[P, R, P], out=P)
+    return Decision(ins=[R, R, R], out=R)
+
+
+@rule(aten.scatter.src, aten.scatter.value, aten.scatter_add.default)
+def scatter_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``scatter(self, dim, index, src | value)``: a shard of any other dim of all three (same
+    size there) passes; ``scatter_add`` of partial sources onto a partial self stays partial."""
+    dim = _written_dim(node, 1)
+    tensors = tensor_inputs(node)
+    shapes = [ctx.shape(t) for t in tensors]
+    for p in ins:
+        if isinstance(p, Shard) and p.dim != dim and \
+                all(len(s) > p.dim and s[p.dim] == shapes[0][p.dim] for s in shapes):
+            return Decision(ins=[Shard(p.dim)] * len(ins), out=Shard(p.dim))
+    if node.target is aten.scatter_add.default and len(ins) == 3 and \
+            any(isinstance(p, Partial) for p in (ins[0], ins[2])):
+        return Decision(ins=[P, R, P], out=P)
+    return Decision(ins=[R] * len(ins), out=R)
+
+
+@rule(aten.histc.default)
+def histc_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """Counts of a shard add up to the counts of the whole."""
+    if shard_dim(ins[0]) is not None:
+        return Decision(ins=[ins[0]], out=P)
+    return Decision(ins=[R], out=R)
+
+
+@rule(aten.copy.default)
+def copy_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``copy(self, src)`` (a functionalised ``copy_``): ``src``'s values in ``self``'s shape
+    and dtype; ``self`` only lends its shape, so it is sliced to match."""
+    dst, src = tensor_inputs(node)[:2]
+    out_shape, src_shape = ctx.shape(dst), ctx.shape(src)
+    p = ins[1]
+    if isinstance(p, Shard):
+        od = p.dim + len(out_shape) - len(src_shape)
+        if od >= 0 and out_shape[od] == src_shape[p.dim]:
+            return Decision(ins=[Shard(od), p] + [R] * (len(ins) - 2), out=Shard(od))
+    if isinstance(p, Partial) and out_shape == src_shape and \
+            dst.meta["val"].dtype == src.meta["val"].dtype:
+        return Decision(ins=[R, P] + [R] * (len(ins) - 2), out=P)
+    if isinstance(ins[0], Shard) and not isinstance(p, Partial):
+        d = ins[0].dim
+        sd = d - (len(out_shape) - len(src_shape))
+        need = Shard(sd) if sd >= 0 and src_shape[sd] == out_shape[d] else R
+        return Decision(ins=[ins[0], need] + [R] * (len(ins) - 2), out=ins[0])
+    return Decision(ins=[R] * len(ins), out=R)

@@ -17,6 +17,8 @@ share of every part and the split gives each part as a plain ``S(-1)``, with no 
     linear(x, w_qkv[128, 64]) -> slice [0:64], [64:96], [96:128]
     tp=2: w S(0|64+32+32) local [64, 64]; out S(2|64+32+32); slices local [0:32], [32:48], [48:64]
 
+``baddbmm(self, b1, b2)`` (ALiBi) is ``bmm`` plus ``self`` following the output's placement.
+
 ``addmm(bias[N], x[M, K], w[K, N])`` (GPT-2's ``Conv1D``, weight stored ``[in, out]``) is the
 same projection with the weight transposed: column-parallel ``w S(1)``, ``bias S(0)``, out
 ``S(1)``; row-parallel ``x S(1)``, ``w S(0)``, ``bias P``.
@@ -181,7 +183,7 @@ def linear_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         return Decision(ins=need, out=P)
     # replicated weight
     bias = [R] if has_bias else []
-    if isinstance(x, Shard) and x.dim != last:
+    if isinstance(x, (Shard, StridedShard)) and x.dim != last:
         return Decision(ins=[x, R] + bias, out=x)
     if isinstance(x, Partial) and not has_bias:
         return Decision(ins=[P, R], out=P)
@@ -198,9 +200,9 @@ def _matmul_labels(a_nd: int, b_nd: int, out_nd: int):
 
 
 def einsum_decision(node: fx.Node, ins: list, labels_in: list[list[str]],
-                    labels_out: list[str], ctx: RuleCtx) -> Decision:
+                    labels_out: list[str], ctx: RuleCtx, *, tensors=None) -> Decision:
     """Generic einsum strategy on one axis (no label may broadcast against a size-1 dim)."""
-    tensors = tensor_inputs(node)
+    tensors = tensor_inputs(node) if tensors is None else tensors
     shapes = [ctx.shape(t) for t in tensors]
     sizes = {}
     for lab, shp in zip(labels_in, shapes):
@@ -236,6 +238,29 @@ def matmul_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         return Decision(ins=[R] * len(ins), out=R)
     la, lb, lo = _matmul_labels(a_nd, b_nd, out_nd)
     return einsum_decision(node, [R if q is UNDECIDED else q for q in ins], [la, lb], lo, ctx)
+
+
+@rule(aten.baddbmm.default)
+def baddbmm_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``baddbmm(self, b1[B, M, K], b2[B, K, N], beta, alpha)`` (BLOOM/MPT ALiBi scores):
+    the bmm decides, einsum style; ``self`` (broadcast to ``[B, M, N]``) follows the output's
+    shard where it has that dim whole, and is a partial addend when the output is Partial."""
+    tensors = tensor_inputs(node)
+    if len(tensors) != 3:
+        return Decision(ins=[R] * len(ins), out=R)
+    la, lb, lo = _matmul_labels(3, 3, 3)
+    d = einsum_decision(node, [R if q is UNDECIDED else q for q in ins[1:]], [la, lb], lo, ctx,
+                        tensors=tensors[1:])
+    out_shape, self_shape = ctx.shape(node), ctx.shape(tensors[0])
+    if isinstance(d.out, Partial):
+        if self_shape != out_shape or isinstance(ins[0], Shard):
+            return Decision(ins=[R] * 3, out=R)
+        return Decision(ins=[P] + d.ins, out=P)
+    if isinstance(d.out, Shard):
+        sd = d.out.dim - (len(out_shape) - len(self_shape))
+        need = Shard(sd) if sd >= 0 and self_shape[sd] == out_shape[d.out.dim] else R
+        return Decision(ins=[need] + d.ins, out=d.out)
+    return Decision(ins=[R] + d.ins, out=d.out)
 
 
 @rule(aten.addmm.default)

@@ -156,7 +156,7 @@ def is_pointwise(target) -> bool:
 
 
 @rule(aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor, aten.where.ScalarOther,
-      aten.where.ScalarSelf, aten.where.Scalar)
+      aten.where.ScalarSelf, aten.where.Scalar, aten.floor_divide.default)
 def untagged_pointwise_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     """Elementwise ops that lack the ``pointwise`` tag."""
     return pointwise_decision(node, ins, ctx, _tensors(node))

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ...placement import P, R, Partial, Shard
-from . import Decision, RuleCtx, rule
+from ...placement import P, R, Partial, Shard, StridedShard, shard_dim
+from . import Decision, RuleCtx, rule, token_local
 
 aten = torch.ops.aten
 
@@ -60,15 +60,32 @@ def reduction_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
             return Decision(ins=[R], out=outs(R))
         out_dim = p.dim if keep else p.dim - sum(d < p.dim for d in dims)
         return Decision(ins=[p], out=outs(Shard(out_dim)))
+    if isinstance(p, StridedShard) and p.dim not in dims:   # flattened tokens: rows pass
+        out_dim = p.dim if keep else p.dim - sum(d < p.dim for d in dims)
+        return Decision(ins=[p], out=outs(StridedShard(out_dim, p.parts)))
     return Decision(ins=[R], out=outs(R))
 
 
+@rule(aten.cumsum.default)
+def cumsum_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """Shards of other dims pass; a partial sum of integer counts (``histc``) stays partial
+    (cumsum is linear, and a cast of whole numbers rounds nothing). Inside an expert-routing
+    region the rank's own positions are wanted: a local cumsum along the token shard."""
+    p = ins[0]
+    dim = node.args[1] % ctx.ndim(node.args[0])
+    if token_local(node, ctx) and shard_dim(p) == dim:
+        return Decision(ins=[p], out=p)
+    if isinstance(p, Partial) and node.args[0].target is aten.histc.default:
+        return Decision(ins=[P], out=P)
+    return softmax_rule(node, ins, ctx)
+
+
 @rule(aten._softmax.default, aten.softmax.int, aten._log_softmax.default,
-      aten.log_softmax.int, aten.cumsum.default)
+      aten.log_softmax.int)
 def softmax_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     p = ins[0]
     dim = node.args[1] % ctx.ndim(node.args[0])
-    if isinstance(p, Shard) and p.dim != dim:
+    if shard_dim(p) is not None and p.dim != dim:
         return Decision(ins=[p], out=p)
     return Decision(ins=[R], out=R)
 

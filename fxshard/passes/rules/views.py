@@ -63,6 +63,9 @@ def reshape_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         e = _unmerge_dim(in_shape, out_shape, p)
         if e is not None:
             return Decision(ins=[p], out=Shard(e))
+        q = _rescale_rows(in_shape, out_shape, p)
+        if q is not None:
+            return Decision(ins=[p], out=q)
         return Decision(ins=[R], out=R)
     if isinstance(p, Shard):
         e = reshape_dim_map(in_shape, out_shape, p.dim, ctx.chunks)
@@ -86,6 +89,29 @@ def _merge_dim(in_shape, out_shape, d: int) -> StridedShard | None:
     return None
 
 
+def _rescale_rows(in_shape, out_shape, p: StridedShard) -> StridedShard | None:
+    """``[T, k] -> [T*k]`` or ``[T*k, H] -> [T, k, H]`` (MoE routing pairs): the strided dim
+    merged with, or split off, dims after it; every part grows or shrinks by that factor."""
+    d = p.dim
+    before, after = math.prod(in_shape[:d]), math.prod(in_shape[d + 1:])
+    for e, n in enumerate(out_shape):
+        if math.prod(out_shape[:e]) != before:
+            continue
+        rest = math.prod(out_shape[e + 1:])
+        if n % in_shape[d] == 0 and after % (n // in_shape[d]) == 0 and \
+                rest == after // (n // in_shape[d]):
+            m = n // in_shape[d]
+            if any(math.prod(in_shape[d + 1:d + j]) == m for j in range(1, len(in_shape) - d + 1)):
+                return StridedShard(e, tuple(k * m for k in p.parts))
+        if in_shape[d] % n == 0 and rest == after * (in_shape[d] // n):
+            m = in_shape[d] // n
+            if all(k % m == 0 for k in p.parts) and \
+                    any(math.prod(out_shape[e + 1:e + j]) == m
+                        for j in range(1, len(out_shape) - e + 1)):
+                return StridedShard(e, tuple(k // m for k in p.parts))
+    return None
+
+
 def _unmerge_dim(in_shape, out_shape, p: StridedShard) -> int | None:
     """The inverse of :func:`_merge_dim`: ``[B*S, H] -> [B, S, H]`` gives back ``Shard`` of S."""
     k = p.parts[0]
@@ -97,6 +123,19 @@ def _unmerge_dim(in_shape, out_shape, p: StridedShard) -> int | None:
                 math.prod(out_shape[e + 1:]) == math.prod(in_shape[p.dim + 1:]):
             return e
     return None
+
+
+@rule(aten.repeat.default)
+def repeat_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``repeat(x, sizes)`` tiles ``x`` (aligned to the right of ``sizes``): a shard of a dim
+    repeated once passes (BLOOM repeats its ALiBi slopes along the batch)."""
+    p = ins[0]
+    sizes = list(node.args[1])
+    if isinstance(p, Shard):
+        e = p.dim + len(sizes) - ctx.ndim(node.args[0])
+        if sizes[e] == 1:
+            return Decision(ins=[p], out=Shard(e))
+    return Decision(ins=[R], out=R)
 
 
 @rule(aten.expand.default)

@@ -1,0 +1,326 @@
+"""Decode latency of text generation, tp=2 on real ranks: fxshard vs hand-written Megatron vs
+DTensor vs HuggingFace on one process.
+
+Issue 11's targets: fxshard's per-token decode latency <= 1.1x a hand-written Megatron decode
+step, and faster than DTensor ``parallelize_module``.
+
+    python benchmarks/generate.py                      # defaults below, a few minutes on 2 cores
+    python benchmarks/generate.py --hidden 512 --layers 4 --vocab 8000 --repeats 5
+
+One launch of 2 processes (torch.multiprocessing spawn, gloo, fp32, CPU,
+``torch.set_num_threads(--threads)`` each, default 1 so 2 processes fit 2 cores). Both build
+the same random HuggingFace ``LlamaForCausalLM`` (default: hidden 1024, 8 layers, 16 heads /
+4 KV heads, intermediate 2816, vocab 32000) and the same prompts (``--prompt`` 128 tokens,
+batch 1 and 8), and generate ``--new`` 32 tokens greedily with:
+
+  megatron   hand-written tp=2 decode in plain torch + torch.distributed on slices of the same
+             weights: column-parallel q/k/v/gate/up, row-parallel o/down + in-place
+             ``dist.all_reduce``, replicated embedding, column-parallel lm_head +
+             ``dist.all_gather`` of the last position's logits; its own static KV cache
+             ``[B, kv_heads/2, capacity, head_dim]`` written in place with ``index_copy_``,
+             SDPA over the valid prefix. The baseline (ratio 1.00).
+  fxshard    ``fxshard.parallelize(model, mesh).generate(ids, max_new_tokens=new)``.
+  dtensor    ``parallelize_module`` with the seed's plan (ColwiseParallel q/k/v/gate/up,
+             RowwiseParallel o/down) on a copy of the HF model, decoded by HF ``generate``
+             (its DynamicCache).
+  hf 1-proc  HF ``generate`` on rank 0 alone, no parallelism (rank 1 waits at a barrier).
+
+A *step* is one decode forward plus the token choice, timed from one step's start to the next
+(fxshard: successive calls of the runner from ``pm.generate``, recorded by wrapping
+``fxshard.generate.run``; HF: a StoppingCriteria that stamps the time after each token). The
+first token comes from the prefill, timed apart. Each variant runs ``--repeats`` times,
+variants interleaved per repeat; the table gives the median step over all repeats, the spread
+(min-max of the repeats' medians), tokens/s (batch / median step) and the prefill, on rank 0.
+Every variant's tokens are checked against HF ``generate`` on one process.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TP = 2
+
+
+def make_model(args):
+    import transformers
+    cfg = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, max_position_embeddings=4096,
+        attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None   # always exactly --new tokens
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+# --- hand-written Megatron decode ---------------------------------------------------------
+
+class MegatronDecoder:
+    """HF Llama's forward written by hand for tp=2 with a static KV cache."""
+
+    def __init__(self, model, rank: int):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+        self.rope = model.model.rotary_emb
+        self.apply_rope = apply_rotary_pos_emb
+        cfg = model.config
+        self.eps, self.d = cfg.rms_norm_eps, cfg.hidden_size // cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads // TP
+        sd = {k: v.detach() for k, v in model.state_dict().items()}
+
+        def rows(w):
+            n = w.shape[0] // TP
+            return w[rank * n:(rank + 1) * n].contiguous()
+
+        def cols(w):
+            n = w.shape[1] // TP
+            return w[:, rank * n:(rank + 1) * n].contiguous()
+
+        self.embed = sd["model.embed_tokens.weight"]
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            self.layers.append(dict(
+                wq=rows(sd[p + "self_attn.q_proj.weight"]),
+                wk=rows(sd[p + "self_attn.k_proj.weight"]),
+                wv=rows(sd[p + "self_attn.v_proj.weight"]),
+                wo=cols(sd[p + "self_attn.o_proj.weight"]),
+                wg=rows(sd[p + "mlp.gate_proj.weight"]),
+                wu=rows(sd[p + "mlp.up_proj.weight"]),
+                wd=cols(sd[p + "mlp.down_proj.weight"]),
+                ln1=sd[p + "input_layernorm.weight"],
+                ln2=sd[p + "post_attention_layernorm.weight"]))
+        self.norm = sd["model.norm.weight"]
+        self.lm_head = rows(sd["lm_head.weight"])
+
+    def _rms(self, x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+    def _forward(self, ids, pos: int, caches):
+        bsz, seq = ids.shape
+        x = F.embedding(ids, self.embed)
+        position_ids = torch.arange(pos, pos + seq, device="cpu")[None]
+        cos, sin = self.rope(x, position_ids)
+        where = torch.arange(pos, pos + seq, device="cpu")
+        for L, (kc, vc) in zip(self.layers, caches):
+            h = self._rms(x, L["ln1"])
+            q = F.linear(h, L["wq"]).view(bsz, seq, -1, self.d).transpose(1, 2)
+            k = F.linear(h, L["wk"]).view(bsz, seq, -1, self.d).transpose(1, 2)
+            v = F.linear(h, L["wv"]).view(bsz, seq, -1, self.d).transpose(1, 2)
+            q, k = self.apply_rope(q, k, cos, sin)
+            kc.index_copy_(2, where, k)
+            vc.index_copy_(2, where, v)
+            a = F.scaled_dot_product_attention(q, kc[:, :, :pos + seq], vc[:, :, :pos + seq],
+                                               is_causal=seq > 1, enable_gqa=True)
+            o = F.linear(a.transpose(1, 2).reshape(bsz, seq, -1), L["wo"])
+            dist.all_reduce(o)
+            x = x + o
+            h = self._rms(x, L["ln2"])
+            m = F.linear(F.silu(F.linear(h, L["wg"])) * F.linear(h, L["wu"]), L["wd"])
+            dist.all_reduce(m)
+            x = x + m
+        logits = F.linear(self._rms(x[:, -1], self.norm), self.lm_head)
+        parts = [torch.empty_like(logits) for _ in range(TP)]
+        dist.all_gather(parts, logits)
+        return torch.cat(parts, -1)
+
+    def generate(self, ids, new: int, stamps: list):
+        bsz, prompt = ids.shape
+        caches = [(torch.zeros(bsz, self.kv_heads, prompt + new, self.d, device="cpu"),
+                   torch.zeros(bsz, self.kv_heads, prompt + new, self.d, device="cpu"))
+                  for _ in self.layers]
+        stamps.append(time.perf_counter())
+        tokens = [ids]
+        nxt = self._forward(ids, 0, caches).argmax(-1)
+        for t in range(new - 1):
+            tokens.append(nxt[:, None])
+            stamps.append(time.perf_counter())
+            nxt = self._forward(nxt[:, None], prompt + t, caches).argmax(-1)
+        tokens.append(nxt[:, None])
+        stamps.append(time.perf_counter())
+        return torch.cat(tokens, 1)
+
+
+# --- variants -------------------------------------------------------------------------------
+
+def dtensor_model(model, device_mesh):
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    m = copy.deepcopy(model)
+    plan = {}
+    for i in range(model.config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                     "mlp.gate_proj", "mlp.up_proj"):
+            plan[p + name] = ColwiseParallel()
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[p + name] = RowwiseParallel()
+    return parallelize_module(m, device_mesh, plan)
+
+
+def hf_generate(model, ids, new: int, stamps: list):
+    import transformers
+
+    class Stamp(transformers.StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device="cpu")
+
+    stamps.append(time.perf_counter())
+    return model.generate(ids, do_sample=False, max_new_tokens=new, min_new_tokens=new,
+                          attention_mask=torch.ones_like(ids),
+                          stopping_criteria=transformers.StoppingCriteriaList([Stamp()]))
+
+
+def fxshard_generate(pm, ids, new: int, stamps: list):
+    import fxshard.generate as g
+    inner = g.run
+
+    def stamped(*a, **k):
+        stamps.append(time.perf_counter())
+        return inner(*a, **k)
+
+    g.run = stamped
+    try:
+        out = pm.generate(ids, max_new_tokens=new)
+    finally:
+        g.run = inner
+    stamps.append(time.perf_counter())
+    return out
+
+
+def steps_and_prefill(stamps: list) -> tuple[list[float], float]:
+    """(decode step seconds, prefill seconds) from [start, after prefill, after step 1, ...]."""
+    return [b - a for a, b in zip(stamps[1:], stamps[2:])], stamps[1] - stamps[0]
+
+
+# --- the worker ----------------------------------------------------------------------------
+
+def worker(rank: int, port: int, args, out_path: str) -> None:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+    timeout = datetime.timedelta(seconds=900)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=TP, timeout=timeout)
+    try:
+        result = _run(rank, args)
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(rank: int, args) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fxshard
+    model = make_model(args)
+    mesh = fxshard.init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
+    pm = fxshard.parallelize(model, mesh)
+    megatron = MegatronDecoder(model, rank)
+    dt = dtensor_model(model, init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",)))
+    variants = {
+        "megatron": lambda ids, s: megatron.generate(ids, args.new, s),
+        "fxshard": lambda ids, s: fxshard_generate(pm, ids, args.new, s),
+        "dtensor": lambda ids, s: hf_generate(dt, ids, args.new, s),
+        "hf 1-proc": lambda ids, s: hf_generate(model, ids, args.new, s) if rank == 0 else None,
+    }
+    result = {}
+    for batch in args.batches:
+        ids = torch.randint(0, args.vocab, (batch, args.prompt), device="cpu",
+                            generator=torch.Generator().manual_seed(batch))
+        with torch.no_grad():
+            want = hf_generate(model, ids, args.new, []) if rank == 0 else None
+            for name, fn in variants.items():   # warm-up: traces, first-call costs
+                dist.barrier()
+                fn(ids, [])
+            per = {name: {"steps": [], "medians": [], "prefill": [], "equal": True}
+                   for name in variants}
+            for _ in range(args.repeats):
+                for name, fn in variants.items():
+                    dist.barrier()
+                    stamps = []
+                    out = fn(ids, stamps)
+                    if out is None:
+                        continue
+                    steps, prefill = steps_and_prefill(stamps)
+                    per[name]["steps"] += steps
+                    per[name]["medians"].append(statistics.median(steps))
+                    per[name]["prefill"].append(prefill)
+                    if rank == 0:
+                        per[name]["equal"] &= torch.equal(out, want)
+        result[batch] = {name: {
+            "step_ms": statistics.median(p["steps"]) * 1e3,
+            "spread_ms": [min(p["medians"]) * 1e3, max(p["medians"]) * 1e3],
+            "tokens_s": batch / statistics.median(p["steps"]),
+            "prefill_ms": statistics.median(p["prefill"]) * 1e3,
+            "equal_hf": p["equal"]} for name, p in per.items() if p["steps"]}
+    pm.close()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=2816)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", default=str(Path(__file__).with_name("generate.json")))
+    args = parser.parse_args()
+    from tests.launch import free_port
+    start = time.perf_counter()
+    mp.spawn(worker, args=(free_port(), args, args.json), nprocs=TP, join=True)
+    with open(args.json) as f:
+        result = json.load(f)
+    import transformers
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "torch": torch.__version__, "transformers": transformers.__version__,
+           "python": platform.python_version(), "cpus": os.cpu_count(),
+           "load_avg": os.getloadavg(), "args": vars(args),
+           "wall_s": round(time.perf_counter() - start, 1)}
+    with open(args.json, "w") as f:
+        json.dump({"env": env, "result": result}, f, indent=1)
+    print(f"{env['date']}, torch {env['torch']}, transformers {env['transformers']}, "
+          f"{env['cpus']} CPUs, load average {env['load_avg'][0]:.1f}; tp=2 gloo, "
+          f"{args.threads} thread(s) per process; hidden {args.hidden}, {args.layers} layers, "
+          f"{args.heads}/{args.kv_heads} heads, vocab {args.vocab}; prompt {args.prompt}, "
+          f"{args.new} new tokens, {args.repeats} repeats")
+    for batch, rows in result.items():
+        base = rows["megatron"]["step_ms"]
+        print(f"\nbatch {batch}          step ms (median)  spread of repeats  vs megatron  "
+              f"tokens/s  prefill ms  tokens == HF")
+        for name, r in rows.items():
+            print(f"  {name:<12} {r['step_ms']:16.2f}  {r['spread_ms'][0]:7.2f}-"
+                  f"{r['spread_ms'][1]:<8.2f}  {r['step_ms'] / base:11.2f}  {r['tokens_s']:8.1f}"
+                  f"  {r['prefill_ms']:10.1f}  {'yes' if r['equal_hf'] else 'NO'}")
+    print(f"\n(wall {env['wall_s']} s; numbers in {args.json})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""MoE routing regions: the sort of tokens by expert runs on each rank's own tokens.
+
+HF's grouped-matmul experts (Mixtral, Qwen-MoE, OLMoE) sort the ``(token, k)`` pairs by expert,
+run the grouped matmuls on the sorted rows and put the rows back in token order::
+
+    ids_g, perm = sort(ids [N])                  # N = tokens * top_k
+    x_g = index(x [T, H], [perm // k]);  w_g = index(w [N], [perm])
+    offs = cumsum(histc(ids_g, E))               # rows per expert
+    y_g = grouped_mm(.. x_g .., W, offs) * w_g   # rows stay rows: pointwise, split, grouped_mm
+    inv = index_put(empty_like(perm), [perm], arange(N))
+    y = index(y_g, [inv])                        # token order again
+
+Any permutation that groups the rows by expert gives the same ``y``: sorting by (rank, expert)
+is as good as sorting by expert. So on a mesh axis that shards the tokens (``dp``, a CP axis;
+not ``tp``, whose ranks need every token for their slice of every expert) each rank sorts,
+multiplies and un-sorts its own rows: inside the region values are in the rank's local order,
+``offs`` is that rank's counts (a ``Partial`` of the global counts) and ``arange(N)`` becomes
+``cumsum(ones_like(perm)) - 1`` (the rank's own positions). No collective may touch a value
+inside the region on such an axis; propagation checks that and otherwise propagates the region
+again without the tag (the routing is then gathered: correct, slower).
+
+This pass tags the region's nodes with ``node.meta["fxshard_token_local"]`` (the sort's name)
+after checking that everything between the sort and the un-permuting index is row-wise; the
+rules of ``sort``, ``index``, ``index_put``, ``cumsum`` and ``grouped_mm`` read the tag.
+Before::  arange = aten.arange(64)            After::  ones = aten.ones_like(perm)
+          index_put(e, [perm], arange)                 cs = aten.cumsum(ones, 0); pos = cs - 1
+                                                       index_put(e, [perm], pos)
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from . import PassCtx
+from .rules import lookup
+from .rules.experts import grouped_mm_rule
+from .rules.pointwise import identity_rule, pointwise_rule, untagged_pointwise_rule
+
+__all__ = ["moe_routing_pass", "TAG"]
+
+aten = torch.ops.aten
+TAG = "fxshard_token_local"
+_ROWWISE_VIEWS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
+                  aten.unsqueeze.default)
+
+
+def _getitems(node: fx.Node) -> dict[int, fx.Node]:
+    return {u.args[1]: u for u in node.users if u.target is operator.getitem}
+
+
+def _rows(n: fx.Node) -> int | None:
+    val = n.meta.get("val")
+    return val.shape[0] if isinstance(val, torch.Tensor) and val.dim() else None
+
+
+def _rowwise(u: fx.Node, src: fx.Node) -> bool:
+    """``u`` maps row i of ``src`` to row i of its output (dim 0 untouched)."""
+    if u.op != "call_function":
+        return False
+    if u.target is operator.getitem:
+        return True
+    rule_fn = lookup(u.target)
+    if rule_fn in (pointwise_rule, identity_rule, untagged_pointwise_rule):
+        return True
+    if rule_fn is grouped_mm_rule:
+        return u.args[0] is src
+    nd = src.meta["val"].dim()
+    if u.target is aten.unsqueeze.default:
+        return u.args[1] % (nd + 1) != 0
+    if u.target in _ROWWISE_VIEWS:
+        dim = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
+        return dim % nd != 0
+    return False
+
+
+def _region(sort: fx.Node) -> tuple[set[fx.Node], fx.Node] | None:
+    """The nodes of the routing region of ``sort`` and the arange to rewrite, or None."""
+    if sort.meta["val"][0].dim() != 1:
+        return None
+    outs = _getitems(sort)
+    if set(outs) != {0, 1}:
+        return None
+    ids_g, perm = outs[0], outs[1]
+    n = _rows(perm)
+    region = {sort, ids_g, perm}
+    gathered: list[fx.Node] = []   # index(x, [perm-derived]) -> sorted rows
+    inverse = None
+    for u in list(perm.users):
+        if u.target is aten.floor_divide.default and not isinstance(u.args[1], fx.Node):
+            region.add(u)
+            for g in u.users:
+                if g.target is not aten.index.Tensor or list(g.args[1]) != [u]:
+                    return None
+                gathered.append(g)
+        elif u.target is aten.index.Tensor and list(u.args[1]) == [perm]:
+            gathered.append(u)
+        elif u.target is aten.empty_like.default:
+            region.add(u)
+        elif u.target is aten.index_put.default and list(u.args[1]) == [perm] and \
+                u.args[0].target is aten.empty_like.default and u.args[0].args[0] is perm and \
+                u.args[2].target in (aten.arange.default, aten.arange.start) and \
+                _rows(u.args[2]) == n and len(u.args[2].users) == 1:
+            inverse = u
+        else:
+            return None
+    if inverse is None or not gathered:
+        return None
+    region.add(inverse)
+    # the sorted ids feed only the expert counts: histc -> cumsum -> grouped_mm offsets
+    counts = []
+    stack = [ids_g]
+    while stack:
+        cur = stack.pop()
+        for u in cur.users:
+            if lookup(u.target) is identity_rule or u.target in (aten.histc.default,
+                                                                  aten.cumsum.default):
+                region.add(u)
+                stack.append(u)
+            elif lookup(u.target) is grouped_mm_rule and u.args[2] is cur:
+                counts.append(u)
+            else:
+                return None
+    # rows from the gathers to the un-permuting index: row-wise ops only
+    unpermute: set[fx.Node] = set()
+    rows: set[fx.Node] = set(gathered)
+    stack = list(gathered)
+    while stack:
+        cur = stack.pop()
+        for u in cur.users:
+            if u in rows or u in unpermute:
+                continue
+            if u.target is aten.index.Tensor and list(u.args[1]) == [inverse] and \
+                    u.args[0] is cur:
+                unpermute.add(u)
+                continue
+            vals = u.meta.get("val")
+            vals = vals if isinstance(vals, (list, tuple)) else [vals]
+            if not _rowwise(u, cur) or any(not isinstance(v, torch.Tensor) or v.dim() == 0 or
+                                           v.shape[0] != n for v in vals):
+                return None
+            rows.add(u)
+            stack.append(u)
+    for u in rows | unpermute:   # every other per-row input comes from the region as well
+        ins = [u.args[0]] if lookup(u.target) is grouped_mm_rule else u.all_input_nodes
+        if any(t not in rows and t not in region for t in ins if t not in gathered and
+               t.op != "get_attr" and t.meta.get("fxshard_param") is None) and \
+                u not in gathered:
+            return None
+    region |= rows | unpermute
+    if not unpermute or not set(counts) <= region:
+        return None
+    return region, inverse.args[2]
+
+
+def moe_routing_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
+    tagged = 0
+    sorts = [n for n in gm.graph.nodes
+             if n.op == "call_function" and n.target in (aten.sort.default, aten.sort.stable)]
+    for sort in sorts:
+        found = _region(sort)
+        if found is None:
+            continue
+        region, arange = found
+        perm = _getitems(sort)[1]
+        with gm.graph.inserting_before(arange):
+            ones = gm.graph.call_function(aten.ones_like.default, (perm,))
+            cs = gm.graph.call_function(aten.cumsum.default, (ones, 0))
+            pos = gm.graph.call_function(aten.sub.Tensor, (cs, 1))
+        for new in (ones, cs, pos):
+            new.meta["val"] = arange.meta["val"]
+            new.meta["nn_module_stack"] = sort.meta.get("nn_module_stack", {})
+            region.add(new)
+        arange.replace_all_uses_with(pos)
+        gm.graph.erase_node(arange)
+        for node in region:
+            node.meta[TAG] = sort.name
+        tagged += 1
+    if tagged:
+        gm.graph.lint()
+        gm.recompile()
+    ctx.report("moe_routing_pass", f"{tagged} expert-routing sorts run on each rank's tokens")
+    return gm

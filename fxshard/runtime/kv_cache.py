@@ -1,0 +1,75 @@
+"""The KV-cache ops of text generation (``fxshard.passes.kv_cache`` puts them in rank programs).
+
+``fxshard::cache_write(Tensor(a!) cache, Tensor x, Tensor pos) -> ()``
+    writes ``x`` ``[B, H, S, D]`` into slots ``pos .. pos + S`` of ``cache`` ``[B, H, L, D]``
+    (dim 2) in place: the cache is the ParallelModule's state, updated where it lives, never
+    copied per token. The mutation is in the schema, so ``Graph.eliminate_dead_code`` keeps the
+    call and torch.compile functionalises it (later reads of ``cache`` see the write).
+
+``fxshard::decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths,
+float? scale, bool causal) -> (Tensor, Tensor)``
+    :func:`fxshard.kernels.decode.decode_attention` (Triton on CUDA, torch on CPU): the new
+    queries against the first ``lengths[b]`` slots of the cache, ``(out, lse)``.
+
+``fxshard::merge_pieces(Tensor outs, Tensor lses) -> Tensor``
+    the attention results of one query over disjoint pieces of the keys, stacked on dim 0
+    (``[n, B, H, S, D]`` and ``[n, B, H, S]``, e.g. gathered over ``ring_cp``), merged by
+    logsumexp into ``[B, H, S, D]``: flash-decoding across ranks.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..kernels.decode import decode_attention as _decode_attention
+from .library import define_op
+
+__all__ = ["cache_write", "decode_attention", "merge_pieces"]
+
+
+@define_op("fxshard::cache_write", "(Tensor(a!) cache, Tensor x, Tensor pos) -> ()")
+def cache_write(cache: torch.Tensor, x: torch.Tensor, pos: torch.Tensor) -> None:
+    if x.dim() != 4 or cache.dim() != 4 or x.shape[:2] != cache.shape[:2] or \
+            x.shape[3] != cache.shape[3]:
+        raise ValueError(f"fxshard::cache_write: x of shape {tuple(x.shape)} does not fit a "
+                         f"cache of shape {tuple(cache.shape)} (both [B, H, S, D])")
+    index = pos.reshape(1).to(torch.int64) + torch.arange(x.shape[2], device=cache.device)
+    cache.index_copy_(2, index, x.to(cache.dtype))
+
+
+@cache_write.register_fake
+def _(cache, x, pos):
+    return None
+
+
+@define_op("fxshard::decode_attention",
+           "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, float? scale, "
+           "bool causal) -> (Tensor, Tensor)")
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     lengths: torch.Tensor, scale: Optional[float], causal: bool):
+    return _decode_attention(q, k_cache, v_cache, lengths, scale=scale, causal=causal)
+
+
+@decode_attention.register_fake
+def _(q, k_cache, v_cache, lengths, scale, causal):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@define_op("fxshard::merge_pieces", "(Tensor outs, Tensor lses) -> Tensor")
+def merge_pieces(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    cdtype = torch.float64 if outs.dtype == torch.float64 else torch.float32
+    lses = lses.to(cdtype)
+    top = lses.amax(0)
+    top = torch.where(torch.isneginf(top), 0.0, top)
+    w = torch.exp(lses - top)                    # [n, B, H, S]; 0 for a piece with no key
+    total = w.sum(0)
+    total = torch.where(total == 0, 1.0, total)
+    out = (outs.to(cdtype) * (w / total).unsqueeze(-1)).sum(0)
+    return out.to(outs.dtype)
+
+
+@merge_pieces.register_fake
+def _(outs, lses):
+    return outs.new_empty(outs.shape[1:])
+

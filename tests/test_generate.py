@@ -1,0 +1,335 @@
+"""Text generation (``pm.generate``) against HuggingFace ``generate`` on one device.
+
+Every mesh of the issue runs HF Llama; every other family (Mistral, Qwen2, Qwen3, the bundled
+Llama) runs one of the other meshes in turn (each of them splits heads on tp or ulysses_cp, and
+the sequence or the layers)
+(``HYPOTHESIS_PROFILE=thorough`` runs every family on every mesh). Structure: the decode
+program writes and reads the cache once per layer, ring ranks merge their pieces, the caches
+hold each rank's share (and the positions the decode steps wrote), sampling follows HF's
+processors with the same generator, eos stops each sequence as in HF.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+import fxshard
+from fxshard.passes.kv_cache import READ_LEN, WRITE_POS
+
+THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
+NEW = 5
+
+MESHES = {
+    "tp2": {"tp": 2},
+    "dp2tp2": {"dp": 2, "tp": 2},
+    "pp2": {"pp": 2},
+    "pp2mb2": {"pp": 2, "microbatches": 2},
+    "ring2": {"ring_cp": 2},
+    "ulysses2": {"ulysses_cp": 2},
+    "tp2ring2": {"tp": 2, "ring_cp": 2},
+    "seed16": {"dp": 2, "tp": 2, "pp": 2, "ulysses_cp": 2},
+}
+
+
+def _hf(cls_name: str, **extra):
+    import transformers as T
+    config_cls = getattr(T, cls_name.replace("ForCausalLM", "Config"))
+    cfg = config_cls(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                     pad_token_id=0, bos_token_id=1, eos_token_id=None, **extra)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return getattr(T, cls_name)(cfg).eval()
+
+
+def _bundled():
+    from tests.models import our_llama
+    return our_llama()
+
+
+FAMILIES = {
+    "llama": lambda: _hf("LlamaForCausalLM"),
+    "mistral": lambda: _hf("MistralForCausalLM", sliding_window=32),
+    "qwen2": lambda: _hf("Qwen2ForCausalLM"),
+    "qwen3": lambda: _hf("Qwen3ForCausalLM", head_dim=16),
+    "bundled": _bundled,
+}
+_OTHER = ["tp2ring2", "pp2mb2", "ulysses2", "seed16"]
+MESHES["tp2ulysses2"] = {"tp": 2, "ulysses_cp": 2}   # 1 KV head per tp rank: picked
+MESHES["dp2tp2pp2-sp-mb2"] = {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2,
+                              "sequence_parallel": True}   # the seed's "all options" test
+CASES = [("llama", m) for m in MESHES] + [
+    (f, m) for i, f in enumerate(["mistral", "qwen2", "qwen3", "bundled"])
+    for m in ([_OTHER[i]] if not THOROUGH else list(MESHES))]
+
+_models: dict = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _export_once():
+    """The models here are parallelized over many meshes: torch.export runs once per (model,
+    signature) and each parallelize gets a fresh copy of the exported graph (every pass still
+    runs). Only this module does this; the product traces on every build."""
+    import dataclasses
+
+    import fxshard.api as api
+    real, memo = api.trace, {}
+
+    def trace(model, args, kwargs=None, **options):
+        key = (id(model), api._signature(torch.utils._pytree.tree_flatten((args, kwargs))[0]),
+               tuple(sorted((kwargs or {}))), tuple(sorted(options.items())))
+        if key not in memo:
+            memo[key] = (model, real(model, args, kwargs, **options))
+        traced = memo[key][1]
+        graph = torch.fx.Graph()
+        graph.output(graph.graph_copy(traced.gm.graph, {}))
+        return dataclasses.replace(traced, gm=torch.fx.GraphModule(traced.gm, graph))
+
+    api.trace = trace
+    yield
+    api.trace = real
+
+
+def family(name):
+    if name not in _models:
+        _models[name] = FAMILIES[name]()
+    return _models[name]
+
+
+def prompt(batch=4, length=8, seed=1):
+    return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def reference(model, ids, new, **kwargs):
+    """The single-device tokens: HF generate, or for the bundled Llama a loop without cache."""
+    with torch.no_grad():
+        if hasattr(model, "generate"):
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                  do_sample=False, **kwargs)
+        x = ids
+        for _ in range(new):
+            x = torch.cat([x, model(x)[:, -1].argmax(-1, keepdim=True)], 1)
+        return x
+
+
+def parallel(model, axes: dict):
+    axes = dict(axes)
+    microbatches = axes.pop("microbatches", 1)
+    sp = axes.pop("sequence_parallel", False)
+    mesh = fxshard.init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
+    return fxshard.parallelize(model, mesh, microbatches=microbatches, sequence_parallel=sp)
+
+
+@pytest.mark.parametrize("name,mesh", CASES, ids=[f"{f}-{m}" for f, m in CASES])
+def test_greedy_tokens_equal_single_device(name, mesh):
+    model = family(name)
+    ids = prompt()
+    want = reference(model, ids, NEW)
+    pm = parallel(model, MESHES[mesh])
+    got = pm.generate(ids, max_new_tokens=NEW)
+    pm.close()
+    assert got.shape == (4, 8 + NEW)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _count(code: str, op: str) -> int:
+    return len(re.findall(rf"torch\.ops\.fxshard\.{op}\.default\(", code))
+
+
+def test_decode_program_reads_and_writes_the_cache_per_layer():
+    model = family("llama")
+    pm = parallel(model, {"tp": 2, "ring_cp": 2})
+    pm.generate(prompt(2), max_new_tokens=3)
+    code = pm.rank_module(0).code                      # the most recent program: decode
+    layers = model.config.num_hidden_layers
+    assert _count(code, "cache_write") == 2 * layers   # K and V, in place
+    assert _count(code, "decode_attention") == layers
+    assert _count(code, "merge_pieces") == layers      # the ring pieces merged by logsumexp
+    assert _count(code, "all_reduce") == 2 * layers    # Megatron's two per layer on tp
+    assert _count(code, "ring_attention") == _count(code, "attention") == 0
+    pm.close()
+
+
+@pytest.mark.parametrize("axes,share", [({"tp": 2}, 2), ({"dp": 2, "tp": 2}, 4),
+                                        ({"ring_cp": 2}, 1), ({"pp": 2}, 2)])
+def test_each_rank_holds_its_share_of_the_cache(axes, share):
+    model = family("llama")
+    ids = prompt(4, 8)
+    pm = parallel(model, axes)
+    pm.generate(ids, max_new_tokens=NEW)
+    state = pm._kv_state
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    whole = 2 * cfg.num_hidden_layers * 4 * cfg.num_key_value_heads * head_dim * 4  # per slot
+    for rank, st in state.state.items():
+        caches = [t for k, t in st.items() if k.startswith("kv.")]
+        per_slot = sum(t[:, :, 0].numel() * t.element_size() for t in caches)
+        assert per_slot * share == whole, (rank, per_slot)  # ring: the slots are split
+        assert pm.explain().kv_cache_bytes[rank] == per_slot
+        # what was written: the prompt's positions and the decode steps', nothing after
+        n_ring = axes.get("ring_cp", 1)
+        coord = pm.spec.axis_index(rank, "ring_cp")
+        held = 8 // n_ring + sum(1 for t in range(NEW - 1) if t % n_ring == coord)
+        k = caches[0]
+        assert bool((k[:, :, :held] != 0).all()), rank
+        assert bool((k[:, :, held:state.capacity] == 0).all()), rank
+    pm.close()
+
+
+def _hf_sample(model, ids, new, generator, temperature, top_k, top_p):
+    """One device, HF's own logits processors and torch.multinomial with ``generator``."""
+    from transformers.generation.logits_process import (LogitsProcessorList,
+                                                        TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+    warp = LogitsProcessorList([TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k),
+                                TopPLogitsWarper(top_p)])
+    x = ids
+    with torch.no_grad():
+        for _ in range(new):
+            scores = warp(x, model(x).logits[:, -1].float())
+            nxt = torch.multinomial(scores.softmax(-1), 1, generator=generator)
+            x = torch.cat([x, nxt], 1)
+    return x
+
+
+@pytest.mark.parametrize("axes", [{"tp": 2}, {"ring_cp": 2, "tp": 2}])
+def test_seeded_sampling_equals_single_device(axes):
+    model = family("llama")
+    ids = prompt(4, 8, seed=5)
+    options = dict(temperature=0.7, top_k=40, top_p=0.9)
+    want = _hf_sample(model, ids, 6, torch.Generator().manual_seed(11), **options)
+    pm = parallel(model, axes)
+    got = pm.generate(ids, max_new_tokens=6, do_sample=True,
+                      generator=torch.Generator().manual_seed(11), **options)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    greedy = pm.generate(ids, max_new_tokens=6)
+    assert not torch.equal(got, greedy)   # the sampling really sampled
+    pm.close()
+
+
+def test_eos_stops_each_sequence_like_hf():
+    model = family("qwen2")
+    ids = prompt(4, 8, seed=2)
+    free = reference(model, ids, 6)
+    eos = int(free[0, 8 + 1])              # sequence 0 emits it as its second new token
+    want = reference(model, ids, 6, eos_token_id=eos, pad_token_id=0)
+    pm = parallel(model, {"tp": 2})
+    got = pm.generate(ids, max_new_tokens=6, eos_token_id=eos, pad_token_id=0)
+    pm.close()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert int(got[0, 8 + 1]) == eos and bool((got[0, 8 + 2:] == 0).all())
+
+
+def test_the_models_generation_config_eos_applies_like_hf():
+    model = family("qwen2")
+    ids = prompt(4, 8, seed=2)
+    free = reference(model, ids, 6)
+    model.generation_config.eos_token_id = int(free[1, 8 + 2])
+    try:
+        want = reference(model, ids, 6)
+        pm = parallel(model, {"tp": 2})
+        got = pm.generate(ids, max_new_tokens=6)
+        pm.close()
+    finally:
+        model.generation_config.eos_token_id = None
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.equal(want, free[:, :want.shape[1]])    # eos changed the output
+
+
+def test_all_sequences_finished_stops_early():
+    model = family("llama")
+    ids = prompt(2, 8, seed=3)
+    free = reference(model, ids, 4)
+    eos = [int(free[0, 8]), int(free[1, 8])]      # both finish at their first token
+    pm = parallel(model, {"tp": 2})
+    got = pm.generate(ids, max_new_tokens=4, eos_token_id=eos)
+    pm.close()
+    assert got.shape == (2, 9)
+    torch.testing.assert_close(got, free[:, :9], rtol=0, atol=0)
+
+
+def test_zero_new_tokens_returns_the_prompt():
+    pm = parallel(family("llama"), {"tp": 2})
+    ids = prompt(2, 8)
+    assert torch.equal(pm.generate(ids, max_new_tokens=0), ids)
+    pm.close()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_new_tokens=-1), r"max_new_tokens=-1 must be an int >= 0"),
+    (dict(max_new_tokens=60), r"needs 68 positions, more than the model's "
+                              r"max_position_embeddings=64"),
+    (dict(max_new_tokens=2, temperature=0.5), r"temperature=0.5 only apply to sampling"),
+    (dict(max_new_tokens=2, do_sample=True, temperature=0.0), r"temperature=0.0 must be"),
+    (dict(max_new_tokens=2, do_sample=True, top_p=1.5), r"top_p=1.5 must be None or a float"),
+    (dict(max_new_tokens=2, do_sample=True, top_k=0), r"top_k=0 must be None or an int"),
+    (dict(max_new_tokens=2, eos_token_id=500), r"must be token ids in \[0, 128\)"),
+])
+def test_bad_arguments_are_clear_errors(kwargs, match):
+    pm = parallel(family("llama"), {"tp": 2})
+    with pytest.raises(ValueError, match=match):
+        pm.generate(prompt(2, 8), **kwargs)
+
+
+def test_batch_not_divisible_by_dp():
+    pm = parallel(family("llama"), {"dp": 2, "tp": 2})
+    with pytest.raises(ValueError, match=r"batch of 3 sequences cannot be split over mesh .*"
+                                         r"dp=2 x microbatches=1 must divide it"):
+        pm.generate(prompt(3, 8), max_new_tokens=2)
+
+
+def test_sliding_window_longer_than_the_cache_is_refused():
+    model = family("mistral")           # sliding_window=32
+    pm = parallel(model, {"tp": 2})
+    with pytest.raises(NotImplementedError, match=r"sliding window of 32 tokens.*needs 36"):
+        pm.generate(prompt(2, 30), max_new_tokens=6)
+
+
+def test_forward_without_position_ids_is_refused():
+    class NoPositions(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = _bundled()
+
+        def forward(self, input_ids):
+            return self.inner(input_ids)
+
+    pm = parallel(NoPositions().eval(), {"tp": 2})
+    with pytest.raises(NotImplementedError, match=r"NoPositions.forward takes no position_ids"):
+        pm.generate(prompt(2, 8), max_new_tokens=2)
+
+
+def test_state_inputs_are_bound_per_rank():
+    """The decode program's state inputs come after the user's, and the positions the runner
+    gives a ring rank say where its piece ends."""
+    model = family("llama")
+    pm = parallel(model, {"ring_cp": 2})
+    pm.generate(prompt(2, 8), max_new_tokens=4)
+    placeholders = [n for n in pm.rank_module(1).graph.nodes if n.op == "placeholder"]
+    names = [n.name for n in placeholders]
+    assert names[:2] == ["input_ids", "position_ids"]
+    assert WRITE_POS in names and READ_LEN in names
+    st = pm._kv_state.state
+    # after step t=2 (the last decode step of 3): coordinate 0 wrote steps 0 and 2
+    assert int(st[0][READ_LEN][0]) == 4 + 2 and int(st[1][READ_LEN][0]) == 4 + 1
+    pm.close()
+
+
+def test_generate_on_a_model_built_empty_and_loaded_from_shards(tmp_path):
+    """What users run: the config built under init_empty_weights, the checkpoint loaded shard
+    by shard into each rank's slices, then generate."""
+    import transformers
+    model = family("llama")
+    ids = prompt(2, 8)
+    want = reference(model, ids, 4)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    with fxshard.init_empty_weights():
+        empty = transformers.AutoModelForCausalLM.from_config(model.config)
+    pm = parallel(empty, {"tp": 2, "ring_cp": 2})
+    fxshard.load_safetensors(pm, str(tmp_path))
+    torch.testing.assert_close(pm.generate(ids, max_new_tokens=4), want, rtol=0, atol=0)
+    pm.close()
