@@ -90,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mesh", default=((2, 2), ("dp", "tp")), type=_parse_mesh,
                         help="axis sizes, e.g. dp=2,tp=2 (axes: dp, tp, pp, ulysses_cp, "
                              "ring_cp; default dp=2,tp=2)")
-    parser.add_argument("--sp", action="store_true", help="sequence parallelism on tp")
+    parser.add_argument("--sp", action="store_true",
+                        help="sequence parallelism on tp (generate: the prefill; a decode step "
+                             "has one token)")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
     parser.add_argument("--microbatches", type=int, default=1,
                         help="pipeline microbatches (GPipe; needs pp; default 1)")
