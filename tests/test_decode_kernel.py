@@ -15,8 +15,6 @@ import importlib.util
 import json
 import math
 import os
-import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,6 +23,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.triton_interp import run_interpreter_tests
 from fxshard.kernels import decode_attention, merge_attention
 
 REPO = Path(__file__).resolve().parents[1]
@@ -254,21 +253,7 @@ def triton_interpret():
 def test_triton_decode_kernel_subprocess():
     """Run the test_triton_interp_* tests in a TRITON_INTERPRET=1 process; all must pass (the
     bf16 one is an expected failure of Triton's interpreter)."""
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("this process already interprets Triton; the interpreter tests run here")
-    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=pythonpath)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-o", "addopts=", "-q", "-p",
-         "no:cacheprovider", "-k", "triton_interp"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    report = proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert proc.returncode == 0, report
-    counts = {word: int(n) for n, word in
-              re.findall(r"(\d+) (\w+)", proc.stdout.strip().splitlines()[-1])}
-    assert counts.get("passed", 0) >= 9 and counts.get("xfailed") == 1, report
-    assert not {"failed", "error", "errors", "skipped"} & counts.keys(), report
+    run_interpreter_tests(__file__, min_passed=9, xfailed=1)
 
 
 # (B, Hq, Hkv, Sq, L, D, lengths, causal, n_splits): GQA groups 1/2/4/24 (24 x 3 rows: two
