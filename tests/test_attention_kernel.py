@@ -24,7 +24,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.triton_interp import run_interpreter_tests
+from tests.triton_interp import BF16_DOT_BUG, run_interpreter_tests
 from fxshard.kernels import attention, merge_attention
 
 SCHEMA = ("fxshard::attention(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, "
@@ -206,11 +206,6 @@ def test_triton_interp_causal_block_boundaries(triton_interpret, block_m, block_
         ref_out, ref_lse = reference_attention(q, k, v, scale=0.25, **opts)
         assert_matches(out, lse, ref_out, ref_lse, tol=1e-4)
 
-
-BF16_DOT_BUG = pytest.mark.xfail(
-    strict=True, reason="Triton's interpreter multiplies the raw bit patterns of bfloat16 tl.dot "
-                        "operands (triton-lang/triton#11584, unsupported upstream); bf16 is "
-                        "checked on the GPU by benchmarks/attention.py")
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float16, 2e-3),

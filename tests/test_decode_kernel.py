@@ -23,7 +23,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.triton_interp import run_interpreter_tests
+from tests.triton_interp import BF16_DOT_BUG, run_interpreter_tests
 from fxshard.kernels import decode_attention, merge_attention
 
 REPO = Path(__file__).resolve().parents[1]
@@ -315,11 +315,6 @@ def test_triton_interp_layouts_and_merge(triton_interpret):
     rest = decode_attention(q, k[:, :, cut:], v[:, :, cut:], lengths - cut, backend="triton")
     assert_matches(*merge_attention(*past, *rest), ref_out, ref_lse, tol=1e-4)
 
-
-BF16_DOT_BUG = pytest.mark.xfail(
-    strict=True, reason="Triton's interpreter multiplies the raw bit patterns of bfloat16 tl.dot "
-                        "operands (triton-lang/triton#11584, unsupported upstream); bf16 is "
-                        "checked on the GPU by benchmarks/gpu_check.py")
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float16, 2e-3),

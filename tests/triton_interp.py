@@ -12,6 +12,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+BF16_DOT_BUG = pytest.mark.xfail(
+    strict=True, reason="Triton's interpreter multiplies the raw bit patterns of bfloat16 tl.dot "
+                        "operands (triton-lang/triton#11584, unsupported upstream); bf16 is "
+                        "checked on the GPU by benchmarks/gpu_check.py and benchmarks/attention.py")
+
 
 def run_interpreter_tests(test_file: str, *, min_passed: int, xfailed: int) -> None:
     """All of ``test_file``'s ``triton_interp`` tests pass (``xfailed`` of them are expected
