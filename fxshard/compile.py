@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from .passes.emit import Program
+from .runtime.aten_bindings import aten_binding
 from .runtime.library import direct_kernel
 from .runtime.ops import all_reduce_consuming
 
@@ -83,9 +84,11 @@ class CompiledStage:
 
 def _direct_forward(gm: fx.GraphModule):
     """``gm``'s generated forward with every ``torch.ops.<ns>.<op>.<overload>(...)`` call
-    made through the overload's dispatcher entry (``OpOverload._op``: all that
-    ``OpOverload.__call__`` does, minus one Python frame per node), and fxshard's own ops
-    straight to their Python kernels (``fxshard.runtime.library.direct_kernel``)."""
+    made through the op's Python binding where one reaches exactly that overload
+    (``fxshard.runtime.aten_bindings``: ``torch.mul`` for ``aten.mul.Tensor``), else through
+    the overload's dispatcher entry (``OpOverload._op``: all that ``OpOverload.__call__`` does,
+    minus one Python frame per node), and fxshard's own ops straight to their Python kernels
+    (``fxshard.runtime.library.direct_kernel``)."""
     code = gm.graph.python_code(root_module="self")
     src, scope = code.src, dict(code.globals)
     targets = {n.target for n in gm.graph.nodes
@@ -93,7 +96,7 @@ def _direct_forward(gm: fx.GraphModule):
     for i, op in enumerate(sorted(targets, key=lambda t: -len(fx.node._get_qualified_name(t)))):
         name = f"_fxshard_op_{i}"
         src = src.replace(fx.node._get_qualified_name(op) + "(", name + "(")
-        scope[name] = direct_kernel(op) or op._op
+        scope[name] = direct_kernel(op) or aten_binding(op) or op._op
     exec(compile(src, f"<fxshard eager {type(gm).__name__}>", "exec"), scope)
     forward = scope["forward"]
     return lambda *args: forward(None, *args)
