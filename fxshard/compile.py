@@ -27,9 +27,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import operator
+
 import torch
 import torch.fx as fx
 
+from .kernels.attention_out import attention_out
 from .passes.emit import Program
 from .runtime.aten_bindings import aten_binding
 from .runtime.library import direct_kernel
@@ -125,6 +128,39 @@ def _consume_dead_inputs(gm: fx.GraphModule) -> int:
     return n
 
 
+def _attention_out_only(gm: fx.GraphModule) -> int:
+    """Point every CPU ``fxshard::attention`` whose ``lse`` nobody reads and whose ``out`` is
+    only transposed back to ``[B, S, H, D]`` at ``fxshard::attention_out``
+    (:mod:`fxshard.kernels.attention_out`: the same values, no ``lse``, ``out`` stored as
+    ``[B, S, H, D]``: the transpose becomes contiguous, the reshape after it a view). Only
+    strides change; a graph with ``as_strided`` (which reads strides) is left alone."""
+    graph = gm.graph
+    if any(n.target is torch.ops.aten.as_strided.default for n in graph.nodes):
+        return 0
+    n = 0
+    for node in list(graph.nodes):
+        if node.target is not torch.ops.fxshard.attention.default or node.kwargs:
+            continue
+        q = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        if (q is None or q.device.type != "cpu" or len(node.args) != 8
+                or not node.users or any(u.target is not operator.getitem or u.args[1] != 0
+                                         for u in node.users)):
+            continue
+        readers = [r for u in node.users for r in u.users]
+        if not all(r.target is torch.ops.aten.transpose.int and len(r.args) == 3
+                   and sorted(d % 4 for d in r.args[1:]) == [1, 2] for r in readers):
+            continue
+        node.target = attention_out.default
+        for u in list(node.users):
+            u.replace_all_uses_with(node)
+            graph.erase_node(u)
+        n += 1
+    if n:
+        graph.lint()
+        gm.recompile()
+    return n
+
+
 def eager_stage(program: Program) -> CompiledStage:
     """``program`` as an uncompiled function with its weights as leading inputs (built once
     per program and shared by the ranks of its stage; :meth:`CompiledStage.bind` gives each
@@ -133,6 +169,7 @@ def eager_stage(program: Program) -> CompiledStage:
     into their dead inputs (:func:`fxshard.runtime.ops.all_reduce_consuming`)."""
     if program.eager is None:
         gm, names = _weights_as_inputs(program)
+        _attention_out_only(gm)
         _consume_dead_inputs(gm)
         program.eager = CompiledStage(fn=_direct_forward(gm), names=names, module=gm)
     return program.eager
@@ -147,6 +184,7 @@ def compile_stage(program: Program, example_module: fx.GraphModule,
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     gm, names = _weights_as_inputs(program)
+    _attention_out_only(gm)
     example = [*_weights_of(example_module, names), *example_inputs]
     # a fake mode with a shape env, as dynamo would give: Inductor's FX graph cache needs one
     # (without it every process recompiles the same stage from scratch)

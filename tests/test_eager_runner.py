@@ -160,26 +160,88 @@ class _Loopback:
     all_reduce_ = all_reduce
 
 
-def test_runner_makes_the_graph_modules_aten_calls_and_its_exact_result():
+def test_bindings_make_the_same_aten_calls_and_the_exact_result(monkeypatch):
+    import fxshard.compile as fc
     model = our_llama(num_hidden_layers=2)
     ids = torch.randint(0, 128, (2, 16))
     mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     pm = fxshard.parallelize(model, mesh)
     pm(ids)
     c = pm._last
-    runner = pm._runner(c, 0, [ids])
-    inside_attention = {aten.sum.default, aten._local_scalar_dense.default, aten.clone.default,
-                        aten._scaled_dot_product_flash_attention_for_cpu.default}
+    program, mod = c.programs[0], pm._module(c, 0)
+    with_bindings = eager_stage(program)
+    program.eager = None
+    monkeypatch.setattr(fc, "aten_binding", lambda op: None)
+    without = eager_stage(program)
+    assert "torch.mul(" not in pm.rank_module(0).code    # the readable module is unchanged
     runs = {}
     with torch.no_grad(), use_backend(_Loopback(pm.spec)):
-        for name, fn in (("gm", pm.rank_module(0)), ("runner", runner)):
+        for name, stage in (("bindings", with_bindings), ("op._op", without)):
+            fn = stage.bind(mod)
             with _Recorder() as rec:
                 out = fn(ids)
-            # the runner calls fxshard.attention's kernel directly: its own ATen calls
-            # (finite sums, the flash kernel, copies) reach the recorder too; leave them out
-            runs[name] = out[0], [f for f in rec.calls if f.namespace == "aten"
-                                  and f not in inside_attention]
-    assert torch.equal(runs["runner"][0], runs["gm"][0])
-    assert runs["runner"][1] == runs["gm"][1] and len(runs["gm"][1]) > 50
-    assert aten.mul.Tensor in runs["gm"][1] and aten.cat.default in runs["gm"][1]
+            runs[name] = out[0], rec.calls
+    assert torch.equal(runs["bindings"][0], runs["op._op"][0])
+    calls = runs["op._op"][1]
+    assert runs["bindings"][1] == calls and len(calls) > 50
+    assert aten.mul.Tensor in calls and aten.cat.default in calls and aten.mm.default in calls
     pm.close()
+
+
+def _bshd(shape, g):
+    b, h, s, d = shape
+    return torch.randn(b, s, h, d, generator=g, dtype=torch.float64).transpose(1, 2)
+
+
+def test_attention_out_is_attentions_out_stored_as_bshd():
+    from fxshard.kernels.attention_out import _bshd_strides
+    g = torch.Generator().manual_seed(0)
+    q, k, v = _bshd((2, 6, 5, 8), g), _bshd((2, 3, 5, 8), g), _bshd((2, 3, 5, 8), g)
+    nan_q = q.clone()
+    nan_q[1, 2, 3, 0] = float("nan")                    # exact path: NaN row, as the op
+    mask = torch.rand(5, 5, generator=g) > 0.3
+    cases = [((q, k, v, None, True, None, 0, 0), "flash, q already [B, S, H, D]"),
+             ((q.contiguous(), k, v, None, True, 0.3, 0, 0), "flash, q contiguous: copy"),
+             ((q.float(), k.float(), v.float(), None, False, None, 0, 0), "float32"),
+             ((nan_q, k, v, None, True, None, 0, 0), "non-finite: exact path"),
+             ((q, k, v, mask, False, None, 0, 0), "mask: exact path"),
+             ((q, k, v, None, True, None, 3, 0), "offsets: exact path")]
+    with torch.no_grad():
+        for args, what in cases:
+            want = ops.attention(*args)[0]
+            got = ops.attention_out(*args)
+            assert got.stride() == _bshd_strides(got.shape), what
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=what)
+    assert torch.isnan(ops.attention_out(*cases[3][0])[1, 2, 3]).all()
+
+
+def _attention_graph(read):
+    g = fx.Graph()
+    q = g.placeholder("q")
+    q.meta["val"] = torch.empty(1, 2, 5, 4)
+    att = g.call_function(ops.attention.default, (q, q, q, None, True, None, 0, 0))
+    out = g.call_function(operator.getitem, (att, 0))
+    g.output((read(g, att, out),))
+    return Program(graph=g)
+
+
+def test_only_attention_whose_out_is_transposed_back_and_lse_unread_loses_its_lse():
+    t = torch.randn(1, 2, 5, 4)
+    reads = {
+        "transposed": (lambda g, att, out: g.call_function(aten.transpose.int, (out, 1, 2)),
+                       True),
+        "viewed": (lambda g, att, out: g.call_function(aten.view.default, (out, [1, 10, 4])),
+                   False),
+        "lse read": (lambda g, att, out: [g.call_function(aten.transpose.int, (out, 1, 2)),
+                                          g.call_function(operator.getitem, (att, 1))][1],
+                     False),
+    }
+    for name, (read, rewritten) in reads.items():
+        program = _attention_graph(read)
+        reference = fx.GraphModule(torch.nn.Module(), program.graph)
+        stage = eager_stage(program)
+        targets = [n.target for n in stage.module.graph.nodes if n.op == "call_function"]
+        assert (ops.attention_out.default in targets) is rewritten, name
+        assert (ops.attention.default in targets) is not rewritten, name
+        with torch.no_grad():
+            torch.testing.assert_close(stage.fn(t)[0], reference(t)[0], rtol=0, atol=0)

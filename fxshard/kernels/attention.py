@@ -210,6 +210,20 @@ def _all_finite(*tensors: torch.Tensor) -> bool:
     return math.isfinite(sum(t.sum().item() for t in tensors))
 
 
+def _cpu_flash(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_offset):
+    """torch's fused CPU flash attention's ``(out, lse)`` (in its own layouts) where it has
+    this module's contract, else None: no mask, the causal diagonal at the top-left (equal
+    offsets), float32/64, at least one query and key, finite inputs; 3-4x the plain ops' speed.
+    Not for zero queries (it dies of SIGFPE) nor non-finite inputs (it gives out = 0, lse = 0
+    for a NaN row where the plain ops give NaN)."""
+    if (mask is None and q_BHSD.device.type == "cpu" and (not causal or q_offset == kv_offset)
+            and q_BHSD.dtype in (torch.float32, torch.float64) and q_BHSD.shape[2] > 0
+            and k_BHSD.shape[2] > 0 and _all_finite(q_BHSD, k_BHSD, v_BHSD)):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q_BHSD, k_BHSD, v_BHSD, 0.0, bool(causal), scale=_scale_of(q_BHSD, scale))
+    return None
+
+
 def _torch_attention(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_offset):
     """The torch backend: plain ops, NaN-free (also in autograd) for rows that see no key."""
     batch, heads_q, seq_q, head_dim = q_BHSD.shape
@@ -219,16 +233,9 @@ def _torch_attention(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_o
         lse = torch.full(q_BHSD.shape[:3], -math.inf, dtype=torch.float32,
                          device=q_BHSD.device)
         return out, lse
-    if (mask is None and q_BHSD.device.type == "cpu" and (not causal or q_offset == kv_offset)
-            and q_BHSD.dtype in (torch.float32, torch.float64) and seq_q > 0
-            and _all_finite(q_BHSD, k_BHSD, v_BHSD)):
-        # torch's fused CPU flash attention has this contract whenever the causal diagonal
-        # starts at the top-left (equal offsets) and no row is empty: 3-4x the plain ops' speed.
-        # Not for zero queries (it dies of SIGFPE) nor non-finite inputs (it gives out = 0,
-        # lse = 0 for a NaN row where the plain ops, like eager SDPA, give NaN)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q_BHSD, k_BHSD, v_BHSD, 0.0, bool(causal), scale=_scale_of(q_BHSD, scale))
-        return out.contiguous(), lse.to(torch.float32).contiguous()
+    flash = _cpu_flash(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_offset)
+    if flash is not None:
+        return flash[0].contiguous(), flash[1].to(torch.float32).contiguous()
     s_BKGST = _masked_scores(q_BHSD, k_BHSD, mask, causal, _scale_of(q_BHSD, scale),
                              q_offset, kv_offset)
     row_max = s_BKGST.detach().amax(-1, keepdim=True)
