@@ -250,7 +250,10 @@ class ParallelModule:
                              if n.op == "placeholder" and n.meta.get("fxshard_state") is not None]
                     c.compiled[stage] = compile_stage(
                         c.programs[stage], mod,
-                        [x for x in flat if isinstance(x, torch.Tensor)] + state)
+                        [x for x in flat if isinstance(x, torch.Tensor)] + state,
+                        groups=None if is_simulated(self.mesh) else {
+                            axis: self.mesh.get_group(axis).group_name
+                            for axis in self.mesh.mesh_dim_names})
                 fn = c.compiled[stage]
             built = c.runners[rank] = (mod, fn.bind(mod))
         return built[1]

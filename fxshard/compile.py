@@ -73,7 +73,7 @@ class CompiledStage:
 
     fn: object
     names: list
-    module: fx.GraphModule | None = None   # eager_stage: the graph its fn runs (its .code)
+    module: fx.GraphModule | None = None   # the graph its fn runs (or compiles): its .code
 
     def bind(self, module: fx.GraphModule):
         """A callable running the compiled stage with ``module``'s (one rank's) weights."""
@@ -175,20 +175,72 @@ def eager_stage(program: Program) -> CompiledStage:
     return program.eager
 
 
+def _native_collectives(gm: fx.GraphModule, groups: dict[str, str]) -> int:
+    """Lower every ``fxshard::all_reduce`` / ``fxshard::all_gather`` on an axis of ``groups``
+    (mesh axis -> torch.distributed group name) to torch's functional collectives, which
+    Inductor lowers natively (an all-reduce of a dead buffer in place, no Python frame)::
+
+        before: all_reduce = torch.ops.fxshard.all_reduce.default(mm, 'tp', 2)
+        after:  all_reduce = torch.ops._c10d_functional.all_reduce.default(mm, 'sum', '1')
+                wait = torch.ops._c10d_functional.wait_tensor.default(all_reduce)
+        before: all_gather = torch.ops.fxshard.all_gather.default(emb, 2, 'tp', 2)
+        after:  gathered = ..._c10d_functional.all_gather_into_tensor.default(emb, 2, '1')
+                wait = ...wait_tensor.default(gathered);  split = aten.split.Tensor(wait, 2)
+                all_gather = aten.cat.default([split[0], split[1]], 2)
+
+    The same sums and concatenations in group-rank order, which ``DistributedBackend``
+    checked is coordinate order."""
+    c10d, graph, n = torch.ops._c10d_functional, gm.graph, 0
+    for node in list(graph.nodes):
+        if node.target is torch.ops.fxshard.all_reduce.default and node.args[1] in groups:
+            x, axis, _ = node.args
+            with graph.inserting_before(node):
+                out = graph.call_function(c10d.wait_tensor.default, (graph.call_function(
+                    c10d.all_reduce.default, (x, "sum", groups[axis])),))
+        elif node.target is torch.ops.fxshard.all_gather.default and node.args[2] in groups:
+            x, dim, axis, size = node.args
+            rows = x.meta["val"].shape[0]
+            with graph.inserting_before(node):
+                out = graph.call_function(c10d.wait_tensor.default, (graph.call_function(
+                    c10d.all_gather_into_tensor.default, (x, size, groups[axis])),))
+                if dim % x.meta["val"].dim() != 0:
+                    split = graph.call_function(torch.ops.aten.split.Tensor, (out, rows))
+                    out = graph.call_function(torch.ops.aten.cat.default, (
+                        [graph.call_function(operator.getitem, (split, i))
+                         for i in range(size)], dim))
+        else:
+            continue
+        out.meta.update(node.meta)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        n += 1
+    if n:
+        graph.lint()
+        gm.recompile()
+    return n
+
+
 def compile_stage(program: Program, example_module: fx.GraphModule,
-                  example_inputs: list[torch.Tensor]) -> CompiledStage:
+                  example_inputs: list[torch.Tensor], *,
+                  groups: dict[str, str] | None = None) -> CompiledStage:
     """Compile ``program`` with Inductor, on the weights of one of its ranks
-    (``example_module``) and that rank's inputs (no collective runs while compiling)."""
+    (``example_module``) and that rank's inputs (no collective runs while compiling).
+    ``groups`` (mesh axis -> torch.distributed group name, real meshes only): lower the
+    stage's all-reduces and all-gathers on those axes to torch's functional collectives
+    (:func:`_native_collectives`); without it every collective stays an ``fxshard::*`` op
+    (the simulated mesh)."""
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     gm, names = _weights_as_inputs(program)
     _attention_out_only(gm)
+    if groups:
+        _native_collectives(gm, groups)
     example = [*_weights_of(example_module, names), *example_inputs]
     # a fake mode with a shape env, as dynamo would give: Inductor's FX graph cache needs one
     # (without it every process recompiles the same stage from scratch)
     fake = FakeTensorMode(shape_env=ShapeEnv())
     with torch.no_grad(), tracing(TracingContext(fake)):
         fn = compile_fx(gm, [fake.from_tensor(x, static_shapes=True) for x in example])
-    return CompiledStage(fn=fn, names=names)
+    return CompiledStage(fn=fn, names=names, module=gm)

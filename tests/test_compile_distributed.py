@@ -41,6 +41,7 @@ def _cases(rank: int, report: dict) -> None:
         "vs_eager": float((got - eager).abs().max()),
         "compiled_stages": sorted(pm._last.compiled),
         "runners": sorted(pm._last.runners),
+        "code": pm._last.compiled[0].module.code,   # what Inductor compiled
     }
     start = time.monotonic()
     inner, regions = fxshard.backend(mesh), []
@@ -98,6 +99,14 @@ def test_compiled_programs_on_gloo_match_model_and_eager(reports):
         p = rep["parallelize"]
         assert p["vs_model"] < 1e-4 and p["vs_eager"] < 1e-4, (r, p)
         assert p["compiled_stages"] == [0] and p["runners"] == [r]   # this rank's only
+        # all-reduces and all-gathers lowered to torch's functional collectives (Inductor
+        # lowers those natively), attention without its lse
+        code = p["code"]
+        assert code.count("torch.ops._c10d_functional.all_reduce.default(") == 2, code
+        assert code.count("torch.ops._c10d_functional.all_gather_into_tensor.default(") == 2
+        assert code.count("torch.ops._c10d_functional.wait_tensor.default(") == 4
+        assert "torch.ops.fxshard.all_reduce" not in code and "fxshard.all_gather" not in code
+        assert code.count("torch.ops.fxshard.attention_out.default(") == 1
         b = rep["backend"]
         assert b["vs_model"] < 1e-4 and b["regions"] == 1, (r, b)
         assert b["own_numel"] == b["expected_numel"] and b["all_reduces"] == 2, (r, b)
