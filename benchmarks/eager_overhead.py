@@ -17,7 +17,9 @@ compute, undisturbed by a peer. The model and shapes are ``benchmarks/runtime_tp
                            weights bound once, ops called without ``OpOverload.__call__``,
                            all-reduces into dead inputs in place (a no-op on the loopback)
   attention op / SDPA      ``torch.ops.fxshard.attention`` vs ``F.scaled_dot_product_attention``
-                           on one rank's q/k/v
+                           on one rank's q/k/v; ``attention_out`` (what the runner calls when
+                           nothing reads the lse) on q/k/v stored ``[B, S, H, D]``, as in the
+                           program
   all_reduce op / direct   ``torch.ops.fxshard.all_reduce`` vs the backend's method (the
                            dispatcher + checks around one collective)
   weight fetch             the rank GraphModule's ``self.model.layers.0....weight`` reads
@@ -147,6 +149,8 @@ def main() -> None:
     k = torch.randn(args.batch, hkv, args.seq, d, generator=g)
     v = torch.randn(args.batch, hkv, args.seq, d, generator=g)
     x = torch.randn(args.batch, args.seq, cfg.hidden_size, generator=g)
+    # as the rank program's rope and v projection leave them: stored [B, S, H, D]
+    qr, kr, vr = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     scale = d ** -0.5
     weights = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
     fetch = gm.graph.python_code("self").src   # the generated forward, weight reads only
@@ -171,6 +175,9 @@ def main() -> None:
             max(1, args.iters // 5), args.rounds * 3))
         rows["torch.ops.fxshard.attention, one call"] = _us(
             lambda: torch.ops.fxshard.attention(q, k, v, None, True, scale, 0, 0),
+            args.iters * 4, args.rounds)
+        rows["torch.ops.fxshard.attention_out (runner's), one call"] = _us(
+            lambda: torch.ops.fxshard.attention_out(qr, kr, vr, None, True, scale, 0, 0),
             args.iters * 4, args.rounds)
         rows["F.scaled_dot_product_attention, one call"] = _us(
             lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,

@@ -197,7 +197,8 @@ def _native_collectives(gm: fx.GraphModule, groups: dict[str, str]) -> int:
             with graph.inserting_before(node):
                 out = graph.call_function(c10d.wait_tensor.default, (graph.call_function(
                     c10d.all_reduce.default, (x, "sum", groups[axis])),))
-        elif node.target is torch.ops.fxshard.all_gather.default and node.args[2] in groups:
+        elif (node.target is torch.ops.fxshard.all_gather.default and node.args[2] in groups
+              and isinstance(node.args[0].meta.get("val"), torch.Tensor)):
             x, dim, axis, size = node.args
             rows = x.meta["val"].shape[0]
             with graph.inserting_before(node):
