@@ -10,7 +10,9 @@ and every rank calls that one compiled function with its own weight slices::
                                w = self.model.layers.0.mlp.up_proj.weight
                                ...; all_reduce = torch.ops.fxshard.all_reduce.default(mm, 'tp', 2)
     after (compiled):      forward(model_layers_0_mlp_up_proj_weight, ..., input_ids)
-                               -> Inductor kernels; fxshard::* stay extern calls (fake impls)
+                               -> Inductor kernels; fxshard::* stay extern calls (fake impls),
+                                  except all-reduce / all-gather on a torch DeviceMesh, lowered
+                                  to torch's functional collectives (:func:`_native_collectives`)
 
 The compile runs in the calling thread before any rank runs (collectives never execute while
 compiling); inputs are static: one compiled function per input signature, like the programs.
@@ -25,9 +27,8 @@ none.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -165,8 +166,9 @@ def eager_stage(program: Program) -> CompiledStage:
     """``program`` as an uncompiled function with its weights as leading inputs (built once
     per program and shared by the ranks of its stage; :meth:`CompiledStage.bind` gives each
     rank its callable): the rank GraphModule's code, without its per-call weight reads,
-    ``nn.Module.__call__`` and ``OpOverload.__call__`` frames, and with all-reduces that sum
-    into their dead inputs (:func:`fxshard.runtime.ops.all_reduce_consuming`)."""
+    ``nn.Module.__call__`` and ``OpOverload.__call__`` frames, with all-reduces that sum
+    into their dead inputs (:func:`fxshard.runtime.ops.all_reduce_consuming`) and CPU
+    attention without ``lse`` where nothing reads it (:func:`_attention_out_only`)."""
     if program.eager is None:
         gm, names = _weights_as_inputs(program)
         _attention_out_only(gm)
