@@ -12,11 +12,15 @@ similar length share the decode program), and written in place.
 
 On ``ring_cp`` the prompt's K/V stays where the prefill put it (rank j holds its sequence
 chunks) and decode step ``t``'s new K/V goes to ring coordinate ``t % n``, so the pieces grow
-evenly; every rank attends its piece and the pieces merge by logsumexp. With ``pp`` the stages
-run one decode step after another for the whole batch; with ``microbatches=m`` each step
-pipelines ``m`` groups of sequences through the stages (GPipe within a step: stage ``s`` works
-on group ``i`` while stage ``s + 1`` works on group ``i - 1``); the next step needs every
-group's token, so a step's pipeline fills and drains.
+evenly; every rank attends its piece and the pieces merge by logsumexp.
+
+With ``pp``, greedy generation runs :mod:`fxshard.pipelined_decode`: the ``microbatches=m``
+groups of sequences flow through the stages across steps (group ``j``'s next step starts as
+soon as the last stage has group ``j``'s token, which it sends to the earlier stages), so with
+``m >= pp`` no stage idles in steady state, and a group whose sequences have all finished stops
+being computed. Sampling on ``pp`` runs the step loop here (one ``torch.multinomial`` over the
+whole batch per step, as HF): each step pipelines the ``m`` groups through the stages (GPipe
+within a step), the last stage shares the logits, and the step's pipeline fills and drains.
 
 Token choice follows HuggingFace ``generate``: greedy ``argmax``, or temperature, then top-k,
 then top-p (nucleus), then ``torch.multinomial`` with ``generator`` (the global RNG when
