@@ -17,7 +17,7 @@ import re
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 import fxshard
@@ -39,10 +39,11 @@ MESHES = {
 }
 
 
-def _hf(cls_name: str, **extra):
+def _hf(cls_name: str, *, layers: int = 2, **extra):
     import transformers as T
     config_cls = getattr(T, cls_name.replace("ForCausalLM", "Config"))
-    cfg = config_cls(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    cfg = config_cls(vocab_size=128, hidden_size=64, intermediate_size=96,
+                     num_hidden_layers=layers,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                      pad_token_id=0, bos_token_id=1, eos_token_id=None, **extra)
     cfg._attn_implementation = "sdpa"
@@ -444,4 +445,32 @@ def test_a_finished_group_stops_being_computed():
     got = pm.generate(ids, max_new_tokens=6, eos_token_id=eos, pad_token_id=0)
     pm.close()
     assert got.shape == want.shape == (4, 8 + 4)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _deep():
+    """A 4-layer Llama: up to 4 stages."""
+    if "deep" not in _models:
+        _models["deep"] = _hf("LlamaForCausalLM", layers=4)
+    return _models["deep"]
+
+
+@settings(max_examples=20, phases=tuple(Phase) if THOROUGH else (Phase.explicit,))
+@given(stages=st.integers(2, 4), groups=st.integers(1, 4), per=st.integers(1, 2),
+       length=st.integers(3, 9), new=st.integers(1, 6),
+       picks=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 5)), max_size=3))
+@example(stages=4, groups=2, per=2, length=7, new=6, picks=[(0, 1), (1, 3)])
+def test_pipelined_greedy_any_stages_groups_and_eos(stages, groups, per, length, new, picks):
+    """Fewer groups than stages, more, one; eos ids taken from the free run's tokens, so some
+    groups finish early (CI: the example, fewer groups than stages; thorough: random)."""
+    model = _deep()
+    batch = groups * per
+    ids = prompt(batch, length, seed=length)
+    free = reference(model, ids, new)
+    eos = sorted({int(free[r % batch, length + c % new]) for r, c in picks})
+    kwargs = dict(eos_token_id=eos, pad_token_id=0) if eos else {}
+    want = reference(model, ids, new, **kwargs)
+    pm = parallel(model, {"pp": stages, "microbatches": groups})
+    got = pm.generate(ids, max_new_tokens=new, **kwargs)
+    pm.close()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
