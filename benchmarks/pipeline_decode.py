@@ -22,8 +22,10 @@ the median over ``--rounds`` of the whole ``generate`` (prefill + decode), its t
 (batch x new / wall), the median of rank 0's and rank 1's *thread CPU time* (``time.
 thread_time`` of the rank's main thread: its own compute, not gloo's threads or time spent
 waiting) and the ratio of the steps' wall to the pipelined wall (> 1: pipelined is faster).
-The ideal ratio with m groups on p stages, per token: (m + p - 1) / m (1.5 for m = p = 2),
-when the two ranks really compute at the same time, i.e. have a core each. On a machine
+The ideal ratio with m >= p groups on p stages is about (m + p - 1) / m (1.5 for m = p = 2;
+the table prints it from ``fxshard.pipelined_decode.schedule``, one tick per stage run, equal
+stages, no communication cost), when the two ranks really compute at the same time, i.e. have
+a core each. On a machine
 where other processes take the cores, the ranks take turns and the overlap buys less: compare
 the CPU columns (the work done, which pipelining does not change much) with the wall. Tokens
 are checked equal between the variants and to HF ``generate`` on one process.
@@ -156,9 +158,13 @@ def main() -> None:
           f"process; hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} "
           f"heads, vocab {args.vocab}; batch {args.batch}, prompt {args.prompt}, {args.new} new "
           f"tokens, {args.rounds} interleaved rounds")
+    from fxshard.pipelined_decode import schedule
     for m in ranks[0]:
         rows = ranks[0][m]
-        print(f"\nmicrobatches {m}  generate s (median)  spread (min-max)  tokens/s  "
+        ideal = args.new * (int(m) + PP - 1) / len(schedule(PP, int(m), args.new))
+        print(f"\nmicrobatches {m} (ideal steps / pipelined with one tick per stage run: "
+              f"{ideal:.2f})")
+        print(f"             generate s (median)  spread (min-max)  tokens/s  "
               f"CPU s rank 0 / rank 1  steps / this  tokens == HF")
         for name, r in rows.items():
             cpu1 = ranks[1][m][name]["cpu_s"]
