@@ -89,7 +89,10 @@ class _Rank:
         self.out_dtype, self.out_device = input_ids.dtype, input_ids.device
         self.mesh_device = torch.device(pm.spec.device_type)
         self.b = input_ids.shape[0] // self.m
-        self.prefill, self.pre_micro, self.decode = prefill, pre_micro, decode
+        self.pre_micro = pre_micro
+        self.programs = {    # step < 0: the prefill; else decode: (Compiled, state keys)
+            phase: (c, state_keys(c.programs[self.stage].graph))
+            for phase, c in ((True, prefill), (False, decode)) if c is not None}
         self.tokens: list[list[torch.Tensor]] = [[] for _ in range(self.m)]
         self.unfinished = [torch.ones(self.b, dtype=torch.bool, device=self.out_device)
                            for _ in range(self.m)]
@@ -103,10 +106,9 @@ class _Rank:
         self.tokens[j].append(tok)
 
     def _run(self, t: int, j: int, backend) -> None:
-        c = self.prefill if t < 0 else self.decode
+        c, keys = self.programs[t < 0]
         flat = self.pre_micro[j] if t < 0 else _flat(self.tokens[j][t], self.prompt + t)
         mod = self.pm._runner(c, self.rank, flat)
-        keys = state_keys(c.programs[self.stage].graph)
         if self.hook is not None:
             self.hook(self.rank, self.stage, t, j)
         out = mod(*_inputs(flat, keys, self.caches.state[self.rank], j, self.m))
