@@ -12,11 +12,15 @@ similar length share the decode program), and written in place.
 
 On ``ring_cp`` the prompt's K/V stays where the prefill put it (rank j holds its sequence
 chunks) and decode step ``t``'s new K/V goes to ring coordinate ``t % n``, so the pieces grow
-evenly; every rank attends its piece and the pieces merge by logsumexp. With ``pp`` the stages
-run one decode step after another for the whole batch; with ``microbatches=m`` each step
-pipelines ``m`` groups of sequences through the stages (GPipe within a step: stage ``s`` works
-on group ``i`` while stage ``s + 1`` works on group ``i - 1``); the next step needs every
-group's token, so a step's pipeline fills and drains.
+evenly; every rank attends its piece and the pieces merge by logsumexp.
+
+With ``pp``, greedy generation runs :mod:`fxshard.pipelined_decode`: the ``microbatches=m``
+groups of sequences flow through the stages across steps (group ``j``'s next step starts as
+soon as the last stage has group ``j``'s token, which it sends to the earlier stages), so with
+``m >= pp`` no stage idles in steady state, and a group whose sequences have all finished stops
+being computed. Sampling on ``pp`` runs the step loop here (one ``torch.multinomial`` over the
+whole batch per step, as HF): each step pipelines the ``m`` groups through the stages (GPipe
+within a step), the last stage shares the logits, and the step's pipeline fills and drains.
 
 Token choice follows HuggingFace ``generate``: greedy ``argmax``, or temperature, then top-k,
 then top-p (nucleus), then ``torch.multinomial`` with ``generator`` (the global RNG when
@@ -201,9 +205,10 @@ class _Caches:
         self.batch = {r: next((t.shape[0] for k, t in st.items() if k.startswith("kv.")), 1)
                       for r, st in self.state.items()}
 
-    def step(self, t: int) -> None:
-        """Positions for decode step ``t`` (its new K/V at prompt + t)."""
-        for rank, st in self.state.items():
+    def step(self, t: int, *, ranks=None) -> None:
+        """Positions for decode step ``t`` (its new K/V at prompt + t), on ``ranks`` (all)."""
+        for rank in self.state if ranks is None else ranks:
+            st = self.state[rank]
             if self.ring == 1:
                 write, read = self.base + t, self.base + t + 1
             else:
@@ -250,8 +255,12 @@ def _broadcast(pm, tokens: torch.Tensor, src: int | None) -> torch.Tensor:
 def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: bool = False,
              temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
              eos_token_id=None, pad_token_id: int | None = None,
-             generator: torch.Generator | None = None) -> torch.Tensor:
-    """See :meth:`fxshard.ParallelModule.generate`."""
+             generator: torch.Generator | None = None,
+             _step_synchronous: bool = False, _stage_hook=None) -> torch.Tensor:
+    """See :meth:`fxshard.ParallelModule.generate`. For benchmarks and tests: with
+    ``_step_synchronous`` greedy on ``pp`` runs the step loop below too, not
+    :mod:`fxshard.pipelined_decode`; ``_stage_hook(rank, stage, step, group)`` is called there
+    before each stage run."""
     config = getattr(pm.model, "generation_config", None)  # HF: the model's defaults
     if eos_token_id is None:
         eos_token_id = getattr(config, "eos_token_id", None)
@@ -272,6 +281,9 @@ def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: boo
     prefill = c
     src = None if is_simulated(pm.mesh) else int(pm.mesh.mesh.flatten()[0])  # mesh rank 0
     caches = pm._kv_state = _Caches(pm, c, prompt, capacity, device)  # kept for inspection
+    if not do_sample and pm.spec.axis_size("pp") > 1 and not _step_synchronous:
+        return _pipelined(pm, input_ids, prefill, micro, caches, capacity, max_new_tokens,
+                          eos, pad, _stage_hook)
     out = run(pm, c, micro, state=lambda r: caches.state[r])
     scores = _logits(pm, c, out)
     tokens = [input_ids]
@@ -299,3 +311,19 @@ def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: boo
         out = run(pm, c, micro, state=lambda r: caches.state[r])
         scores = _logits(pm, c, out)
     return torch.cat(tokens, dim=1)
+
+
+def _pipelined(pm, input_ids, prefill, micro, caches, capacity, new, eos, pad, hook):
+    """Greedy on ``pp``: the groups flow through the stages across steps."""
+    from .pipelined_decode import decode_example, pipelined_greedy
+    decode = None
+    if new > 1:
+        args, kwargs = decode_example(input_ids, input_ids.shape[1])
+        decode, _ = pm._get(args, kwargs, generation=("decode", capacity))
+        if not decode.loaded:
+            _check_same_caches(prefill, decode)
+            pm._check_loaded(decode)
+    tokens = pipelined_greedy(pm, input_ids, prefill, micro, decode, caches,
+                              logits=lambda c, out: _logits(pm, c, out), new=new, eos=eos,
+                              pad=pad, hook=hook)
+    return torch.cat([input_ids, tokens], dim=1)

@@ -1,7 +1,8 @@
 """``pm.generate`` on real ranks against HuggingFace ``generate``: the case each rank runs
 inside the multi-process launches of ``tests/test_e2e_distributed.py`` (2 processes: tp=2;
-4 processes: tp=2 x pp=2, where decode steps cross the pipeline cut and the last stage shares
-the logits back), and the checks on the ranks' reports. Riding on those launches costs only
+4 processes: tp=2 x pp=2 with ``microbatches=2``, where greedy decode pipelines the two groups
+of sequences across steps and the last stage sends each group's tokens back, and sampling
+shares the logits back once per step), and the checks on the ranks' reports. Riding on those launches costs only
 the generation itself, not another process start, gloo rendezvous and transformers import.
 
 Every rank builds the same tiny HuggingFace Llama and prompt and runs, in order:
@@ -34,7 +35,8 @@ def generate_case(rank: int, shape, names) -> dict:
     model = hf_llama(layers=2, vocab=VOCAB)
     ids = torch.randint(0, VOCAB, (BATCH, PROMPT), generator=torch.Generator().manual_seed(3))
     mesh = fxshard.init_device_mesh("cpu", shape, mesh_dim_names=names)
-    pm = fxshard.parallelize(model, mesh)
+    microbatches = 2 if "pp" in names else 1
+    pm = fxshard.parallelize(model, mesh, microbatches=microbatches)
     eos = model.generation_config.eos_token_id
     ones = torch.ones_like(ids)
     out = {}
@@ -52,6 +54,7 @@ def generate_case(rank: int, shape, names) -> dict:
                                               temperature=1.0, max_new_tokens=NEW,
                                               attention_mask=ones).tolist()
     out["modules_built"] = sorted(pm._last.modules)
+    out["microbatches"] = microbatches
     out["seconds"] = round(time.monotonic() - start, 2)
     pm.close()
     return out
@@ -61,6 +64,7 @@ def check_greedy(reports: dict, job: str) -> None:
     for r, rep in reports.items():
         case = rep["generate"]
         assert case["modules_built"] == [r], (job, r, case["modules_built"])
+        assert case["microbatches"] == (2 if job == "four" else 1), (job, r)
         assert torch.tensor(case["greedy"]).shape == (BATCH, PROMPT + NEW)
         assert case["greedy"] == case["greedy_hf"], (job, r, case["greedy"], case["greedy_hf"])
 

@@ -12,7 +12,7 @@ each running many cases and writing a JSON report that the tests below read:
 * 4 processes: dp2 x tp2 (with and without sequence parallelism), tp2 x pp2 (microbatches 1
   and 2) and dp2 x pp2, on both models.
 
-Both launches also run ``pm.generate`` (tp=2; tp=2 x pp=2) against HuggingFace ``generate``
+Both launches also run ``pm.generate`` (tp=2; tp=2 x pp=2, microbatches=2) against HF ``generate``
 (greedy, and seeded sampling equal on every rank): ``tests/generate_checks.py``.
 
 Every rank passes the same global input and must get the full output back, equal to the

@@ -6,7 +6,9 @@ the sequence or the layers)
 (``HYPOTHESIS_PROFILE=thorough`` runs every family on every mesh). Structure: the decode
 program writes and reads the cache once per layer, ring ranks merge their pieces, the caches
 hold each rank's share (and the positions the decode steps wrote), sampling follows HF's
-processors with the same generator, eos stops each sequence as in HF.
+processors with the same generator, eos stops each sequence as in HF. Greedy on ``pp`` runs
+the groups of sequences through the stages across steps (``fxshard.pipelined_decode``): its
+schedule, the overlap of one step's last group with the next step's first, eos per group.
 """
 from __future__ import annotations
 
@@ -15,8 +17,11 @@ import re
 
 import pytest
 import torch
+from hypothesis import Phase, example, given, settings
+from hypothesis import strategies as st
 
 import fxshard
+from fxshard.pipelined_decode import schedule
 from fxshard.passes.kv_cache import READ_LEN, WRITE_POS
 
 THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
@@ -34,10 +39,11 @@ MESHES = {
 }
 
 
-def _hf(cls_name: str, **extra):
+def _hf(cls_name: str, *, layers: int = 2, **extra):
     import transformers as T
     config_cls = getattr(T, cls_name.replace("ForCausalLM", "Config"))
-    cfg = config_cls(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    cfg = config_cls(vocab_size=128, hidden_size=64, intermediate_size=96,
+                     num_hidden_layers=layers,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                      pad_token_id=0, bos_token_id=1, eos_token_id=None, **extra)
     cfg._attn_implementation = "sdpa"
@@ -59,6 +65,7 @@ FAMILIES = {
 }
 _OTHER = ["tp2ring2", "pp2mb2", "ulysses2", "seed16"]
 MESHES["tp2ulysses2"] = {"tp": 2, "ulysses_cp": 2}   # 1 KV head per tp rank: picked
+MESHES["pp2tp2mb2"] = {"pp": 2, "tp": 2, "microbatches": 2}   # pipelined across steps
 MESHES["dp2tp2pp2-sp-mb2"] = {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2,
                               "sequence_parallel": True}   # the seed's "all options" test
 CASES = [("llama", m) for m in MESHES] + [
@@ -195,7 +202,8 @@ def _hf_sample(model, ids, new, generator, temperature, top_k, top_p):
     return x
 
 
-@pytest.mark.parametrize("axes", [{"tp": 2}, {"ring_cp": 2, "tp": 2}])
+@pytest.mark.parametrize("axes", [{"tp": 2}, {"ring_cp": 2, "tp": 2},
+                                  {"pp": 2, "microbatches": 2}])   # pp: the step loop
 def test_seeded_sampling_equals_single_device(axes):
     model = family("llama")
     ids = prompt(4, 8, seed=5)
@@ -333,3 +341,136 @@ def test_generate_on_a_model_built_empty_and_loaded_from_shards(tmp_path):
     fxshard.load_safetensors(pm, str(tmp_path))
     torch.testing.assert_close(pm.generate(ids, max_new_tokens=4), want, rtol=0, atol=0)
     pm.close()
+
+
+# --- greedy on pp: the groups flow through the stages across steps ------------------------
+
+def _generate(pm, ids, **kwargs):
+    """``fxshard.generate.generate`` (the package's ``generate`` attribute may be shadowed)."""
+    import importlib
+    return importlib.import_module("fxshard.generate").generate(pm, ids, **kwargs)
+
+
+@settings(max_examples=30 if not THOROUGH else 300)
+@given(stages=st.integers(1, 4), groups=st.integers(1, 5), steps=st.integers(1, 4))
+def test_pipelined_schedule_has_no_per_step_bubble(stages, groups, steps):
+    ticks = schedule(stages, groups, steps)
+    at = {(s, unit): k for k, row in enumerate(ticks) for s, unit in enumerate(row) if unit}
+    units = [(t, j) for t in range(-1, steps - 1) for j in range(groups)]
+    assert sorted(at) == sorted((s, u) for s in range(stages) for u in units)
+    for s in range(stages):                  # each stage walks the units in order
+        assert [at[(s, u)] for u in units] == sorted(at[(s, u)] for u in units)
+    for t, j in units:                       # activations, then the token, before a unit
+        for s in range(1, stages):
+            assert at[(s, (t, j))] > at[(s - 1, (t, j))]
+        if t >= 0:
+            assert at[(0, (t, j))] > at[(stages - 1, (t - 1, j))]
+    # fill and drain once, not once per step: with groups >= stages no stage idles between
+    # its first and its last unit (GPipe per step would idle stages - 1 ticks per step)
+    assert len(ticks) == steps * max(groups, stages) + min(groups, stages) - 1
+    if groups >= stages:
+        for s in range(stages):
+            busy = [k for k, row in enumerate(ticks) if row[s] is not None]
+            assert busy == list(range(s, s + len(units)))
+
+
+def test_pipelined_schedule_two_stages_two_groups():
+    assert schedule(2, 2, 3) == [
+        [(-1, 0), None], [(-1, 1), (-1, 0)], [(0, 0), (-1, 1)], [(0, 1), (0, 0)],
+        [(1, 0), (0, 1)], [(1, 1), (1, 0)], [None, (1, 1)]]
+    assert schedule(2, 1, 2) == [[(-1, 0), None], [None, (-1, 0)], [(0, 0), None],
+                                 [None, (0, 0)]]
+
+
+def test_the_next_step_starts_before_the_last_group_of_this_one():
+    """Stage 1 waits, before the last group of step 0, until stage 0 has started group 0 of
+    step 1: a schedule with a per-step barrier (stage 0 needs every group's token of step 0)
+    never gets there and the wait times out."""
+    import threading
+    model = family("llama")
+    ids = prompt(4, 8)
+    pm = parallel(model, {"pp": 2, "microbatches": 2})
+    started = {unit: threading.Event() for unit in [(0, 1, 0), (1, 0, 1)]}
+    order, overlapped = [], []
+
+    def hook(rank, stage, step, group):
+        order.append((stage, step, group))
+        if (stage, step, group) == (1, 0, 1):
+            overlapped.append(started[(0, 1, 0)].wait(timeout=30))
+        if (stage, step, group) in started:
+            started[(stage, step, group)].set()
+
+    got = _generate(pm, ids, max_new_tokens=4, _stage_hook=hook)
+    pm.close()
+    assert overlapped == [True]
+    torch.testing.assert_close(got, reference(model, ids, 4), rtol=0, atol=0)
+    units = [(t, j) for t in range(-1, 3) for j in range(2)]
+    for stage in (0, 1):
+        assert [(t, j) for s, t, j in order if s == stage] == units
+
+
+def test_uneven_groups_on_pp():
+    """Three groups of one sequence on two stages, a prompt of 7."""
+    model = family("llama")
+    ids = prompt(3, 7, seed=4)
+    pm = parallel(model, {"pp": 2, "microbatches": 3})
+    got = pm.generate(ids, max_new_tokens=NEW)
+    pm.close()
+    torch.testing.assert_close(got, reference(model, ids, NEW), rtol=0, atol=0)
+
+
+def test_a_finished_group_stops_being_computed():
+    """Group 0 (sequences 0, 1) emits eos at its third token, group 1 never: group 0's units
+    stop on both stages, group 1 runs on, the output is HF's (pad after eos)."""
+    model = family("llama")
+    ids = prompt(4, 8, seed=1)
+    free = reference(model, ids, 6)
+    eos = [int(free[0, 8 + 1]), int(free[1, 8 + 2])]
+    assert not bool(torch.isin(free[2:, 8:], torch.tensor(eos)).any())
+    want = reference(model, ids, 6, eos_token_id=eos, pad_token_id=0)
+    pm = parallel(model, {"pp": 2, "microbatches": 2})
+    order = []
+    got = _generate(pm, ids, max_new_tokens=6, eos_token_id=eos, pad_token_id=0,
+                    _stage_hook=lambda rank, stage, step, group: order.append(
+                        (stage, step, group)))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert bool((got[1, 8 + 3:] == 0).all()) and not bool((got[2:, 8 + 3:] == 0).any())
+    for stage in (0, 1):
+        assert [t for s, t, j in order if (s, j) == (stage, 0)] == [-1, 0, 1]
+        assert [t for s, t, j in order if (s, j) == (stage, 1)] == [-1, 0, 1, 2, 3, 4]
+    # every group finished: generation ends at the last group's eos
+    eos.append(int(free[2, 8 + 3]))
+    eos.append(int(free[3, 8]))
+    want = reference(model, ids, 6, eos_token_id=eos, pad_token_id=0)
+    got = pm.generate(ids, max_new_tokens=6, eos_token_id=eos, pad_token_id=0)
+    pm.close()
+    assert got.shape == want.shape == (4, 8 + 4)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _deep():
+    """A 4-layer Llama: up to 4 stages."""
+    if "deep" not in _models:
+        _models["deep"] = _hf("LlamaForCausalLM", layers=4)
+    return _models["deep"]
+
+
+@settings(max_examples=20, phases=tuple(Phase) if THOROUGH else (Phase.explicit,))
+@given(stages=st.integers(2, 4), groups=st.integers(1, 4), per=st.integers(1, 2),
+       length=st.integers(3, 9), new=st.integers(1, 6),
+       picks=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 5)), max_size=3))
+@example(stages=4, groups=2, per=2, length=7, new=6, picks=[(0, 1), (1, 3)])
+def test_pipelined_greedy_any_stages_groups_and_eos(stages, groups, per, length, new, picks):
+    """Fewer groups than stages, more, one; eos ids taken from the free run's tokens, so some
+    groups finish early (CI: the example, fewer groups than stages; thorough: random)."""
+    model = _deep()
+    batch = groups * per
+    ids = prompt(batch, length, seed=length)
+    free = reference(model, ids, new)
+    eos = sorted({int(free[r % batch, length + c % new]) for r, c in picks})
+    kwargs = dict(eos_token_id=eos, pad_token_id=0) if eos else {}
+    want = reference(model, ids, new, **kwargs)
+    pm = parallel(model, {"pp": stages, "microbatches": groups})
+    got = pm.generate(ids, max_new_tokens=new, **kwargs)
+    pm.close()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
