@@ -5,18 +5,23 @@ HuggingFace's ``eager`` attention (and hand-written attention) computes
 and ``lower_attention``: local fused attention, Ulysses or ring attention on the CP axes, instead
 of K and V gathered along the sequence. A constant additive causal mask (0 on and below the
 diagonal, a huge negative number above) becomes ``is_causal=True``; any other mask is passed
-on as SDPA's additive ``attn_mask`` (same arithmetic). Scores changed in any other way (Gemma-2's
-tanh soft-cap, ALiBi biases from tensors) are left as they are, and the rules shard them: on a
+on as SDPA's additive ``attn_mask`` (same arithmetic). Gemma-2's tanh soft-cap of the scaled
+scores (``tanh(s / cap) * cap`` before the mask) is recognised too: SDPA has no argument for
+it, so the cap rides in ``node.meta["fxshard_softcap"]`` and ``lower_attention`` hands it to
+the kernels (local, Ulysses and ring attention all apply it per score). Scores changed in any
+other way (ALiBi biases from tensors) are left as they are, and the rules shard them: on a
 CP axis K and V are then all-gathered, which ``explain()`` lists and ``strict=True`` refuses.
 
 Before::
 
-    kt = transpose(k, 2, 3); s = matmul(q, kt); s = mul(s, 0.25); s = add(s, mask)
+    kt = transpose(k, 2, 3); s = matmul(q, kt); s = mul(s, 0.25); s = div(s, 50.0)
+    s = tanh(s); s = mul(s, 50.0); s = add(s, mask)
     p = softmax(s, -1, torch.float32); p = dropout(p, 0.0, False); o = matmul(p, v)
 
 After::
 
     o = scaled_dot_product_attention(q, k, v, None, 0.0, True, scale=0.25)
+    (o.meta["fxshard_softcap"] = 50.0)
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import torch.fx as fx
 
 from . import PassCtx
 from .fold_mask import MetaBuffer, _constant_value
+from .rules.attention import SOFTCAP
 
 aten = torch.ops.aten
 
@@ -66,8 +72,35 @@ def _additive_causal(value: torch.Tensor, sq: int, skv: int) -> bool:
     return bool((value[..., below] == 0).all() and huge[..., ~below].all())
 
 
+def _scalar_arg(node: fx.Node, target) -> float | None:
+    """``c`` when ``node`` is ``target(x, c)`` with a Python number ``c`` and ``x`` used once."""
+    if node.target is not target or not isinstance(node.args[1], (int, float)) or \
+            isinstance(node.args[1], bool) or not _is_tensor(node.args[0]) or \
+            _only_user(node.args[0]) is not node:
+        return None
+    return float(node.args[1])
+
+
+def _softcap_of(scores: fx.Node) -> tuple[fx.Node, float] | None:
+    """(scaled scores, cap) when ``scores`` is ``tanh(s / cap) * cap`` (or ``tanh(s * (1 /
+    cap)) * cap``) with a positive cap."""
+    cap = _scalar_arg(scores, aten.mul.Tensor)
+    tanh = scores.args[0]
+    if cap is None or cap <= 0 or tanh.target is not aten.tanh.default:
+        return None
+    inner = tanh.args[0]
+    if not _is_tensor(inner) or _only_user(inner) is not tanh:
+        return None
+    by = _scalar_arg(inner, aten.div.Tensor)
+    times = _scalar_arg(inner, aten.mul.Tensor)
+    if by is not None and by == cap or times is not None and abs(times * cap - 1) < 1e-12:
+        return inner.args[0], cap
+    return None
+
+
 def _match(softmax: fx.Node):
-    """(q, k, v, mask, scale, final matmul) of an eager attention ending at ``softmax``."""
+    """(q, k, v, mask, scale, softcap, final matmul) of an eager attention ending at
+    ``softmax``; softcap 0.0 when the scores are not soft-capped."""
     nd = softmax.meta["val"].dim()
     if nd != 4 or softmax.args[1] % nd != nd - 1:
         return None
@@ -75,6 +108,10 @@ def _match(softmax: fx.Node):
     if scores.target is aten.add.Tensor and all(_is_tensor(a) for a in scores.args[:2]) and \
             _only_user(scores) is softmax:
         scores, mask = scores.args[0], scores.args[1]
+    softcap = 0.0
+    capped = _softcap_of(scores) if _only_user(scores) is not None else None
+    if capped is not None:
+        scores, softcap = capped
     scale = 1.0
     if scores.target in (aten.mul.Tensor, aten.div.Tensor) and \
             isinstance(scores.args[1], (int, float)) and _only_user(scores) is not None:
@@ -101,12 +138,12 @@ def _match(softmax: fx.Node):
         return None
     if mask is not None and mask.meta["val"].dtype != q.meta["val"].dtype:
         return None
-    return q, k, v, mask, float(scale), out
+    return q, k, v, mask, float(scale), softcap, out
 
 
 def _changed_scores(softmax: fx.Node) -> list[str] | None:
     """The ops between ``q @ k^T`` and ``softmax`` of an attention :func:`_match` refused
-    because its scores change beyond scale + mask (Gemma-2's ``tanh(s / cap) * cap``), or None
+    because its scores change beyond scale + soft-cap + mask (a ``baddbmm`` bias), or None
     when ``softmax`` does not take ``q @ k^T`` through elementwise ops at all."""
     from .rules import lookup
     from .rules.pointwise import identity_rule, pointwise_rule
@@ -153,21 +190,22 @@ def _refuse_on_cp(softmax: fx.Node, ctx: PassCtx) -> None:
             if n > 1 and a in ("ulysses_cp", "ring_cp")]
     if ops is None or not axes:
         return
-    why = (f"scores change beyond scale + mask ({' -> '.join(ops)} between q @ k^T and "
-           f"softmax, e.g. a tanh soft-cap): K and V are all-gathered along the sequence on "
+    why = (f"scores change beyond scale + soft-cap + mask ({' -> '.join(ops)} between "
+           f"q @ k^T and softmax): K and V are all-gathered along the sequence on "
            f"{', '.join(axes)} instead of ring/Ulysses attention")
     if ctx.strict:
         raise NotImplementedError(
             f"fxshard.parallelize(strict=True): attention at {softmax.name} on mesh "
-            f"{ctx.mesh.describe()}: {why}. Use an attention without a soft-cap (SDPA), a "
-            f"mesh without {' / '.join(axes)}, or drop strict=True.")
+            f"{ctx.mesh.describe()}: {why}. Use SDPA (or eager attention with only a scale, a "
+            f"tanh soft-cap and a mask), a mesh without {' / '.join(axes)}, or drop "
+            f"strict=True.")
     ctx.gathered.append((softmax.name, why))
 
 
 def eager_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
                          ) -> fx.GraphModule:
     graph = gm.graph
-    found = causal_n = 0
+    found = causal_n = capped_n = 0
     ctx.gathered.clear()
     additive: dict[tuple, bool] = {}  # (mask node, sq, skv) -> a constant causal mask?
     for node in list(graph.nodes):
@@ -177,7 +215,7 @@ def eager_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
         if m is None:
             _refuse_on_cp(node, ctx)
             continue
-        q, k, v, mask, scale, out = m
+        q, k, v, mask, scale, softcap, out = m
         causal = False
         if mask is not None:
             sq, skv = q.meta["val"].shape[2], k.meta["val"].shape[2]
@@ -196,6 +234,9 @@ def eager_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
             sdpa = graph.call_function(aten.scaled_dot_product_attention.default,
                                        (q, k, v, mask, 0.0, causal), {"scale": scale})
         sdpa.meta.update(out.meta)
+        if softcap:
+            sdpa.meta[SOFTCAP] = softcap
+            capped_n += 1
         out.replace_all_uses_with(sdpa)
         _erase_unused(graph, out)
         found += 1
@@ -204,5 +245,6 @@ def eager_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
         graph.lint()
         gm.recompile()
     ctx.report("eager_attention_pass", f"recognised {found} eager attentions as SDPA "
-                                       f"({causal_n} with a constant causal mask)")
+                                       f"({causal_n} with a constant causal mask"
+                                       + (f", {capped_n} soft-capped)" if capped_n else ")"))
     return gm
