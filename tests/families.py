@@ -84,6 +84,17 @@ def gemma2(layers: int, *, sliding_window: int = 4096):
     return model
 
 
+def bloom(layers: int):
+    """BLOOM: ALiBi through ``baddbmm`` with heads merged into the batch (``[B*H, S, D]``),
+    fused ``query_key_value`` viewed as ``[B, S, H, 3, D]``; eager attention only."""
+    import transformers as T
+    cfg = T.BloomConfig(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=layers, n_head=4,
+                        use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return T.BloomForCausalLM(cfg).eval()
+
+
 def mixtral(layers: int):
     """Mixtral: router, top-k, grouped expert matmuls (transformers' MoE kernels)."""
     import transformers as T

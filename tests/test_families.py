@@ -135,7 +135,8 @@ def test_sliding_window_attention_under_ring_is_exact_and_listed():
     assert code.count("fxshard.ring_attention.default(") == 1, code
     assert code.count("fxshard.attention.default(") == 1, code
     (node, why), = pm.explain().gathered
-    assert why.startswith("an explicit mask that is not the causal one (e.g. a sliding window)")
+    assert why.startswith("an explicit mask that is not the causal one (a sliding window, an "
+                          "ALiBi bias)"), why
     assert "Attention not lowered on the CP axes (sequence gathered): 1" in str(pm.explain())
     pm.close()
 
@@ -150,6 +151,56 @@ def test_generate_refuses_soft_capped_attention():
                                                   r"its scores \(tanh, cap 5.0, as Gemma-2\)"):
         pm.generate(ids, max_new_tokens=2)
     pm.close()
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_bloom_alibi_shards_heads(mesh_name):
+    """BLOOM's heads-merged ``baddbmm`` attention with ALiBi becomes SDPA with the bias in the
+    mask: query_key_value and dense split on tp (each rank's ALiBi slopes are its heads'), the
+    values equal single device; ring_cp gathers around the masked attention and says so."""
+    from tests.families import bloom
+    model = bloom(2)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits
+    axes, sp = MESHES[mesh_name]
+    pm, got = _parallel(model, axes, sp, ids)
+    try:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert layer_param_fraction(pm, model) <= 0.55, pm.explain()
+        code = pm.rank_module(0).code
+        assert "baddbmm" not in code and "aten.bmm" not in code, code
+        assert code.count("fxshard.attention.default(") == 2, code
+        assert dict(pm.explain().edits)["eager_attention_pass"] == (
+            "recognised 2 eager attentions as SDPA (0 with a constant causal mask, 2 with a "
+            "bias added to the mask (ALiBi))")
+        assert len(pm.explain().gathered) == (2 if "ring_cp" in axes else 0)
+    finally:
+        pm.close()
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
+def test_bloom_collectives_per_layer_are_the_megatron_minimum(sp):
+    from tests.families import bloom
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    counts = []
+    for layers in (1, 2):
+        pm, _ = _parallel(bloom(layers), dict(tp=2), sp, ids)
+        counts.append(collectives_by_kind(pm))
+        pm.close()
+    grown = {k: counts[1][k] - counts[0][k] for k in counts[1] | counts[0]}
+    want = {("reduce_scatter", "full"): 2, ("all_gather", "full"): 2} if sp else \
+        {("all_reduce", "full"): 2}
+    assert {k: v for k, v in grown.items() if v} == want
+
+
+def test_bloom_under_ring_cp_strict_refuses_the_gathered_alibi_attention():
+    from tests.families import bloom
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("ring_cp",))
+    with pytest.raises(NotImplementedError, match=r"strict=True\): attention at \S+ on mesh "
+                                                  r"\(ring_cp=2\) has an explicit mask .*ALiBi"):
+        fxshard.parallelize(bloom(1), mesh, strict=True, example_inputs=(ids,))
 
 
 class _ScoresChanged(torch.nn.Module):

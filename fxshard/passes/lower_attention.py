@@ -83,7 +83,14 @@ def lower_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
                 else:
                     k, v = (_heads_for_sequence(graph, t, ulysses, n_u, ctx.mesh)
                             for t in (k, v))
-            if ring is None and mask is not None and ctx.mesh.axis_size("ring_cp") > 1:
+            if ring is None and mask is not None and ctx.mesh.axis_size("ring_cp") > 1 \
+                    and ctx.split_sequence:
+                if ctx.strict:
+                    raise NotImplementedError(
+                        f"fxshard.parallelize(strict=True): attention at {node.name} on mesh "
+                        f"{ctx.mesh.describe()} has {_MASK_GATHERED}. Use ulysses_cp (it "
+                        f"splits heads, the mask stays whole), a mesh without ring_cp, or "
+                        f"drop strict=True.")
                 ctx.gathered.append((node.name, _MASK_GATHERED))
             if ring is not None:
                 assert mask is None, node.format_node()
@@ -116,7 +123,8 @@ def lower_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     return gm
 
 
-_MASK_GATHERED = ("an explicit mask that is not the causal one (e.g. a sliding window): q, K "
+_MASK_GATHERED = ("an explicit mask that is not the causal one (a sliding window, an ALiBi "
+                  "bias): q, K "
                   "and V are gathered along the sequence on ring_cp and attended whole (ring "
                   "attention takes no mask; exact, not load-balanced)")
 
