@@ -137,7 +137,7 @@ def triton_interpret():
 def test_triton_kernel_subprocess():
     """Run the test_triton_interp_* tests in a TRITON_INTERPRET=1 process; all must pass (the
     bf16 ones are expected failures of Triton's interpreter)."""
-    run_interpreter_tests(__file__, min_passed=9, xfailed=2)
+    run_interpreter_tests(__file__, min_passed=10, xfailed=2)
 
 
 # ---------------------------------------------------------------- torch backend
@@ -235,6 +235,23 @@ def test_triton_interp_non_contiguous_and_default_blocks(triton_interpret):
     assert out.shape == q.shape
     ref_out, ref_lse = reference_attention(q, k, v, causal=True, q_offset=30)
     assert_matches(out, lse, ref_out, ref_lse, tol=1e-4)
+
+
+def test_triton_interp_soft_cap(triton_interpret):
+    """Gemma-2's soft-cap in the kernel: large scores (where the tanh bends), GQA, a causal
+    diagonal shifted by the offsets, chunks merged; the cap must change the result."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 40, 16, generator=g) * 3
+    k, v = torch.randn(1, 2, 37, 16, generator=g) * 3, torch.randn(1, 2, 37, 16, generator=g)
+    opts = {"causal": True, "q_offset": 20, "kv_offset": 0, "softcap": 2.0}
+    out, lse = attention(q, k, v, backend="triton", **opts)
+    ref_out, ref_lse = reference_attention(q, k, v, **opts)
+    assert_matches(out, lse, ref_out, ref_lse, tol=1e-4)
+    uncapped, _ = reference_attention(q, k, v, **dict(opts, softcap=None))
+    assert (uncapped - ref_out).abs().max() > 0.1
+    parts = [attention(q, k[:, :, a:b], v[:, :, a:b], backend="triton", causal=True,
+                       q_offset=20, kv_offset=a, softcap=2.0) for a, b in ((0, 21), (21, 37))]
+    assert_matches(*merge_attention(*parts[0], *parts[1]), ref_out, ref_lse, tol=1e-4)
 
 
 def test_triton_interp_merge_of_chunks(triton_interpret):
