@@ -71,6 +71,7 @@ def main() -> None:
             frac = layer_param_fraction(pm, model)
             replicated = len(pm.explain().replicated)
             ring = pm.rank_module(0).code.count("fxshard.ring_attention") / 2
+            gathered = len(pm.explain().gathered)
             pm.close()
             per_layer = "-"
             if "ring_cp" not in axes and "dp" not in axes:
@@ -83,7 +84,8 @@ def main() -> None:
                 per_layer = ", ".join(f"{op}{'' if kind == 'full' else '(stat)'} {n}"
                                       for (op, kind), n in sorted(grown.items()) if n) or "none"
             elif "ring_cp" in axes:
-                per_layer = f"ring attention {ring:g}"
+                per_layer = f"ring attention {ring:g}" + (
+                    f", gathered (explicit mask) {gathered / 2:g}" if gathered else "")
             rows.append((name, mesh_name, f"{err:.1e}", f"{frac:.3f}", per_layer, str(fb),
                          str(replicated)))
             print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
