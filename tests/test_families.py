@@ -153,7 +153,7 @@ def test_generate_refuses_soft_capped_attention():
     pm.close()
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("mesh_name", list(MESHES) + ["ulysses2"])
 def test_bloom_alibi_shards_heads(mesh_name):
     """BLOOM's heads-merged ``baddbmm`` attention with ALiBi becomes SDPA with the bias in the
     mask: query_key_value and dense split on tp (each rank's ALiBi slopes are its heads'), the
@@ -163,11 +163,14 @@ def test_bloom_alibi_shards_heads(mesh_name):
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(ids).logits
-    axes, sp = MESHES[mesh_name]
+    axes, sp = MESHES.get(mesh_name, (dict(ulysses_cp=2), False))
     pm, got = _parallel(model, axes, sp, ids)
     try:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        assert layer_param_fraction(pm, model) <= 0.55, pm.explain()
+        if "tp" in axes:
+            assert layer_param_fraction(pm, model) <= 0.55, pm.explain()
+        else:   # Ulysses: heads split around attention (4 all-to-alls a layer), mask whole
+            assert pm.rank_module(0).code.count("fxshard.all_to_all") == 8
         code = pm.rank_module(0).code
         assert "baddbmm" not in code and "aten.bmm" not in code, code
         assert code.count("fxshard.attention.default(") == 2, code
