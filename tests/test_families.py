@@ -6,6 +6,7 @@ as the layer count grows)."""
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -178,23 +179,13 @@ def test_bloom_alibi_shards_heads(mesh_name):
             "recognised 2 eager attentions as SDPA (0 with a constant causal mask, 2 with a "
             "bias added to the mask (ALiBi))")
         assert len(pm.explain().gathered) == (2 if "ring_cp" in axes else 0)
+        if mesh_name in ("tp2", "tp2_sp"):   # the Megatron minimum in the last layer
+            layer = Counter(c.op for c in pm.explain().collectives[0] if c.axis == "tp" and
+                            c.op != "local_shard" and c.module.startswith("transformer.h.1."))
+            assert layer == ({"all_gather": 2, "reduce_scatter": 2} if sp else
+                             {"all_reduce": 2}), pm.explain()
     finally:
         pm.close()
-
-
-@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
-def test_bloom_collectives_per_layer_are_the_megatron_minimum(sp):
-    from tests.families import bloom
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-    counts = []
-    for layers in (1, 2):
-        pm, _ = _parallel(bloom(layers), dict(tp=2), sp, ids)
-        counts.append(collectives_by_kind(pm))
-        pm.close()
-    grown = {k: counts[1][k] - counts[0][k] for k in counts[1] | counts[0]}
-    want = {("reduce_scatter", "full"): 2, ("all_gather", "full"): 2} if sp else \
-        {("all_reduce", "full"): 2}
-    assert {k: v for k, v in grown.items() if v} == want
 
 
 def test_bloom_under_ring_cp_strict_refuses_the_gathered_alibi_attention():
