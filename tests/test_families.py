@@ -97,7 +97,7 @@ def test_soft_capped_eager_attention_is_lowered_like_sdpa(axes):
     """Gemma-2's ``tanh(s / cap) * cap`` scores: ring / Ulysses attention with the cap, no
     gather of K/V along the sequence."""
     from tests.families import gemma2
-    model = gemma2(2)
+    model = gemma2(1)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(ids).logits
@@ -107,17 +107,17 @@ def test_soft_capped_eager_attention_is_lowered_like_sdpa(axes):
     assert "aten.matmul" not in code and "aten.softmax" not in code, code
     assert code.count("aten.tanh") == 1, code  # the final logits' soft-cap only
     calls = [line for line in code.splitlines() if "attention.default(" in line]
-    assert len(calls) == 2 and all(", 5.0)" in c for c in calls), calls
+    assert len(calls) == 1 and ", 5.0)" in calls[0], calls
     axis = "ring_cp" if "ring_cp" in axes else "ulysses_cp"
     gathers = [line for line in code.splitlines() if "gather" in line and axis in line]
     assert len(gathers) == 1 and "lm_head" not in code.split(gathers[0])[1], gathers
     if "ring_cp" in axes:
         assert all("ring_attention" in c for c in calls), calls
     else:
-        assert code.count("fxshard.all_to_all") == 8, code
+        assert code.count("fxshard.all_to_all") == 4, code
     edits = dict(pm.explain().edits)
-    assert edits["eager_attention_pass"] == "recognised 2 eager attentions as SDPA (2 with a " \
-                                           "constant causal mask, 2 soft-capped)"
+    assert edits["eager_attention_pass"] == "recognised 1 eager attentions as SDPA (1 with a " \
+                                           "constant causal mask, 1 soft-capped)"
     assert not pm.explain().gathered
     pm.close()
 
