@@ -1,7 +1,8 @@
 """HuggingFace families x meshes: does every pattern shard, and at what cost?
 
 For each family of ``tests/families.py`` (tiny random configs, no downloads) plus eager
-attention and the MoE families (Mixtral; Qwen2-MoE with its shared expert), on tp=2,
+attention (Llama; Gemma-2's soft-capped scores; BLOOM's ALiBi through ``baddbmm``) and the MoE
+families (Mixtral; Qwen2-MoE with its shared expert), on tp=2,
 dp=2*tp=2, tp=2 with sequence parallelism and tp=2*ring_cp=2, print:
 
 - the largest difference from the single-device logits;
@@ -25,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fxshard  # noqa: E402
 from fxshard.passes.rules import FallbackWarning  # noqa: E402
-from tests.families import FAMILIES, collectives_by_kind, layer_param_fraction, \
-    llama_eager, mixtral, qwen2_moe  # noqa: E402
+from tests.families import FAMILIES, bloom, collectives_by_kind, gemma2, \
+    layer_param_fraction, llama_eager, mixtral, qwen2_moe  # noqa: E402
 
 MESHES = {"tp2": (dict(tp=2), False), "dp2·tp2": (dict(dp=2, tp=2), False),
           "tp2+SP": (dict(tp=2), True), "tp2·ring2": (dict(tp=2, ring_cp=2), False)}
@@ -34,6 +35,11 @@ MESHES = {"tp2": (dict(tp=2), False), "dp2·tp2": (dict(dp=2, tp=2), False),
 
 EXTRA = {"llama (eager attention)": ("matmul -> softmax -> matmul attention, recognised as "
                                      "SDPA", llama_eager),
+         "gemma2": ("eager attention with tanh soft-capped scores, lowered with the cap "
+                    "(sliding window 4096 > the 16 tokens here)", gemma2),
+         "bloom": ("ALiBi via baddbmm on heads merged into the batch [B*H, S, D], fused "
+                   "query_key_value: SDPA with the bias in the mask (ring_cp gathers around "
+                   "it, listed in explain())", bloom),
          "mixtral": ("MoE: router, top-k, grouped expert matmuls (each expert's intermediate "
                      "dim sharded on tp; routing on each rank's tokens under dp/CP)", mixtral),
          "qwen2_moe": ("MoE with a shared expert and its sigmoid gate", qwen2_moe)}
@@ -65,6 +71,7 @@ def main() -> None:
             frac = layer_param_fraction(pm, model)
             replicated = len(pm.explain().replicated)
             ring = pm.rank_module(0).code.count("fxshard.ring_attention") / 2
+            gathered = len(pm.explain().gathered)
             pm.close()
             per_layer = "-"
             if "ring_cp" not in axes and "dp" not in axes:
@@ -77,7 +84,8 @@ def main() -> None:
                 per_layer = ", ".join(f"{op}{'' if kind == 'full' else '(stat)'} {n}"
                                       for (op, kind), n in sorted(grown.items()) if n) or "none"
             elif "ring_cp" in axes:
-                per_layer = f"ring attention {ring:g}"
+                per_layer = f"ring attention {ring:g}" + (
+                    f", gathered (explicit mask) {gathered / 2:g}" if gathered else "")
             rows.append((name, mesh_name, f"{err:.1e}", f"{frac:.3f}", per_layer, str(fb),
                          str(replicated)))
             print(" | ".join(rows[-1]), file=sys.stderr, flush=True)

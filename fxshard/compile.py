@@ -143,7 +143,7 @@ def _attention_out_only(gm: fx.GraphModule) -> int:
         if node.target is not torch.ops.fxshard.attention.default or node.kwargs:
             continue
         q = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
-        if (q is None or q.device.type != "cpu" or len(node.args) != 8
+        if (q is None or q.device.type != "cpu" or len(node.args) not in (8, 9)
                 or not node.users or any(u.target is not operator.getitem or u.args[1] != 0
                                          for u in node.users)):
             continue

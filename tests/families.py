@@ -64,6 +64,37 @@ def llama_eager(layers: int):
     return T.LlamaForCausalLM(cfg).eval()
 
 
+def gemma2(layers: int, *, sliding_window: int = 4096):
+    """Gemma-2 with HuggingFace's eager attention: scores soft-capped (``tanh(s / 5) * 5``;
+    Gemma-2 ships 50) before the mask, with q/k projections scaled x20 so that the random
+    scores reach the tanh's curved range (otherwise the cap changes the logits by ~1e-7 and a
+    lost cap would go unseen). Sliding-window and full attention alternate (layer 0 slides);
+    the window only matters for sequences longer than ``sliding_window``."""
+    import transformers as T
+    cfg = T.Gemma2Config(intermediate_size=128, num_key_value_heads=2, head_dim=16,
+                         sliding_window=sliding_window, attn_logit_softcapping=5.0,
+                         **_common(layers))
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = T.Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(20)
+            layer.self_attn.k_proj.weight.mul_(20)
+    return model
+
+
+def bloom(layers: int):
+    """BLOOM: ALiBi through ``baddbmm`` with heads merged into the batch (``[B*H, S, D]``),
+    fused ``query_key_value`` viewed as ``[B, S, H, 3, D]``; eager attention only."""
+    import transformers as T
+    cfg = T.BloomConfig(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=layers, n_head=4,
+                        use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return T.BloomForCausalLM(cfg).eval()
+
+
 def mixtral(layers: int):
     """Mixtral: router, top-k, grouped expert matmuls (transformers' MoE kernels)."""
     import transformers as T

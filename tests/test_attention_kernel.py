@@ -28,12 +28,13 @@ from tests.triton_interp import BF16_DOT_BUG, run_interpreter_tests
 from fxshard.kernels import attention, merge_attention
 
 SCHEMA = ("fxshard::attention(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, "
-          "float? scale, SymInt q_offset, SymInt kv_offset) -> (Tensor, Tensor)")
+          "float? scale, SymInt q_offset, SymInt kv_offset, float softcap=0.) -> (Tensor, Tensor)")
 
 
 def reference_attention(q, k, v, *, causal=False, scale=None, q_offset=0, kv_offset=0,
-                        mask=None):
-    """Plain softmax attention in float64: returns (out, lse)."""
+                        mask=None, softcap=None):
+    """Plain softmax attention in float64 (Gemma-2's tanh soft-cap on the scaled scores when
+    ``softcap``): returns (out, lse)."""
     q, k, v = q.double(), k.double(), v.double()
     batch, heads_q, seq_q, head_dim = q.shape
     seq_kv = k.shape[2]
@@ -42,6 +43,8 @@ def reference_attention(q, k, v, *, causal=False, scale=None, q_offset=0, kv_off
     v = v.repeat_interleave(group, dim=1)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     allowed = torch.ones(batch, heads_q, seq_q, seq_kv, dtype=torch.bool)
     if causal:
         allowed = allowed & torch.tensor([[kv_offset + j <= q_offset + i for j in range(seq_kv)]
@@ -83,6 +86,7 @@ def attention_cases(draw, *, head_dims, max_len, masks=True, max_offset=None):
         "q_offset": draw(st.integers(0, max_offset)),
         "kv_offset": draw(st.integers(0, max_offset)),
         "scale": draw(st.sampled_from([None, 0.3])),
+        "softcap": draw(st.sampled_from([None, None, 0.5, 3.0])),
         "mask": draw(st.sampled_from(["none", "bool", "float"])) if masks else "none",
         "seed": draw(st.integers(0, 2**16)),
     }
@@ -105,7 +109,8 @@ def make_inputs(case, dtype=torch.float32):
 
 
 def options(case):
-    return {name: case[name] for name in ("causal", "scale", "q_offset", "kv_offset")}
+    return {name: case.get(name) for name in ("causal", "scale", "q_offset", "kv_offset",
+                                              "softcap")}
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -132,7 +137,7 @@ def triton_interpret():
 def test_triton_kernel_subprocess():
     """Run the test_triton_interp_* tests in a TRITON_INTERPRET=1 process; all must pass (the
     bf16 ones are expected failures of Triton's interpreter)."""
-    run_interpreter_tests(__file__, min_passed=9, xfailed=2)
+    run_interpreter_tests(__file__, min_passed=10, xfailed=2)
 
 
 # ---------------------------------------------------------------- torch backend
@@ -184,7 +189,7 @@ def test_triton_interp_matches_reference(triton_interpret, case, block_m, block_
     scale = 1.0 / math.sqrt(case["head_dim"]) if case["scale"] is None else case["scale"]
     out, lse = attention_fwd(q, k, v, causal=case["causal"], scale=scale,
                              q_offset=case["q_offset"], kv_offset=case["kv_offset"],
-                             block_m=block_m, block_n=block_n)
+                             softcap=case["softcap"] or 0.0, block_m=block_m, block_n=block_n)
     ref_out, ref_lse = reference_attention(q, k, v, **options(case))
     assert_matches(out, lse, ref_out, ref_lse, tol=1e-4)
 
@@ -232,6 +237,23 @@ def test_triton_interp_non_contiguous_and_default_blocks(triton_interpret):
     assert_matches(out, lse, ref_out, ref_lse, tol=1e-4)
 
 
+def test_triton_interp_soft_cap(triton_interpret):
+    """Gemma-2's soft-cap in the kernel: large scores (where the tanh bends), GQA, a causal
+    diagonal shifted by the offsets, chunks merged; the cap must change the result."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 40, 16, generator=g) * 3
+    k, v = torch.randn(1, 2, 37, 16, generator=g) * 3, torch.randn(1, 2, 37, 16, generator=g)
+    opts = {"causal": True, "q_offset": 20, "kv_offset": 0, "softcap": 2.0}
+    out, lse = attention(q, k, v, backend="triton", **opts)
+    ref_out, ref_lse = reference_attention(q, k, v, **opts)
+    assert_matches(out, lse, ref_out, ref_lse, tol=1e-4)
+    uncapped, _ = reference_attention(q, k, v, **dict(opts, softcap=None))
+    assert (uncapped - ref_out).abs().max() > 0.1
+    parts = [attention(q, k[:, :, a:b], v[:, :, a:b], backend="triton", causal=True,
+                       q_offset=20, kv_offset=a, softcap=2.0) for a, b in ((0, 21), (21, 37))]
+    assert_matches(*merge_attention(*parts[0], *parts[1]), ref_out, ref_lse, tol=1e-4)
+
+
 def test_triton_interp_merge_of_chunks(triton_interpret):
     q = torch.randn(1, 2, 24, 16)
     k, v = torch.randn(1, 1, 40, 16), torch.randn(1, 1, 40, 16)
@@ -242,9 +264,10 @@ def test_triton_interp_merge_of_chunks(triton_interpret):
     assert_matches(out, lse, ref_out, ref_lse, tol=1e-4)
 
 
-@pytest.mark.parametrize("dtype, head_dim, causal", [("bf16", 128, True), ("fp16", 64, False),
-                                                     ("fp32", 32, True)])
-def test_triton_kernel_compiles_for_hopper(dtype, head_dim, causal):
+@pytest.mark.parametrize("dtype, head_dim, causal, softcap",
+                         [("bf16", 128, True, False), ("fp16", 64, False, True),
+                          ("fp32", 32, True, False)])
+def test_triton_kernel_compiles_for_hopper(dtype, head_dim, causal, softcap):
     """The interpreter is lenient about types and layouts: compile the kernel for sm_90 with its
     default launch options (no GPU needed) to catch what only the compiler sees."""
     triton = pytest.importorskip("triton")
@@ -261,7 +284,8 @@ def test_triton_kernel_compiles_for_hopper(dtype, head_dim, causal):
     block_m, block_n, num_warps, num_stages = triton_attention._GPU_CONFIGS[
         4 if dtype == "fp32" else 2][head_dim]
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n,
-                  "CAUSAL": causal, "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
+                  "CAUSAL": causal, "SOFTCAP": softcap,
+                  "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
                   "stride_qk": 1, "stride_kk": 1, "stride_vk": 1, "stride_ok": 1, "stride_lm": 1}
     signature, aligned = {}, []
     for index, name in enumerate(kernel.arg_names):
@@ -270,7 +294,7 @@ def test_triton_kernel_compiles_for_hopper(dtype, head_dim, causal):
         elif name in ("Q", "K", "V", "Out", "Lse"):
             signature[name] = "*fp32" if name == "Lse" else f"*{dtype}"
             aligned.append(index)
-        elif name == "qk_scale":
+        elif name in ("qk_scale", "cap_log2"):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
@@ -376,14 +400,15 @@ def test_custom_op_opcheck_and_backward():
     v = torch.randn(1, 2, 7, 8, dtype=torch.float64, requires_grad=True)
     samples = [(q, k, v, None, True, None, 0, 3),
                (q, k, v, torch.rand(5, 7) < 0.6, False, 0.5, 0, 0),
+               (q, k, v, None, True, 0.5, 0, 3, 0.7),
                (q.float().detach(), k.float().detach(), v.float().detach(), None, False, None,
                 0, 0)]
     for args in samples:
         torch.library.opcheck(torch.ops.fxshard.attention.default, args)
-    for args in samples[:2]:
-        mask, causal, scale, q_off, kv_off = args[3:]
+    for args in samples[:3]:
+        mask, causal, scale, q_off, kv_off, *softcap = args[3:]
         opts = {"mask": mask, "causal": causal, "scale": scale, "q_offset": q_off,
-                "kv_offset": kv_off}
+                "kv_offset": kv_off, "softcap": softcap[0] if softcap else None}
         grad_out, grad_lse = torch.randn(1, 4, 5, 8, dtype=torch.float64), torch.randn(1, 4, 5)
         grads = []
         for backend in ("auto", "torch"):
@@ -409,6 +434,8 @@ def test_error_messages(monkeypatch):
         attention(q, k[:, :3], k[:, :3], mask=torch.ones(3, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"backend='bogus'"):
         attention(q, k[:, :3], k[:, :3], backend="bogus")
+    with pytest.raises(ValueError, match=r"softcap=-1.0; expected a finite float >= 0"):
+        attention(q, k[:, :3], k[:, :3], softcap=-1.0)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q, k = torch.randn(1, 2, 4, 16), torch.randn(1, 1, 4, 16)
     with pytest.raises(ValueError, match=r"set the environment variable TRITON_INTERPRET=1 .* "

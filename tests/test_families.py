@@ -6,6 +6,7 @@ as the layer count grows)."""
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -90,29 +91,135 @@ def test_eager_attention_is_lowered_like_sdpa(axes):
     pm.close()
 
 
-def test_soft_capped_eager_attention_stays_correct_under_cp():
-    """Gemma-2's tanh soft-cap is not SDPA: left as matmuls, sharded by the rules."""
-    import transformers as T
-    from tests.families import _common
-    cfg = T.Gemma2Config(intermediate_size=128, num_key_value_heads=2, head_dim=16,
-                         **_common(1))
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = T.Gemma2ForCausalLM(cfg).eval()
+@pytest.mark.parametrize("axes", [dict(ring_cp=2), dict(ulysses_cp=2), dict(tp=2, ring_cp=2)],
+                         ids=["ring2", "ulysses2", "tp2_ring2"])
+def test_soft_capped_eager_attention_is_lowered_like_sdpa(axes):
+    """Gemma-2's ``tanh(s / cap) * cap`` scores: ring / Ulysses attention with the cap, no
+    gather of K/V along the sequence."""
+    from tests.families import gemma2
+    model = gemma2(1)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits
+    pm, got = _parallel(model, axes, False, ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    code = pm.rank_module(0).code
+    assert "aten.matmul" not in code and "aten.softmax" not in code, code
+    assert code.count("aten.tanh") == 1, code  # the final logits' soft-cap only
+    calls = [line for line in code.splitlines() if "attention.default(" in line]
+    assert len(calls) == 1 and ", 5.0)" in calls[0], calls
+    axis = "ring_cp" if "ring_cp" in axes else "ulysses_cp"
+    gathers = [line for line in code.splitlines() if "gather" in line and axis in line]
+    assert len(gathers) == 1 and "lm_head" not in code.split(gathers[0])[1], gathers
+    if "ring_cp" in axes:
+        assert all("ring_attention" in c for c in calls), calls
+    else:
+        assert code.count("fxshard.all_to_all") == 4, code
+    edits = dict(pm.explain().edits)
+    assert edits["eager_attention_pass"] == "recognised 1 eager attentions as SDPA (1 with a " \
+                                           "constant causal mask, 1 soft-capped)"
+    assert not pm.explain().gathered
+    pm.close()
+
+
+def test_sliding_window_attention_under_ring_is_exact_and_listed():
+    """A sliding-window mask (not causal): that layer's attention gathers the sequence on
+    ring_cp and says so; the full-attention layer still runs ring attention."""
+    from tests.families import gemma2
+    model = gemma2(2, sliding_window=5)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(ids).logits
     pm, got = _parallel(model, dict(ring_cp=2), False, ids)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert "recognised 0 eager" in dict(pm.explain().edits)["eager_attention_pass"]
-    (node, why), = pm.explain().gathered   # not silent: listed with its reason
-    assert "tanh" in why and "all-gathered along the sequence on ring_cp" in why, why
+    code = pm.rank_module(0).code
+    assert code.count("fxshard.ring_attention.default(") == 1, code
+    assert code.count("fxshard.attention.default(") == 1, code
+    (node, why), = pm.explain().gathered
+    assert why.startswith("an explicit mask that is not the causal one (a sliding window, an "
+                          "ALiBi bias)"), why
     assert "Attention not lowered on the CP axes (sequence gathered): 1" in str(pm.explain())
     pm.close()
+
+
+def test_generate_refuses_soft_capped_attention():
+    """The decode kernel has no soft-cap: generation says so instead of dropping the cap."""
+    from tests.families import gemma2
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    pm = fxshard.parallelize(gemma2(1), mesh)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(NotImplementedError, match=r"fxshard.generate: attention \S+ soft-caps "
+                                                  r"its scores \(tanh, cap 5.0, as Gemma-2\)"):
+        pm.generate(ids, max_new_tokens=2)
+    pm.close()
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES) + ["ulysses2"])
+def test_bloom_alibi_shards_heads(mesh_name):
+    """BLOOM's heads-merged ``baddbmm`` attention with ALiBi becomes SDPA with the bias in the
+    mask: query_key_value and dense split on tp (each rank's ALiBi slopes are its heads'), the
+    values equal single device; ring_cp gathers around the masked attention and says so."""
+    from tests.families import bloom
+    model = bloom(2)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits
+    axes, sp = MESHES.get(mesh_name, (dict(ulysses_cp=2), False))
+    pm, got = _parallel(model, axes, sp, ids)
+    try:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        if "tp" in axes:
+            assert layer_param_fraction(pm, model) <= 0.55, pm.explain()
+        else:   # Ulysses: heads split around attention (4 all-to-alls a layer), mask whole
+            assert pm.rank_module(0).code.count("fxshard.all_to_all") == 8
+        code = pm.rank_module(0).code
+        assert "baddbmm" not in code and "aten.bmm" not in code, code
+        assert code.count("fxshard.attention.default(") == 2, code
+        assert dict(pm.explain().edits)["eager_attention_pass"] == (
+            "recognised 2 eager attentions as SDPA (0 with a constant causal mask, 2 with a "
+            "bias added to the mask (ALiBi))")
+        assert len(pm.explain().gathered) == (2 if "ring_cp" in axes else 0)
+        if mesh_name in ("tp2", "tp2_sp"):   # the Megatron minimum in the last layer
+            layer = Counter(c.op for c in pm.explain().collectives[0] if c.axis == "tp" and
+                            c.op != "local_shard" and c.module.startswith("transformer.h.1."))
+            assert layer == ({"all_gather": 2, "reduce_scatter": 2} if sp else
+                             {"all_reduce": 2}), pm.explain()
+    finally:
+        pm.close()
+
+
+def test_bloom_under_ring_cp_strict_refuses_the_gathered_alibi_attention():
+    from tests.families import bloom
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("ring_cp",))
+    with pytest.raises(NotImplementedError, match=r"strict=True\): attention at \S+ on mesh "
+                                                  r"\(ring_cp=2\) has an explicit mask .*ALiBi"):
+        fxshard.parallelize(bloom(1), mesh, strict=True, example_inputs=(ids,))
+
+
+class _ScoresChanged(torch.nn.Module):
+    """Attention whose scores are capped by a tanh with two different constants: not the
+    soft-cap, so not attention fxshard can lower."""
+
+    def forward(self, x):
+        q = x.view(2, 8, 2, 8).transpose(1, 2)
+        s = torch.tanh(q @ q.transpose(-1, -2) * 0.25 / 50.0) * 30.0
+        return (torch.softmax(s, dim=-1) @ q).transpose(1, 2).reshape(2, 8, 16)
+
+
+def test_changed_scores_stay_correct_under_cp_listed_and_refused_by_strict():
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0))
+    model = _ScoresChanged()
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("ring_cp",))
+    pm = fxshard.parallelize(model, mesh, example_inputs=(x,))
+    torch.testing.assert_close(pm(x), model(x), rtol=1e-4, atol=1e-4)
+    (node, why), = pm.explain().gathered   # not silent: listed with its reason
+    assert "(mul -> div -> tanh -> mul between q @ k^T and softmax)" in why, why
+    assert "all-gathered along the sequence on ring_cp" in why, why
+    pm.close()
     with pytest.raises(NotImplementedError, match=r"strict=True\): attention at softmax on mesh "
                                                   r"\(ring_cp=2\): scores change .*tanh"):
-        fxshard.parallelize(model, mesh, strict=True, example_inputs=(ids,))
+        fxshard.parallelize(model, mesh, strict=True, example_inputs=(x,))
 
 
 def test_softmax_as_the_right_operand_is_not_attention():

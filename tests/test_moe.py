@@ -68,11 +68,18 @@ def test_mixtral_tp2_experts_sharded_one_all_reduce_per_moe_layer():
     assert "gathered before use (by softmax" in router["model.layers.0.mlp.gate.weight"]
 
 
-def test_mixtral_sequence_parallel():
-    pm = _run(mixtral(1), dict(tp=2), sp=True)
-    # reduce-scatters as few as Megatron's; the routing gathers ids, tokens, weights (README)
-    assert collectives_by_kind(pm) == {("reduce_scatter", "full"): 2, ("all_gather", "full"): 6,
-                                       ("all_to_all", "full"): 1}
+@pytest.mark.parametrize("build", [mixtral, qwen2_moe], ids=["mixtral", "qwen2_moe"])
+def test_sequence_parallel_gathers_the_tokens_once_per_moe_layer(build):
+    """The router and the routing read one all-gather of the normed tokens (the router runs
+    on every token): Megatron-SP's 2 all-gathers + 2 reduce-scatters in the layer."""
+    from collections import Counter
+    pm = _run(build(1), dict(tp=2), sp=True)
+    layer = Counter(c.op for c in pm.explain().collectives[0]
+                    if c.axis == "tp" and c.module.startswith("model.layers.0."))
+    assert layer == {"reduce_scatter": 2, "all_gather": 2}, pm.explain()
+    assert sum(p == "propagate_pass" and m.startswith("gather ") and
+               m.endswith(" once on tp: an expert-routing region and the router both read it")
+               for p, m in pm.explain().edits) == 1, pm.explain().edits
     pm.close()
 
 

@@ -3,7 +3,9 @@
 ``attention(q, k, v)`` returns ``(out, lse)``: the softmax-attention output and the natural-log
 logsumexp of every row of scaled scores. Causal masking compares *absolute* positions
 (``q_offset + i`` against ``kv_offset + j``), so a ring step can attend a query chunk to any
-key chunk; a row that sees no key gives ``out = 0``, ``lse = -inf``, and ``merge_attention``
+key chunk. ``softcap`` (Gemma-2's attention logit soft-cap) replaces every scaled score ``s``
+by ``softcap * tanh(s / softcap)`` before the mask: per score, so chunks still merge exactly.
+A row that sees no key gives ``out = 0``, ``lse = -inf``, and ``merge_attention``
 combines partial results exactly (the rule ring attention uses).
 
 Backends share one contract:
@@ -41,7 +43,8 @@ _BACKENDS = ("auto", "torch", "triton")
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               scale: Optional[float] = None, q_offset: int = 0, kv_offset: int = 0,
-              mask: Optional[torch.Tensor] = None, backend: str = "auto"):
+              mask: Optional[torch.Tensor] = None, softcap: Optional[float] = None,
+              backend: str = "auto"):
     """Scaled dot-product attention returning ``(out, lse)``.
 
     Args:
@@ -52,6 +55,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         q_offset, kv_offset: absolute positions of the first query and the first key.
         mask: broadcastable to ``[B, Hq, Sq, Skv]``; bool (True = attend, as torch SDPA) or an
             additive float mask; combined with ``causal``. Only the torch backend takes a mask.
+        softcap: ``> 0``: each scaled score ``s`` becomes ``softcap * tanh(s / softcap)``
+            before the mask and causal masking (Gemma-2); ``None`` or ``0``: off.
         backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
 
     Returns:
@@ -60,13 +65,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     """
     if backend not in _BACKENDS:
         raise ValueError(f"{_NAME}: backend={backend!r}; choose one of {_BACKENDS}.")
-    _check_inputs(q, k, v, mask, scale, q_offset, kv_offset)
+    _check_inputs(q, k, v, mask, scale, q_offset, kv_offset, softcap)
+    softcap = float(softcap or 0.0)
     if backend == "auto":
         out, lse = torch.ops.fxshard.attention(q, k, v, mask, bool(causal), scale, q_offset,
-                                               kv_offset)
+                                               kv_offset, softcap)
         return out, lse
     if backend == "torch":
-        return _torch_attention(q, k, v, mask, causal, scale, q_offset, kv_offset)
+        return _torch_attention(q, k, v, mask, causal, scale, q_offset, kv_offset, softcap)
     if mask is not None:
         raise ValueError(f"{_NAME}: backend='triton' does not take an explicit mask (got a mask "
                          f"of shape {tuple(mask.shape)}); express it with causal/q_offset/"
@@ -75,7 +81,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         raise ValueError(f"{_NAME}: backend='triton' is forward-only and its inputs require "
                          f"grad; use backend='auto' (custom op with a backward) or run under "
                          f"torch.no_grad().")
-    return _triton_attention(q, k, v, causal, scale, q_offset, kv_offset)
+    return _triton_attention(q, k, v, causal, scale, q_offset, kv_offset, softcap)
 
 
 def merge_attention(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
@@ -109,7 +115,7 @@ def merge_attention(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
     return out.to(out1.dtype), lse.to(torch.float32)
 
 
-def _check_inputs(q, k, v, mask, scale, q_offset, kv_offset) -> None:
+def _check_inputs(q, k, v, mask, scale, q_offset, kv_offset, softcap=0.0) -> None:
     """Shape, dtype and device checks shared by every backend (and the fake impl)."""
     for arg, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -169,6 +175,10 @@ def _check_inputs(q, k, v, mask, scale, q_offset, kv_offset) -> None:
     if isinstance(scale, numbers.Real) and not math.isfinite(scale):
         raise ValueError(f"{_NAME}: scale={scale!r} is not finite; pass a finite float or None "
                          f"(None means 1/sqrt(head_dim)).")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
+                                or not math.isfinite(softcap) or softcap < 0):
+        raise ValueError(f"{_NAME}: softcap={softcap!r}; expected a finite float >= 0 (the "
+                         f"cap of softcap * tanh(score / softcap)) or None / 0 for no cap.")
 
 
 def _scale_of(q: torch.Tensor, scale: Optional[float]) -> float:
@@ -179,8 +189,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _masked_scores(q_BHSD, k_BHSD, mask, causal, scale, q_offset, kv_offset):
-    """Scaled scores ``s_BKGST`` in the compute dtype, ``-inf`` where a key is masked out."""
+def _masked_scores(q_BHSD, k_BHSD, mask, causal, scale, q_offset, kv_offset, softcap=0.0):
+    """Scaled (and soft-capped) scores ``s_BKGST`` in the compute dtype, ``-inf`` where a key
+    is masked out."""
     batch, heads_q, seq_q, head_dim = q_BHSD.shape
     heads_kv, seq_kv = k_BHSD.shape[1], k_BHSD.shape[2]
     group = heads_q // heads_kv
@@ -188,6 +199,8 @@ def _masked_scores(q_BHSD, k_BHSD, mask, causal, scale, q_offset, kv_offset):
     q_BKMD = q_BHSD.to(cdtype).reshape(batch, heads_kv, group * seq_q, head_dim)
     s_BKMT = torch.matmul(q_BKMD, k_BHSD.to(cdtype).transpose(-1, -2)) * scale
     s_BKGST = s_BKMT.view(batch, heads_kv, group, seq_q, seq_kv)
+    if softcap:
+        s_BKGST = torch.tanh(s_BKGST / softcap) * softcap
     if mask is not None:
         mask_BKGST = mask.expand(batch, heads_q, seq_q, seq_kv).reshape(
             batch, heads_kv, group, seq_q, seq_kv)
@@ -210,13 +223,15 @@ def _all_finite(*tensors: torch.Tensor) -> bool:
     return math.isfinite(sum(t.sum().item() for t in tensors))
 
 
-def _cpu_flash(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_offset):
+def _cpu_flash(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_offset,
+               softcap=0.0):
     """torch's fused CPU flash attention's ``(out, lse)`` (in its own layouts) where it has
-    this module's contract, else None: no mask, the causal diagonal at the top-left (equal
-    offsets), float32/64, at least one query and key, finite inputs; 3-4x the plain ops' speed.
-    Not for zero queries (it dies of SIGFPE) nor non-finite inputs (it gives out = 0, lse = 0
-    for a NaN row where the plain ops give NaN)."""
-    if (mask is None and q_BHSD.device.type == "cpu" and (not causal or q_offset == kv_offset)
+    this module's contract, else None: no mask, no soft-cap, the causal diagonal at the
+    top-left (equal offsets), float32/64, at least one query and key, finite inputs; 3-4x the
+    plain ops' speed. Not for zero queries (it dies of SIGFPE) nor non-finite inputs (it gives
+    out = 0, lse = 0 for a NaN row where the plain ops give NaN)."""
+    if (mask is None and not softcap and q_BHSD.device.type == "cpu"
+            and (not causal or q_offset == kv_offset)
             and q_BHSD.dtype in (torch.float32, torch.float64) and q_BHSD.shape[2] > 0
             and k_BHSD.shape[2] > 0 and _all_finite(q_BHSD, k_BHSD, v_BHSD)):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -224,7 +239,8 @@ def _cpu_flash(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_offset)
     return None
 
 
-def _torch_attention(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_offset):
+def _torch_attention(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_offset,
+                     softcap=0.0):
     """The torch backend: plain ops, NaN-free (also in autograd) for rows that see no key."""
     batch, heads_q, seq_q, head_dim = q_BHSD.shape
     heads_kv, seq_kv = k_BHSD.shape[1], k_BHSD.shape[2]
@@ -233,11 +249,12 @@ def _torch_attention(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_o
         lse = torch.full(q_BHSD.shape[:3], -math.inf, dtype=torch.float32,
                          device=q_BHSD.device)
         return out, lse
-    flash = _cpu_flash(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_offset)
+    flash = _cpu_flash(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_offset,
+                       softcap)
     if flash is not None:
         return flash[0].contiguous(), flash[1].to(torch.float32).contiguous()
     s_BKGST = _masked_scores(q_BHSD, k_BHSD, mask, causal, _scale_of(q_BHSD, scale),
-                             q_offset, kv_offset)
+                             q_offset, kv_offset, softcap)
     row_max = s_BKGST.detach().amax(-1, keepdim=True)
     row_max = torch.where(torch.isneginf(row_max), 0.0, row_max)
     cdtype = s_BKGST.dtype
@@ -265,58 +282,61 @@ def _triton_module():
     return triton_attention
 
 
-def _triton_attention(q, k, v, causal, scale, q_offset, kv_offset):
+def _triton_attention(q, k, v, causal, scale, q_offset, kv_offset, softcap=0.0):
     if q.shape[2] == 0 or k.shape[2] == 0:  # nothing to launch: the torch result is exact
-        return _torch_attention(q, k, v, None, causal, scale, q_offset, kv_offset)
+        return _torch_attention(q, k, v, None, causal, scale, q_offset, kv_offset, softcap)
     module = _triton_module()
     if module is None:
         raise ValueError(f"{_NAME}: the Triton backend needs the triton package, which is not "
                          f"installed; install triton or use backend='torch'.")
     return module.attention_fwd(q, k, v, causal=bool(causal), scale=_scale_of(q, scale),
-                                q_offset=int(q_offset), kv_offset=int(kv_offset))
+                                q_offset=int(q_offset), kv_offset=int(kv_offset),
+                                softcap=float(softcap or 0.0))
 
 
 @define_op("fxshard::attention",
            "(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float? scale, "
-           "SymInt q_offset, SymInt kv_offset) -> (Tensor, Tensor)")
+           "SymInt q_offset, SymInt kv_offset, float softcap=0.0) -> (Tensor, Tensor)")
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   mask: Optional[torch.Tensor], causal: bool, scale: Optional[float],
-                  q_offset: int, kv_offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  q_offset: int, kv_offset: int, softcap: float = 0.0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``fxshard::attention``: backend="auto" dispatch (Triton on CUDA without mask, else torch)."""
-    _check_inputs(q, k, v, mask, scale, q_offset, kv_offset)
+    _check_inputs(q, k, v, mask, scale, q_offset, kv_offset, softcap)
     if q.device.type == "cuda" and mask is None and _triton_module() is not None:
-        return _triton_attention(q, k, v, causal, scale, q_offset, kv_offset)
-    return _torch_attention(q, k, v, mask, causal, scale, q_offset, kv_offset)
+        return _triton_attention(q, k, v, causal, scale, q_offset, kv_offset, softcap)
+    return _torch_attention(q, k, v, mask, causal, scale, q_offset, kv_offset, softcap)
 
 
 @_attention_op.register_direct
-def _attention_direct(q, k, v, mask, causal, scale, q_offset, kv_offset):
+def _attention_direct(q, k, v, mask, causal, scale, q_offset, kv_offset, softcap=0.0):
     """The kernel above for eager rank programs: their attention inputs passed
     ``_check_inputs`` in the fake impl when the program was traced, with the shapes and dtypes
     every call has (a new shape or dtype traces a new program)."""
     if q.device.type == "cuda" and mask is None and _triton_module() is not None:
-        return _triton_attention(q, k, v, causal, scale, q_offset, kv_offset)
-    return _torch_attention(q, k, v, mask, causal, scale, q_offset, kv_offset)
+        return _triton_attention(q, k, v, causal, scale, q_offset, kv_offset, softcap)
+    return _torch_attention(q, k, v, mask, causal, scale, q_offset, kv_offset, softcap)
 
 
 @_attention_op.register_fake
-def _attention_fake(q, k, v, mask, causal, scale, q_offset, kv_offset):
-    _check_inputs(q, k, v, mask, scale, q_offset, kv_offset)
+def _attention_fake(q, k, v, mask, causal, scale, q_offset, kv_offset, softcap=0.0):
+    _check_inputs(q, k, v, mask, scale, q_offset, kv_offset, softcap)
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _attention_backward(ctx, dout_BHSD, dlse_BHS):
     """Flash-attention backward in torch ops: recompute p from the saved lse, then
     ``dv = p^T do``, ``ds = p * (do v^T - rowsum(do * out) + dlse)``, ``dq = ds k scale``,
-    ``dk = ds^T q scale``, summed over the G query heads of each KV head. No mask gradient."""
+    ``dk = ds^T q scale``, summed over the G query heads of each KV head; with a soft-cap
+    ``ds`` is first multiplied by the cap's derivative ``1 - tanh^2``. No mask gradient."""
     q_BHSD, k_BHSD, v_BHSD, mask, out_BHSD, lse_BHS = ctx.saved_tensors
-    causal, scale, q_offset, kv_offset = ctx.options
+    causal, scale, q_offset, kv_offset, softcap = ctx.options
     batch, heads_q, seq_q, head_dim = q_BHSD.shape
     group = heads_q // k_BHSD.shape[1]
     cdtype = _compute_dtype(q_BHSD.dtype)
     scale = _scale_of(q_BHSD, scale)
     shape_5d = (batch, k_BHSD.shape[1], group, seq_q)
-    s_BKGST = _masked_scores(q_BHSD, k_BHSD, mask, causal, scale, q_offset, kv_offset)
+    s_BKGST = _masked_scores(q_BHSD, k_BHSD, mask, causal, scale, q_offset, kv_offset, softcap)
     lse_BKGS = lse_BHS.to(cdtype).view(shape_5d)
     p_BKGST = torch.exp(s_BKGST - torch.where(torch.isneginf(lse_BKGS), 0.0,
                                               lse_BKGS).unsqueeze(-1))
@@ -330,20 +350,24 @@ def _attention_backward(ctx, dout_BHSD, dlse_BHS):
     if dlse_BHS is not None:
         row_term = row_term - dlse_BHS.to(cdtype).view(shape_5d)
     ds_BKGST = p_BKGST * (dp_BKGST - row_term.unsqueeze(-1))
+    if softcap:  # d(cap * tanh(s / cap)) / ds = 1 - tanh^2, from the unmasked capped scores
+        capped_BKGST = _masked_scores(q_BHSD, k_BHSD, None, False, scale, 0, 0, softcap)
+        ds_BKGST = ds_BKGST * (1 - (capped_BKGST / softcap) ** 2)
     dq_BHSD = torch.einsum("bhgqk,bhkd->bhgqd", ds_BKGST, k_c).reshape(q_BHSD.shape) * scale
     dk_BHSD = torch.einsum("bhgqk,bhgqd->bhkd", ds_BKGST, q_BKGSD) * scale
     return (dq_BHSD.to(q_BHSD.dtype), dk_BHSD.to(k_BHSD.dtype), dv_BHSD.to(v_BHSD.dtype),
-            None, None, None, None, None)
+            None, None, None, None, None, None)
 
 
 class _AttentionFunction(torch.autograd.Function):
     """``fxshard::attention`` with the backward above (used only when an input needs grad)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, causal, scale, q_offset, kv_offset):
-        out, lse = _attention_op.default(q, k, v, mask, causal, scale, q_offset, kv_offset)
+    def forward(ctx, q, k, v, mask, causal, scale, q_offset, kv_offset, softcap=0.0):
+        out, lse = _attention_op.default(q, k, v, mask, causal, scale, q_offset, kv_offset,
+                                         softcap)
         ctx.save_for_backward(q, k, v, mask, out, lse)
-        ctx.options = (causal, scale, q_offset, kv_offset)
+        ctx.options = (causal, scale, q_offset, kv_offset, softcap)
         return out, lse
 
     @staticmethod
@@ -351,13 +375,15 @@ class _AttentionFunction(torch.autograd.Function):
         return _attention_backward(ctx, dout_BHSD, dlse_BHS)
 
 
-def _attention_autograd(keyset, q, k, v, mask, causal, scale, q_offset, kv_offset):
+def _attention_autograd(keyset, q, k, v, mask, causal, scale, q_offset, kv_offset,
+                        softcap=0.0):
     """The Autograd kernel: inference calls go straight to the device kernel (no
     ``autograd.Function`` on the hot path); calls that need a gradient record the backward."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _AttentionFunction.apply(q, k, v, mask, causal, scale, q_offset, kv_offset)
+        return _AttentionFunction.apply(q, k, v, mask, causal, scale, q_offset, kv_offset,
+                                        softcap)
     return _attention_op.default.redispatch(keyset & torch._C._after_autograd_keyset, q, k, v,
-                                            mask, causal, scale, q_offset, kv_offset)
+                                            mask, causal, scale, q_offset, kv_offset, softcap)
 
 
 _attention_op.register_kernel("Autograd", _attention_autograd, with_keyset=True)

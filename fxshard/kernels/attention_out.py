@@ -38,13 +38,14 @@ def _bshd_strides(shape) -> tuple[int, int, int, int]:
 
 @define_op("fxshard::attention_out",
            "(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float? scale, "
-           "SymInt q_offset, SymInt kv_offset) -> Tensor")
+           "SymInt q_offset, SymInt kv_offset, float softcap=0.0) -> Tensor")
 def attention_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, causal: bool,
-                  scale, q_offset: int, kv_offset: int) -> torch.Tensor:
+                  scale, q_offset: int, kv_offset: int, softcap: float = 0.0) -> torch.Tensor:
     """``fxshard::attention(...)[0]`` for CPU tensors, stored as ``[B, S, H, D]``."""
-    flash = _cpu_flash(q, k, v, mask, causal, scale, q_offset, kv_offset)
+    flash = _cpu_flash(q, k, v, mask, causal, scale, q_offset, kv_offset, softcap)
     out = (flash[0] if flash is not None
-           else _torch_attention(q, k, v, mask, causal, scale, q_offset, kv_offset)[0])
+           else _torch_attention(q, k, v, mask, causal, scale, q_offset, kv_offset,
+                                 softcap)[0])
     if out.stride() == _bshd_strides(out.shape):
         return out
     out_BSHD = torch.empty((out.shape[0], out.shape[2], out.shape[1], out.shape[3]),
@@ -54,5 +55,5 @@ def attention_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, causa
 
 
 @attention_out.register_fake
-def _(q, k, v, mask, causal, scale, q_offset, kv_offset):
+def _(q, k, v, mask, causal, scale, q_offset, kv_offset, softcap=0.0):
     return q.new_empty((q.shape[0], q.shape[2], q.shape[1], q.shape[3])).transpose(1, 2)

@@ -31,12 +31,13 @@ __all__ = ["ring_attention"]
 
 @define_op("fxshard::ring_attention",
            "(Tensor q, Tensor k, Tensor v, bool causal, float? scale, str axis, int size, "
-           "int segments=1, int stride=0, bool zigzag=False, int kv_stride=-1) "
+           "int segments=1, int stride=0, bool zigzag=False, int kv_stride=-1, "
+           "float softcap=0.0) "
            "-> (Tensor, Tensor)")
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                    scale: Optional[float], axis: str, size: int, segments: int = 1,
-                   stride: int = 0, zigzag: bool = False, kv_stride: int = -1
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   stride: int = 0, zigzag: bool = False, kv_stride: int = -1,
+                   softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of this rank's query chunk against the whole ring's keys.
 
     The local sequence is ``segments`` equal parts; part ``t`` of ring rank ``j`` starts at
@@ -45,6 +46,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     ``2 * size``: ``j`` and ``2*size-1-j``. USP uses ``segments`` > 1: the Ulysses exchange
     hands each ring rank one part from every coordinate of the Ulysses axis. ``kv_stride``
     (default ``stride``) is the keys' part stride when their length differs from the queries'.
+    ``softcap`` (Gemma-2's ``cap * tanh(s / cap)`` on each score) is passed to every step:
+    it acts per score, so the logsumexp merge stays exact.
     """
     backend = current_backend(f"fxshard.ring_attention on axis {axis!r}")
     if backend.axis_size(axis) != size:
@@ -87,7 +90,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
                     continue  # this key piece lies wholly after every query of the piece
                 o, l = attention(q_t, k_cur[:, :, u * skv:(u + 1) * skv],
                                  v_cur[:, :, u * skv:(u + 1) * skv], causal=causal,
-                                 scale=scale, q_offset=q_at, kv_offset=kv_at)
+                                 scale=scale, q_offset=q_at, kv_offset=kv_at,
+                                 softcap=softcap)
                 if outs[t] is None:
                     outs[t], lses[t] = o, l
                 else:
@@ -99,5 +103,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 
 
 @ring_attention.register_fake
-def _(q, k, v, causal, scale, axis, size, segments=1, stride=0, zigzag=False, kv_stride=-1):
+def _(q, k, v, causal, scale, axis, size, segments=1, stride=0, zigzag=False, kv_stride=-1,
+      softcap=0.0):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)

@@ -13,7 +13,9 @@ parallelism:
   mask-free loop, the rest a masked one (two loops of one body via ``tl.static_range``).
 - a row that sees no key ends with ``l_i == 0``: it stores ``out = 0`` and ``lse = -inf``, so a
   later online-softmax merge stays exact, and no NaN is produced anywhere;
-- grouped-query attention by index arithmetic: query head ``h`` reads KV head ``h // GROUP``.
+- grouped-query attention by index arithmetic: query head ``h`` reads KV head ``h // GROUP``;
+- Gemma-2's soft-cap (``SOFTCAP``): each scaled score ``s`` becomes ``cap * tanh(s / cap)``
+  before the causal mask, with ``tanh(x) = 1 - 2 / (exp(2x) + 1)`` (finite for every x).
 
 Scores are scaled by ``scale * log2(e)`` so the softmax uses ``exp2``; the stored ``lse`` is
 converted back to natural log.
@@ -47,9 +49,9 @@ def _attn_fwd(Q, K, V, Out, Lse,
               stride_vz, stride_vh, stride_vn, stride_vk,
               stride_oz, stride_oh, stride_om, stride_ok,
               stride_lz, stride_lh, stride_lm,
-              H, GROUP, SEQ_Q, SEQ_KV, Q_OFFSET, KV_OFFSET, qk_scale,
+              H, GROUP, SEQ_Q, SEQ_KV, Q_OFFSET, KV_OFFSET, qk_scale, cap_log2,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+              CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     start_m = tl.program_id(0)
     off_hz = tl.program_id(1)
     off_z = off_hz // H
@@ -105,6 +107,11 @@ def _attn_fwd(Q, K, V, Out, Lse,
                 k = tl.load(k_ptrs + start_n * stride_kn, mask=kv_ok[:, None], other=0.0)
                 v = tl.load(v_ptrs + start_n * stride_vn, mask=kv_ok[:, None], other=0.0)
             qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
+            if SOFTCAP:
+                # in log2 units (qk = s * log2(e), cap_log2 = cap * log2(e)): qk / cap_log2 is
+                # s / cap, so cap_log2 * tanh(qk / cap_log2) is the capped score * log2(e)
+                e2x = tl.math.exp2(qk * (2.0 * 1.4426950408889634 / cap_log2))
+                qk = cap_log2 * (1.0 - 2.0 / (e2x + 1.0))
             if phase == 1:
                 valid = offs_kv[None, :] < SEQ_KV
                 if CAUSAL:
@@ -158,9 +165,11 @@ def _check_block(name: str, value: int) -> None:
 
 def attention_fwd(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, *,
                   causal: bool, scale: float, q_offset: int, kv_offset: int,
+                  softcap: float = 0.0,
                   block_m: int | None = None, block_n: int | None = None,
                   num_warps: int | None = None, num_stages: int | None = None):
-    """Launch ``_attn_fwd``; returns ``(out_BHSD, lse_BHS)``.
+    """Launch ``_attn_fwd``; returns ``(out_BHSD, lse_BHS)``. ``softcap > 0`` caps the scaled
+    scores at ``softcap * tanh(s / softcap)``; 0 is off.
 
     Generic checks (ranks, GQA divisibility, dtypes and devices agreeing) are done by
     ``fxshard.kernels.attention`` before this; here are the kernel's own host-side checks.
@@ -213,7 +222,8 @@ def attention_fwd(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tens
         *q_BHSD.stride(), *k_BHSD.stride(), *v_BHSD.stride(), *out_BHSD.stride(),
         *lse_BHS.stride(),
         heads_q, heads_q // heads_kv, seq_q, seq_kv, int(q_offset), int(kv_offset),
-        float(scale) * _LOG2E,
+        float(scale) * _LOG2E, float(softcap) * _LOG2E if softcap else 1.0,
         HEAD_DIM=head_dim_k, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal),
+        SOFTCAP=bool(softcap),
         INPUT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
     return out_BHSD, lse_BHS

@@ -5,18 +5,27 @@ HuggingFace's ``eager`` attention (and hand-written attention) computes
 and ``lower_attention``: local fused attention, Ulysses or ring attention on the CP axes, instead
 of K and V gathered along the sequence. A constant additive causal mask (0 on and below the
 diagonal, a huge negative number above) becomes ``is_causal=True``; any other mask is passed
-on as SDPA's additive ``attn_mask`` (same arithmetic). Scores changed in any other way (Gemma-2's
-tanh soft-cap, ALiBi biases from tensors) are left as they are, and the rules shard them: on a
-CP axis K and V are then all-gathered, which ``explain()`` lists and ``strict=True`` refuses.
+on as SDPA's additive ``attn_mask`` (same arithmetic). Gemma-2's tanh soft-cap of the scaled
+scores (``tanh(s / cap) * cap`` before the mask) is recognised too: SDPA has no argument for
+it, so the cap rides in ``node.meta["fxshard_softcap"]`` and ``lower_attention`` hands it to
+the kernels (local, Ulysses and ring attention all apply it per score). BLOOM's form, heads
+merged into the batch of ``bmm``/``baddbmm`` (``[B*H, S, D]``) with an ALiBi bias
+``[B*H, 1, Skv]`` as ``baddbmm``'s input, becomes SDPA on the ``[B, H, S, D]`` tensors before
+the merge, the bias viewed as ``[B, H, 1, Skv]`` and added to the mask (an explicit mask:
+tp and Ulysses slice it by heads, ring_cp gathers around it). Scores changed in any other way
+are left as they are, and the rules shard them: on a CP axis K and V are then all-gathered,
+which ``explain()`` lists and ``strict=True`` refuses.
 
 Before::
 
-    kt = transpose(k, 2, 3); s = matmul(q, kt); s = mul(s, 0.25); s = add(s, mask)
+    kt = transpose(k, 2, 3); s = matmul(q, kt); s = mul(s, 0.25); s = div(s, 50.0)
+    s = tanh(s); s = mul(s, 50.0); s = add(s, mask)
     p = softmax(s, -1, torch.float32); p = dropout(p, 0.0, False); o = matmul(p, v)
 
 After::
 
     o = scaled_dot_product_attention(q, k, v, None, 0.0, True, scale=0.25)
+    (o.meta["fxshard_softcap"] = 50.0)
 """
 from __future__ import annotations
 
@@ -25,6 +34,7 @@ import torch.fx as fx
 
 from . import PassCtx
 from .fold_mask import MetaBuffer, _constant_value
+from .rules.attention import SOFTCAP
 
 aten = torch.ops.aten
 
@@ -66,8 +76,35 @@ def _additive_causal(value: torch.Tensor, sq: int, skv: int) -> bool:
     return bool((value[..., below] == 0).all() and huge[..., ~below].all())
 
 
+def _scalar_arg(node: fx.Node, target) -> float | None:
+    """``c`` when ``node`` is ``target(x, c)`` with a Python number ``c`` and ``x`` used once."""
+    if node.target is not target or not isinstance(node.args[1], (int, float)) or \
+            isinstance(node.args[1], bool) or not _is_tensor(node.args[0]) or \
+            _only_user(node.args[0]) is not node:
+        return None
+    return float(node.args[1])
+
+
+def _softcap_of(scores: fx.Node) -> tuple[fx.Node, float] | None:
+    """(scaled scores, cap) when ``scores`` is ``tanh(s / cap) * cap`` (or ``tanh(s * (1 /
+    cap)) * cap``) with a positive cap."""
+    cap = _scalar_arg(scores, aten.mul.Tensor)
+    tanh = scores.args[0]
+    if cap is None or cap <= 0 or tanh.target is not aten.tanh.default:
+        return None
+    inner = tanh.args[0]
+    if not _is_tensor(inner) or _only_user(inner) is not tanh:
+        return None
+    by = _scalar_arg(inner, aten.div.Tensor)
+    times = _scalar_arg(inner, aten.mul.Tensor)
+    if by is not None and by == cap or times is not None and abs(times * cap - 1) < 1e-12:
+        return inner.args[0], cap
+    return None
+
+
 def _match(softmax: fx.Node):
-    """(q, k, v, mask, scale, final matmul) of an eager attention ending at ``softmax``."""
+    """(q, k, v, mask, scale, softcap, final matmul) of an eager attention ending at
+    ``softmax``; softcap 0.0 when the scores are not soft-capped."""
     nd = softmax.meta["val"].dim()
     if nd != 4 or softmax.args[1] % nd != nd - 1:
         return None
@@ -75,6 +112,10 @@ def _match(softmax: fx.Node):
     if scores.target is aten.add.Tensor and all(_is_tensor(a) for a in scores.args[:2]) and \
             _only_user(scores) is softmax:
         scores, mask = scores.args[0], scores.args[1]
+    softcap = 0.0
+    capped = _softcap_of(scores) if _only_user(scores) is not None else None
+    if capped is not None:
+        scores, softcap = capped
     scale = 1.0
     if scores.target in (aten.mul.Tensor, aten.div.Tensor) and \
             isinstance(scores.args[1], (int, float)) and _only_user(scores) is not None:
@@ -101,12 +142,104 @@ def _match(softmax: fx.Node):
         return None
     if mask is not None and mask.meta["val"].dtype != q.meta["val"].dtype:
         return None
-    return q, k, v, mask, float(scale), out
+    return q, k, v, mask, float(scale), softcap, out
+
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _unmerged_heads(node: fx.Node) -> fx.Node | None:
+    """``x`` when ``node`` views a 4-D ``x`` ``[B, H, S, D]`` as ``[B*H, S, D]``."""
+    if not _is_tensor(node) or node.target not in _VIEWS or not _is_tensor(node.args[0]):
+        return None
+    x = node.args[0]
+    b, h, sq, d = (tuple(x.meta["val"].shape) + (None,) * 4)[:4]
+    if x.meta["val"].dim() != 4 or tuple(node.meta["val"].shape) != (b * h, sq, d):
+        return None
+    return x
+
+
+def _match_batched(softmax: fx.Node):
+    """(q, k, v, mask, scale, bias, final view) of BLOOM's attention ending at ``softmax``:
+    ``view(baddbmm(bias, q3, k3^T, alpha=scale) | bmm(q3, k3^T), [B, H, Sq, Skv])`` (+ mask),
+    softmax, ``bmm(view(p, [B*H, Sq, Skv]), v3)`` viewed back to ``[B, H, Sq, D]``, where
+    ``q3``/``k3``/``v3`` view ``[B, H, S, D]`` tensors as ``[B*H, S, D]``."""
+    if softmax.meta["val"].dim() != 4 or softmax.args[1] % 4 != 3:
+        return None
+    scores, mask = softmax.args[0], None
+    if scores.target is aten.add.Tensor and all(_is_tensor(a) for a in scores.args[:2]) and \
+            _only_user(scores) is softmax:
+        scores, mask = scores.args[0], scores.args[1]
+    if scores.target not in _VIEWS or _only_user(scores) is None:
+        return None
+    s3 = scores.args[0]
+    if not _is_tensor(s3) or _only_user(s3) is not scores:
+        return None
+    bias, scale = None, 1.0
+    if s3.target is aten.baddbmm.default:
+        opts = dict(zip(("beta", "alpha"), s3.args[3:])) | dict(s3.kwargs)
+        if opts.get("beta", 1) != 1 or not _is_tensor(s3.args[0]):
+            return None
+        bias, q3, kt3, scale = s3.args[0], s3.args[1], s3.args[2], opts.get("alpha", 1)
+    elif s3.target is aten.bmm.default:
+        q3, kt3 = s3.args
+    else:
+        return None
+    q = _unmerged_heads(q3)
+    k3 = _key_of(kt3) if _is_tensor(kt3) else None
+    k = _unmerged_heads(k3) if k3 is not None else None
+    if q is None or k is None or not isinstance(scale, (int, float)):
+        return None
+    probs, nxt = softmax, _only_user(softmax)
+    while nxt is not None and (nxt.target in _PASS_THROUGH or (
+            nxt.target is aten.dropout.default and (not nxt.args[2] or nxt.args[1] == 0))):
+        probs, nxt = nxt, _only_user(nxt)
+    if nxt is None or nxt.target not in _VIEWS:
+        return None
+    p3, bmm = nxt, _only_user(nxt)
+    if bmm is None or bmm.target is not aten.bmm.default or bmm.args[0] is not p3:
+        return None
+    v = _unmerged_heads(bmm.args[1])
+    out = _only_user(bmm)
+    if v is None or out is None or out.target not in _VIEWS or \
+            tuple(out.meta["val"].shape) != tuple(q.meta["val"].shape[:3]) + (
+                v.meta["val"].shape[3],):
+        return None
+    b, h, sq, _ = q.meta["val"].shape
+    skv = k.meta["val"].shape[2]
+    if tuple(k.meta["val"].shape[:2]) != (b, h) or tuple(v.meta["val"].shape[:3]) != (b, h, skv):
+        return None
+    if bias is not None:
+        shape = tuple(bias.meta["val"].shape)
+        if len(shape) != 3 or shape[0] != b * h or shape[1] not in (1, sq) or shape[2] != skv:
+            return None
+    if mask is not None and mask.meta["val"].dtype != q.meta["val"].dtype:
+        return None
+    return q, k, v, mask, float(scale), bias, out
+
+
+def _bias_into_mask(graph: fx.Graph, bias: fx.Node, mask: fx.Node | None, q: fx.Node,
+                    like: fx.Node) -> fx.Node:
+    """``bias`` ``[B*H, 1|Sq, Skv]`` viewed as ``[B, H, 1|Sq, Skv]`` (+ ``mask``): the additive
+    mask SDPA takes (inserted before ``like``, whose meta it copies but for the value)."""
+    b, h = q.meta["val"].shape[:2]
+    shape = [b, h, *bias.meta["val"].shape[1:]]
+    meta = {k: v for k, v in like.meta.items() if k != "val"}
+    with graph.inserting_before(like):
+        bias4 = graph.call_function(aten.reshape.default, (bias, shape))
+        bias4.meta.update(meta)
+        bias4.meta["val"] = bias.meta["val"].reshape(shape)
+        if mask is None:
+            return bias4
+        added = graph.call_function(aten.add.Tensor, (bias4, mask))
+        added.meta.update(meta)
+        added.meta["val"] = bias4.meta["val"] + mask.meta["val"]
+    return added
 
 
 def _changed_scores(softmax: fx.Node) -> list[str] | None:
     """The ops between ``q @ k^T`` and ``softmax`` of an attention :func:`_match` refused
-    because its scores change beyond scale + mask (Gemma-2's ``tanh(s / cap) * cap``), or None
+    because its scores change beyond scale + soft-cap + mask (a ``baddbmm`` bias), or None
     when ``softmax`` does not take ``q @ k^T`` through elementwise ops at all."""
     from .rules import lookup
     from .rules.pointwise import identity_rule, pointwise_rule
@@ -153,33 +286,42 @@ def _refuse_on_cp(softmax: fx.Node, ctx: PassCtx) -> None:
             if n > 1 and a in ("ulysses_cp", "ring_cp")]
     if ops is None or not axes:
         return
-    why = (f"scores change beyond scale + mask ({' -> '.join(ops)} between q @ k^T and "
-           f"softmax, e.g. a tanh soft-cap): K and V are all-gathered along the sequence on "
+    why = (f"scores change beyond scale + soft-cap + mask ({' -> '.join(ops)} between "
+           f"q @ k^T and softmax): K and V are all-gathered along the sequence on "
            f"{', '.join(axes)} instead of ring/Ulysses attention")
     if ctx.strict:
         raise NotImplementedError(
             f"fxshard.parallelize(strict=True): attention at {softmax.name} on mesh "
-            f"{ctx.mesh.describe()}: {why}. Use an attention without a soft-cap (SDPA), a "
-            f"mesh without {' / '.join(axes)}, or drop strict=True.")
+            f"{ctx.mesh.describe()}: {why}. Use SDPA (or eager attention with only a scale, a "
+            f"tanh soft-cap and a mask), a mesh without {' / '.join(axes)}, or drop "
+            f"strict=True.")
     ctx.gathered.append((softmax.name, why))
 
 
 def eager_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
                          ) -> fx.GraphModule:
     graph = gm.graph
-    found = causal_n = 0
+    found = causal_n = capped_n = biased_n = 0
     ctx.gathered.clear()
     additive: dict[tuple, bool] = {}  # (mask node, sq, skv) -> a constant causal mask?
     for node in list(graph.nodes):
         if node.target not in (aten.softmax.int, aten._softmax.default) or not node.users:
             continue
-        m = _match(node)
+        m, bias = _match(node), None
+        if m is None:
+            batched = _match_batched(node)
+            if batched is not None:
+                q, k, v, mask, scale, bias, out = batched
+                m = q, k, v, mask, scale, 0.0, out
         if m is None:
             _refuse_on_cp(node, ctx)
             continue
-        q, k, v, mask, scale, out = m
+        q, k, v, mask, scale, softcap, out = m
         causal = False
-        if mask is not None:
+        if bias is not None:
+            mask = _bias_into_mask(graph, bias, mask, q, out)
+            biased_n += 1
+        elif mask is not None:
             sq, skv = q.meta["val"].shape[2], k.meta["val"].shape[2]
             if (mask, sq, skv) not in additive:  # layers share one mask: evaluate it once
                 try:
@@ -196,6 +338,9 @@ def eager_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
             sdpa = graph.call_function(aten.scaled_dot_product_attention.default,
                                        (q, k, v, mask, 0.0, causal), {"scale": scale})
         sdpa.meta.update(out.meta)
+        if softcap:
+            sdpa.meta[SOFTCAP] = softcap
+            capped_n += 1
         out.replace_all_uses_with(sdpa)
         _erase_unused(graph, out)
         found += 1
@@ -204,5 +349,8 @@ def eager_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
         graph.lint()
         gm.recompile()
     ctx.report("eager_attention_pass", f"recognised {found} eager attentions as SDPA "
-                                       f"({causal_n} with a constant causal mask)")
+                                       f"({causal_n} with a constant causal mask"
+                                       + (f", {capped_n} soft-capped" if capped_n else "")
+                                       + (f", {biased_n} with a bias added to the mask (ALiBi)"
+                                          if biased_n else "") + ")")
     return gm

@@ -46,7 +46,7 @@ from ..placement import Shard, local_shape
 from . import PassCtx
 from .insert_collectives import collective_target
 from .lower_attention import _pick_kv_heads, _relabel
-from .rules.attention import sdpa_args
+from .rules.attention import SOFTCAP, sdpa_args
 
 aten = torch.ops.aten
 
@@ -172,6 +172,12 @@ def decode_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx, capacity: int
                 f"fxshard.generate: the decode step's attention {node.name} has query/key "
                 f"shapes {tuple(q.meta['val'].shape)} / {tuple(k.meta['val'].shape)}; a decode "
                 f"step attends one new token [B, H, 1, D]")
+        if node.meta.get(SOFTCAP):
+            raise NotImplementedError(
+                f"fxshard.generate: attention {node.name} soft-caps its scores (tanh, cap "
+                f"{node.meta[SOFTCAP]}, as Gemma-2), which the decode kernel does not apply; "
+                f"run the model's forward with fxshard.parallelize, or generate with a model "
+                f"whose attention has no soft-cap (config attn_logit_softcapping=None)")
         if isinstance(mask, fx.Node) and tuple(mask.meta["val"].shape[-2:]) != (1, 1):
             _check_generation_model(node, f"given a mask of shape "
                                           f"{tuple(mask.meta['val'].shape)}")

@@ -12,7 +12,9 @@ After::
 ``fxshard.attention`` (``fxshard.kernels``) maps GQA inside the kernel and returns the
 logsumexp as well, which context parallelism merges with. Sequence-sharded attention on the
 ``ring_cp`` axis becomes ``fxshard.ring_attention(q, k, v, causal, scale, "ring_cp", n)``
-(``fxshard.kernels.ring``). When ``tp`` exceeds the KV heads,
+(``fxshard.kernels.ring``). An attention ``eager_attention_pass`` found soft-capped (Gemma-2)
+carries the cap in ``node.meta["fxshard_softcap"]``; it becomes the kernels' ``softcap``
+argument. When ``tp`` exceeds the KV heads,
 the KV heads arrive replicated and each rank keeps the one its query heads use::
 
     k_local = local_shard(repeat_interleave(k, tp // Hkv, dim=1), 1, "tp", tp)
@@ -29,7 +31,7 @@ import fxshard.kernels.ring  # noqa: F401  (registers fxshard::attention and rin
 from ..placement import Shard
 from . import PassCtx
 from .insert_collectives import collective_target
-from .rules.attention import sdpa_args
+from .rules.attention import SOFTCAP, sdpa_args
 
 aten = torch.ops.aten
 
@@ -44,6 +46,7 @@ def lower_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
             continue
         a = sdpa_args(node)
         if any(a[t].meta["val"].dim() != 4 for t in ("query", "key", "value")):
+            assert SOFTCAP not in node.meta, node.format_node()  # eager_attention: 4-D only
             continue  # not [B, H, S, D]: the rule kept it whole, aten runs it
         if a["dropout_p"]:
             raise NotImplementedError(
@@ -51,6 +54,8 @@ def lower_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
                 f"fxshard runs inference graphs (put the model in eval mode)")
         q, k, v, mask = a["query"], a["key"], a["value"], a["attn_mask"]
         causal = bool(a["is_causal"])
+        softcap = float(node.meta.get(SOFTCAP, 0.0))
+        capped = (softcap,) if softcap else ()  # uncapped calls keep the short signature
         with graph.inserting_before(node):
             notes = node.meta.get("fxshard_notes", {})
             for axis in sorted(notes.get("kv_heads_replicated", ()),
@@ -78,15 +83,25 @@ def lower_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
                 else:
                     k, v = (_heads_for_sequence(graph, t, ulysses, n_u, ctx.mesh)
                             for t in (k, v))
+            if ring is None and mask is not None and ctx.mesh.axis_size("ring_cp") > 1 \
+                    and ctx.split_sequence:
+                if ctx.strict:
+                    raise NotImplementedError(
+                        f"fxshard.parallelize(strict=True): attention at {node.name} on mesh "
+                        f"{ctx.mesh.describe()} has {_MASK_GATHERED}. Use ulysses_cp (it "
+                        f"splits heads, the mask stays whole), a mesh without ring_cp, or "
+                        f"drop strict=True.")
+                ctx.gathered.append((node.name, _MASK_GATHERED))
             if ring is not None:
                 assert mask is None, node.format_node()
                 att = graph.call_function(
                     torch.ops.fxshard.ring_attention.default,
                     (q, k, v, causal, a["scale"], ring, ctx.mesh.axis_size(ring), segments,
-                     stride, ring in ctx.zigzag_axes, kv_stride))
+                     stride, ring in ctx.zigzag_axes, kv_stride) + capped)
             else:
                 att = graph.call_function(torch.ops.fxshard.attention.default,
-                                          (q, k, v, mask, causal, a["scale"], 0, 0))
+                                          (q, k, v, mask, causal, a["scale"], 0, 0)
+                                          + capped)
             att.meta.update({key: node.meta[key] for key in ("fxshard_stage",)
                              if key in node.meta})
             out = graph.call_function(operator.getitem, (att, 0))
@@ -106,6 +121,12 @@ def lower_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
         gm.recompile()
     ctx.report("lower_attention_pass", f"lowered {lowered} attention ops")
     return gm
+
+
+_MASK_GATHERED = ("an explicit mask that is not the causal one (a sliding window, an ALiBi "
+                  "bias): q, K "
+                  "and V are gathered along the sequence on ring_cp and attended whole (ring "
+                  "attention takes no mask; exact, not load-balanced)")
 
 
 def _pick_kv_heads(graph: fx.Graph, t: fx.Node, axis: str, size: int, mesh) -> fx.Node:

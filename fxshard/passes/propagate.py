@@ -17,6 +17,10 @@ weight whose output is gathered back before any row-parallel contraction uses th
 K/V projections when ``tp`` exceeds the KV heads) is replicated instead; and a Partial value
 that one consumer needs reduced is handed reduced to all its consumers, so it is all-reduced
 once (a post-norm block: ``o = o_proj(a)`` feeds both the norm's ``pow`` and its ``mul``).
+A third does the same for a shard that an MoE routing region gathers while another consumer
+keeps using it sharded (the router, under sequence parallelism): it is handed gathered to all
+its consumers, so the router runs on every token and its ids and weights need no gather of
+their own (one all-gather of the tokens instead of three).
 
 Before (tp=2)::  linear(x, w_q) -> view [B,S,H,D] -> sdpa ... -> linear(a, w_o) -> add(res, .)
 After::          w_q: S(0) out S(2) -> S(2) -> S(1) ... w_o: S(1) out P -> add needs (R, R)
@@ -116,7 +120,7 @@ def _place_through_views(gm: fx.GraphModule, views: dict, param_spec: dict) -> N
 
 
 def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
-              reduced: dict | None = None) -> dict:
+              reduced: dict | None = None, gathered: dict | None = None) -> dict:
     mesh = ctx.mesh
     axes = [(i, a, n) for i, (a, n) in enumerate(zip(mesh.axis_names, mesh.shape)) if n > 1]
     rctx = {a: RuleCtx(axis=a, size=n, mesh=mesh, sequence_parallel=ctx.sequence_parallel,
@@ -197,7 +201,8 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
         decisions: dict[int, Decision] = {}
         for i, a, n in axes:
             cur = [_spec_of(t, param_spec)[i] for t in ins_nodes]
-            cur = [(reduced or {}).get((t.name, i), p) if isinstance(p, Partial) else p
+            cur = [(reduced or {}).get((t.name, i), p) if isinstance(p, Partial) else
+                   (gathered or {}).get((t.name, i), p) if shard_dim(p) is not None else p
                    for t, p in zip(ins_nodes, cur)]
             if rule_fn is None:
                 if ctx.strict:
@@ -354,6 +359,25 @@ def _reduced_twice(gm: fx.GraphModule) -> dict[tuple[str, int], object]:
     return out
 
 
+def _gathered_for_routing(gm: fx.GraphModule, tp: int) -> set[tuple[str, int]]:
+    """(node, ``tp``) for sharded values that a node of an MoE routing region needs gathered
+    while another consumer keeps the shard (the router: its ids and weights would then be
+    gathered separately, as each rank of tp needs every token's routing)."""
+    out = set()
+    for node in gm.graph.nodes:
+        spec = node.meta.get("fxshard_spec")
+        if not isinstance(spec, tuple) or shard_dim(spec[tp]) is None or \
+                node.meta.get("fxshard_param") is not None:
+            continue
+        needs = [(u, nd[tp]) for u in node.users if u.op != "output"
+                 for t, nd in zip(tensor_inputs(u), u.meta.get("fxshard_need") or [])
+                 if t is node]
+        if any(isinstance(q, Replicate) and u.meta.get(TAG) is not None for u, q in needs) and \
+                any(not isinstance(q, Replicate) for _, q in needs):
+            out.add((node.name, tp))
+    return out
+
+
 def _list_replicated(gm: fx.GraphModule, ctx: PassCtx, tp: int, why: dict) -> None:
     """Every weight matrix left whole on ``tp``, with the reason (``explain()`` lists them);
     under ``strict=True`` each one the user's plan did not ask for is an error."""
@@ -424,13 +448,14 @@ def _report_experts(gm: fx.GraphModule, ctx: PassCtx, tp: int) -> None:
 def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     replicate: set[str] = set()
     reduced: dict[tuple[str, int], object] = {}
+    gathered: dict[tuple[str, int], object] = {}
     why: dict[str, str] = {}
     mesh = ctx.mesh
     tp = mesh.axis_names.index("tp") if "tp" in mesh.axis_names else None
     # the routing regions' tags are read by the rules; tagged here, where the rules run
     moe_routing_pass(gm, ctx=ctx)
     for _ in range(_MAX_REFINEMENTS):
-        auto_colwise = _run_once(gm, ctx, replicate, reduced)
+        auto_colwise = _run_once(gm, ctx, replicate, reduced, gathered)
         moved = _moved_inside_region(gm, ctx)
         if moved:
             for node in gm.graph.nodes:
@@ -449,9 +474,14 @@ def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
             if twice:
                 continue
             break
+        once = _gathered_for_routing(gm, tp) - gathered.keys()
+        for name, i in sorted(once):
+            ctx.report("propagate_pass", f"gather {name} once on tp: an expert-routing region "
+                                         f"and the router both read it")
+            gathered[name, i] = R
         users = {fqn: _gathered_before_use(lin, tp) for fqn, lin in auto_colwise.items()}
         wasted = {fqn for fqn, u in users.items() if u is not None}
-        if not wasted - replicate and not twice:
+        if not wasted - replicate and not twice and not once:
             break
         for fqn in sorted(wasted - replicate):
             u = users[fqn]

@@ -30,6 +30,10 @@ from . import Decision, RuleCtx, rule, tensor_inputs
 
 aten = torch.ops.aten
 
+# node.meta key: the tanh soft-cap of an attention's scores (eager_attention_pass sets it;
+# SDPA has no such argument, lower_attention passes it to the kernels)
+SOFTCAP = "fxshard_softcap"
+
 
 def sdpa_args(node: fx.Node) -> dict:
     names = ["query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
