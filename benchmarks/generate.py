@@ -14,12 +14,17 @@ the same random HuggingFace ``LlamaForCausalLM`` (default: hidden 1024, 8 layers
 batch 1 and 8), and generate ``--new`` 32 tokens greedily with:
 
   megatron   hand-written tp=2 decode in plain torch + torch.distributed on slices of the same
-             weights: column-parallel q/k/v/gate/up, row-parallel o/down + in-place
-             ``dist.all_reduce``, replicated embedding, column-parallel lm_head +
-             ``dist.all_gather`` of the last position's logits; its own static KV cache
-             ``[B, kv_heads/2, capacity, head_dim]`` written in place with ``index_copy_``,
-             SDPA over the valid prefix. The baseline (ratio 1.00).
-  fxshard    ``fxshard.parallelize(model, mesh).generate(ids, max_new_tokens=new)``.
+             weights: Megatron-LM's VocabParallelEmbedding (each rank holds half the rows;
+             masked lookup + in-place ``dist.all_reduce``), column-parallel q/k/v/gate/up,
+             row-parallel o/down + in-place ``dist.all_reduce``, column-parallel lm_head +
+             ``dist.all_gather`` of the last position's logits (10 collectives a step with 4
+             layers); its own static KV cache ``[B, kv_heads/2, capacity, head_dim]`` written
+             in place with ``index_copy_``, SDPA over the valid prefix. The baseline (1.00).
+  megatron repl-emb  the same with the whole embedding table on each rank: no collective
+             for the lookup (9 a step), tp times the table's memory.
+  fxshard    ``fxshard.parallelize(model, mesh).generate(ids, max_new_tokens=new)`` (default
+             ``embedding="embed_dim"``: half the table per rank, the lookup all-gathered).
+  fxshard repl-emb  ``parallelize(..., embedding="replicate")``: like megatron repl-emb.
   dtensor    ``parallelize_module`` with the seed's plan (ColwiseParallel q/k/v/gate/up,
              RowwiseParallel o/down) on a copy of the HF model, decoded by HF ``generate``
              (its DynamicCache).
@@ -30,8 +35,11 @@ A *step* is one decode forward plus the token choice, timed from one step's star
 ``fxshard.generate.run``; HF: a StoppingCriteria that stamps the time after each token). The
 first token comes from the prefill, timed apart. Each variant runs ``--repeats`` times,
 variants interleaved per repeat; the table gives the median step over all repeats, the spread
-(min-max of the repeats' medians), tokens/s (batch / median step) and the prefill, on rank 0.
-Every variant's tokens are checked against HF ``generate`` on one process.
+(min-max of the repeats' medians), the median thread CPU time of a step (rank 0's main
+thread: what the step computes and dispatches, without the time it waits for the peer or
+gloo's threads), tokens/s (batch / median step) and the prefill, on rank 0; "like-for-like"
+divides by the Megatron variant with the same embedding. Every variant's tokens are checked
+against HF ``generate`` on one process.
 """
 from __future__ import annotations
 
@@ -57,6 +65,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 TP = 2
 
 
+def now() -> tuple[float, float]:
+    """(wall, this thread's CPU time) in seconds."""
+    return time.perf_counter(), time.thread_time()
+
+
 def make_model(args):
     import transformers
     cfg = transformers.LlamaConfig(
@@ -76,7 +89,7 @@ def make_model(args):
 class MegatronDecoder:
     """HF Llama's forward written by hand for tp=2 with a static KV cache."""
 
-    def __init__(self, model, rank: int):
+    def __init__(self, model, rank: int, *, replicated_embedding: bool):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
         self.rope = model.model.rotary_emb
         self.apply_rope = apply_rotary_pos_emb
@@ -93,7 +106,11 @@ class MegatronDecoder:
             n = w.shape[1] // TP
             return w[:, rank * n:(rank + 1) * n].contiguous()
 
-        self.embed = sd["model.embed_tokens.weight"]
+        table = sd["model.embed_tokens.weight"]
+        self.vocab = table.shape[0] // TP
+        self.first = rank * self.vocab
+        self.replicated_embedding = replicated_embedding
+        self.embed = table if replicated_embedding else rows(table)
         self.layers = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -113,9 +130,19 @@ class MegatronDecoder:
     def _rms(self, x, w):
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
+    def _embed(self, ids):
+        if self.replicated_embedding:
+            return F.embedding(ids, self.embed)
+        local = ids - self.first                     # Megatron-LM's VocabParallelEmbedding
+        outside = (local < 0) | (local >= self.vocab)
+        x = F.embedding(local.masked_fill(outside, 0), self.embed)
+        x.masked_fill_(outside[..., None], 0.0)
+        dist.all_reduce(x)
+        return x
+
     def _forward(self, ids, pos: int, caches):
         bsz, seq = ids.shape
-        x = F.embedding(ids, self.embed)
+        x = self._embed(ids)
         position_ids = torch.arange(pos, pos + seq, device="cpu")[None]
         cos, sin = self.rope(x, position_ids)
         where = torch.arange(pos, pos + seq, device="cpu")
@@ -146,15 +173,15 @@ class MegatronDecoder:
         caches = [(torch.zeros(bsz, self.kv_heads, prompt + new, self.d, device="cpu"),
                    torch.zeros(bsz, self.kv_heads, prompt + new, self.d, device="cpu"))
                   for _ in self.layers]
-        stamps.append(time.perf_counter())
+        stamps.append(now())
         tokens = [ids]
         nxt = self._forward(ids, 0, caches).argmax(-1)
         for t in range(new - 1):
             tokens.append(nxt[:, None])
-            stamps.append(time.perf_counter())
+            stamps.append(now())
             nxt = self._forward(nxt[:, None], prompt + t, caches).argmax(-1)
         tokens.append(nxt[:, None])
-        stamps.append(time.perf_counter())
+        stamps.append(now())
         return torch.cat(tokens, 1)
 
 
@@ -180,10 +207,10 @@ def hf_generate(model, ids, new: int, stamps: list):
 
     class Stamp(transformers.StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
-            stamps.append(time.perf_counter())
+            stamps.append(now())
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device="cpu")
 
-    stamps.append(time.perf_counter())
+    stamps.append(now())
     return model.generate(ids, do_sample=False, max_new_tokens=new, min_new_tokens=new,
                           attention_mask=torch.ones_like(ids),
                           stopping_criteria=transformers.StoppingCriteriaList([Stamp()]))
@@ -194,7 +221,7 @@ def fxshard_generate(pm, ids, new: int, stamps: list):
     inner = g.run
 
     def stamped(*a, **k):
-        stamps.append(time.perf_counter())
+        stamps.append(now())
         return inner(*a, **k)
 
     g.run = stamped
@@ -202,13 +229,15 @@ def fxshard_generate(pm, ids, new: int, stamps: list):
         out = pm.generate(ids, max_new_tokens=new)
     finally:
         g.run = inner
-    stamps.append(time.perf_counter())
+    stamps.append(now())
     return out
 
 
-def steps_and_prefill(stamps: list) -> tuple[list[float], float]:
-    """(decode step seconds, prefill seconds) from [start, after prefill, after step 1, ...]."""
-    return [b - a for a, b in zip(stamps[1:], stamps[2:])], stamps[1] - stamps[0]
+def steps_and_prefill(stamps: list) -> tuple[list[float], list[float], float]:
+    """(decode step seconds, their thread CPU seconds, prefill seconds) from [start, after
+    prefill, after step 1, ...] (each a :func:`now`)."""
+    return ([b[0] - a[0] for a, b in zip(stamps[1:], stamps[2:])],
+            [b[1] - a[1] for a, b in zip(stamps[1:], stamps[2:])], stamps[1][0] - stamps[0][0])
 
 
 # --- the worker ----------------------------------------------------------------------------
@@ -235,11 +264,15 @@ def _run(rank: int, args) -> dict:
     model = make_model(args)
     mesh = fxshard.init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
     pm = fxshard.parallelize(model, mesh)
-    megatron = MegatronDecoder(model, rank)
+    pm_rep = fxshard.parallelize(model, mesh, embedding="replicate")
+    megatron = MegatronDecoder(model, rank, replicated_embedding=False)
+    megatron_rep = MegatronDecoder(model, rank, replicated_embedding=True)
     dt = dtensor_model(model, init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",)))
     variants = {
         "megatron": lambda ids, s: megatron.generate(ids, args.new, s),
         "fxshard": lambda ids, s: fxshard_generate(pm, ids, args.new, s),
+        "megatron repl-emb": lambda ids, s: megatron_rep.generate(ids, args.new, s),
+        "fxshard repl-emb": lambda ids, s: fxshard_generate(pm_rep, ids, args.new, s),
         "dtensor": lambda ids, s: hf_generate(dt, ids, args.new, s),
         "hf 1-proc": lambda ids, s: hf_generate(model, ids, args.new, s) if rank == 0 else None,
     }
@@ -252,7 +285,7 @@ def _run(rank: int, args) -> dict:
             for name, fn in variants.items():   # warm-up: traces, first-call costs
                 dist.barrier()
                 fn(ids, [])
-            per = {name: {"steps": [], "medians": [], "prefill": [], "equal": True}
+            per = {name: {"steps": [], "cpu": [], "medians": [], "prefill": [], "equal": True}
                    for name in variants}
             for _ in range(args.repeats):
                 for name, fn in variants.items():
@@ -261,19 +294,22 @@ def _run(rank: int, args) -> dict:
                     out = fn(ids, stamps)
                     if out is None:
                         continue
-                    steps, prefill = steps_and_prefill(stamps)
+                    steps, cpu, prefill = steps_and_prefill(stamps)
                     per[name]["steps"] += steps
+                    per[name]["cpu"] += cpu
                     per[name]["medians"].append(statistics.median(steps))
                     per[name]["prefill"].append(prefill)
                     if rank == 0:
                         per[name]["equal"] &= torch.equal(out, want)
         result[batch] = {name: {
             "step_ms": statistics.median(p["steps"]) * 1e3,
+            "cpu_ms": statistics.median(p["cpu"]) * 1e3,
             "spread_ms": [min(p["medians"]) * 1e3, max(p["medians"]) * 1e3],
             "tokens_s": batch / statistics.median(p["steps"]),
             "prefill_ms": statistics.median(p["prefill"]) * 1e3,
             "equal_hf": p["equal"]} for name, p in per.items() if p["steps"]}
     pm.close()
+    pm_rep.close()
     return result
 
 
@@ -311,14 +347,18 @@ def main() -> None:
           f"{args.threads} thread(s) per process; hidden {args.hidden}, {args.layers} layers, "
           f"{args.heads}/{args.kv_heads} heads, vocab {args.vocab}; prompt {args.prompt}, "
           f"{args.new} new tokens, {args.repeats} repeats")
+    like = {"fxshard": "megatron", "fxshard repl-emb": "megatron repl-emb"}
     for batch, rows in result.items():
         base = rows["megatron"]["step_ms"]
-        print(f"\nbatch {batch}          step ms (median)  spread of repeats  vs megatron  "
-              f"tokens/s  prefill ms  tokens == HF")
+        print(f"\nbatch {batch:<4}  step ms (median)  spread of repeats  cpu ms  vs megatron  "
+              f"like-for-like  tokens/s  prefill ms  tokens == HF")
         for name, r in rows.items():
-            print(f"  {name:<12} {r['step_ms']:16.2f}  {r['spread_ms'][0]:7.2f}-"
-                  f"{r['spread_ms'][1]:<8.2f}  {r['step_ms'] / base:11.2f}  {r['tokens_s']:8.1f}"
-                  f"  {r['prefill_ms']:10.1f}  {'yes' if r['equal_hf'] else 'NO'}")
+            same = f"{r['step_ms'] / rows[like[name]]['step_ms']:13.2f}" if name in like \
+                else " " * 13
+            print(f"  {name:<18} {r['step_ms']:8.2f}  {r['spread_ms'][0]:7.2f}-"
+                  f"{r['spread_ms'][1]:<8.2f}  {r['cpu_ms']:6.2f}  {r['step_ms'] / base:11.2f}  "
+                  f"{same}  {r['tokens_s']:8.1f}  {r['prefill_ms']:10.1f}  "
+                  f"{'yes' if r['equal_hf'] else 'NO'}")
     print(f"\n(wall {env['wall_s']} s; numbers in {args.json})")
 
 

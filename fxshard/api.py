@@ -417,7 +417,11 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
         sequence_parallel: keep activations between blocks sharded on the sequence on ``tp``.
         microbatches: pipeline microbatches (GPipe schedule).
         strict: an op without a sharding rule is an error instead of a replicated fallback.
-        embedding: default tp style of embeddings: ``"embed_dim"`` or ``"vocab"``.
+        embedding: default tp style of embeddings: ``"embed_dim"`` (each rank holds
+            ``1/tp`` of the table; the lookup's output is all-gathered), ``"vocab"`` (rows
+            split; an all-reduce) or ``"replicate"`` (the whole table on every rank: no
+            collective, e.g. one fewer per decode step of ``generate``, for ``tp - 1``
+            tables' worth of memory per rank).
         stages: the pipeline stage of each layer of the model's layer stack (default
             :func:`fxshard.passes.split_stages.assign_layers_to_stages`).
         ring_zigzag: shard the sequence zigzag on ``ring_cp`` (rank j holds chunks j and

@@ -64,8 +64,9 @@ def check_parallelize_args(where: str, *, model, example_inputs, example_kwargs,
                         ("ring_zigzag", ring_zigzag)):
         _flag(where, name, value)
     _int(where, "microbatches", microbatches, low=1, example=2)
-    if embedding not in ("embed_dim", "vocab"):
-        raise ValueError(f"{where}: embedding={embedding!r}; use 'embed_dim' or 'vocab'")
+    if embedding not in ("embed_dim", "vocab", "replicate"):
+        raise ValueError(f"{where}: embedding={embedding!r}; use 'embed_dim', 'vocab' or "
+                         f"'replicate'")
     if stages is not None and (isinstance(stages, (str, bytes)) or not all(
             isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in stages)):
         raise TypeError(f"{where}: stages={stages!r} must be a list of ints, the pipeline "

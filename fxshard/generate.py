@@ -149,7 +149,12 @@ def _sliding_window(model) -> int | None:
     return window
 
 
-def _logits(pm, c, out) -> torch.Tensor:
+def _logits(pm, c, out, index: int | None = None) -> tuple[torch.Tensor, int | None]:
+    """The last position's logits as float, and where they sit in ``out`` (the flat outputs):
+    pass that ``index`` back for the next output of the same program to skip rebuilding the
+    model's output object (a ``CausalLMOutputWithPast`` per token)."""
+    if index is not None:
+        return out[index][:, -1].float(), index
     result = pytree.tree_unflatten(inference_only(pm.model, list(out)), c.traced.out_spec)
     logits = getattr(result, "logits", None)
     if logits is None:
@@ -157,7 +162,8 @@ def _logits(pm, c, out) -> torch.Tensor:
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
         raise ValueError(f"{_WHERE}: the model returns {type(result).__name__}, whose logits "
                          f"are not a [batch, seq, vocab] tensor; generate needs a causal LM")
-    return logits[:, -1].float()
+    index = next((i for i, x in enumerate(out) if x is logits), None)
+    return logits[:, -1].float(), index
 
 
 def _choose(scores: torch.Tensor, do_sample, temperature, top_k, top_p, generator):
@@ -216,9 +222,12 @@ class _Caches:
                 held = self.base + (t + self.ring - 1 - coord) // self.ring
                 owner = t % self.ring == coord
                 write, read = (held, held + 1) if owner else (self.capacity, held)
-            st[WRITE_POS] = torch.full((1,), write, dtype=torch.int64, device=self.device)
-            st[READ_LEN] = torch.full((self.batch[rank],), read, dtype=torch.int64,
-                                      device=self.device)
+            st[WRITE_POS].fill_(write)     # in place: no new tensors per step
+            if READ_LEN in st:
+                st[READ_LEN].fill_(read)
+            else:
+                st[READ_LEN] = torch.full((self.batch[rank],), read, dtype=torch.int64,
+                                          device=self.device)
 
 
 def _check_same_caches(prefill, decode) -> None:
@@ -285,7 +294,8 @@ def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: boo
         return _pipelined(pm, input_ids, prefill, micro, caches, capacity, max_new_tokens,
                           eos, pad, _stage_hook)
     out = run(pm, c, micro, state=lambda r: caches.state[r])
-    scores = _logits(pm, c, out)
+    scores, _ = _logits(pm, c, out)
+    pick = None   # where the decode program's flat outputs hold the logits
     tokens = [input_ids]
     unfinished = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
     eos_t = torch.tensor(eos, dtype=input_ids.dtype, device=input_ids.device)
@@ -309,7 +319,7 @@ def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: boo
             pm._check_loaded(c)
         caches.step(t)
         out = run(pm, c, micro, state=lambda r: caches.state[r])
-        scores = _logits(pm, c, out)
+        scores, pick = _logits(pm, c, out, pick)
     return torch.cat(tokens, dim=1)
 
 
@@ -324,6 +334,6 @@ def _pipelined(pm, input_ids, prefill, micro, caches, capacity, new, eos, pad, h
             _check_same_caches(prefill, decode)
             pm._check_loaded(decode)
     tokens = pipelined_greedy(pm, input_ids, prefill, micro, decode, caches,
-                              logits=lambda c, out: _logits(pm, c, out), new=new, eos=eos,
+                              logits=lambda c, out: _logits(pm, c, out)[0], new=new, eos=eos,
                               pad=pad, hook=hook)
     return torch.cat([input_ids, tokens], dim=1)

@@ -148,7 +148,8 @@ _PARALLELIZE_ERRORS = [
      r"plan\['model.layers.\*.mlp.up_proj'\] = 'column' is not a style"),
     (dict(plan={3: "colwise"}), TypeError, r"plan key 3 \(int\) must be a module-name glob"),
     (dict(sequence_parallel="yes"), TypeError, r"sequence_parallel='yes' \(str\) must be True"),
-    (dict(embedding="rows"), ValueError, r"embedding='rows'; use 'embed_dim' or 'vocab'"),
+    (dict(embedding="rows"), ValueError,
+     r"embedding='rows'; use 'embed_dim', 'vocab' or 'replicate'"),
     (dict(stages="01"), TypeError, r"stages='01' must be a list of ints"),
 ]
 

@@ -104,6 +104,29 @@ def test_torch_path_matches_reference(dtype, case):
     assert_matches(out, lse, ref_out, ref_lse, tol=1e-4 if dtype == torch.float32 else 1e-6)
 
 
+@given(decode_cases(), st.booleans())
+def test_eager_program_entries_match_reference(case, one_slot):
+    """What eager rank programs call (``direct_kernel``: no argument checks, the new K/V's slot
+    given as the index itself) computes what the checked ops do."""
+    from fxshard.runtime.library import direct_kernel
+    q, k, v, lengths = inputs_of(case)
+    attend = direct_kernel(torch.ops.fxshard.decode_attention.default)
+    out, lse = attend(q, k, v, lengths, case["scale"], case["causal"])
+    ref_out, ref_lse = reference_decode(q, k, v, lengths, causal=case["causal"],
+                                        scale=case["scale"])
+    assert_matches(out, lse, ref_out, ref_lse, tol=1e-4)
+    write = direct_kernel(torch.ops.fxshard.cache_write.default)
+    if case["capacity"] == 0:
+        return
+    new = q[:, :case["heads_kv"], :1 if one_slot else min(case["seq_q"], case["capacity"])]
+    pos = torch.tensor([case["capacity"] - new.shape[2]])
+    direct, checked = k.clone(), k.clone()
+    write(direct, new, pos)
+    torch.ops.fxshard.cache_write(checked, new, pos)
+    assert torch.equal(direct, checked)
+    assert torch.equal(direct[:, :, pos.item():pos.item() + new.shape[2]], new)
+
+
 def test_torch_path_rows_without_keys():
     """lengths 0 and 1, causal with Sq > length: those rows are exactly 0 and -inf; on CPU
     'auto' is the torch path."""

@@ -160,3 +160,17 @@ def test_row_parallel_bias_added_once():
     torch.testing.assert_close(pm(x), model(x), **TOL)
     biases = [pm.rank_module(r).state_dict()["2.bias"] for r in range(4)]
     assert sum(int(b.abs().sum() > 0) for b in biases) == 1
+
+
+def test_replicated_embedding_tied_and_strict():
+    """embedding='replicate': no collective after the lookup, the same numbers; not an error
+    under strict=True (asked for); a tied table feeding lm_head as well still computes
+    right."""
+    model = our_llama(num_hidden_layers=1)
+    ids = torch.randint(0, 128, (2, 8))
+    pm = fxshard.parallelize(model, mesh_of(1, 2), embedding="replicate", strict=True)
+    torch.testing.assert_close(pm(ids), model(ids), **TOL)
+    assert pm.explain().counts(0)[("all_gather", "tp")] == 1     # the logits only
+    tied = our_llama(num_hidden_layers=1, tie_word_embeddings=True)
+    pm = fxshard.parallelize(tied, mesh_of(2, 2), embedding="replicate")
+    torch.testing.assert_close(pm(ids), tied(ids), **TOL)

@@ -160,6 +160,33 @@ def test_decode_program_reads_and_writes_the_cache_per_layer():
     pm.close()
 
 
+def test_decode_step_collectives_and_embedding_bytes_at_tp2():
+    """A tp=2 decode step runs Megatron's two all-reduces per layer and gathers the logits;
+    the default embedding also gathers its [B, 1, hidden] lookup, embedding='replicate' does
+    not and holds the whole table on every rank (explain()'s bytes say so)."""
+    model = family("llama")
+    ids = prompt(2)
+    want = reference(model, ids, 3)
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    layers = model.config.num_hidden_layers
+    table = model.model.embed_tokens.weight
+    param_bytes = {}
+    for embedding, gathers, share in (("embed_dim", 2, 2), ("replicate", 1, 1)):
+        pm = fxshard.parallelize(model, mesh, embedding=embedding)
+        torch.testing.assert_close(pm.generate(ids, max_new_tokens=3), want, rtol=0, atol=0)
+        code = pm.rank_module(0).code                      # the decode program
+        assert _count(code, "all_reduce") == 2 * layers, embedding
+        assert _count(code, "all_gather") == gathers, embedding
+        held = pm.rank_module(0).state_dict()["model.embed_tokens.weight"]
+        assert held.shape == (table.shape[0], table.shape[1] // share)
+        ex = pm.explain()
+        param_bytes[embedding] = ex.param_bytes[0]
+        assert ("embedding='replicate' asks for it" in str(ex)) == (embedding == "replicate")
+        pm.close()
+    assert param_bytes["replicate"] - param_bytes["embed_dim"] == \
+        table.numel() * table.element_size() // 2
+
+
 @pytest.mark.parametrize("axes,share", [({"tp": 2}, 2), ({"dp": 2, "tp": 2}, 4),
                                         ({"ring_cp": 2}, 1), ({"pp": 2}, 2)])
 def test_each_rank_holds_its_share_of_the_cache(axes, share):

@@ -38,6 +38,7 @@ __all__ = ["decode_attention"]
 
 _NAME = "fxshard.kernels.decode_attention"
 _BACKENDS = ("auto", "torch", "triton")
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -75,6 +76,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          f"installed; install triton or use backend='torch'.")
     return module.decode_fwd(q, k_cache, v_cache, lengths, scale=_scale_of(q, scale),
                              causal=bool(causal))
+
+
+def decode_attention_unchecked(q, k_cache, v_cache, lengths, scale, causal):
+    """:func:`decode_attention` with ``backend="auto"`` minus the argument checks, for callers
+    whose inputs are right by construction (the decode programs of ``pm.generate``: their
+    caches are allocated from the shapes the program declares, ``lengths`` by the runner)."""
+    if q.device.type == "cuda" and _triton_module() is not None and \
+            q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.shape[-1] <= 256:
+        return _triton_module().decode_fwd(q, k_cache, v_cache, lengths,
+                                           scale=_scale_of(q, scale), causal=bool(causal))
+    return _torch_decode(q, k_cache, v_cache, lengths, scale, causal)
 
 
 def check_decode_inputs(q, k_cache, v_cache, lengths, scale) -> None:
@@ -120,19 +132,19 @@ def _torch_decode(q_BHSD, k_BKLD, v_BKLD, lengths_B, scale, causal):
     heads_kv = k_BKLD.shape[1]
     group = heads_q // heads_kv
     cdtype = torch.float64 if q_BHSD.dtype == torch.float64 else torch.float32
-    n_keys = min(int(lengths_B.max()), k_BKLD.shape[2]) if batch else 0
+    lens = lengths_B.tolist()                 # one read of the lengths (not max + min)
+    n_keys = min(max(lens), k_BKLD.shape[2]) if batch else 0
     if n_keys <= 0 or seq_q == 0:
         return (torch.zeros(q_BHSD.shape, dtype=q_BHSD.dtype, device=q_BHSD.device),
                 torch.full(q_BHSD.shape[:3], -math.inf, dtype=torch.float32,
                            device=q_BHSD.device))
     if q_BHSD.device.type == "cpu" and q_BHSD.dtype in (torch.float32, torch.float64) and \
-            (seq_q == 1 or not causal) and int(lengths_B.min()) == n_keys:
+            (seq_q == 1 or not causal) and min(lens) == n_keys:
         # every sequence sees the same n_keys keys: torch's fused CPU flash attention on the
         # valid prefix, the G query heads of each KV head (times Sq) as its query rows
         q_BKMD = q_BHSD.reshape(batch, heads_kv, group * seq_q, head_dim)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q_BKMD, k_BKLD[:, :, :n_keys], v_BKLD[:, :, :n_keys], 0.0, False,
-            scale=_scale_of(q_BHSD, scale))
+        out, lse = _FLASH_CPU(q_BKMD, k_BKLD.narrow(2, 0, n_keys), v_BKLD.narrow(2, 0, n_keys),
+                              0.0, False, scale=_scale_of(q_BHSD, scale))
         return (out.reshape(batch, heads_q, seq_q, head_dim),
                 lse.to(torch.float32).reshape(batch, heads_q, seq_q))
     k_c = k_BKLD[:, :, :n_keys].to(cdtype)

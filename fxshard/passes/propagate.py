@@ -392,6 +392,11 @@ def _list_replicated(gm: fx.GraphModule, ctx: PassCtx, tp: int, why: dict) -> No
             ctx.replicated.append((fqn, "plan= asks for it"))
             continue
         u = next(iter(node.users))
+        if ctx.embedding_style == "replicate" and all(
+                v.target is torch.ops.aten.embedding.default and v.args[0] is node
+                for v in node.users):
+            ctx.replicated.append((fqn, "embedding='replicate' asks for it"))
+            continue
         reason = why.get(fqn, f"its consumer {u.name} ({u.target}) needs it whole")
         if val.dim() == 3 and u.target is torch.ops.aten.index.Tensor and u.args[0] is node:
             reason += (" (whole expert matrices picked per token, HuggingFace's "

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from ..kernels.decode import decode_attention as _decode_attention
+from ..kernels.decode import decode_attention_unchecked
 from .library import define_op
 
 __all__ = ["cache_write", "decode_attention", "merge_pieces"]
@@ -38,6 +39,17 @@ def cache_write(cache: torch.Tensor, x: torch.Tensor, pos: torch.Tensor) -> None
     cache.index_copy_(2, index, x.to(cache.dtype))
 
 
+@cache_write.register_direct
+def _cache_write_direct(cache: torch.Tensor, x: torch.Tensor, pos: torch.Tensor) -> None:
+    """Eager rank programs: a decode step's one new slot (``x`` ``[B, H, 1, D]`` of the
+    cache's dtype, ``pos`` the runner's int64 ``[1]``) is ``pos`` itself as the index, with no
+    index tensor built per call."""
+    if x.shape[2] == 1 and x.dtype == cache.dtype and pos.dtype == torch.int64:
+        cache.index_copy_(2, pos, x)
+    else:
+        cache_write(cache, x, pos)
+
+
 @cache_write.register_fake
 def _(cache, x, pos):
     return None
@@ -49,6 +61,9 @@ def _(cache, x, pos):
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      lengths: torch.Tensor, scale: Optional[float], causal: bool):
     return _decode_attention(q, k_cache, v_cache, lengths, scale=scale, causal=causal)
+
+
+decode_attention.register_direct(decode_attention_unchecked)
 
 
 @decode_attention.register_fake

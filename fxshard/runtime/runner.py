@@ -10,6 +10,8 @@ in-place cache write lands in the rank's cache).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.fx as fx
 
@@ -18,10 +20,18 @@ from ..mesh import is_simulated
 __all__ = ["run", "state_keys"]
 
 
+_STATE_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> its keys
+
+
 def state_keys(graph: fx.Graph) -> list[str]:
-    """The state inputs a program takes after the user's tensors, in order."""
-    return [n.meta["fxshard_state"] for n in graph.nodes
+    """The state inputs a program takes after the user's tensors, in order (read from the
+    graph once: a program's graph does not change after it is built)."""
+    keys = _STATE_KEYS.get(graph)
+    if keys is None:
+        keys = _STATE_KEYS[graph] = [
+            n.meta["fxshard_state"] for n in graph.nodes
             if n.op == "placeholder" and n.meta.get("fxshard_state") is not None]
+    return keys
 
 
 def _inputs(flat: list, keys: list[str], state: dict, index: int, count: int) -> list:

@@ -1,9 +1,11 @@
 """Embedding lookups on the ``tp`` axis: ``embed_dim`` (the default, as the seed's
-``EmbeddingWithReplicateOutput``) or ``vocab`` (Megatron's vocab-parallel embedding)::
+``EmbeddingWithReplicateOutput``), ``vocab`` (Megatron's vocab-parallel embedding) or
+``replicate`` (every rank holds the whole table: no collective, ``tp`` times the memory)::
 
     embedding(w: S(1) [V, E], ids: R)  -> S(-1), then all-gathered to R   (embed_dim)
     embedding(w: S(0) [V, E], ids: R)  -> P (rows outside the rank's vocab range give 0),
                                           then all-reduced to R            (vocab)
+    embedding(w: R [V, E], ids: R)     -> R                                (replicate)
 
 With ``sequence_parallel`` the output goes to the sequence shard S(1) instead of R (an
 all-to-all for ``embed_dim``, a reduce-scatter for ``vocab``). On other axes the weight is
@@ -28,7 +30,7 @@ def embedding_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         if not ctx.is_tp:
             w = R
         else:
-            w = Shard(1) if ctx.embedding_style == "embed_dim" else Shard(0)
+            w = {"embed_dim": Shard(1), "vocab": Shard(0)}.get(ctx.embedding_style, R)
     settle = Shard(1) if (ctx.sequence_parallel and out_nd >= 3) else R
     if isinstance(w, Shard) and w.dim == 1:
         return Decision(ins=[w, R], out=Shard(out_nd - 1), then=settle)
