@@ -36,10 +36,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def reference(q, k, v, causal, q_off, kv_off):
+def reference(q, k, v, causal, q_off, kv_off, softcap=0.0):
     g = q.shape[1] // k.shape[1]
     k, v = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
     s = q.double() @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
     if causal:
         i = torch.arange(q.shape[2], device=q.device)[:, None] + q_off
         j = torch.arange(k.shape[2], device=q.device)[None, :] + kv_off
@@ -58,14 +60,17 @@ def kernel_checks() -> bool:
              (1, 2, 1, 1000, 1000, 16), (1, 2, 2, 77, 333, 256)]
     for dtype in tol:
         for b, hq, hkv, sq, skv, d in cases:
-            for causal, q_off, kv_off in ((False, 0, 0), (True, 0, 0), (True, 100, 0),
-                                          (True, 0, 150)):
+            for causal, q_off, kv_off, cap in ((False, 0, 0, 0.0), (True, 0, 0, 0.0),
+                                               (True, 100, 0, 0.0), (True, 0, 150, 0.0),
+                                               (True, 0, 0, 2.0), (False, 0, 150, 2.0)):
                 q = torch.randn(b, hq, sq, d, device="cuda", dtype=dtype, generator=g)
                 k = torch.randn(b, hkv, skv, d, device="cuda", dtype=dtype, generator=g)
                 v = torch.randn(b, hkv, skv, d, device="cuda", dtype=dtype, generator=g)
+                if cap:  # scores well beyond the cap, so a lost cap shows
+                    q = q * 4
                 out, lse = attention(q, k, v, causal=causal, q_offset=q_off, kv_offset=kv_off,
-                                     backend="triton")
-                want, want_lse = reference(q, k, v, causal, q_off, kv_off)
+                                     softcap=cap or None, backend="triton")
+                want, want_lse = reference(q, k, v, causal, q_off, kv_off, cap)
                 err = (out.double() - want).abs().max().item()
                 fin = torch.isfinite(want_lse)
                 lerr = (lse.double()[fin] - want_lse[fin]).abs().max().item() if fin.any() else 0
@@ -74,9 +79,10 @@ def kernel_checks() -> bool:
                 ok &= good
                 if not good:
                     print(f"FAIL kernel {dtype} {(b, hq, hkv, sq, skv, d)} causal={causal} "
-                          f"offsets={(q_off, kv_off)}: out err {err:.2e}, lse err {lerr:.2e}, "
+                          f"offsets={(q_off, kv_off)} softcap={cap}: out err {err:.2e}, lse err {lerr:.2e}, "
                           f"-inf rows match {same_inf}")
-    print(("PASS" if ok else "FAIL") + " Triton kernel vs float64 reference")
+    print(("PASS" if ok else "FAIL") + " Triton kernel vs float64 reference (with and without "
+          "a soft-cap)")
     return ok
 
 
