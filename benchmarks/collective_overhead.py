@@ -18,7 +18,9 @@ and the logits shard ``[2, 64, 256]`` (all-gathers on the last dim). Variants:
   fxshard consuming ``fxshard.runtime.ops.all_reduce_consuming`` (what the eager runner calls
                     for an all-reduce of a dead input: in place, no dispatcher).
   fxshard op        ``torch.ops.fxshard.all_reduce`` / ``all_gather`` (dispatcher, a copy for
-                    the all-reduce): what a GraphModule or the runner's all-gather calls.
+                    the all-reduce): what a GraphModule called directly runs.
+  fxshard kernel    the all-gather's Python kernel without the dispatcher
+                    (``fxshard.runtime.library.direct_kernel``): what the eager runner calls.
   into_tensor       all-gather as ``dist.all_gather_into_tensor`` on dim 0 + ``movedim`` /
                     ``reshape`` copy to the last dim (one collective output buffer, no list).
 
@@ -78,7 +80,10 @@ def _rotated(names: list, k: int) -> list:
 
 def _cases(backend, group, hidden, embed, logits):
     """name -> (make_input, call): make_input runs before the clock, call is timed."""
+    from fxshard.runtime.library import direct_kernel
     from fxshard.runtime.ops import all_reduce_consuming
+
+    gather_kernel = direct_kernel(torch.ops.fxshard.all_gather.default)
 
     def gather_list(g):
         def call(t):
@@ -116,6 +121,7 @@ def _cases(backend, group, hidden, embed, logits):
             f"{g} dist mesh group": (lambda x=x: x, gather_list(group)),
             f"{g} fxshard op": (lambda x=x: x, lambda t: torch.ops.fxshard.all_gather(
                 t, 2, "tp", TP)),
+            f"{g} fxshard kernel": (lambda x=x: x, lambda t: gather_kernel(t, 2, "tp", TP)),
             f"{g} into_tensor mesh": (lambda x=x: x, gather_into),
         })
     return cases
