@@ -25,15 +25,16 @@ and the logits shard ``[2, 64, 256]`` (all-gathers on the last dim). Variants:
                     ``reshape`` copy to the last dim (one collective output buffer, no list).
 
 Timing: variants interleaved call by call in every round, their order rotated each time
-(A B C, B C A, C A B, ...), so a slow spell of the loaded machine hits all of them alike. Each call's input is made before the clock starts
-(Megatron's is a fresh matmul output). ``--sync`` mode (default) puts a ``dist.barrier`` before
-every timed call so that both ranks arrive together and the peer's compute skew is equal for all
-variants; ``--no-sync`` times back-to-back calls. The table gives, for rank 0, median thread
-CPU us (``time.thread_time``: this thread only; gloo runs the collective on its own worker
-threads while the caller waits on a condition variable) and median wall us, over ``rounds x
-calls`` samples, plus the ratio to "dist world". A skew probe repeats "dist world" with rank 1
-busy for ``--skew-us`` before each call: if rank 0's thread CPU rises with the skew, the
-caller's wait burns CPU and CPU time measures skew, not overhead. The "no-op us" column is
+(A B C, B C A, C A B, ...), so a slow spell of the loaded machine hits all of them alike.
+Each call's input is made before the clock starts (Megatron's is a fresh matmul output). By
+default a ``dist.barrier`` precedes every timed call, so that both ranks arrive together and
+the peer's compute skew is equal for all variants; ``--no-sync`` times back-to-back calls.
+The table gives, for rank 0, median thread CPU us (``time.thread_time``: this thread only,
+i.e. the caller's share of the collective: enqueue, wait, wake-up, and any Python around it;
+gloo's own threads are not counted) and median wall us, over ``rounds x calls`` samples,
+plus the ratio to "dist world". Skew probes repeat "dist world" with rank 1 busy for each of
+``--skew-us`` before the call: if rank 0's thread CPU rises with the skew, the caller's wait
+burns CPU and CPU time measures skew, not overhead. The "no-op us" column is
 each path's rank-local CPU with ``dist.all_reduce`` / ``dist.all_gather`` replaced by no-ops:
 its Python and dispatch cost alone.
 
@@ -78,7 +79,7 @@ def _rotated(names: list, k: int) -> list:
     return names[k:] + names[:k]
 
 
-def _cases(backend, group, hidden, embed, logits):
+def _cases(group, hidden, embed, logits):
     """name -> (make_input, call): make_input runs before the clock, call is timed."""
     from fxshard.runtime.library import direct_kernel
     from fxshard.runtime.ops import all_reduce_consuming
@@ -143,7 +144,7 @@ def _run(rank: int, args) -> dict:
     hidden = torch.randn(b, s, hid, generator=g)
     embed = torch.randn(b, s, hid // TP, generator=g)
     logits = torch.randn(b, s, voc // TP, generator=g)
-    cases = _cases(backend, group, hidden, embed, logits)
+    cases = _cases(group, hidden, embed, logits)
     base = f"all_reduce {list(hidden.shape)} dist world"
     skews = {f"{base}, rank 1 {us:g} us late": us for us in args.skew_us}
     for name in skews:
@@ -294,11 +295,11 @@ def format_table(res: dict) -> str:
     fwd = res["forward"]
     if fwd:
         base = fwd["megatron"]
-        lines += ["", f"{'rank 0, per forward (median of ' + str(base['n']) + ')':<30} "
+        lines += ["", f"{'rank 0, per forward (median of ' + str(base['n']) + ')':<33} "
                   f"{'CPU ms':>7} {'ratio':>6} {'in coll.':>9} {'outside':>8} {'ratio':>6} "
                   f"{'calls':>5} {'wall ms':>8} {'in coll.':>9}"]
         for name, r in fwd.items():
-            lines.append(f"{name:<30} {r['cpu']:7.3f} {r['cpu'] / base['cpu']:6.3f} "
+            lines.append(f"{name:<33} {r['cpu']:7.3f} {r['cpu'] / base['cpu']:6.3f} "
                          f"{r['in_cpu']:9.3f} {r['out_cpu']:8.3f} "
                          f"{r['out_cpu'] / base['out_cpu']:6.3f} {r['calls']:5d} "
                          f"{r['wall']:8.3f} {r['in_wall']:9.3f}")
