@@ -173,7 +173,10 @@ class ParallelModule:
 
     def _split(self, args: tuple, kwargs: dict) -> list[list]:
         """The flat inputs of each microbatch (the batch is dim 0 of every tensor input)."""
-        flat, _ = pytree.tree_flatten((args, kwargs))
+        if not kwargs and all(isinstance(x, torch.Tensor) for x in args):
+            flat = list(args)   # what tree_flatten gives, without its ~15 us per call
+        else:
+            flat, _ = pytree.tree_flatten((args, kwargs))
         m = self.microbatches
         if m == 1:
             return [flat]
