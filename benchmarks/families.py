@@ -38,8 +38,8 @@ EXTRA = {"llama (eager attention)": ("matmul -> softmax -> matmul attention, rec
          "gemma2": ("eager attention with tanh soft-capped scores, lowered with the cap "
                     "(sliding window 4096 > the 16 tokens here)", gemma2),
          "bloom": ("ALiBi via baddbmm on heads merged into the batch [B*H, S, D], fused "
-                   "query_key_value: SDPA with the bias in the mask (ring_cp gathers around "
-                   "it, listed in explain())", bloom),
+                   "query_key_value: SDPA with the bias in the mask (on ring_cp the mask rides "
+                   "the ring by query rows)", bloom),
          "mixtral": ("MoE: router, top-k, grouped expert matmuls (each expert's intermediate "
                      "dim sharded on tp; routing on each rank's tokens under dp/CP)", mixtral),
          "qwen2_moe": ("MoE with a shared expert and its sigmoid gate", qwen2_moe)}

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, strategies as st
 
 import fxshard
 import fxshard.kernels.ring  # noqa: F401  (registers fxshard::ring_attention)
+from fxshard.kernels.attention import attention
 from fxshard.mesh import MeshSpec
 from fxshard.runtime.simulated import SimulatedWorld
 from tests.models import hf_llama, our_llama
@@ -37,6 +39,62 @@ def test_ring_attention_op_matches_full_attention(n, hq, hkv, s, causal):
     with SimulatedWorld(world) as w:
         outs = w.run(rank)
     torch.testing.assert_close(torch.cat(outs, dim=2), want, **TOL)
+
+
+def _rows(t: torch.Tensor, j: int, n: int, zigzag: bool) -> torch.Tensor:
+    """Ring rank j's sequence rows (dim 2): chunk j of n, or chunks j and 2n-1-j of 2n."""
+    if not zigzag:
+        return t.chunk(n, dim=2)[j]
+    pieces = t.chunk(2 * n, dim=2)
+    return torch.cat([pieces[j], pieces[2 * n - 1 - j]], dim=2)
+
+
+@given(n=st.sampled_from([2, 3]), zigzag=st.booleans(), is_bool=st.booleans(),
+       shape=st.sampled_from(["11SS", "B1SS", "BHSS", "SS", "B11S"]), seed=st.integers(0, 99))
+def test_ring_attention_with_a_mask_matches_the_whole_attention(n, zigzag, is_bool, shape, seed):
+    """A mask sharded by query rows like q (zigzag or contiguous), all key columns: each ring
+    step slices the visiting chunk's columns. Bool masks include fully masked rows (out 0, as
+    the unsharded kernel); float masks are a bias (checked against torch SDPA too)."""
+    g = torch.Generator().manual_seed(seed)
+    b, hq, hkv, s = 2, 4, 2, 2 * n * 3
+    q, k, v = (torch.randn(b, h, s, 8, generator=g) for h in (hq, hkv, hkv))
+    full = {"11SS": (1, 1, s, s), "B1SS": (b, 1, s, s), "BHSS": (b, hq, s, s), "SS": (s, s),
+            "B11S": (b, 1, 1, s)}[shape]
+    if is_bool:
+        mask = torch.rand(full, generator=g) < 0.6
+        if shape != "B11S":
+            mask[..., 1, :] = False  # a row that sees no key
+    else:
+        mask = torch.randn(full, generator=g) * 3
+    want, _ = attention(q, k, v, mask=mask, backend="torch")
+    if not is_bool:
+        torch.testing.assert_close(want, F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=True), **TOL)
+    mask4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+
+    def rank(j):
+        m = mask if mask4.shape[2] == 1 else _rows(mask4, j, n, zigzag)
+        m = m.reshape(m.shape[-mask.dim():])  # a 2-D mask stays 2-D
+        out, _ = torch.ops.fxshard.ring_attention(
+            _rows(q, j, n, zigzag), _rows(k, j, n, zigzag), _rows(v, j, n, zigzag), False, None,
+            "ring_cp", n, 1, 0, zigzag, -1, 0.0, m)
+        return out
+    with SimulatedWorld(MeshSpec((n,), ("ring_cp",))) as w:
+        outs = w.run(rank)
+    for j in range(n):
+        torch.testing.assert_close(outs[j], _rows(want, j, n, zigzag), **TOL)
+
+
+def test_ring_attention_mask_of_the_wrong_width_is_a_value_error():
+    q = torch.randn(1, 2, 4, 8)
+
+    def rank(j):
+        torch.ops.fxshard.ring_attention(q, q, q, False, None, "ring_cp", 2, 1, 0, False, -1,
+                                         0.0, torch.ones(1, 1, 4, 4, dtype=torch.bool))
+    with SimulatedWorld(MeshSpec((2,), ("ring_cp",))) as w, pytest.raises(
+            ValueError, match=r"fxshard.ring_attention on axis 'ring_cp' \(size 2\): mask of "
+                              r"shape \(1, 1, 4, 4\) must be .* all 8 key columns"):
+        w.run(rank)
 
 
 CASES = [dict(ulysses_cp=2), dict(ring_cp=2), dict(ring_cp=4), dict(tp=2, ulysses_cp=2),

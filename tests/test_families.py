@@ -23,11 +23,11 @@ MESHES = {
 }
 
 
-def _parallel(model, axes: dict, sp: bool, ids):
+def _parallel(model, axes: dict, sp: bool, ids, strict: bool = False):
     mesh = fxshard.init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
     with warnings.catch_warnings():
         warnings.simplefilter("error", FallbackWarning)
-        pm = fxshard.parallelize(model, mesh, sequence_parallel=sp)
+        pm = fxshard.parallelize(model, mesh, sequence_parallel=sp, strict=strict)
         with torch.no_grad():
             out = pm(ids).logits
     return pm, out
@@ -122,23 +122,23 @@ def test_soft_capped_eager_attention_is_lowered_like_sdpa(axes):
     pm.close()
 
 
-def test_sliding_window_attention_under_ring_is_exact_and_listed():
-    """A sliding-window mask (not causal): that layer's attention gathers the sequence on
-    ring_cp and says so; the full-attention layer still runs ring attention."""
+def test_sliding_window_attention_runs_ring_attention_with_its_mask():
+    """A sliding-window mask (not causal) rides the ring sharded by query rows: both layers run
+    ring attention (one with the mask, one causal), no K/V gathered, strict=True accepts it."""
     from tests.families import gemma2
     model = gemma2(2, sliding_window=5)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(ids).logits
-    pm, got = _parallel(model, dict(ring_cp=2), False, ids)
+    pm, got = _parallel(model, dict(ring_cp=2), False, ids, strict=True)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     code = pm.rank_module(0).code
-    assert code.count("fxshard.ring_attention.default(") == 1, code
-    assert code.count("fxshard.attention.default(") == 1, code
-    (node, why), = pm.explain().gathered
-    assert why.startswith("an explicit mask that is not the causal one (a sliding window, an "
-                          "ALiBi bias)"), why
-    assert "Attention not lowered on the CP axes (sequence gathered): 1" in str(pm.explain())
+    calls = [line for line in code.splitlines() if "fxshard.ring_attention.default(" in line]
+    assert len(calls) == 2 and "fxshard.attention.default(" not in code, code
+    assert sum("zigzag_shard" in c.split("0.0625")[1] for c in calls) == 1, calls  # the mask
+    assert code.count("zigzag_gather.default(") == 1, code   # the logits only
+    assert "all_gather" not in code
+    assert not pm.explain().gathered
     pm.close()
 
 
@@ -154,31 +154,36 @@ def test_generate_refuses_soft_capped_attention():
     pm.close()
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES) + ["ulysses2"])
+@pytest.mark.parametrize("mesh_name", list(MESHES) + ["ulysses2", "ring2"])
 def test_bloom_alibi_shards_heads(mesh_name):
     """BLOOM's heads-merged ``baddbmm`` attention with ALiBi becomes SDPA with the bias in the
     mask: query_key_value and dense split on tp (each rank's ALiBi slopes are its heads'), the
-    values equal single device; ring_cp gathers around the masked attention and says so."""
+    values equal single device; on ring_cp the bias rides the ring by query rows (strict)."""
     from tests.families import bloom
     model = bloom(2)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(ids).logits
-    axes, sp = MESHES.get(mesh_name, (dict(ulysses_cp=2), False))
-    pm, got = _parallel(model, axes, sp, ids)
+    axes, sp = MESHES.get(mesh_name) or ({"ulysses2": dict(ulysses_cp=2),
+                                          "ring2": dict(ring_cp=2)}[mesh_name], False)
+    pm, got = _parallel(model, axes, sp, ids, strict="ring_cp" in axes)
     try:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         if "tp" in axes:
             assert layer_param_fraction(pm, model) <= 0.55, pm.explain()
-        else:   # Ulysses: heads split around attention (4 all-to-alls a layer), mask whole
+        if "ulysses_cp" in axes:   # heads split around attention (4 all-to-alls a layer)
             assert pm.rank_module(0).code.count("fxshard.all_to_all") == 8
         code = pm.rank_module(0).code
         assert "baddbmm" not in code and "aten.bmm" not in code, code
-        assert code.count("fxshard.attention.default(") == 2, code
+        ring = "ring_cp" in axes
+        assert code.count("fxshard.attention.default(") == (0 if ring else 2), code
+        assert code.count("fxshard.ring_attention.default(") == (2 if ring else 0), code
+        if ring:   # no K/V gathered along the sequence: only the logits at the end
+            assert code.count("zigzag_gather.default(") == 1, code
         assert dict(pm.explain().edits)["eager_attention_pass"] == (
             "recognised 2 eager attentions as SDPA (0 with a constant causal mask, 2 with a "
             "bias added to the mask (ALiBi))")
-        assert len(pm.explain().gathered) == (2 if "ring_cp" in axes else 0)
+        assert not pm.explain().gathered
         if mesh_name in ("tp2", "tp2_sp"):   # the Megatron minimum in the last layer
             layer = Counter(c.op for c in pm.explain().collectives[0] if c.axis == "tp" and
                             c.op != "local_shard" and c.module.startswith("transformer.h.1."))
@@ -188,12 +193,16 @@ def test_bloom_alibi_shards_heads(mesh_name):
         pm.close()
 
 
-def test_bloom_under_ring_cp_strict_refuses_the_gathered_alibi_attention():
+def test_bloom_under_usp_gathers_the_alibi_attention_and_strict_refuses():
+    """Ulysses inside ring (USP) takes no mask: the masked attention is gathered on ring_cp,
+    and strict=True says so."""
     from tests.families import bloom
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("ring_cp",))
+    mesh = fxshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=("ulysses_cp", "ring_cp"))
     with pytest.raises(NotImplementedError, match=r"strict=True\): attention at \S+ on mesh "
-                                                  r"\(ring_cp=2\) has an explicit mask .*ALiBi"):
+                                                  r"\(ulysses_cp=2, ring_cp=2\) has an explicit "
+                                                  r"mask .*ALiBi.* with both ulysses_cp and "
+                                                  r"ring_cp"):
         fxshard.parallelize(bloom(1), mesh, strict=True, example_inputs=(ids,))
 
 

@@ -14,7 +14,9 @@ positions of both chunks (so causal masking is exact), passes the chunk it holds
 With causal attention and contiguous chunks the last rank would do the most work; the default
 sequence layout on ``ring_cp`` is therefore zigzag (rank j holds chunks j and 2n-1-j of 2n,
 ``fxshard::zigzag_shard``), which every rank's queries and keys follow, so each rank does the
-same work. ``zigzag=True`` tells the op where its two pieces sit.
+same work. ``zigzag=True`` tells the op where its two pieces sit. An explicit mask (a sliding
+window, an ALiBi bias) comes sharded by rows like q, with all key columns: step ``i`` slices
+the columns of the visiting chunk's global positions.
 """
 from __future__ import annotations
 
@@ -32,12 +34,13 @@ __all__ = ["ring_attention"]
 @define_op("fxshard::ring_attention",
            "(Tensor q, Tensor k, Tensor v, bool causal, float? scale, str axis, int size, "
            "int segments=1, int stride=0, bool zigzag=False, int kv_stride=-1, "
-           "float softcap=0.0) "
+           "float softcap=0.0, Tensor? mask=None) "
            "-> (Tensor, Tensor)")
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                    scale: Optional[float], axis: str, size: int, segments: int = 1,
                    stride: int = 0, zigzag: bool = False, kv_stride: int = -1,
-                   softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                   softcap: float = 0.0, mask: Optional[torch.Tensor] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of this rank's query chunk against the whole ring's keys.
 
     The local sequence is ``segments`` equal parts; part ``t`` of ring rank ``j`` starts at
@@ -48,6 +51,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     (default ``stride``) is the keys' part stride when their length differs from the queries'.
     ``softcap`` (Gemma-2's ``cap * tanh(s / cap)`` on each score) is passed to every step:
     it acts per score, so the logsumexp merge stays exact.
+
+    ``mask`` (bool, True = attend, or additive float; broadcastable to ``[B, H, Sq, Skv]`` of
+    the *whole* sequence in its last dim): this rank's rows, laid out like ``q`` (same pieces,
+    same zigzag order), or one row broadcast to all; every key column, indexed by global key
+    position. Each step slices the columns of the key piece visiting. Rows hold all ``Skv``
+    columns, so a sharded ``[B, H, Sq/n, Skv]`` mask costs ``1/n`` of the whole mask per rank
+    (what HF's eager attention materialises anyway). Masked steps run the torch kernel (the
+    Triton path takes no mask); ``segments > 1`` (USP) takes no mask.
     """
     backend = current_backend(f"fxshard.ring_attention on axis {axis!r}")
     if backend.axis_size(axis) != size:
@@ -65,6 +76,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     sq, skv = q.shape[2] // n_pieces, k.shape[2] // n_pieces
 
     kv_stride = stride if kv_stride < 0 else kv_stride
+    if mask is not None:
+        mask = _check_mask(mask, q, k, segments, size, axis)
 
     def start(piece: int, rank: int, length: int, part_stride: int) -> int:
         t, z = divmod(piece, per_part)
@@ -88,10 +101,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
                 kv_at = start(u, src, skv, kv_stride)
                 if causal and kv_at > q_at + sq - 1:
                     continue  # this key piece lies wholly after every query of the piece
+                m = None
+                if mask is not None:
+                    m = mask if mask.shape[2] == 1 else mask[:, :, t * sq:(t + 1) * sq]
+                    m = m if m.shape[3] == 1 else m[:, :, :, kv_at:kv_at + skv]
                 o, l = attention(q_t, k_cur[:, :, u * skv:(u + 1) * skv],
                                  v_cur[:, :, u * skv:(u + 1) * skv], causal=causal,
                                  scale=scale, q_offset=q_at, kv_offset=kv_at,
-                                 softcap=softcap)
+                                 softcap=softcap, mask=m)
                 if outs[t] is None:
                     outs[t], lses[t] = o, l
                 else:
@@ -102,7 +119,24 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
+def _check_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor, segments: int, size: int,
+                axis: str) -> torch.Tensor:
+    """The mask as 4-D ``[B|1, H|1, Sq_local|1, Skv_whole|1]``, or a ValueError saying why not."""
+    m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)) if mask.dim() < 4 else mask
+    whole_kv = k.shape[2] * size
+    if (segments != 1 or m.dim() != 4 or m.shape[2] not in (1, q.shape[2])
+            or m.shape[3] not in (1, whole_kv) or m.shape[0] not in (1, q.shape[0])
+            or m.shape[1] not in (1, q.shape[1])):
+        raise ValueError(
+            f"fxshard.ring_attention on axis {axis!r} (size {size}): mask of shape "
+            f"{tuple(mask.shape)} must be [B|1, H|1, Sq|1, Skv|1] with this rank's "
+            f"{q.shape[2]} query rows and all {whole_kv} key columns (q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}), and segments=1 (got {segments}); shard the mask's query "
+            f"dim like q's and keep its key dim whole")
+    return m
+
+
 @ring_attention.register_fake
 def _(q, k, v, causal, scale, axis, size, segments=1, stride=0, zigzag=False, kv_stride=-1,
-      softcap=0.0):
+      softcap=0.0, mask=None):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)

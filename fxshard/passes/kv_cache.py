@@ -108,7 +108,8 @@ def prefill_cache_pass(gm: fx.GraphModule, *, ctx: PassCtx, capacity: int) -> fx
             continue
         ring = str(node.target) == _ATTENTION[1]
         causal = node.args[3] if ring else node.args[4]
-        if not ring and node.args[3] is not None:
+        mask = (node.args[12] if len(node.args) > 12 else None) if ring else node.args[3]
+        if mask is not None:
             _check_generation_model(node, "given an explicit mask")
         if not causal:
             _check_generation_model(node, "not causal")

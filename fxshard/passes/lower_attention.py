@@ -12,10 +12,15 @@ After::
 ``fxshard.attention`` (``fxshard.kernels``) maps GQA inside the kernel and returns the
 logsumexp as well, which context parallelism merges with. Sequence-sharded attention on the
 ``ring_cp`` axis becomes ``fxshard.ring_attention(q, k, v, causal, scale, "ring_cp", n)``
-(``fxshard.kernels.ring``). An attention ``eager_attention_pass`` found soft-capped (Gemma-2)
-carries the cap in ``node.meta["fxshard_softcap"]``; it becomes the kernels' ``softcap``
-argument. When ``tp`` exceeds the KV heads,
-the KV heads arrive replicated and each rank keeps the one its query heads use::
+(``fxshard.kernels.ring``); an explicit mask (sliding window, ALiBi bias) arrives sharded by
+query rows like q and rides along as its ``mask`` argument::
+
+    ring_attention(q, k, v, False, 0.25, 'ring_cp', 2, 1, 0, True, 0, 0.0, zigzag_shard(mask))
+
+An attention ``eager_attention_pass`` found soft-capped (Gemma-2) carries the cap in
+``node.meta["fxshard_softcap"]``; it becomes the kernels' ``softcap`` argument. When ``tp``
+exceeds the KV heads, the KV heads arrive replicated and each rank keeps the one its query
+heads use::
 
     k_local = local_shard(repeat_interleave(k, tp // Hkv, dim=1), 1, "tp", tp)
 
@@ -88,16 +93,17 @@ def lower_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
                 if ctx.strict:
                     raise NotImplementedError(
                         f"fxshard.parallelize(strict=True): attention at {node.name} on mesh "
-                        f"{ctx.mesh.describe()} has {_MASK_GATHERED}. Use ulysses_cp (it "
-                        f"splits heads, the mask stays whole), a mesh without ring_cp, or "
-                        f"drop strict=True.")
+                        f"{ctx.mesh.describe()} has {_MASK_GATHERED}. Use ulysses_cp alone "
+                        f"(it splits heads, the mask stays whole), ring_cp alone (the mask "
+                        f"rides the ring by rows), or drop strict=True.")
                 ctx.gathered.append((node.name, _MASK_GATHERED))
             if ring is not None:
-                assert mask is None, node.format_node()
+                assert mask is None or ulysses is None, node.format_node()
+                masked = (softcap, mask) if mask is not None else capped
                 att = graph.call_function(
                     torch.ops.fxshard.ring_attention.default,
                     (q, k, v, causal, a["scale"], ring, ctx.mesh.axis_size(ring), segments,
-                     stride, ring in ctx.zigzag_axes, kv_stride) + capped)
+                     stride, ring in ctx.zigzag_axes, kv_stride) + masked)
             else:
                 att = graph.call_function(torch.ops.fxshard.attention.default,
                                           (q, k, v, mask, causal, a["scale"], 0, 0)
@@ -124,9 +130,9 @@ def lower_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
 
 
 _MASK_GATHERED = ("an explicit mask that is not the causal one (a sliding window, an ALiBi "
-                  "bias): q, K "
-                  "and V are gathered along the sequence on ring_cp and attended whole (ring "
-                  "attention takes no mask; exact, not load-balanced)")
+                  "bias) with both ulysses_cp and ring_cp: q, K and V are gathered along the "
+                  "sequence on ring_cp and attended whole (ring attention inside USP takes no "
+                  "mask; exact, not load-balanced)")
 
 
 def _pick_kv_heads(graph: fx.Graph, t: fx.Node, axis: str, size: int, mesh) -> fx.Node:

@@ -14,7 +14,9 @@ Layout legend: q ``[B, Hq, Sq, D]``, k/v ``[B, Hkv, Skv, D]``, mask ``[B|1, H|1,
 
 - ``ring_cp``: q, k, v stay sequence-sharded; ``lower_attention`` replaces the call with ring
   attention (K/V passed around the axis, partial results merged by logsumexp): the ``ring``
-  note. An explicit (non-causal) mask is gathered instead;
+  note. An explicit mask is sharded by its query rows like q (zigzag on ``ring_cp``, the
+  same positions), its key columns whole; the ring kernel slices the columns of each visiting
+  K/V chunk. With ``ulysses_cp`` too (USP), a masked attention is gathered instead;
 - both CP axes (USP): the ``ulysses`` note keeps the sequence shard on ``ulysses_cp`` too, and
   ``lower_attention`` does the Ulysses all-to-all around the ring attention itself, so each
   ring rank attends ``ulysses_cp``-many sequence segments of its heads;
@@ -117,9 +119,10 @@ def sdpa_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         kv = [Shard(0) if ctx.shape(t)[0] == batch else R for t in (k, v)]
         return Decision(ins=[Shard(0)] + kv + mask_need(0), out=Shard(0))
 
-    if ctx.axis == "ring_cp" and anchor == 2 and mask is None:
+    if ctx.axis == "ring_cp" and anchor == 2 and (
+            mask is None or ctx.mesh.axis_size("ulysses_cp") == 1):
         _note(node, "ring", ctx.axis)
-        return Decision(ins=[Shard(2)] * 3, out=Shard(2))
+        return Decision(ins=[Shard(2)] * 3 + mask_need(2), out=Shard(2))
 
     if anchor == 2 and ctx.axis != "ulysses_cp":
         return Decision(ins=[R] * len(ins), out=R)
