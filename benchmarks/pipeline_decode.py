@@ -48,22 +48,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from generate import make_model  # noqa: E402  (benchmarks/generate.py: the same HF Llama)
 
 PP = 2
-
-
-def make_model(args):
-    import transformers
-    cfg = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, max_position_embeddings=4096,
-        attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    model.generation_config.eos_token_id = None   # always exactly --new tokens
-    model.generation_config.pad_token_id = 0
-    return model
 
 
 def worker(rank: int, port: int, args, out_path: str) -> None:
