@@ -61,6 +61,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from megatron_slices import layer_slices, rows  # noqa: E402  (this folder)
 
 TP = 2
 
@@ -98,34 +101,14 @@ class MegatronDecoder:
         self.kv_heads = cfg.num_key_value_heads // TP
         sd = {k: v.detach() for k, v in model.state_dict().items()}
 
-        def rows(w):
-            n = w.shape[0] // TP
-            return w[rank * n:(rank + 1) * n].contiguous()
-
-        def cols(w):
-            n = w.shape[1] // TP
-            return w[:, rank * n:(rank + 1) * n].contiguous()
-
         table = sd["model.embed_tokens.weight"]
         self.vocab = table.shape[0] // TP
         self.first = rank * self.vocab
         self.replicated_embedding = replicated_embedding
-        self.embed = table if replicated_embedding else rows(table)
-        self.layers = []
-        for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}."
-            self.layers.append(dict(
-                wq=rows(sd[p + "self_attn.q_proj.weight"]),
-                wk=rows(sd[p + "self_attn.k_proj.weight"]),
-                wv=rows(sd[p + "self_attn.v_proj.weight"]),
-                wo=cols(sd[p + "self_attn.o_proj.weight"]),
-                wg=rows(sd[p + "mlp.gate_proj.weight"]),
-                wu=rows(sd[p + "mlp.up_proj.weight"]),
-                wd=cols(sd[p + "mlp.down_proj.weight"]),
-                ln1=sd[p + "input_layernorm.weight"],
-                ln2=sd[p + "post_attention_layernorm.weight"]))
+        self.embed = table if replicated_embedding else rows(table, rank, TP)
+        self.layers = layer_slices(sd, cfg.num_hidden_layers, rank, TP)
         self.norm = sd["model.norm.weight"]
-        self.lm_head = rows(sd["lm_head.weight"])
+        self.lm_head = rows(sd["lm_head.weight"], rank, TP)
 
     def _rms(self, x, w):
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))

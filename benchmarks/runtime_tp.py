@@ -82,6 +82,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from megatron_slices import cols, layer_slices, rows  # noqa: E402  (this folder)
 
 import fxshard  # noqa: E402
 from fxshard.models.llama import (LlamaConfig, LlamaForCausalLM, apply_rotary_pos_emb,  # noqa: E402
@@ -118,30 +121,10 @@ class MegatronLlama:
         self.gqa = cfg.num_key_value_heads != cfg.num_attention_heads
         sd = {k: v.detach() for k, v in model.state_dict().items()}
 
-        def rows(w):  # column-parallel Linear: output features (weight dim 0)
-            n = w.shape[0] // tp
-            return w[rank * n:(rank + 1) * n].contiguous()
-
-        def cols(w):  # row-parallel Linear / embedding-dim-sharded Embedding: weight dim 1
-            n = w.shape[1] // tp
-            return w[:, rank * n:(rank + 1) * n].contiguous()
-
-        self.embed = cols(sd["model.embed_tokens.weight"])
-        self.layers = []
-        for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}."
-            self.layers.append(dict(
-                wq=rows(sd[p + "self_attn.q_proj.weight"]),
-                wk=rows(sd[p + "self_attn.k_proj.weight"]),
-                wv=rows(sd[p + "self_attn.v_proj.weight"]),
-                wo=cols(sd[p + "self_attn.o_proj.weight"]),
-                wg=rows(sd[p + "mlp.gate_proj.weight"]),
-                wu=rows(sd[p + "mlp.up_proj.weight"]),
-                wd=cols(sd[p + "mlp.down_proj.weight"]),
-                ln1=sd[p + "input_layernorm.weight"].clone(),
-                ln2=sd[p + "post_attention_layernorm.weight"].clone()))
+        self.embed = cols(sd["model.embed_tokens.weight"], rank, tp)
+        self.layers = layer_slices(sd, cfg.num_hidden_layers, rank, tp)
         self.norm = sd["model.norm.weight"].clone()
-        self.lm_head = rows(sd["lm_head.weight"])
+        self.lm_head = rows(sd["lm_head.weight"], rank, tp)
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_funcol:
