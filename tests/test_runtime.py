@@ -202,6 +202,21 @@ def test_world_threads_persist_across_runs():
         assert world.run(lambda r: r * 2, ranks=[3, 1]) == [6, 2]
 
 
+def test_ranks_share_the_callers_intra_op_threads():
+    # a fresh thread would start with OpenMP's default count and oversubscribe the cores
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        with SimulatedWorld(SimulatedMesh((2,), ("tp",))) as world:
+            assert world.run(lambda r: torch.get_num_threads()) == [2, 2]
+            assert world.run(lambda r: torch.get_num_threads(), ranks=[1]) == [4]
+        with SimulatedWorld(SimulatedMesh((2, 4), ("dp", "tp"))) as world:
+            assert world.run(lambda r: torch.get_num_threads()) == [1] * 8
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)
+
+
 # --- errors ----------------------------------------------------------------------------------
 
 def test_timeout_names_rank_op_axis_and_missing_ranks():

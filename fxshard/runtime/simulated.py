@@ -20,6 +20,10 @@ Each collective is two rendezvous: *arrive* (all inputs present; each rank then 
 own result from them, in parallel, outside the lock) and *depart* (no rank reads the inputs any
 more, so their owners may go on). ``all_reduce`` instead has the last rank to arrive sum once
 and every rank copy the sum. Results are fresh tensors, never views of another rank's.
+
+The ranks of a run share the caller's intra-op threads (``torch.get_num_threads()`` divided
+by the number of ranks, at least 1): a new thread would otherwise start with OpenMP's default
+count, ignore the caller's ``torch.set_num_threads`` and oversubscribe the cores.
 """
 from __future__ import annotations
 
@@ -195,10 +199,13 @@ class SimulatedWorld:
                 self._slots.clear()
                 self._mailboxes.clear()
                 self._failure = None
+            # the caller's intra-op threads, shared by the ranks (a fresh thread would start
+            # with OpenMP's default count whatever torch.set_num_threads said, and oversubscribe)
+            threads = max(1, torch.get_num_threads() // len(ranks))
             futures = []
             for r in ranks:
                 future: concurrent.futures.Future = concurrent.futures.Future()
-                self._queues[r].put((functools.partial(self._run_rank, fn, r), future))
+                self._queues[r].put((functools.partial(self._run_rank, fn, r, threads), future))
                 futures.append(future)
             try:
                 concurrent.futures.wait(futures)
@@ -224,8 +231,9 @@ class SimulatedWorld:
             t.start()
         self._finalizer = weakref.finalize(self, _stop_workers, self._queues)
 
-    def _run_rank(self, fn: Callable[[int], Any], rank: int) -> Any:
+    def _run_rank(self, fn: Callable[[int], Any], rank: int, threads: int) -> Any:
         try:
+            torch.set_num_threads(threads)
             with use_backend(SimulatedBackend(self, rank)):
                 return fn(rank)
         except BaseException as exc:
