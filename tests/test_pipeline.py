@@ -35,12 +35,20 @@ def _logits(out):
     return out.logits if hasattr(out, "logits") else out
 
 
-@pytest.mark.parametrize("mb", [1, 2])
-@pytest.mark.parametrize("axes", CASES, ids=lambda a: "x".join(f"{k}{v}" for k, v in a.items()))
-@pytest.mark.parametrize("make", [lambda: our_llama(num_hidden_layers=4),
-                                  lambda: hf_llama(layers=4)], ids=["ours", "hf"])
+def _case_id(make: str, axes: dict, mb: int) -> str:
+    return f"{make}-" + "x".join(f"{k}{v}" for k, v in axes.items()) + f"-{mb}"
+
+
+# HF's Llama (what users run) on every mesh, with and without microbatches; the bundled Llama
+# (also pipelined by tests/test_seed_llama.py) on the deepest and the widest mesh
+PIPELINE_CASES = [("hf", axes, mb) for axes in CASES for mb in (1, 2)] + [
+    ("ours", dict(pp=4), 2), ("ours", dict(dp=2, tp=2, pp=2), 1)]
+
+
+@pytest.mark.parametrize("make,axes,mb", PIPELINE_CASES,
+                         ids=[_case_id(*c) for c in PIPELINE_CASES])
 def test_llama_pipeline(make, axes, mb):
-    model = make()
+    model = our_llama(num_hidden_layers=4) if make == "ours" else hf_llama(layers=4)
     ids = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(0))
     pm = fxshard.parallelize(model, mesh(**axes), microbatches=mb)
     torch.testing.assert_close(_logits(pm(ids)), _logits(model(ids)), **TOL)
