@@ -47,7 +47,9 @@ def _cases(rank: int, report: dict) -> None:
         "code": pm._last.compiled[0].module.code,   # what Inductor compiled
         "rank_code": pm.rank_module(rank).code,
     }
+    start = time.monotonic()
     report["ulysses"] = _ulysses_lowered(model, ids, want, rank)
+    report["seconds"]["ulysses_lowered"] = round(time.monotonic() - start, 1)
     start = time.monotonic()
     inner, regions = fxshard.backend(mesh), []
 
