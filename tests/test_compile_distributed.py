@@ -47,6 +47,7 @@ def _cases(rank: int, report: dict) -> None:
         "code": pm._last.compiled[0].module.code,   # what Inductor compiled
         "rank_code": pm.rank_module(rank).code,
     }
+    report["lowerings"] = _collective_lowerings(mesh, rank)
     start = time.monotonic()
     report["ulysses"] = _ulysses_lowered(model, ids, want, rank)
     report["seconds"]["ulysses_lowered"] = round(time.monotonic() - start, 1)
@@ -71,6 +72,39 @@ def _cases(rank: int, report: dict) -> None:
         "compiled_stages": sorted(region._last.compiled),
         "code": region._last.compiled[0].module.code,
     }
+
+
+LOWERING_CASES = [("all_reduce", ()), *(("all_gather", (d,)) for d in (0, 1, 2, -1)),
+                  *(("reduce_scatter", (d,)) for d in (0, 1, -1)),
+                  *(("all_to_all", dims) for dims in ((0, 1), (1, 0), (2, 0), (0, 2), (1, 2),
+                                                      (2, 1), (-1, 1)))]
+
+
+def _collective_lowerings(mesh, rank: int) -> dict:
+    """Every lowered collective (each dim, split/concat pair) on an uneven [4, 6, 10] tensor:
+    ``fxshard.compile._native_collectives``' functional-collective graph, run eagerly, against
+    the ``fxshard::*`` op on ``DistributedBackend``. Returns case -> max |difference|."""
+    import torch.fx as fx
+
+    from fxshard.compile import _native_collectives
+    from fxshard.runtime import backend_for, use_backend
+
+    x = torch.randn(4, 6, 10, generator=torch.Generator().manual_seed(rank))
+    result = {}
+    for name, dims in LOWERING_CASES:
+        graph = fx.Graph()
+        ph = graph.placeholder("x")
+        ph.meta["val"] = x
+        graph.output(graph.call_function(getattr(torch.ops.fxshard, name).default,
+                                         (ph, *dims, "tp", 2)))
+        gm = fx.GraphModule(torch.nn.Module(), graph)
+        with use_backend(backend_for(mesh)):
+            want = gm(x)
+        lowered = _native_collectives(gm, {"tp": mesh.get_group("tp").group_name})
+        got = gm(x)
+        ok = lowered == 1 and "fxshard" not in gm.code and got.shape == want.shape
+        result[f"{name}{dims}"] = float((got - want).abs().max()) if ok else float("nan")
+    return result
 
 
 def _ulysses_lowered(model, ids, want, rank: int) -> dict:
@@ -137,6 +171,7 @@ def test_compiled_programs_on_gloo_match_model_and_eager(reports):
         rank_code = p["rank_code"]                  # the readable program is unchanged
         assert rank_code.count("torch.ops.fxshard.reduce_scatter.default(") == 2
         assert rank_code.count("torch.ops.fxshard.attention.default(") == 1
+        assert rep["lowerings"] == {f"{n}{d}": 0.0 for n, d in LOWERING_CASES}, rep["lowerings"]
         u = rep["ulysses"]                          # 4 all-to-alls, the logits' all-gather
         assert u["vs_model"] < 1e-4 and u["lowered"] == 5, (r, u["vs_model"], u["lowered"])
         assert u["code"].count("_c10d_functional.all_to_all_single.default(") == 4, u["code"]
