@@ -41,7 +41,7 @@ from .runtime.aten_bindings import aten_binding
 from .runtime.library import direct_kernel
 from .runtime.ops import all_reduce_consuming
 
-__all__ = ["CompiledStage", "compile_stage", "eager_stage"]
+__all__ = ["CompiledStage", "compile_stage", "eager_stage", "inductor_graph"]
 
 
 def _weights_as_inputs(program: Program) -> tuple[fx.GraphModule, list[str]]:
@@ -378,6 +378,21 @@ def _aten_attention(gm: fx.GraphModule) -> int:
     return n
 
 
+def inductor_graph(program: Program, *, groups: dict[str, str] | None = None
+                   ) -> tuple[fx.GraphModule, list[str]]:
+    """The graph :func:`compile_stage` hands Inductor (runnable eagerly too): ``program``
+    with its weights as leading inputs (their names second), CPU attention without ``lse``
+    (:func:`_attention_out_only`) and, where aten's contract holds, as aten's flash attention
+    (:func:`_aten_attention`), and with ``groups``, collectives on those axes as torch's
+    functional collectives (:func:`_native_collectives`)."""
+    gm, names = _weights_as_inputs(program)
+    _attention_out_only(gm)
+    _aten_attention(gm)
+    if groups:
+        _native_collectives(gm, groups)
+    return gm, names
+
+
 def compile_stage(program: Program, example_module: fx.GraphModule,
                   example_inputs: list[torch.Tensor], *,
                   groups: dict[str, str] | None = None) -> CompiledStage:
@@ -386,16 +401,12 @@ def compile_stage(program: Program, example_module: fx.GraphModule,
     ``groups`` (mesh axis -> torch.distributed group name, real meshes only): lower the
     stage's collectives on those axes to torch's functional collectives
     (:func:`_native_collectives`); without it every collective stays an ``fxshard::*`` op
-    (the simulated mesh)."""
+    (the simulated mesh). The graph: :func:`inductor_graph`."""
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    gm, names = _weights_as_inputs(program)
-    _attention_out_only(gm)
-    _aten_attention(gm)
-    if groups:
-        _native_collectives(gm, groups)
+    gm, names = inductor_graph(program, groups=groups)
     example = [*_weights_of(example_module, names), *example_inputs]
     # a fake mode with a shape env, as dynamo would give: Inductor's FX graph cache needs one
     # (without it every process recompiles the same stage from scratch)
