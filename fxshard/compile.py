@@ -192,8 +192,7 @@ def _dim0_first(graph: fx.Graph, x: fx.Node, dim: int) -> fx.Node:
 def _lower_collective(graph: fx.Graph, node: fx.Node, group: str) -> fx.Node:
     """The functional-collective subgraph (inserted before ``node``) computing ``node``'s
     ``fxshard::*`` collective over the torch.distributed group ``group``."""
-    c10d, aten, op = torch.ops._c10d_functional, torch.ops.aten, node.target
-    x, ndim = node.args[0], node.args[0].meta["val"].dim()
+    c10d, aten, op, x = torch.ops._c10d_functional, torch.ops.aten, node.target, node.args[0]
 
     def wait(n: fx.Node) -> fx.Node:
         return graph.call_function(c10d.wait_tensor.default, (n,))
@@ -204,6 +203,7 @@ def _lower_collective(graph: fx.Graph, node: fx.Node, group: str) -> fx.Node:
 
     if op is torch.ops.fxshard.all_reduce.default:
         return wait(graph.call_function(c10d.all_reduce.default, (x, "sum", group)))
+    ndim = x.meta["val"].dim()
     if op is torch.ops.fxshard.all_gather.default:
         _, dim, _, size = node.args
         out = wait(graph.call_function(c10d.all_gather_into_tensor.default, (x, size, group)))
@@ -265,8 +265,10 @@ def _native_collectives(gm: fx.GraphModule, groups: dict[str, str]) -> int:
     graph, n = gm.graph, 0
     for node in list(graph.nodes):
         if (node.op != "call_function" or node.target not in _LOWERED_COLLECTIVES
+                or node.kwargs or len(node.args) != len(node.target._schema.arguments)
                 or not isinstance(node.args[0], fx.Node)
-                or not isinstance(node.args[0].meta.get("val"), torch.Tensor)):
+                or (node.target is not torch.ops.fxshard.all_reduce.default
+                    and not isinstance(node.args[0].meta.get("val"), torch.Tensor))):
             continue
         axis = node.args[1] if node.target is torch.ops.fxshard.all_reduce.default else \
             node.args[-2]
