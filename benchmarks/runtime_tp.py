@@ -37,6 +37,11 @@ input ids. Variants:
   fxshard compiled   ``fxshard.parallelize(model, mesh, example_inputs=(ids,), compile=True)``:
                      the rank program compiled by Inductor (``fxshard.compile``), called as
                      ``pm(ids)``.
+  fxshard compiled fxattn (diag.)
+                     the same with ``fxshard.compile._aten_attention`` switched off (patched
+                     here): attention stays the ``fxshard::attention_out`` custom op inside
+                     Inductor instead of aten's CPU flash attention (the code before issue 9's
+                     attention lowering; an A/B of that lowering in one run).
   megatron compiled  the hand-written Megatron forward under ``torch.compile`` (Inductor;
                      dynamo traces its ``dist.*`` collectives).
   dtensor            ``torch.distributed.tensor.parallel.parallelize_module`` on a copy of the
@@ -57,7 +62,8 @@ on one rank's shapes.
 Compile cost: seconds from the call to the first output (tracing, passes, Inductor, both ranks
 waiting for each other) for fxshard eager and compiled, Megatron under ``torch.compile`` and
 ``torch.compile`` of the unsharded model (rank 0 alone). ``--no-compile`` skips the compiled
-variants.
+variants; ``--only "fxshard compiled,megatron compiled"`` times only those variants (and the
+baseline), e.g. to run the compiled rows for more rounds on a shared machine.
 Numbers and environment go to ``--json`` (default ``benchmarks/runtime_tp.json``).
 """
 from __future__ import annotations
@@ -74,6 +80,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -87,12 +94,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from megatron_slices import cols, layer_slices, rows  # noqa: E402  (this folder)
 
 import fxshard  # noqa: E402
+import fxshard.compile  # noqa: E402  (the diagnostic variant patches its attention lowering)
 from fxshard.models.llama import (LlamaConfig, LlamaForCausalLM, apply_rotary_pos_emb,  # noqa: E402
                                   rope_cos_sin)
 
 TOL = 1e-4
 TP = 2
 BASELINE = "megatron"
+DIAG_ATTENTION = "fxshard compiled fxattn (diag.)"
 
 
 def make_config(args) -> LlamaConfig:
@@ -352,6 +361,9 @@ def _run(rank: int, args) -> None:
                 return module(ids)
         return call
 
+    def wanted(name: str) -> bool:
+        return args.only is None or name == BASELINE or name in args.only
+
     compile_s = {"fxshard eager (parallelize + first forward)": None}
     with torch.no_grad():
         dist.barrier()
@@ -374,6 +386,12 @@ def _run(rank: int, args) -> None:
             pm_c(ids)
             compile_s["fxshard compiled (parallelize + Inductor + first forward)"] = \
                 time.perf_counter() - t0
+            if wanted(DIAG_ATTENTION):
+                with mock.patch.object(fxshard.compile, "_aten_attention", lambda gm: 0):
+                    pm_c_attn = fxshard.parallelize(model, mesh, example_inputs=(ids,),
+                                                    compile=True)
+                    pm_c_attn(ids)
+                variants[DIAG_ATTENTION] = lambda: pm_c_attn(ids)
             dist.barrier()
             t0 = time.perf_counter()
             megatron_c = torch.compile(megatron.__call__)
@@ -398,6 +416,8 @@ def _run(rank: int, args) -> None:
     if not all(ok_all):
         variants.pop("dtensor", None)
         notes.setdefault("dtensor", "failed to build on another rank")
+    for name in [n for n in variants if not wanted(n)]:
+        variants.pop(name)
 
     with torch.no_grad():
         ref = model(ids)
@@ -530,8 +550,10 @@ def _run(rank: int, args) -> None:
     d = results.get("dtensor", {}).get("median_ms")
     met_a = g is not None and g <= 1.05
     met_b = d is not None and results["fxshard pm(ids)"]["median_ms"] < d
-    print(f"target: fxshard pm / megatron = {g:.3f} (<= 1.05: {'met' if met_a else 'NOT met'}); "
-          f"fxshard < dtensor: {'met' if met_b else 'NOT met' if d else 'n/a'}")
+    if g is not None:
+        print(f"target: fxshard pm / megatron = {g:.3f} (<= 1.05: "
+              f"{'met' if met_a else 'NOT met'}); "
+              f"fxshard < dtensor: {'met' if met_b else 'NOT met' if d else 'n/a'}")
     report["target_met"] = {"ratio_le_1.05": met_a, "beats_dtensor": met_b}
     fc = results.get("fxshard compiled", {}).get("median_ms")
     mc = results.get("megatron compiled", {}).get("median_ms")
@@ -563,13 +585,13 @@ def _cpu_model() -> str:
 
 
 def format_table(results) -> str:
-    lines = [f"{'variant':<26} {'median ms':>9} {'p10':>7} {'p90':>7} {'vs megatron':>11} "
+    lines = [f"{'variant':<31} {'median ms':>9} {'p10':>7} {'p90':>7} {'vs megatron':>11} "
              f"{'p10 vs meg.':>11} {'CPU ms':>7} {'CPU vs meg.':>11} {'max |err|':>9}"]
     for name, r in results.items():
         if r.get("skipped"):
-            lines.append(f"{name:<26} {'skipped':>9}{'':>60} {r['max_abs_err']:>9.2e}")
+            lines.append(f"{name:<31} {'skipped':>9}{'':>60} {r['max_abs_err']:>9.2e}")
             continue
-        lines.append(f"{name:<26} {r['median_ms']:>9.3f} {r['p10_ms']:>7.3f} {r['p90_ms']:>7.3f} "
+        lines.append(f"{name:<31} {r['median_ms']:>9.3f} {r['p10_ms']:>7.3f} {r['p90_ms']:>7.3f} "
                      f"{r['ratio_to_megatron']:>11.3f} {r['p10_ratio_to_megatron']:>11.3f} "
                      f"{r['cpu_ms_rank0']:>7.3f} {r['cpu_ratio_to_megatron']:>11.3f} "
                      f"{r['max_abs_err']:>9.2e}")
@@ -597,6 +619,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--no-compile", dest="compile", action="store_false",
                     help="skip the Inductor variants (fxshard compiled, megatron compiled)")
+    ap.add_argument("--only", type=lambda v: [x.strip() for x in v.split(",")], default=None,
+                    help="comma-separated variants to time (megatron is always timed)")
     ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "runtime_tp.json"))
     args = ap.parse_args()
     args.loadavg_before = os.getloadavg()[0]  # other work on the machine skews the numbers

@@ -176,6 +176,12 @@ def test_backend_compiles_rank_programs_with_inductor():
     assert len({id(c.runners[r][1]) for r in range(4)}) == 4     # bound to each rank's weights
     assert pm.explain().counts(0)[("all_reduce", "tp")] == 2
     torch.testing.assert_close(compiled(ids), model(ids), **TOL)
+    # Inductor got aten's CPU flash attention (as compiled hand-written code has), the
+    # readable rank program still shows fxshard's op
+    assert c.compiled[0].module.code.count(
+        "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(") == 1
+    assert "fxshard.attention" not in c.compiled[0].module.code
+    assert pm.rank_module(0).code.count("torch.ops.fxshard.attention.default(") == 1
 
 
 def test_parallelize_compile_matches_eager_with_pipeline():
@@ -188,3 +194,5 @@ def test_parallelize_compile_matches_eager_with_pipeline():
     torch.testing.assert_close(out, eager(ids), **TOL)
     torch.testing.assert_close(out, model(ids), **TOL)
     assert sorted(pm._last.compiled) == [0, 1]                   # one per stage
+    for stage in pm._last.compiled.values():
+        assert "_scaled_dot_product_flash_attention_for_cpu.default(" in stage.module.code
