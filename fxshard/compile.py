@@ -169,11 +169,14 @@ def eager_stage(program: Program) -> CompiledStage:
     per program and shared by the ranks of its stage; :meth:`CompiledStage.bind` gives each
     rank its callable): the rank GraphModule's code, without its per-call weight reads,
     ``nn.Module.__call__`` and ``OpOverload.__call__`` frames, with all-reduces that sum
-    into their dead inputs (:func:`fxshard.runtime.ops.all_reduce_consuming`) and CPU
-    attention without ``lse`` where nothing reads it (:func:`_attention_out_only`)."""
+    into their dead inputs (:func:`fxshard.runtime.ops.all_reduce_consuming`), CPU
+    attention without ``lse`` where nothing reads it (:func:`_attention_out_only`), and CPU
+    attention with aten's contract as aten's flash kernel (:func:`_aten_attention`: what the
+    single-device model's SDPA runs, without fxshard's per-call checks)."""
     if program.eager is None:
         gm, names = _weights_as_inputs(program)
         _attention_out_only(gm)
+        _aten_attention(gm)
         _consume_dead_inputs(gm)
         program.eager = CompiledStage(fn=_direct_forward(gm), names=names, module=gm)
     return program.eager
@@ -341,7 +344,8 @@ def _aten_attention(gm: fx.GraphModule) -> int:
     contiguous ``out`` only differs in strides, so graphs with ``as_strided`` are left alone),
     ``lse`` is cast to float32 (fxshard's contract) for float64 inputs. Non-finite inputs
     follow aten (a row of NaN queries gives 0, as the single-device model calling SDPA on
-    CPU gives), not fxshard's eager exact path (NaN). Ring steps with offsets, soft-caps and
+    CPU gives), not the exact path of fxshard's kernel (NaN). Compiled and eager stages
+    (:func:`eager_stage`) both lower. Ring steps with offsets, soft-caps and
     bool masks keep the ``fxshard::*`` op."""
     graph = gm.graph
     if any(n.target is torch.ops.aten.as_strided.default for n in graph.nodes):

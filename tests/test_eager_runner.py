@@ -117,6 +117,8 @@ def _binding_cases():
         aten.arange.start_step: ((0, 32, 2), {"dtype": torch.float32,
                                               "device": torch.device("cpu"),
                                               "pin_memory": False}),
+        aten._scaled_dot_product_flash_attention_for_cpu.default: (
+            (x[None], y[None], y[None], 0.0, True), {"attn_mask": None, "scale": 0.3}),
     }
 
 
@@ -133,8 +135,10 @@ def test_every_python_binding_reaches_its_aten_overload_with_the_same_result():
         with _Recorder() as ref:
             op(*args, **kwargs)
         assert rec.calls == ref.calls, op
-        assert got.dtype == expected.dtype and got.shape == expected.shape, op
-        assert torch.equal(got, expected), op
+        for got_t, want_t in zip(*((r,) if isinstance(r, torch.Tensor) else r
+                                   for r in (got, expected))):
+            assert got_t.dtype == want_t.dtype and got_t.shape == want_t.shape, op
+            assert torch.equal(got_t, want_t), op
     assert aten_binding(aten.slice.Tensor) is None
 
 
@@ -215,11 +219,12 @@ def test_attention_out_is_attentions_out_stored_as_bshd():
     assert torch.isnan(ops.attention_out(*cases[3][0])[1, 2, 3]).all()
 
 
-def _attention_graph(read):
+def _attention_graph(read, q_offset=3):
     g = fx.Graph()
     q = g.placeholder("q")
     q.meta["val"] = torch.empty(1, 2, 5, 4)
-    att = g.call_function(ops.attention.default, (q, q, q, None, True, None, 0, 0))
+    # q_offset 3: a causal diagonal aten's flash kernel does not take (offsets 0 lower to it)
+    att = g.call_function(ops.attention.default, (q, q, q, None, True, None, q_offset, 0))
     out = g.call_function(operator.getitem, (att, 0))
     g.output((read(g, att, out),))
     return Program(graph=g)
@@ -243,5 +248,15 @@ def test_only_attention_whose_out_is_transposed_back_and_lse_unread_loses_its_ls
         targets = [n.target for n in stage.module.graph.nodes if n.op == "call_function"]
         assert (ops.attention_out.default in targets) is rewritten, name
         assert (ops.attention.default in targets) is not rewritten, name
+        with torch.no_grad():
+            torch.testing.assert_close(stage.fn(t)[0], reference(t)[0], rtol=0, atol=0)
+        # aten's contract (equal offsets): the eager runner calls aten's flash kernel itself,
+        # the op the single-device model's SDPA runs on CPU (the same bits as fxshard's fast path)
+        program = _attention_graph(read, q_offset=0)
+        reference = fx.GraphModule(torch.nn.Module(), program.graph)
+        stage = eager_stage(program)
+        targets = [n.target for n in stage.module.graph.nodes if n.op == "call_function"]
+        assert aten._scaled_dot_product_flash_attention_for_cpu.default in targets, name
+        assert not {ops.attention.default, ops.attention_out.default} & set(targets), name
         with torch.no_grad():
             torch.testing.assert_close(stage.fn(t)[0], reference(t)[0], rtol=0, atol=0)

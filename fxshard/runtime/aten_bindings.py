@@ -62,6 +62,8 @@ _BINDINGS: dict = {   # registry: ATen overload -> its Python binding
     _aten.where.self: torch.where,
     _aten.arange.default: torch.arange,
     _aten.arange.start_step: torch.arange,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default:
+        torch._scaled_dot_product_flash_attention_for_cpu,
 }
 
 
