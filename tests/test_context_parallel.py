@@ -49,14 +49,23 @@ def _rows(t: torch.Tensor, j: int, n: int, zigzag: bool) -> torch.Tensor:
     return torch.cat([pieces[j], pieces[2 * n - 1 - j]], dim=2)
 
 
+def _usp_rows(t: torch.Tensor, j: int, n: int, zigzag: bool, segments: int) -> torch.Tensor:
+    """Ring rank j's rows when the sequence is ``segments`` parts (USP: one per Ulysses
+    coordinate), each laid out over the ring like a whole sequence."""
+    return torch.cat([_rows(p, j, n, zigzag) for p in t.chunk(segments, dim=2)], dim=2)
+
+
 @given(n=st.sampled_from([2, 3]), zigzag=st.booleans(), is_bool=st.booleans(),
-       shape=st.sampled_from(["11SS", "B1SS", "BHSS", "SS", "B11S"]), seed=st.integers(0, 99))
-def test_ring_attention_with_a_mask_matches_the_whole_attention(n, zigzag, is_bool, shape, seed):
-    """A mask sharded by query rows like q (zigzag or contiguous), all key columns: each ring
-    step slices the visiting chunk's columns. Bool masks include fully masked rows (out 0, as
-    the unsharded kernel); float masks are a bias (checked against torch SDPA too)."""
+       shape=st.sampled_from(["11SS", "B1SS", "BHSS", "SS", "B11S"]), seed=st.integers(0, 99),
+       segments=st.sampled_from([1, 2, 3]), causal=st.booleans())
+def test_ring_attention_with_a_mask_matches_the_whole_attention(n, zigzag, is_bool, shape, seed,
+                                                                segments, causal):
+    """A mask sharded by query rows like q (zigzag or contiguous; in ``segments`` parts as USP
+    lays it out), all key columns: each ring step slices the visiting chunk's columns. Bool
+    masks include fully masked rows (out 0, as the unsharded kernel); float masks are a bias
+    (checked against torch SDPA too)."""
     g = torch.Generator().manual_seed(seed)
-    b, hq, hkv, s = 2, 4, 2, 2 * n * 3
+    b, hq, hkv, s = 2, 4, 2, 2 * n * 3 * segments
     q, k, v = (torch.randn(b, h, s, 8, generator=g) for h in (hq, hkv, hkv))
     full = {"11SS": (1, 1, s, s), "B1SS": (b, 1, s, s), "BHSS": (b, hq, s, s), "SS": (s, s),
             "B11S": (b, 1, 1, s)}[shape]
@@ -66,23 +75,26 @@ def test_ring_attention_with_a_mask_matches_the_whole_attention(n, zigzag, is_bo
             mask[..., 1, :] = False  # a row that sees no key
     else:
         mask = torch.randn(full, generator=g) * 3
-    want, _ = attention(q, k, v, mask=mask, backend="torch")
-    if not is_bool:
+    want, _ = attention(q, k, v, mask=mask, causal=causal, backend="torch")
+    if not is_bool and not causal:
         torch.testing.assert_close(want, F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=True), **TOL)
     mask4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
 
+    def local(t, j):
+        return _usp_rows(t, j, n, zigzag, segments)
+
     def rank(j):
-        m = mask if mask4.shape[2] == 1 else _rows(mask4, j, n, zigzag)
+        m = mask if mask4.shape[2] == 1 else local(mask4, j)
         m = m.reshape(m.shape[-mask.dim():])  # a 2-D mask stays 2-D
         out, _ = torch.ops.fxshard.ring_attention(
-            _rows(q, j, n, zigzag), _rows(k, j, n, zigzag), _rows(v, j, n, zigzag), False, None,
-            "ring_cp", n, 1, 0, zigzag, -1, 0.0, m)
+            local(q, j), local(k, j), local(v, j), causal, None, "ring_cp", n, segments,
+            s // segments, zigzag, -1, 0.0, m)
         return out
     with SimulatedWorld(MeshSpec((n,), ("ring_cp",))) as w:
         outs = w.run(rank)
     for j in range(n):
-        torch.testing.assert_close(outs[j], _rows(want, j, n, zigzag), **TOL)
+        torch.testing.assert_close(outs[j], local(want, j), **TOL)
 
 
 def test_ring_attention_mask_of_the_wrong_width_is_a_value_error():
