@@ -17,6 +17,19 @@ query rows like q and rides along as its ``mask`` argument::
 
     ring_attention(q, k, v, False, 0.25, 'ring_cp', 2, 1, 0, True, 0, 0.0, zigzag_shard(mask))
 
+With both CP axes (USP, ``ulysses_cp`` before ``ring_cp``) the Ulysses all-to-all hands each
+ring rank one piece of every Ulysses part (``segments`` = 2 here, ``stride`` 8); the mask's
+query rows follow q's: gathered over ``ulysses_cp`` when the mask broadcasts over heads, traded
+for its heads like q when it has them (ALiBi). Layers sharing one mask share that exchange::
+
+    mask_u = all_gather(mask, 2, 'ulysses_cp', 2)            # once, before the first layer's
+    q_u = all_to_all(q, 1, 2, 'ulysses_cp', 2)               # (k and v alike)
+    ring_attention(q_u, k_u, v_u, False, 0.25, 'ring_cp', 2, 2, 8, True, 8, 0.0, mask_u)
+    out = all_to_all(getitem, 2, 1, 'ulysses_cp', 2)
+
+(``ring_cp`` before ``ulysses_cp``: the exchange gives the ring rank its own chunk back whole,
+``segments`` = 1, for q and the mask alike.)
+
 An attention ``eager_attention_pass`` found soft-capped (Gemma-2) carries the cap in
 ``node.meta["fxshard_softcap"]``; it becomes the kernels' ``softcap`` argument. When ``tp``
 exceeds the KV heads, the KV heads arrive replicated and each rank keeps the one its query
@@ -46,6 +59,7 @@ __all__ = ["lower_attention_pass"]
 def lower_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     graph = gm.graph
     lowered = 0
+    masks: dict = {}   # (mask node, axis) -> the mask with q's USP row layout, made once
     for node in list(graph.nodes):
         if node.target is not aten.scaled_dot_product_attention.default:
             continue
@@ -81,6 +95,8 @@ def lower_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
                     kv_stride = k.meta["val"].shape[2] // n_u
                 # else ring splits first: the exchange gathers the ring rank's own chunk whole
                 q = _heads_for_sequence(graph, q, ulysses, n_u, ctx.mesh)
+                if mask is not None:
+                    mask = _mask_rows_for_heads(graph, mask, ulysses, n_u, ctx.mesh, masks)
                 if notes.get("ulysses_kv_gather"):
                     k, v = (_pick_kv_heads(graph, _gather_sequence(graph, t, ulysses, n_u,
                                                                    ctx.mesh),
@@ -88,17 +104,7 @@ def lower_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
                 else:
                     k, v = (_heads_for_sequence(graph, t, ulysses, n_u, ctx.mesh)
                             for t in (k, v))
-            if ring is None and mask is not None and ctx.mesh.axis_size("ring_cp") > 1 \
-                    and ctx.split_sequence:
-                if ctx.strict:
-                    raise NotImplementedError(
-                        f"fxshard.parallelize(strict=True): attention at {node.name} on mesh "
-                        f"{ctx.mesh.describe()} has {_MASK_GATHERED}. Use ulysses_cp alone "
-                        f"(it splits heads, the mask stays whole), ring_cp alone (the mask "
-                        f"rides the ring by rows), or drop strict=True.")
-                ctx.gathered.append((node.name, _MASK_GATHERED))
             if ring is not None:
-                assert mask is None or ulysses is None, node.format_node()
                 masked = (softcap, mask) if mask is not None else capped
                 att = graph.call_function(
                     torch.ops.fxshard.ring_attention.default,
@@ -127,12 +133,6 @@ def lower_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
         gm.recompile()
     ctx.report("lower_attention_pass", f"lowered {lowered} attention ops")
     return gm
-
-
-_MASK_GATHERED = ("an explicit mask that is not the causal one (a sliding window, an ALiBi "
-                  "bias) with both ulysses_cp and ring_cp: q, K and V are gathered along the "
-                  "sequence on ring_cp and attended whole (ring attention inside USP takes no "
-                  "mask; exact, not load-balanced)")
 
 
 def _pick_kv_heads(graph: fx.Graph, t: fx.Node, axis: str, size: int, mesh) -> fx.Node:
@@ -168,6 +168,32 @@ def _heads_for_sequence(graph: fx.Graph, t: fx.Node, axis: str, size: int, mesh)
     the spec written here only sizes the local block."""
     out = graph.call_function(collective_target("all_to_all"), (t, 1, 2, axis, size))
     return _relabel(out, t, axis, Shard(1), mesh)
+
+
+def _mask_rows_for_heads(graph: fx.Graph, mask: fx.Node, axis: str, size: int, mesh,
+                         memo: dict) -> fx.Node:
+    """USP: the mask's query rows take q's layout after ``_heads_for_sequence``. Rows sharded on
+    ``axis`` are gathered (heads dim broadcast) or traded for the mask's heads (all-to-all, as
+    q; ALiBi's per-head bias); a broadcast row stays. Once per (mask, axis): the layers that
+    share a mask share its exchange (``memo``)."""
+    if (mask, axis) not in memo:
+        val = mask.meta["val"]
+        rows, heads = val.dim() - 2, val.dim() - 3
+        here = mask.meta["fxshard_spec"][mesh.axis_names.index(axis)]
+        if not isinstance(here, Shard):
+            assert val.shape[rows] == 1, mask.format_node()  # one row for every query
+            out = mask
+        elif heads >= 0 and val.shape[heads] > 1:
+            assert here.dim == rows, mask.format_node()
+            out = graph.call_function(collective_target("all_to_all"),
+                                      (mask, heads, rows, axis, size))
+            _relabel(out, mask, axis, Shard(heads), mesh)
+        else:
+            assert here.dim == rows, mask.format_node()
+            out = graph.call_function(collective_target("all_gather"), (mask, rows, axis, size))
+            _relabel(out, mask, axis, torch.distributed.tensor.Replicate(), mesh)
+        memo[(mask, axis)] = out
+    return memo[(mask, axis)]
 
 
 def _gather_sequence(graph: fx.Graph, t: fx.Node, axis: str, size: int, mesh) -> fx.Node:
