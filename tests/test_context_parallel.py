@@ -239,6 +239,58 @@ def test_usp_ulysses_inside_ring_outside():
                                      ("ring_attention", "ring_cp"): 1}
 
 
+class _BiasedAttention(torch.nn.Module):
+    """Two attention layers sharing one mask computed from the sequence-sharded activations,
+    ``bias[b, h, i, j] = a[b, h, i] * c[b, h, j]`` (per head, or one for all heads): the mask
+    arrives sharded by rows (not a slice of a whole one), so USP must move its rows."""
+
+    def __init__(self, per_head: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(64, 32)
+        self.ac = torch.nn.Linear(32, 8 if per_head else 2)
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(32, 96) for _ in range(2))
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        b, s, _ = x.shape
+        a, c = self.ac(x).view(b, s, 2, -1).unbind(2)
+        bias = a.transpose(1, 2)[..., None] * c.transpose(1, 2)[:, :, None, :]
+        for layer in self.qkv:
+            q, k, v = layer(x).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+            x = x + o.transpose(1, 2).reshape(b, s, 32)
+        return x
+
+
+@pytest.mark.parametrize("per_head,order,zigzag", [
+    (True, ("ulysses_cp", "ring_cp"), True), (False, ("ring_cp", "ulysses_cp"), False)],
+    ids=["per_head-u2r2", "broadcast-r2u2-contiguous"])
+def test_usp_moves_a_sharded_mask_once_for_all_layers(per_head, order, zigzag):
+    """A mask computed sharded by rows: USP trades its rows for heads (all-to-all, like q) or
+    gathers them (heads broadcast) on ulysses_cp, once for both layers; ring attention gets
+    it (segments 2 or 1), strict=True accepts it and the values equal one device."""
+    model = _BiasedAttention(per_head).eval()
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    pm = fxshard.parallelize(model, fxshard.init_device_mesh("cpu", (2, 2),
+                                                             mesh_dim_names=order),
+                             strict=True, ring_zigzag=zigzag)
+    with torch.no_grad():
+        torch.testing.assert_close(pm(ids), model(ids), **TOL)
+    lines = pm.rank_module(0).code.splitlines()
+    calls = [ln for ln in lines if "fxshard.ring_attention.default(" in ln]
+    masks = {c.split("(")[1].split(")")[0].split(", ")[-1] for c in calls}
+    exchange = "all_to_all" if per_head else "all_gather"
+    assert len(calls) == 2 and len(masks) == 1 and masks.pop().startswith(exchange), calls
+    ulysses = [ln for ln in lines if "'ulysses_cp'" in ln and "fxshard.all_" in ln]
+    # q, k, v, out: 4 all-to-alls a layer; all-gathers: the output, c (the mask's key
+    # columns, whole); one exchange of the mask's rows
+    assert sum("all_to_all" in ln for ln in ulysses) == 8 + per_head, ulysses
+    assert sum("all_gather" in ln for ln in ulysses) == 2 + (not per_head), ulysses
+    assert not pm.explain().gathered
+    pm.close()
+
+
 @pytest.mark.parametrize("zigzag", [True, False])
 @pytest.mark.parametrize("order", list(__import__("itertools").permutations(
     ("tp", "ulysses_cp", "ring_cp"))), ids="-".join)
