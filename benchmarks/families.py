@@ -13,6 +13,11 @@ dp=2*tp=2, tp=2 with sequence parallelism and tp=2*ring_cp=2, print:
 
     python benchmarks/families.py            # ~5 minutes on 2 CPU cores
     python benchmarks/families.py gpt2 olmo2 # only these families
+    python benchmarks/families.py --usp mistral gemma2 bloom   # USP meshes instead
+
+``--usp`` runs the meshes with both context-parallel axes (ulysses2·ring2, tp2·ulysses2·ring2)
+instead; for those the collectives column also counts the distinct masks ring attention takes
+and how many of them a collective moved (0: each rank cuts its rows from the whole mask).
 """
 from __future__ import annotations
 
@@ -27,16 +32,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fxshard  # noqa: E402
 from fxshard.passes.rules import FallbackWarning  # noqa: E402
 from tests.families import FAMILIES, bloom, collectives_by_kind, gemma2, \
-    layer_param_fraction, llama_eager, mixtral, qwen2_moe  # noqa: E402
+    layer_param_fraction, llama_eager, mistral, mixtral, qwen2_moe  # noqa: E402
 
 MESHES = {"tp2": (dict(tp=2), False), "dp2·tp2": (dict(dp=2, tp=2), False),
           "tp2+SP": (dict(tp=2), True), "tp2·ring2": (dict(tp=2, ring_cp=2), False)}
+USP_MESHES = {"ulysses2·ring2": (dict(ulysses_cp=2, ring_cp=2), False),
+              "tp2·ulysses2·ring2": (dict(tp=2, ulysses_cp=2, ring_cp=2), False)}
 
 
 EXTRA = {"llama (eager attention)": ("matmul -> softmax -> matmul attention, recognised as "
                                      "SDPA", llama_eager),
          "gemma2": ("eager attention with tanh soft-capped scores, lowered with the cap "
                     "(sliding window 4096 > the 16 tokens here)", gemma2),
+         "gemma2 (window 5)": ("Gemma-2 with a sliding window of 5 < 16 tokens: layer 0 "
+                               "attends with an explicit banded mask, layer 1 causal",
+                               lambda layers: gemma2(layers, sliding_window=5)),
+         "mistral": ("SDPA with a sliding window of 5 < 16 tokens: one explicit banded mask "
+                     "that every layer shares", mistral),
          "bloom": ("ALiBi via baddbmm on heads merged into the batch [B*H, S, D], fused "
                    "query_key_value: SDPA with the bias in the mask (on ring_cp the mask rides "
                    "the ring by query rows)", bloom),
@@ -59,18 +71,30 @@ def run(build, layers: int, axes: dict, sp: bool, ids):
     return model, pm, (got - want).abs().max().item(), fallbacks
 
 
+def mask_exchanges(pm) -> tuple[int, int]:
+    """Distinct masks rank 0's ring attentions take, and how many a collective made."""
+    masks = {n.args[12] for n in pm.rank_module(0).graph.nodes
+             if n.target is torch.ops.fxshard.ring_attention.default and len(n.args) > 12}
+    moved = sum(str(m.target).split(".")[1] in ("all_gather", "all_to_all") for m in masks)
+    return len(masks), moved
+
+
 def main() -> None:
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     rows = []
     families = {k: v[:2] for k, v in FAMILIES.items()} | EXTRA
-    if sys.argv[1:]:
-        families = {k: v for k, v in families.items() if k.split()[0] in sys.argv[1:]}
+    args = sys.argv[1:]
+    meshes = USP_MESHES if "--usp" in args else MESHES
+    args = [a for a in args if a != "--usp"]
+    if args:
+        families = {k: v for k, v in families.items() if k.split()[0] in args}
     for name, (pattern, build) in families.items():
-        for mesh_name, (axes, sp) in MESHES.items():
+        for mesh_name, (axes, sp) in meshes.items():
             model, pm, err, fb = run(build, 2, axes, sp, ids)
             frac = layer_param_fraction(pm, model)
             replicated = len(pm.explain().replicated)
             ring = pm.rank_module(0).code.count("fxshard.ring_attention") / 2
+            masks, moved = mask_exchanges(pm)
             gathered = len(pm.explain().gathered)
             pm.close()
             per_layer = "-"
@@ -85,7 +109,8 @@ def main() -> None:
                                       for (op, kind), n in sorted(grown.items()) if n) or "none"
             elif "ring_cp" in axes:
                 per_layer = f"ring attention {ring:g}" + (
-                    f", gathered (explicit mask) {gathered / 2:g}" if gathered else "")
+                    f", gathered (explicit mask) {gathered / 2:g}" if gathered else "") + (
+                    f"; masks {masks} ({moved} moved)" if "ulysses_cp" in axes else "")
             rows.append((name, mesh_name, f"{err:.1e}", f"{frac:.3f}", per_layer, str(fb),
                          str(replicated)))
             print(" | ".join(rows[-1]), file=sys.stderr, flush=True)

@@ -84,6 +84,15 @@ def gemma2(layers: int, *, sliding_window: int = 4096):
     return model
 
 
+def mistral(layers: int, *, sliding_window: int = 5):
+    """Mistral with SDPA and a sliding window shorter than the tests' 16 tokens: every layer
+    attends with one explicit (banded causal) mask, shared by all layers."""
+    import transformers as T
+    return _make(T.MistralForCausalLM, T.MistralConfig(
+        intermediate_size=128, num_key_value_heads=2, sliding_window=sliding_window,
+        **_common(layers)))
+
+
 def bloom(layers: int):
     """BLOOM: ALiBi through ``baddbmm`` with heads merged into the batch (``[B*H, S, D]``),
     fused ``query_key_value`` viewed as ``[B, S, H, 3, D]``; eager attention only."""

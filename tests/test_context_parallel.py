@@ -49,14 +49,23 @@ def _rows(t: torch.Tensor, j: int, n: int, zigzag: bool) -> torch.Tensor:
     return torch.cat([pieces[j], pieces[2 * n - 1 - j]], dim=2)
 
 
+def _usp_rows(t: torch.Tensor, j: int, n: int, zigzag: bool, segments: int) -> torch.Tensor:
+    """Ring rank j's rows when the sequence is ``segments`` parts (USP: one per Ulysses
+    coordinate), each laid out over the ring like a whole sequence."""
+    return torch.cat([_rows(p, j, n, zigzag) for p in t.chunk(segments, dim=2)], dim=2)
+
+
 @given(n=st.sampled_from([2, 3]), zigzag=st.booleans(), is_bool=st.booleans(),
-       shape=st.sampled_from(["11SS", "B1SS", "BHSS", "SS", "B11S"]), seed=st.integers(0, 99))
-def test_ring_attention_with_a_mask_matches_the_whole_attention(n, zigzag, is_bool, shape, seed):
-    """A mask sharded by query rows like q (zigzag or contiguous), all key columns: each ring
-    step slices the visiting chunk's columns. Bool masks include fully masked rows (out 0, as
-    the unsharded kernel); float masks are a bias (checked against torch SDPA too)."""
+       shape=st.sampled_from(["11SS", "B1SS", "BHSS", "SS", "B11S"]), seed=st.integers(0, 99),
+       segments=st.sampled_from([1, 2, 3]), causal=st.booleans())
+def test_ring_attention_with_a_mask_matches_the_whole_attention(n, zigzag, is_bool, shape, seed,
+                                                                segments, causal):
+    """A mask sharded by query rows like q (zigzag or contiguous; in ``segments`` parts as USP
+    lays it out), all key columns: each ring step slices the visiting chunk's columns. Bool
+    masks include fully masked rows (out 0, as the unsharded kernel); float masks are a bias
+    (checked against torch SDPA too)."""
     g = torch.Generator().manual_seed(seed)
-    b, hq, hkv, s = 2, 4, 2, 2 * n * 3
+    b, hq, hkv, s = 2, 4, 2, 2 * n * 3 * segments
     q, k, v = (torch.randn(b, h, s, 8, generator=g) for h in (hq, hkv, hkv))
     full = {"11SS": (1, 1, s, s), "B1SS": (b, 1, s, s), "BHSS": (b, hq, s, s), "SS": (s, s),
             "B11S": (b, 1, 1, s)}[shape]
@@ -66,23 +75,26 @@ def test_ring_attention_with_a_mask_matches_the_whole_attention(n, zigzag, is_bo
             mask[..., 1, :] = False  # a row that sees no key
     else:
         mask = torch.randn(full, generator=g) * 3
-    want, _ = attention(q, k, v, mask=mask, backend="torch")
-    if not is_bool:
+    want, _ = attention(q, k, v, mask=mask, causal=causal, backend="torch")
+    if not is_bool and not causal:
         torch.testing.assert_close(want, F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=True), **TOL)
     mask4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
 
+    def local(t, j):
+        return _usp_rows(t, j, n, zigzag, segments)
+
     def rank(j):
-        m = mask if mask4.shape[2] == 1 else _rows(mask4, j, n, zigzag)
+        m = mask if mask4.shape[2] == 1 else local(mask4, j)
         m = m.reshape(m.shape[-mask.dim():])  # a 2-D mask stays 2-D
         out, _ = torch.ops.fxshard.ring_attention(
-            _rows(q, j, n, zigzag), _rows(k, j, n, zigzag), _rows(v, j, n, zigzag), False, None,
-            "ring_cp", n, 1, 0, zigzag, -1, 0.0, m)
+            local(q, j), local(k, j), local(v, j), causal, None, "ring_cp", n, segments,
+            s // segments, zigzag, -1, 0.0, m)
         return out
     with SimulatedWorld(MeshSpec((n,), ("ring_cp",))) as w:
         outs = w.run(rank)
     for j in range(n):
-        torch.testing.assert_close(outs[j], _rows(want, j, n, zigzag), **TOL)
+        torch.testing.assert_close(outs[j], local(want, j), **TOL)
 
 
 def test_ring_attention_mask_of_the_wrong_width_is_a_value_error():
@@ -225,6 +237,58 @@ def test_usp_ulysses_inside_ring_outside():
         counts[layers] = pm.explain().counts(0)
     assert counts[2] - counts[1] == {("all_to_all", "ulysses_cp"): 4,
                                      ("ring_attention", "ring_cp"): 1}
+
+
+class _BiasedAttention(torch.nn.Module):
+    """Two attention layers sharing one mask computed from the sequence-sharded activations,
+    ``bias[b, h, i, j] = a[b, h, i] * c[b, h, j]`` (per head, or one for all heads): the mask
+    arrives sharded by rows (not a slice of a whole one), so USP must move its rows."""
+
+    def __init__(self, per_head: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(64, 32)
+        self.ac = torch.nn.Linear(32, 8 if per_head else 2)
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(32, 96) for _ in range(2))
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        b, s, _ = x.shape
+        a, c = self.ac(x).view(b, s, 2, -1).unbind(2)
+        bias = a.transpose(1, 2)[..., None] * c.transpose(1, 2)[:, :, None, :]
+        for layer in self.qkv:
+            q, k, v = layer(x).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+            x = x + o.transpose(1, 2).reshape(b, s, 32)
+        return x
+
+
+@pytest.mark.parametrize("per_head,order,zigzag", [
+    (True, ("ulysses_cp", "ring_cp"), True), (False, ("ring_cp", "ulysses_cp"), False)],
+    ids=["per_head-u2r2", "broadcast-r2u2-contiguous"])
+def test_usp_moves_a_sharded_mask_once_for_all_layers(per_head, order, zigzag):
+    """A mask computed sharded by rows: USP trades its rows for heads (all-to-all, like q) or
+    gathers them (heads broadcast) on ulysses_cp, once for both layers; ring attention gets
+    it (segments 2 or 1), strict=True accepts it and the values equal one device."""
+    model = _BiasedAttention(per_head).eval()
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    pm = fxshard.parallelize(model, fxshard.init_device_mesh("cpu", (2, 2),
+                                                             mesh_dim_names=order),
+                             strict=True, ring_zigzag=zigzag)
+    with torch.no_grad():
+        torch.testing.assert_close(pm(ids), model(ids), **TOL)
+    lines = pm.rank_module(0).code.splitlines()
+    calls = [ln for ln in lines if "fxshard.ring_attention.default(" in ln]
+    masks = {c.split("(")[1].split(")")[0].split(", ")[-1] for c in calls}
+    exchange = "all_to_all" if per_head else "all_gather"
+    assert len(calls) == 2 and len(masks) == 1 and masks.pop().startswith(exchange), calls
+    ulysses = [ln for ln in lines if "'ulysses_cp'" in ln and "fxshard.all_" in ln]
+    # q, k, v, out: 4 all-to-alls a layer; all-gathers: the output, c (the mask's key
+    # columns, whole); one exchange of the mask's rows
+    assert sum("all_to_all" in ln for ln in ulysses) == 8 + per_head, ulysses
+    assert sum("all_gather" in ln for ln in ulysses) == 2 + (not per_head), ulysses
+    assert not pm.explain().gathered
+    pm.close()
 
 
 @pytest.mark.parametrize("zigzag", [True, False])

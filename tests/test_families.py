@@ -193,17 +193,52 @@ def test_bloom_alibi_shards_heads(mesh_name):
         pm.close()
 
 
-def test_bloom_under_usp_gathers_the_alibi_attention_and_strict_refuses():
-    """Ulysses inside ring (USP) takes no mask: the masked attention is gathered on ring_cp,
-    and strict=True says so."""
-    from tests.families import bloom
+USP_MASKED = {
+    # family, mesh (in mesh order), ulysses_cp collectives in rank 0's program: 4 all-to-alls
+    # a layer; all-gathers: the logits (+ K and V per layer when tp leaves 1 KV head for 2
+    # ulysses ranks). None moves a mask: HF builds it whole, so it is re-sliced locally.
+    "bloom-u2r2": ("bloom", dict(ulysses_cp=2, ring_cp=2), 8, 1),
+    "bloom-tp2u2r2": ("bloom", dict(tp=2, ulysses_cp=2, ring_cp=2), 8, 1),
+    "mistral-u2r2": ("mistral", dict(ulysses_cp=2, ring_cp=2), 8, 1),
+    "mistral-r2tp2u2": ("mistral", dict(ring_cp=2, tp=2, ulysses_cp=2), 4, 1 + 2 * 2),
+}
+
+
+@pytest.mark.parametrize("case", list(USP_MASKED))
+def test_masked_attention_under_usp_runs_ring_attention(case):
+    """USP (ulysses_cp and ring_cp) with an explicit mask, strict=True: BLOOM's per-head ALiBi
+    bias and Mistral's sliding window (one mask both layers share), in both mesh orders
+    (segments 2 and 1), with tp splitting heads first. Ring attention per layer with the
+    mask, no q/K/V gathered along the sequence, no collective for the mask, values equal to
+    one device."""
+    from tests import families
+    family, axes, all_to_all, all_gather = USP_MASKED[case]
+    model = getattr(families, family)(2)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-    mesh = fxshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=("ulysses_cp", "ring_cp"))
-    with pytest.raises(NotImplementedError, match=r"strict=True\): attention at \S+ on mesh "
-                                                  r"\(ulysses_cp=2, ring_cp=2\) has an explicit "
-                                                  r"mask .*ALiBi.* with both ulysses_cp and "
-                                                  r"ring_cp"):
-        fxshard.parallelize(bloom(1), mesh, strict=True, example_inputs=(ids,))
+    with torch.no_grad():
+        want = model(ids).logits
+    pm, got = _parallel(model, axes, False, ids, strict=True)
+    try:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        code = pm.rank_module(0).code
+        lines = code.splitlines()
+        calls = [ln for ln in lines if "fxshard.ring_attention.default(" in ln]
+        assert len(calls) == 2 and "fxshard.attention.default(" not in code, code
+        segments = 2 if list(axes).index("ulysses_cp") < list(axes).index("ring_cp") else 1
+        assert all(f"'ring_cp', 2, {segments}, " in c for c in calls), calls
+        masks = [c.split("(")[1].split(")")[0].split(", ")[-1] for c in calls]  # last arg
+        assert all(m.startswith(("cat", "local_shard", "zigzag_shard")) for m in masks), masks
+        assert len(set(masks)) == (1 if family == "mistral" else 2), masks  # made once
+        ulysses = Counter(ln.split("fxshard.")[1].split(".")[0] for ln in lines
+                          if "'ulysses_cp'" in ln and ".default(" in ln)
+        assert (ulysses["all_to_all"], ulysses["all_gather"]) == (all_to_all, all_gather), code
+        # on ring_cp only the logits are gathered: q, K and V stay sharded
+        assert [ln for ln in lines if "'ring_cp'" in ln and "gather.default(" in ln] == \
+            [ln for ln in lines if "zigzag_gather.default(" in ln] and \
+            code.count("zigzag_gather.default(") == 1, code
+        assert not pm.explain().gathered
+    finally:
+        pm.close()
 
 
 class _ScoresChanged(torch.nn.Module):

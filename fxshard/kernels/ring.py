@@ -53,12 +53,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     it acts per score, so the logsumexp merge stays exact.
 
     ``mask`` (bool, True = attend, or additive float; broadcastable to ``[B, H, Sq, Skv]`` of
-    the *whole* sequence in its last dim): this rank's rows, laid out like ``q`` (same pieces,
-    same zigzag order), or one row broadcast to all; every key column, indexed by global key
-    position. Each step slices the columns of the key piece visiting. Rows hold all ``Skv``
-    columns, so a sharded ``[B, H, Sq/n, Skv]`` mask costs ``1/n`` of the whole mask per rank
-    (what HF's eager attention materialises anyway). Masked steps run the torch kernel (the
-    Triton path takes no mask); ``segments > 1`` (USP) takes no mask.
+    the *whole* sequence in its last dim): this rank's rows, laid out like ``q`` (same
+    segments, pieces and zigzag order: query piece ``t`` reads rows ``t*sq:(t+1)*sq``), or one
+    row broadcast to all; every key column, indexed by global key position. Each step slices
+    the columns of the key piece visiting. Rows hold all ``Skv`` columns, so a sharded
+    ``[B, H, Sq/n, Skv]`` mask costs ``1/n`` of the whole mask per rank (what HF's eager
+    attention materialises anyway). Masked steps run the torch kernel (the Triton path takes
+    no mask).
     """
     backend = current_backend(f"fxshard.ring_attention on axis {axis!r}")
     if backend.axis_size(axis) != size:
@@ -124,15 +125,15 @@ def _check_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor, segments: 
     """The mask as 4-D ``[B|1, H|1, Sq_local|1, Skv_whole|1]``, or a ValueError saying why not."""
     m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)) if mask.dim() < 4 else mask
     whole_kv = k.shape[2] * size
-    if (segments != 1 or m.dim() != 4 or m.shape[2] not in (1, q.shape[2])
+    if (m.dim() != 4 or m.shape[2] not in (1, q.shape[2])
             or m.shape[3] not in (1, whole_kv) or m.shape[0] not in (1, q.shape[0])
             or m.shape[1] not in (1, q.shape[1])):
         raise ValueError(
             f"fxshard.ring_attention on axis {axis!r} (size {size}): mask of shape "
             f"{tuple(mask.shape)} must be [B|1, H|1, Sq|1, Skv|1] with this rank's "
             f"{q.shape[2]} query rows and all {whole_kv} key columns (q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}), and segments=1 (got {segments}); shard the mask's query "
-            f"dim like q's and keep its key dim whole")
+            f"k {tuple(k.shape)}, segments={segments}); shard the mask's query dim like q's "
+            f"and keep its key dim whole")
     return m
 
 

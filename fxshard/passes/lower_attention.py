@@ -17,6 +17,27 @@ query rows like q and rides along as its ``mask`` argument::
 
     ring_attention(q, k, v, False, 0.25, 'ring_cp', 2, 1, 0, True, 0, 0.0, zigzag_shard(mask))
 
+With both CP axes (USP, ``ulysses_cp`` before ``ring_cp``) the Ulysses all-to-all hands each
+ring rank one piece of every Ulysses part (``segments`` = 2 here, ``stride`` 8); the mask's
+query rows follow q's. A mask computed sharded is gathered over ``ulysses_cp`` when it
+broadcasts over heads, or traded for its heads like q when it has them (ALiBi); layers sharing
+one mask share that exchange::
+
+    mask_u = all_gather(mask, 2, 'ulysses_cp', 2)            # once, before the first layer's
+    q_u = all_to_all(q, 1, 2, 'ulysses_cp', 2)               # (k and v alike)
+    ring_attention(q_u, k_u, v_u, False, 0.25, 'ring_cp', 2, 2, 8, True, 8, 0.0, mask_u)
+    out = all_to_all(getitem, 2, 1, 'ulysses_cp', 2)
+
+A mask that every rank builds whole and only slices (HF's masks) is cut into that layout
+instead, part by part, without communication::
+
+    mask = zigzag_shard(local_shard(m, 2, 'ulysses_cp', 2), 2, 'ring_cp', 2)     # before
+    mask_u = cat([zigzag_shard(slice(m, 2, 0, 8), 2, 'ring_cp', 2),
+                  zigzag_shard(slice(m, 2, 8, 16), 2, 'ring_cp', 2)], 2)         # after
+
+(``ring_cp`` before ``ulysses_cp``: the exchange gives the ring rank its own chunk back whole,
+``segments`` = 1, for q and the mask alike.)
+
 An attention ``eager_attention_pass`` found soft-capped (Gemma-2) carries the cap in
 ``node.meta["fxshard_softcap"]``; it becomes the kernels' ``softcap`` argument. When ``tp``
 exceeds the KV heads, the KV heads arrive replicated and each rank keeps the one its query
@@ -46,6 +67,7 @@ __all__ = ["lower_attention_pass"]
 def lower_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     graph = gm.graph
     lowered = 0
+    masks: dict = {}   # (mask node, axis) -> the mask with q's USP row layout, made once
     for node in list(graph.nodes):
         if node.target is not aten.scaled_dot_product_attention.default:
             continue
@@ -81,6 +103,8 @@ def lower_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
                     kv_stride = k.meta["val"].shape[2] // n_u
                 # else ring splits first: the exchange gathers the ring rank's own chunk whole
                 q = _heads_for_sequence(graph, q, ulysses, n_u, ctx.mesh)
+                if mask is not None:
+                    mask = _mask_rows_for_heads(graph, mask, ulysses, n_u, ctx.mesh, masks)
                 if notes.get("ulysses_kv_gather"):
                     k, v = (_pick_kv_heads(graph, _gather_sequence(graph, t, ulysses, n_u,
                                                                    ctx.mesh),
@@ -88,17 +112,7 @@ def lower_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
                 else:
                     k, v = (_heads_for_sequence(graph, t, ulysses, n_u, ctx.mesh)
                             for t in (k, v))
-            if ring is None and mask is not None and ctx.mesh.axis_size("ring_cp") > 1 \
-                    and ctx.split_sequence:
-                if ctx.strict:
-                    raise NotImplementedError(
-                        f"fxshard.parallelize(strict=True): attention at {node.name} on mesh "
-                        f"{ctx.mesh.describe()} has {_MASK_GATHERED}. Use ulysses_cp alone "
-                        f"(it splits heads, the mask stays whole), ring_cp alone (the mask "
-                        f"rides the ring by rows), or drop strict=True.")
-                ctx.gathered.append((node.name, _MASK_GATHERED))
             if ring is not None:
-                assert mask is None or ulysses is None, node.format_node()
                 masked = (softcap, mask) if mask is not None else capped
                 att = graph.call_function(
                     torch.ops.fxshard.ring_attention.default,
@@ -127,12 +141,6 @@ def lower_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
         gm.recompile()
     ctx.report("lower_attention_pass", f"lowered {lowered} attention ops")
     return gm
-
-
-_MASK_GATHERED = ("an explicit mask that is not the causal one (a sliding window, an ALiBi "
-                  "bias) with both ulysses_cp and ring_cp: q, K and V are gathered along the "
-                  "sequence on ring_cp and attended whole (ring attention inside USP takes no "
-                  "mask; exact, not load-balanced)")
 
 
 def _pick_kv_heads(graph: fx.Graph, t: fx.Node, axis: str, size: int, mesh) -> fx.Node:
@@ -168,6 +176,108 @@ def _heads_for_sequence(graph: fx.Graph, t: fx.Node, axis: str, size: int, mesh)
     the spec written here only sizes the local block."""
     out = graph.call_function(collective_target("all_to_all"), (t, 1, 2, axis, size))
     return _relabel(out, t, axis, Shard(1), mesh)
+
+
+def _mask_rows_for_heads(graph: fx.Graph, mask: fx.Node, axis: str, size: int, mesh,
+                         memo: dict) -> fx.Node:
+    """USP: the mask's query rows take q's layout after ``_heads_for_sequence``. A mask that
+    is only a local slice of a whole one (HF builds it whole on every rank) is re-sliced into
+    that layout, no communication (``_mask_rows_resliced``); otherwise rows sharded on
+    ``axis`` are gathered (heads dim broadcast) or traded for the mask's heads (all-to-all, as
+    q; ALiBi's per-head bias). A broadcast row stays. Once per (mask, axis): the layers that
+    share a mask share its exchange (``memo``)."""
+    if (mask, axis) not in memo:
+        val = mask.meta["val"]
+        rows, heads = val.dim() - 2, val.dim() - 3
+        per_head = heads >= 0 and val.shape[heads] > 1
+        here = mask.meta["fxshard_spec"][mesh.axis_names.index(axis)]
+        if not isinstance(here, Shard):
+            assert val.shape[rows] == 1, mask.format_node()  # one row for every query
+            out = mask
+        else:
+            assert here.dim == rows, mask.format_node()
+            heads = heads if per_head else None
+            out = _mask_rows_resliced(graph, mask, axis, size, mesh, rows, heads)
+            if out is None:
+                out = _mask_rows_exchanged(graph, mask, axis, size, mesh, rows, heads)
+        memo[(mask, axis)] = out
+    return memo[(mask, axis)]
+
+
+def _mask_rows_exchanged(graph: fx.Graph, mask: fx.Node, axis: str, size: int, mesh,
+                         rows: int, heads) -> fx.Node:
+    """Rows sharded on ``axis`` gathered (``heads`` None: broadcast) or traded for heads."""
+    if heads is None:
+        out = graph.call_function(collective_target("all_gather"), (mask, rows, axis, size))
+        return _relabel(out, mask, axis, torch.distributed.tensor.Replicate(), mesh)
+    out = graph.call_function(collective_target("all_to_all"), (mask, heads, rows, axis, size))
+    return _relabel(out, mask, axis, Shard(heads), mesh)
+
+
+_SLICES = ("local_shard", "zigzag_shard")
+
+
+def _mask_rows_resliced(graph: fx.Graph, mask: fx.Node, axis: str, size: int, mesh, rows: int,
+                        heads) -> fx.Node | None:
+    """The USP mask layout cut from the whole mask when ``mask`` is ``x`` sliced locally (rows
+    on ``axis`` and on the ring axis; batch on dp, heads on tp kept as they are), else None.
+    The Ulysses exchange concatenates every ``axis`` coordinate's rows: ring after ``axis``
+    leaves each part's ring piece(s) side by side (cut part by part), ring before it the ring
+    rank's own rows (the ``axis`` slice dropped). A per-head mask keeps this rank's share of
+    its local heads, as the all-to-all leaves q::
+
+        zigzag_shard(local_shard(x, 2, 'ulysses_cp', 2), 2, 'ring_cp', 2)   ->
+        cat([zigzag_shard(x[:, :, :8], 2, 'ring_cp', 2), zigzag_shard(x[:, :, 8:], ...)], 2)
+    """
+    steps, x = [], mask
+    while x.op == "call_function" and x.target in [collective_target(o) for o in _SLICES]:
+        steps.append(x)
+        x, = x.all_input_nodes
+    steps.reverse()
+    row_steps = [n for n in steps if n.args[1] == rows]
+    if [n.args[2] for n in row_steps] not in ([axis, "ring_cp"], ["ring_cp", axis]) or \
+            any(n.args[2] in (axis, "ring_cp") for n in steps if n not in row_steps) or \
+            any(isinstance(p, Shard) and p.dim == rows for p in x.meta["fxshard_spec"]):
+        return None
+    stage = {k: mask.meta[k] for k in ("fxshard_stage",) if k in mask.meta}
+
+    def apply(t: fx.Node, target, args, val, axis_placement) -> fx.Node:
+        out = graph.call_function(target, (t, *args))
+        spec = list(t.meta["fxshard_spec"])
+        if axis_placement is not None:
+            spec[mesh.axis_names.index(axis_placement[0])] = axis_placement[1]
+        out.meta.update(stage, val=val, fxshard_spec=tuple(spec))
+        return out
+
+    ring = row_steps[1] if row_steps[0].args[2] == axis else row_steps[0]
+    t = x
+    for n in steps:   # the other slices (batch on dp, heads on tp) as they were
+        if n not in row_steps:
+            t = apply(t, n.target, n.args[1:], x.meta["val"], (n.args[2], Shard(n.args[1])))
+    whole = x.meta["val"]
+    if ring is row_steps[1]:   # ring inside each of the axis's parts
+        part = whole.shape[rows] // size
+        pieces = []
+        for u in range(size):
+            val = _resized(whole, rows, part)
+            cut = apply(t, aten.slice.Tensor, (rows, u * part, (u + 1) * part), val, None)
+            pieces.append(apply(cut, ring.target, ring.args[1:], val,
+                                ("ring_cp", Shard(rows))))
+        t = graph.call_function(aten.cat.default, (pieces, rows))
+        spec = list(pieces[0].meta["fxshard_spec"])
+        t.meta.update(stage, val=whole, fxshard_spec=tuple(spec))
+    else:
+        t = apply(t, ring.target, ring.args[1:], whole, ("ring_cp", Shard(rows)))
+    if heads is not None:
+        t = apply(t, collective_target("local_shard"), (heads, axis, size), whole,
+                  (axis, Shard(heads)))
+    return t
+
+
+def _resized(val, dim: int, n: int):
+    shape = list(val.shape)
+    shape[dim] = n
+    return val.new_empty(shape)
 
 
 def _gather_sequence(graph: fx.Graph, t: fx.Node, axis: str, size: int, mesh) -> fx.Node:

@@ -16,10 +16,13 @@ Layout legend: q ``[B, Hq, Sq, D]``, k/v ``[B, Hkv, Skv, D]``, mask ``[B|1, H|1,
   attention (K/V passed around the axis, partial results merged by logsumexp): the ``ring``
   note. An explicit mask is sharded by its query rows like q (zigzag on ``ring_cp``, the
   same positions), its key columns whole; the ring kernel slices the columns of each visiting
-  K/V chunk. With ``ulysses_cp`` too (USP), a masked attention is gathered instead;
+  K/V chunk;
 - both CP axes (USP): the ``ulysses`` note keeps the sequence shard on ``ulysses_cp`` too, and
   ``lower_attention`` does the Ulysses all-to-all around the ring attention itself, so each
-  ring rank attends ``ulysses_cp``-many sequence segments of its heads;
+  ring rank attends ``ulysses_cp``-many sequence segments of its heads. A mask stays sharded
+  by query rows on both axes, like q; ``lower_attention`` moves its rows with q's::
+
+      sdpa(q: S(2)S(2), k, v, mask: S(2)S(2))  ->  needs the same, out S(2)S(2)  (ulysses, ring)
 - any other shard of the sequence or head_dim is gathered to Replicate.
 """
 from __future__ import annotations
@@ -119,16 +122,14 @@ def sdpa_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         kv = [Shard(0) if ctx.shape(t)[0] == batch else R for t in (k, v)]
         return Decision(ins=[Shard(0)] + kv + mask_need(0), out=Shard(0))
 
-    if ctx.axis == "ring_cp" and anchor == 2 and (
-            mask is None or ctx.mesh.axis_size("ulysses_cp") == 1):
+    if ctx.axis == "ring_cp" and anchor == 2:
         _note(node, "ring", ctx.axis)
         return Decision(ins=[Shard(2)] * 3 + mask_need(2), out=Shard(2))
 
     if anchor == 2 and ctx.axis != "ulysses_cp":
         return Decision(ins=[R] * len(ins), out=R)
 
-    usp = (ctx.axis == "ulysses_cp" and anchor == 2 and mask is None
-           and ctx.mesh.axis_size("ring_cp") > 1)
+    usp = ctx.axis == "ulysses_cp" and anchor == 2 and ctx.mesh.axis_size("ring_cp") > 1
     # heads nest in mesh order: the heads axes before this one have split them already. USP
     # exchanges heads on the rank's local data, which tp has split first whatever the order.
     outer = ["tp"] if usp and ctx.mesh.axis_size("tp") > 1 else \
@@ -157,7 +158,7 @@ def sdpa_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         _note(node, "ulysses", ctx.axis)
         if per_rank % ctx.size:
             _note(node, "ulysses_kv_gather", ctx.axis)
-        return Decision(ins=[Shard(2)] * 3, out=Shard(2))
+        return Decision(ins=[Shard(2)] * 3 + mask_need(2), out=Shard(2))
     kv = _kv_heads(node, hq, hkv, ctx, per_rank)
     # back to the sequence shard the rest of the layer runs on, when the queries' split
     then = Shard(2) if anchor == 2 and ctx.shape(q)[2] % ctx.size == 0 else None
