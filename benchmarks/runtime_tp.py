@@ -6,6 +6,7 @@ code (ratio <= 1.05 on the same machine, same run) and beat DTensor parallelize_
     python benchmarks/runtime_tp.py                          # defaults, ~1-2 minutes on 2 cores
     python benchmarks/runtime_tp.py --iters 200 --rounds 5 --json /tmp/runtime_tp.json
     python benchmarks/runtime_tp.py --layers 4 --seq 128     # a bigger model
+    python benchmarks/runtime_tp.py --no-compile --profile "megatron,fxshard pm(ids)"  # cProfile
 
 One launch of 2 processes (torch.multiprocessing spawn, gloo, rendezvous on a free 127.0.0.1
 port held by the launcher's TCPStore, tp=2,
@@ -450,6 +451,8 @@ def _run(rank: int, args) -> None:
             for name, fn in variants.items():
                 dist.barrier()
                 samples[name] += _time(fn, args.iters, cpu[name])
+        if args.profile:
+            _profile(variants, rank, args.profile)
         dist.barrier()
         micro_c = micro_collectives(backend, (args.batch, args.seq, cfg.hidden_size),
                                     (args.batch, args.seq, cfg.vocab_size // TP),
@@ -573,6 +576,24 @@ def _run(rank: int, args) -> None:
     print(f"wrote {args.json}")
 
 
+def _profile(variants: dict, rank: int, names: list) -> None:
+    """cProfile of rank 0 over 100 forwards of each variant in ``names`` (rank 1 runs them
+    unprofiled: the collectives need it), top functions by own time."""
+    import cProfile
+    import pstats
+    for name in names:
+        dist.barrier()
+        prof = cProfile.Profile() if rank == 0 else None
+        if prof:
+            prof.enable()
+        for _ in range(100):
+            variants[name]()
+        if prof:
+            prof.disable()
+            print(f"--- cProfile, rank 0, 100 forwards of {name!r}, by own time")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -621,6 +642,8 @@ def main() -> None:
                     help="skip the Inductor variants (fxshard compiled, megatron compiled)")
     ap.add_argument("--only", type=lambda v: [x.strip() for x in v.split(",")], default=None,
                     help="comma-separated variants to time (megatron is always timed)")
+    ap.add_argument("--profile", type=lambda v: [x.strip() for x in v.split(",")],
+                    default=None, help="comma-separated variants to cProfile on rank 0")
     ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "runtime_tp.json"))
     args = ap.parse_args()
     args.loadavg_before = os.getloadavg()[0]  # other work on the machine skews the numbers
