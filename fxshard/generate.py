@@ -166,15 +166,19 @@ def _logits(pm, c, out, index: int | None = None) -> tuple[torch.Tensor, int | N
     return logits[:, -1].float(), index
 
 
-def _greedy(pm, c, out, index: int | None = None) -> tuple[torch.Tensor, int | None]:
-    """The argmax ids ``[b]`` of a program's last position, and where they sit in ``out``: a
-    greedy decode program returns them (``greedy_tokens_pass``: its vocab-sharded logits
-    never gathered), any other the logits."""
-    if index is None:
+def _greedy(pm, c, out, pick: tuple | None = None) -> tuple[torch.Tensor, tuple]:
+    """The argmax ids ``[b]`` of a program's last position, and ``pick`` (pass it back for the
+    next output of the same program): a greedy decode program returns the ids
+    (``greedy_tokens_pass``: its vocab-sharded logits are never gathered), any other program
+    the logits."""
+    if pick is None:
         index = greedy_output(c.programs[-1].graph)
-        if index is None:
-            return _logits(pm, c, out)[0].argmax(-1), None
-    return out[index][:, -1], index
+        pick = ("ids", index) if index is not None else ("logits", None)
+    kind, index = pick
+    if kind == "ids":
+        return out[index][:, -1], pick
+    scores, index = _logits(pm, c, out, index)
+    return scores.argmax(-1), ("logits", index)
 
 
 def _choose(scores: torch.Tensor, do_sample, temperature, top_k, top_p, generator):
@@ -307,7 +311,7 @@ def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: boo
     out = run(pm, c, micro, state=lambda r: caches.state[r])
     nxt = _choose(_logits(pm, c, out)[0], do_sample, temperature, top_k, top_p, generator)
     decode = ("decode", capacity) if do_sample else ("decode", capacity, "greedy")
-    pick = None   # where the decode program's flat outputs hold the logits (or greedy ids)
+    pick = None   # where the decode program's flat outputs hold the logits or ids
     tokens = [input_ids]
     unfinished = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
     eos_t = torch.tensor(eos, dtype=input_ids.dtype, device=input_ids.device)
