@@ -28,8 +28,10 @@ then top-p (nucleus), then ``torch.multinomial`` with ``generator`` (the global 
 first eos id) and generation stops when every sequence has finished; as in HF, an
 ``eos_token_id``/``pad_token_id`` left ``None`` is the model's ``generation_config``'s. On a
 real mesh a token sampled on mesh rank 0 is broadcast, so every rank feeds the same ids
-whatever its RNG state (greedy tokens need no broadcast: every rank takes the argmax of the
-same gathered logits).
+whatever its RNG state. Greedy tokens need no broadcast: the greedy decode program returns
+the argmax ids themselves, the same on every rank (``fxshard.passes.kv_cache.greedy_tokens_pass``:
+on ``tp`` a sharded argmax, one ``(max, index)`` pair per sequence exchanged instead of the
+``[B, V]`` logits).
 """
 from __future__ import annotations
 

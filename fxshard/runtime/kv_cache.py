@@ -104,15 +104,14 @@ def _(outs, lses):
 @define_op("fxshard::sharded_argmax", "(Tensor x, str axis, int size) -> Tensor")
 def sharded_argmax(x: torch.Tensor, axis: str, size: int) -> torch.Tensor:
     backend = _checked_backend("sharded_argmax", axis, size)
-    local = x.argmax(-1, keepdim=True)        # the first maximum of the shard (or first NaN)
+    best, local = x.max(-1)             # the first maximum of the shard (or its first NaN)
     if size == 1:
-        return local.squeeze(-1)
+        return local
     offset = backend.axis_index(axis) * x.shape[-1]
-    pair = torch.cat([x.gather(-1, local).to(torch.float64),
-                      (local + offset).to(torch.float64)], -1)
-    pairs = backend.all_gather(pair.unsqueeze(0), 0, axis)          # [size, ..., 2]
-    winner = pairs.select(-1, 0).argmax(0, keepdim=True)             # first coordinate wins ties
-    return pairs.select(-1, 1).gather(0, winner).squeeze(0).to(torch.int64)
+    pair = torch.stack([best.to(torch.float64), local + offset])   # [2, ...] float64
+    pairs = backend.all_gather(pair.unsqueeze(0), 0, axis)          # [size, 2, ...]
+    winner = pairs.select(1, 0).argmax(0, keepdim=True)             # first coordinate wins ties
+    return pairs.select(1, 1).gather(0, winner).squeeze(0).to(torch.int64)
 
 
 @sharded_argmax.register_fake
