@@ -180,6 +180,8 @@ def test_decode_step_collectives_and_embedding_bytes_at_tp2():
         assert _count(code, "all_reduce") == 2 * layers, embedding
         assert _count(code, "all_gather") == gathers, embedding
         assert _count(code, "sharded_argmax") == 1, embedding
+        argmax = [c for c in pm.explain().collectives[0] if c.op == "sharded_argmax"]
+        assert [(c.axis, c.shape, c.wire_bytes) for c in argmax] == [("tp", (2, 2, 1), 32)]
         held = pm.rank_module(0).state_dict()["model.embed_tokens.weight"]
         assert held.shape == (table.shape[0], table.shape[1] // share)
         ex = pm.explain()
