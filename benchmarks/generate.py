@@ -25,6 +25,10 @@ batch 1 and 8), and generate ``--new`` 32 tokens greedily with:
   fxshard    ``fxshard.parallelize(model, mesh).generate(ids, max_new_tokens=new)`` (default
              ``embedding="embed_dim"``: half the table per rank, the lookup all-gathered).
   fxshard repl-emb  ``parallelize(..., embedding="replicate")``: like megatron repl-emb.
+  fxshard gather-logits  fxshard's default with the decode program greedy generation used
+             before the sharded argmax (``fxshard.passes.kv_cache.greedy_tokens_pass``): the
+             ``[B, 1, V]`` logits all-gathered and the argmax taken on every rank, as the
+             megatron baseline does (an A/B of that change, interleaved in one run).
   dtensor    ``parallelize_module`` with the seed's plan (ColwiseParallel q/k/v/gate/up,
              RowwiseParallel o/down) on a copy of the HF model, decoded by HF ``generate``
              (its DynamicCache).
@@ -216,6 +220,20 @@ def fxshard_generate(pm, ids, new: int, stamps: list):
     return out
 
 
+def gathering_logits(pm):
+    """``pm`` whose greedy decode program gathers the logits (the program before the sharded
+    argmax: its generation key without ``"greedy"``)."""
+    get = pm._get
+
+    def _get(args, kwargs, generation=None):
+        if generation is not None and generation[0] == "decode":
+            generation = generation[:2]
+        return get(args, kwargs, generation)
+
+    pm._get = _get
+    return pm
+
+
 def steps_and_prefill(stamps: list) -> tuple[list[float], list[float], float]:
     """(decode step seconds, their thread CPU seconds, prefill seconds) from [start, after
     prefill, after step 1, ...] (each a :func:`now`)."""
@@ -248,6 +266,7 @@ def _run(rank: int, args) -> dict:
     mesh = fxshard.init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
     pm = fxshard.parallelize(model, mesh)
     pm_rep = fxshard.parallelize(model, mesh, embedding="replicate")
+    pm_old = gathering_logits(fxshard.parallelize(model, mesh))
     megatron = MegatronDecoder(model, rank, replicated_embedding=False)
     megatron_rep = MegatronDecoder(model, rank, replicated_embedding=True)
     dt = dtensor_model(model, init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",)))
@@ -256,6 +275,7 @@ def _run(rank: int, args) -> dict:
         "fxshard": lambda ids, s: fxshard_generate(pm, ids, args.new, s),
         "megatron repl-emb": lambda ids, s: megatron_rep.generate(ids, args.new, s),
         "fxshard repl-emb": lambda ids, s: fxshard_generate(pm_rep, ids, args.new, s),
+        "fxshard gather-logits": lambda ids, s: fxshard_generate(pm_old, ids, args.new, s),
         "dtensor": lambda ids, s: hf_generate(dt, ids, args.new, s),
         "hf 1-proc": lambda ids, s: hf_generate(model, ids, args.new, s) if rank == 0 else None,
     }
@@ -291,8 +311,8 @@ def _run(rank: int, args) -> dict:
             "tokens_s": batch / statistics.median(p["steps"]),
             "prefill_ms": statistics.median(p["prefill"]) * 1e3,
             "equal_hf": p["equal"]} for name, p in per.items() if p["steps"]}
-    pm.close()
-    pm_rep.close()
+    for p in (pm, pm_rep, pm_old):
+        p.close()
     return result
 
 
@@ -330,15 +350,16 @@ def main() -> None:
           f"{args.threads} thread(s) per process; hidden {args.hidden}, {args.layers} layers, "
           f"{args.heads}/{args.kv_heads} heads, vocab {args.vocab}; prompt {args.prompt}, "
           f"{args.new} new tokens, {args.repeats} repeats")
-    like = {"fxshard": "megatron", "fxshard repl-emb": "megatron repl-emb"}
+    like = {"fxshard": "megatron", "fxshard repl-emb": "megatron repl-emb",
+            "fxshard gather-logits": "megatron"}
     for batch, rows in result.items():
         base = rows["megatron"]["step_ms"]
-        print(f"\nbatch {batch:<4}  step ms (median)  spread of repeats  cpu ms  vs megatron  "
+        print(f"\nbatch {batch:<7}  step ms (median)  spread of repeats  cpu ms  vs megatron  "
               f"like-for-like  tokens/s  prefill ms  tokens == HF")
         for name, r in rows.items():
             same = f"{r['step_ms'] / rows[like[name]]['step_ms']:13.2f}" if name in like \
                 else " " * 13
-            print(f"  {name:<18} {r['step_ms']:8.2f}  {r['spread_ms'][0]:7.2f}-"
+            print(f"  {name:<21} {r['step_ms']:8.2f}  {r['spread_ms'][0]:7.2f}-"
                   f"{r['spread_ms'][1]:<8.2f}  {r['cpu_ms']:6.2f}  {r['step_ms'] / base:11.2f}  "
                   f"{same}  {r['tokens_s']:8.1f}  {r['prefill_ms']:10.1f}  "
                   f"{'yes' if r['equal_hf'] else 'NO'}")

@@ -27,7 +27,8 @@ from .passes.gqa import unrepeat_kv_pass
 from .passes.eager_attention import eager_attention_pass
 from .passes.emit import Program, build_rank_module, emit_pass
 from .passes.insert_collectives import insert_collectives_pass
-from .passes.kv_cache import decode_attention_pass, prefill_cache_pass
+from .passes.kv_cache import (decode_attention_pass, greedy_tokens_pass,
+                                prefill_cache_pass)
 from .passes.localize import localize_pass
 from .passes.lower_attention import lower_attention_pass
 from .passes.propagate import propagate_pass
@@ -67,12 +68,13 @@ def _signature(flat) -> tuple:
 def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx, *,
                     stages: list[int] | None = None, traced: Traced | None = None,
                     buffers: dict | None = None,
-                    generation: tuple[str, int] | None = None) -> Compiled:
+                    generation: tuple | None = None) -> Compiled:
     """Trace ``model`` on ``args``/``kwargs`` (unless ``traced`` is given) and run the pass
     pipeline under ``ctx``. ``buffers`` (FQN -> tensor) are the values the mask folds read
     instead of the model's own (what ``load_state_dict`` loaded). ``generation``:
     ``("prefill" | "decode", cache capacity per rank)`` binds a KV cache
-    (:mod:`fxshard.passes.kv_cache`)."""
+    (:mod:`fxshard.passes.kv_cache`); ``("decode", capacity, "greedy")``: the decode program
+    returns the argmax token ids instead of the logits (``greedy_tokens_pass``)."""
     n_stages = ctx.mesh.axis_size("pp")
     if n_stages > 1:  # validate before the (slower) trace
         stack, layer_stages = _layer_stages(model, n_stages, stages)
@@ -86,7 +88,9 @@ def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: Pass
     gm = unrepeat_kv_pass(gm, ctx=ctx)
     gm = propagate_pass(gm, ctx=ctx)
     gm = insert_collectives_pass(gm, ctx=ctx)
-    mode, capacity = generation or (None, 0)
+    mode, capacity, *options = generation or (None, 0)
+    if "greedy" in options:
+        gm = greedy_tokens_pass(gm, ctx=ctx, out_spec=traced.out_spec)
     if mode == "decode":
         gm = decode_attention_pass(gm, ctx=ctx, capacity=capacity)
     gm = lower_attention_pass(gm, ctx=ctx)

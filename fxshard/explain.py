@@ -20,7 +20,7 @@ __all__ = ["Explanation", "explain", "COLLECTIVES"]
 
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "local_shard",
                "partial_from_replicate", "send", "recv", "ring_attention", "zigzag_shard",
-               "zigzag_gather")
+               "zigzag_gather", "sharded_argmax")
 
 
 _LOCAL = ("local_shard", "partial_from_replicate", "zigzag_shard")  # no communication
@@ -160,6 +160,15 @@ def collectives_of(graph, mesh) -> list[CollectiveInfo]:
             size = mesh.axis_size(axis)
             shape = local_shape(tuple(k.meta["val"].shape), k.meta["fxshard_spec"], mesh)
             nbytes = 2 * int(torch.Size(shape).numel()) * k.meta["val"].element_size()
+            out.append(CollectiveInfo(node.name, op, axis, size, shape, nbytes,
+                                      (size - 1) * nbytes, _module_of(node)))
+            continue
+        if op == "sharded_argmax":  # one (value, index) float64 pair per row, all-gathered
+            axis = node.args[1]
+            size = mesh.axis_size(axis)
+            rows = local_shape(tuple(x.meta["val"].shape), x.meta["fxshard_spec"], mesh)[:-1]
+            shape = (2, *rows)
+            nbytes = int(torch.Size(shape).numel()) * torch.float64.itemsize
             out.append(CollectiveInfo(node.name, op, axis, size, shape, nbytes,
                                       (size - 1) * nbytes, _module_of(node)))
             continue

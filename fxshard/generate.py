@@ -28,8 +28,10 @@ then top-p (nucleus), then ``torch.multinomial`` with ``generator`` (the global 
 first eos id) and generation stops when every sequence has finished; as in HF, an
 ``eos_token_id``/``pad_token_id`` left ``None`` is the model's ``generation_config``'s. On a
 real mesh a token sampled on mesh rank 0 is broadcast, so every rank feeds the same ids
-whatever its RNG state (greedy tokens need no broadcast: every rank takes the argmax of the
-same gathered logits).
+whatever its RNG state. Greedy tokens need no broadcast: the greedy decode program returns
+the argmax ids themselves, the same on every rank (``fxshard.passes.kv_cache.greedy_tokens_pass``:
+on ``tp`` a sharded argmax, one ``(max, index)`` pair per sequence exchanged instead of the
+``[B, V]`` logits).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ import torch.utils._pytree as pytree
 
 from .checks import inference_only
 from .mesh import is_simulated
-from .passes.kv_cache import READ_LEN, WRITE_POS, cache_keys
+from .passes.kv_cache import READ_LEN, WRITE_POS, cache_keys, greedy_output
 from .runtime.runner import run
 
 __all__ = ["generate", "CAPACITY_STEP"]
@@ -164,6 +166,21 @@ def _logits(pm, c, out, index: int | None = None) -> tuple[torch.Tensor, int | N
                          f"are not a [batch, seq, vocab] tensor; generate needs a causal LM")
     index = next((i for i, x in enumerate(out) if x is logits), None)
     return logits[:, -1].float(), index
+
+
+def _greedy(pm, c, out, pick: tuple | None = None) -> tuple[torch.Tensor, tuple]:
+    """The argmax ids ``[b]`` of a program's last position, and ``pick`` (pass it back for the
+    next output of the same program): a greedy decode program returns the ids
+    (``greedy_tokens_pass``: its vocab-sharded logits are never gathered), any other program
+    the logits."""
+    if pick is None:
+        index = greedy_output(c.programs[-1].graph)
+        pick = ("ids", index) if index is not None else ("logits", None)
+    kind, index = pick
+    if kind == "ids":
+        return out[index][:, -1], pick
+    scores, index = _logits(pm, c, out, index)
+    return scores.argmax(-1), ("logits", index)
 
 
 def _choose(scores: torch.Tensor, do_sample, temperature, top_k, top_p, generator):
@@ -294,15 +311,15 @@ def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: boo
         return _pipelined(pm, input_ids, prefill, micro, caches, capacity, max_new_tokens,
                           eos, pad, _stage_hook)
     out = run(pm, c, micro, state=lambda r: caches.state[r])
-    scores, _ = _logits(pm, c, out)
-    pick = None   # where the decode program's flat outputs hold the logits
+    nxt = _choose(_logits(pm, c, out)[0], do_sample, temperature, top_k, top_p, generator)
+    decode = ("decode", capacity) if do_sample else ("decode", capacity, "greedy")
+    pick = None   # where the decode program's flat outputs hold the logits or ids
     tokens = [input_ids]
     unfinished = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
     eos_t = torch.tensor(eos, dtype=input_ids.dtype, device=input_ids.device)
     for t in range(max_new_tokens):
-        nxt = _choose(scores, do_sample, temperature, top_k, top_p, generator)
         nxt = nxt.to(device=input_ids.device, dtype=input_ids.dtype)
-        if do_sample:  # greedy: every rank's argmax reads the same gathered logits
+        if do_sample:  # greedy: every rank holds the same argmax of the same logits
             nxt = _broadcast(pm, nxt, src)
         if eos:
             nxt = torch.where(unfinished, nxt, torch.full_like(nxt, pad))
@@ -312,14 +329,17 @@ def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: boo
             break
         positions = torch.full((batch, 1), prompt + t, dtype=torch.int64,
                                device=input_ids.device)
-        c, micro = pm._get((nxt[:, None],), {"position_ids": positions},
-                           generation=("decode", capacity))
+        c, micro = pm._get((nxt[:, None],), {"position_ids": positions}, generation=decode)
         if not c.loaded:
             _check_same_caches(prefill, c)
             pm._check_loaded(c)
         caches.step(t)
         out = run(pm, c, micro, state=lambda r: caches.state[r])
-        scores, pick = _logits(pm, c, out, pick)
+        if do_sample:
+            scores, pick = _logits(pm, c, out, pick)
+            nxt = _choose(scores, do_sample, temperature, top_k, top_p, generator)
+        else:
+            nxt, pick = _greedy(pm, c, out, pick)
     return torch.cat(tokens, dim=1)
 
 
@@ -329,11 +349,11 @@ def _pipelined(pm, input_ids, prefill, micro, caches, capacity, new, eos, pad, h
     decode = None
     if new > 1:
         args, kwargs = decode_example(input_ids, input_ids.shape[1])
-        decode, _ = pm._get(args, kwargs, generation=("decode", capacity))
+        decode, _ = pm._get(args, kwargs, generation=("decode", capacity, "greedy"))
         if not decode.loaded:
             _check_same_caches(prefill, decode)
             pm._check_loaded(decode)
     tokens = pipelined_greedy(pm, input_ids, prefill, micro, decode, caches,
-                              logits=lambda c, out: _logits(pm, c, out)[0], new=new, eos=eos,
+                              greedy=lambda c, out: _greedy(pm, c, out)[0], new=new, eos=eos,
                               pad=pad, hook=hook)
     return torch.cat([input_ids, tokens], dim=1)

@@ -79,12 +79,12 @@ def decode_example(input_ids: torch.Tensor, prompt: int) -> tuple[tuple, dict]:
 class _Rank:
     """One rank's walk through the units; ``hook(rank, stage, step, group)`` runs before each."""
 
-    def __init__(self, pm, rank, prefill, pre_micro, decode, caches, *, logits, new, eos, pad,
+    def __init__(self, pm, rank, prefill, pre_micro, decode, caches, *, greedy, new, eos, pad,
                  input_ids, hook):
         self.pm, self.rank, self.caches = pm, rank, caches
         self.stage, self.last = pm.stage_of(rank), pm.spec.axis_size("pp") - 1
         self.m, self.new, self.pad, self.hook = pm.microbatches, new, pad, hook
-        self.logits, self.eos = logits, eos
+        self.greedy, self.eos = greedy, eos
         self.prompt = input_ids.shape[1]
         self.out_dtype, self.out_device = input_ids.dtype, input_ids.device
         self.mesh_device = torch.device(pm.spec.device_type)
@@ -114,7 +114,7 @@ class _Rank:
         out = mod(*_inputs(flat, keys, self.caches.state[self.rank], j, self.m))
         if self.stage != self.last:
             return
-        tok = self.logits(c, out).argmax(-1).to(device=self.out_device, dtype=self.out_dtype)
+        tok = self.greedy(c, out).to(device=self.out_device, dtype=self.out_dtype)
         self._take(j, tok)
         sent = self.tokens[j][-1].to(self.mesh_device)
         for dst in range(self.last):
@@ -148,16 +148,16 @@ class _Rank:
 
 
 def pipelined_greedy(pm, input_ids: torch.Tensor, prefill, pre_micro: list[list], decode,
-                     caches, *, logits, new: int, eos: list[int], pad: int | None,
+                     caches, *, greedy, new: int, eos: list[int], pad: int | None,
                      hook=None) -> torch.Tensor:
     """The new tokens ``[B, n <= new]``, the same on every rank (see the module docstring).
-    ``decode`` is the decode program's Compiled (None when ``new == 1``); ``logits(c, out)``
-    turns the last stage's flat outputs into ``[b, vocab]`` last-position scores."""
+    ``decode`` is the decode program's Compiled (None when ``new == 1``); ``greedy(c, out)``
+    turns the last stage's flat outputs into the ``[b]`` argmax ids of the last position."""
     eos_t = torch.tensor(eos, dtype=input_ids.dtype, device=input_ids.device) if eos else None
     decode_flat = _flat(input_ids[:input_ids.shape[0] // pm.microbatches, 0], 0)
 
     def driver(rank: int) -> torch.Tensor:
-        return _Rank(pm, rank, prefill, pre_micro, decode, caches, logits=logits, new=new,
+        return _Rank(pm, rank, prefill, pre_micro, decode, caches, greedy=greedy, new=new,
                      eos=eos_t, pad=pad, input_ids=input_ids, hook=hook)()
 
     if is_simulated(pm.mesh):

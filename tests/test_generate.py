@@ -161,9 +161,11 @@ def test_decode_program_reads_and_writes_the_cache_per_layer():
 
 
 def test_decode_step_collectives_and_embedding_bytes_at_tp2():
-    """A tp=2 decode step runs Megatron's two all-reduces per layer and gathers the logits;
-    the default embedding also gathers its [B, 1, hidden] lookup, embedding='replicate' does
-    not and holds the whole table on every rank (explain()'s bytes say so)."""
+    """A tp=2 greedy decode step runs Megatron's two all-reduces per layer and, instead of
+    gathering the [B, 1, V] logits, one sharded argmax (a [B, 2] exchange); the default
+    embedding also gathers its [B, 1, hidden] lookup, embedding='replicate' does not and holds
+    the whole table on every rank (explain()'s bytes say so). Sampling needs every logit: its
+    decode program gathers them."""
     model = family("llama")
     ids = prompt(2)
     want = reference(model, ids, 3)
@@ -171,20 +173,72 @@ def test_decode_step_collectives_and_embedding_bytes_at_tp2():
     layers = model.config.num_hidden_layers
     table = model.model.embed_tokens.weight
     param_bytes = {}
-    for embedding, gathers, share in (("embed_dim", 2, 2), ("replicate", 1, 1)):
+    for embedding, gathers, share in (("embed_dim", 1, 2), ("replicate", 0, 1)):
         pm = fxshard.parallelize(model, mesh, embedding=embedding)
         torch.testing.assert_close(pm.generate(ids, max_new_tokens=3), want, rtol=0, atol=0)
-        code = pm.rank_module(0).code                      # the decode program
+        code = pm.rank_module(0).code                      # the greedy decode program
         assert _count(code, "all_reduce") == 2 * layers, embedding
         assert _count(code, "all_gather") == gathers, embedding
+        assert _count(code, "sharded_argmax") == 1, embedding
+        argmax = [c for c in pm.explain().collectives[0] if c.op == "sharded_argmax"]
+        assert [(c.axis, c.shape, c.wire_bytes) for c in argmax] == [("tp", (2, 2, 1), 32)]
         held = pm.rank_module(0).state_dict()["model.embed_tokens.weight"]
         assert held.shape == (table.shape[0], table.shape[1] // share)
         ex = pm.explain()
         param_bytes[embedding] = ex.param_bytes[0]
         assert ("embedding='replicate' asks for it" in str(ex)) == (embedding == "replicate")
+        if embedding == "embed_dim":
+            pm.generate(ids, max_new_tokens=3, do_sample=True)
+            code = pm.rank_module(0).code                  # the sampling decode program
+            assert _count(code, "all_gather") == gathers + 1
+            assert _count(code, "sharded_argmax") == 0
         pm.close()
     assert param_bytes["replicate"] - param_bytes["embed_dim"] == \
         table.numel() * table.element_size() // 2
+
+
+def _sharded_argmax(rows: torch.Tensor, mesh) -> list[torch.Tensor]:
+    """Every rank's ``fxshard::sharded_argmax`` of its tp shard of ``rows`` (last dim)."""
+    from fxshard.runtime.simulated import SimulatedWorld
+    n = mesh.axis_size("tp")
+    with SimulatedWorld(mesh) as world:
+        return world.run(lambda r: torch.ops.fxshard.sharded_argmax(
+            rows.chunk(n, -1)[mesh.axis_index(r, "tp")], "tp", n))
+
+
+def test_sharded_argmax_breaks_ties_like_torch_argmax_on_the_whole_row():
+    """Ties across ranks go to the lowest global index (the first rank holding the max), ties
+    within a rank to its first, a NaN wins wherever it is (torch.argmax's rule), and the
+    exchanged pair is exact for values float32 cannot tell apart from their neighbours."""
+    from fxshard.mesh import MeshSpec
+    inf, nan = float("inf"), float("nan")
+    rows = torch.tensor([[1., 7., 3., 2., 7., 0.],          # 7 on rank 0 and rank 1: index 1
+                         [0., 1., 2., 9., 9., 9.],          # only rank 1's ties: index 3
+                         [-inf, -inf, -inf, -inf, -inf, -inf],   # all -inf: index 0
+                         [1., 2., 3., 4., nan, 5.],         # the NaN: index 4
+                         [5., nan, 1., nan, 5., 5.],        # the first NaN: index 1
+                         [1., 1 + 2 ** -23, 1., 1 + 2 ** -23, 1., 1.]])   # 1 ulp: index 1
+    mesh = MeshSpec((2,), ("tp",))
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        x = rows.to(dtype)
+        want = x.argmax(-1)
+        for got in _sharded_argmax(x, mesh):
+            assert torch.equal(got, want), (dtype, got, want)
+            assert got.dtype == torch.int64
+    x = torch.tensor([[2., 3., 3., 1., 3., 0.], [4., 0., 0., 0., 4., 4.]])   # 3 ranks
+    for got in _sharded_argmax(x, MeshSpec((3,), ("tp",))):
+        assert torch.equal(got, torch.tensor([1, 0]))
+
+
+@given(st.integers(2, 4), st.integers(1, 3), st.integers(1, 5), st.data())
+def test_sharded_argmax_equals_argmax_of_the_gathered_row(n, batch, per_rank, data):
+    """Small integer logits (many ties, within and across ranks) on 2-4 ranks."""
+    from fxshard.mesh import MeshSpec
+    values = data.draw(st.lists(st.integers(-2, 2), min_size=batch * n * per_rank,
+                                max_size=batch * n * per_rank))
+    x = torch.tensor(values, dtype=torch.float32).view(batch, 1, n * per_rank)
+    for got in _sharded_argmax(x, MeshSpec((n,), ("tp",))):
+        assert torch.equal(got, x.argmax(-1))
 
 
 @pytest.mark.parametrize("axes,share", [({"tp": 2}, 2), ({"dp": 2, "tp": 2}, 4),

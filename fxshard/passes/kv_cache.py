@@ -33,6 +33,20 @@ says which through ``cache_write_pos``, the others write a scratch slot past the
             out = fxshard.merge_pieces(pieces, fxshard.all_gather(unsqueeze(attention[1], 0), ...))
 
 Cache shapes are the rank's: ``[B, H, capacity + 1, D]`` (the last slot is the scratch slot).
+
+``greedy_tokens_pass`` makes the decode program of greedy generation return the chosen token
+ids ``[B, 1]`` (int64) in place of the logits: the caller needs only their argmax. Where the
+logits end vocab-sharded on one axis (tp's column-parallel lm_head), the gather of the
+``[B, 1, V]`` logits becomes a :func:`fxshard::sharded_argmax
+<fxshard.runtime.kv_cache.sharded_argmax>` (one ``(max, index)`` pair per row exchanged);
+the gathers on other axes (``dp``'s batch) stay and gather the ids; anywhere else the
+gathered logits get an ``argmax``::
+
+    before: logits = aten.linear(h, lm_head_w)                       # [B, 1, V/tp] S(2) on tp
+            all_gather = fxshard.all_gather(logits, 2, 'tp', 2)       # [B, 1, V]
+            return (all_gather,)
+    after:  sharded_argmax = fxshard.sharded_argmax(logits, 'tp', 2) # [B, 1] int64
+            return (sharded_argmax,)
 """
 from __future__ import annotations
 
@@ -40,9 +54,10 @@ import operator
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 import fxshard.runtime.kv_cache  # noqa: F401  (registers the cache ops)
-from ..placement import Shard, local_shape
+from ..placement import Replicate, Shard, local_shape
 from . import PassCtx
 from .insert_collectives import collective_target
 from .lower_attention import _pick_kv_heads, _relabel
@@ -50,11 +65,13 @@ from .rules.attention import SOFTCAP, sdpa_args
 
 aten = torch.ops.aten
 
-__all__ = ["prefill_cache_pass", "decode_attention_pass", "cache_keys", "WRITE_POS", "READ_LEN"]
+__all__ = ["prefill_cache_pass", "decode_attention_pass", "greedy_tokens_pass", "cache_keys",
+           "greedy_output", "WRITE_POS", "READ_LEN"]
 
 WRITE_POS = "cache_write_pos"
 READ_LEN = "cache_read_len"
 _ATTENTION = ("fxshard.attention.default", "fxshard.ring_attention.default")
+_GREEDY = "fxshard_greedy_tokens"   # meta flag of the output node holding the chosen ids
 
 
 def cache_keys(graph: fx.Graph) -> list[tuple[str, tuple, torch.dtype]]:
@@ -248,3 +265,69 @@ def _merge_ring(graph, att, out, node, n, ctx) -> fx.Node:
                            gathered_spec, node))
     return _call(graph, torch.ops.fxshard.merge_pieces.default, tuple(parts), val, out_spec,
                  node)
+
+
+def greedy_output(graph: fx.Graph) -> int | None:
+    """Where a greedy decode program's flat outputs hold the token ids ``[B, 1]`` (None: the
+    program returns logits)."""
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    return next((i for i, a in enumerate(out.args[0])
+                 if isinstance(a, fx.Node) and a.meta.get(_GREEDY)), None)
+
+
+def _logits_index(flat: list, out_spec) -> int:
+    """Which flat output the model's logits are (as ``fxshard.generate`` reads them)."""
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in flat]
+    result = pytree.tree_unflatten(vals, out_spec)
+    logits = getattr(result, "logits", None)
+    if logits is None:
+        logits = result if isinstance(result, torch.Tensor) else pytree.tree_leaves(result)[0]
+    index = next((i for i, v in enumerate(vals) if v is logits), None)
+    if index is None or logits.dim() != 3:
+        raise ValueError(f"fxshard.generate: the model returns {type(result).__name__}, whose "
+                         f"logits are not a [batch, seq, vocab] tensor; generate needs a "
+                         f"causal LM")
+    return index
+
+
+def greedy_tokens_pass(gm: fx.GraphModule, *, ctx: PassCtx, out_spec) -> fx.GraphModule:
+    """The decode program returns the argmax of its logits (see the module doc); runs right
+    after ``insert_collectives_pass`` (global shapes, the output's gathers in place)."""
+    graph = gm.graph
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    flat = list(out.args[0])
+    index = _logits_index(flat, out_spec)
+    gather = collective_target("all_gather")
+    chain, x = [], flat[index]                     # the output's gathers, outermost first
+    while x.op == "call_function" and x.target is gather:
+        chain.append(x)
+        x = x.args[0]
+    last = flat[index].meta["val"].dim() - 1
+    vocab = [g for g in chain if g.args[1] % (last + 1) == last]
+    logits = flat[index]
+    v = logits.meta["val"]
+    ids = v.new_empty(v.shape[:-1], dtype=torch.int64)
+    if len(vocab) == 1:   # the argmax where the vocab is sharded, then the other gathers
+        top = chain[-1].args[0]
+        spec = list(top.meta["fxshard_spec"])
+        for g in [vocab[0]] + [g for g in reversed(chain) if g is not vocab[0]]:
+            _, dim, axis, size = g.args
+            spec[ctx.mesh.axis_names.index(axis)] = Replicate()
+            target, args = (torch.ops.fxshard.sharded_argmax.default, (top, axis, size)) \
+                if g is vocab[0] else (gather, (top, dim, axis, size))
+            with graph.inserting_before(out):
+                top = _call(graph, target, args, ids, tuple(spec), logits)
+        how = f"the {vocab[0].args[2]} gather of the logits is a sharded argmax"
+    else:
+        with graph.inserting_before(out):
+            top = _call(graph, aten.argmax.default, (logits, -1), ids,
+                        logits.meta.get("fxshard_spec"), logits)
+        how = "an argmax of the gathered logits"
+    flat[index] = top
+    out.args = (type(out.args[0])(flat), *out.args[1:])
+    top.meta[_GREEDY] = True
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+    ctx.report("greedy_tokens_pass", f"the decode program returns token ids: {how}")
+    return gm

@@ -15,6 +15,16 @@ float? scale, bool causal) -> (Tensor, Tensor)``
     the attention results of one query over disjoint pieces of the keys, stacked on dim 0
     (``[n, B, H, S, D]`` and ``[n, B, H, S]``, e.g. gathered over ``ring_cp``), merged by
     logsumexp into ``[B, H, S, D]``: flash-decoding across ranks.
+
+``fxshard::sharded_argmax(Tensor x, str axis, int size) -> Tensor``
+    ``torch.argmax(all_gather(x, -1, axis, size), -1)`` without gathering ``x``: each rank
+    takes the first maximum of its shard of the last dim (the vocab), and the ranks of
+    ``axis`` exchange one ``(value, global index)`` pair per row (``[..., 2]`` float64, exact
+    for every float dtype and any index below 2**53) instead of their ``[..., V / size]``
+    shards. The winner is the first coordinate holding the row's maximum (coordinate ``j``
+    holds indices ``j * V / size ..``): the lowest global index on ties, and the first NaN
+    when there is one, as ``torch.argmax`` on the whole row. Greedy decode programs end
+    with it (``fxshard.passes.kv_cache.greedy_tokens_pass``).
 """
 from __future__ import annotations
 
@@ -25,8 +35,9 @@ import torch
 from ..kernels.decode import decode_attention as _decode_attention
 from ..kernels.decode import decode_attention_unchecked
 from .library import define_op
+from .ops import _checked_backend
 
-__all__ = ["cache_write", "decode_attention", "merge_pieces"]
+__all__ = ["cache_write", "decode_attention", "merge_pieces", "sharded_argmax"]
 
 
 @define_op("fxshard::cache_write", "(Tensor(a!) cache, Tensor x, Tensor pos) -> ()")
@@ -88,3 +99,21 @@ def merge_pieces(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
 def _(outs, lses):
     return outs.new_empty(outs.shape[1:])
 
+
+
+@define_op("fxshard::sharded_argmax", "(Tensor x, str axis, int size) -> Tensor")
+def sharded_argmax(x: torch.Tensor, axis: str, size: int) -> torch.Tensor:
+    backend = _checked_backend("sharded_argmax", axis, size)
+    best, local = x.max(-1)             # the first maximum of the shard (or its first NaN)
+    if size == 1:
+        return local
+    offset = backend.axis_index(axis) * x.shape[-1]
+    pair = torch.stack([best.to(torch.float64), local + offset])   # [2, ...] float64
+    pairs = backend.all_gather(pair.unsqueeze(0), 0, axis)          # [size, 2, ...]
+    winner = pairs.select(1, 0).argmax(0, keepdim=True)             # first coordinate wins ties
+    return pairs.select(1, 1).gather(0, winner).squeeze(0).to(torch.int64)
+
+
+@sharded_argmax.register_fake
+def _(x, axis, size):
+    return x.new_empty(x.shape[:-1], dtype=torch.int64)
