@@ -262,6 +262,17 @@ def _check_same_caches(prefill, decode) -> None:
             f"attn_implementation='sdpa'")
 
 
+def _last_logits_only(model) -> dict:
+    """The prefill's extra keyword arguments: HuggingFace's ``logits_to_keep=1`` where the
+    forward takes it (the vocab projection and its gather on the last position only: prefill
+    needs no other logits), none otherwise."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+
 def _capacity(pm, prompt: int, new: int) -> int:
     ring = pm.spec.axis_size("ring_cp")
     need = prompt // ring + -(-max(new - 1, 0) // ring)
@@ -301,7 +312,8 @@ def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: boo
     capacity = _capacity(pm, prompt, max_new_tokens)
     device = torch.device(pm.spec.device_type)
     pm._sync_weights()
-    c, micro = pm._get((input_ids,), {}, generation=("prefill", capacity))
+    c, micro = pm._get((input_ids,), _last_logits_only(pm.model),
+                       generation=("prefill", capacity))
     if not c.loaded:
         pm._check_loaded(c)
     prefill = c

@@ -157,6 +157,12 @@ def test_decode_program_reads_and_writes_the_cache_per_layer():
     assert _count(code, "merge_pieces") == layers      # the ring pieces merged by logsumexp
     assert _count(code, "all_reduce") == 2 * layers    # Megatron's two per layer on tp
     assert _count(code, "ring_attention") == _count(code, "attention") == 0
+    # the prefill projects only the last position to the vocab (HF's logits_to_keep=1)
+    prefill = [c for (gen, _), c in pm._compiled.items() if gen and gen[0] == "prefill"]
+    out = next(n for n in prefill[0].programs[-1].graph.nodes if n.op == "output")
+    logits = [a.meta["val"] for a in torch.utils._pytree.tree_leaves(out.args[0])
+              if isinstance(a, torch.fx.Node) and a.meta["val"].dim() == 3]
+    assert [tuple(t.shape) for t in logits] == [(2, 1, model.config.vocab_size)]
     pm.close()
 
 
