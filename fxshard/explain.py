@@ -9,6 +9,7 @@ message for send/recv, and ``n-1`` K/V chunks for ring attention. With tensor pa
 """
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -16,7 +17,21 @@ import torch
 
 from .placement import Shard, local_shape, shard_slices, short_spec
 
-__all__ = ["Explanation", "explain", "COLLECTIVES"]
+__all__ = ["Explanation", "explain", "COLLECTIVES", "LEGEND"]
+
+# printed under the title of every plan: what the placements and the two byte columns mean
+LEGEND = """\
+Legend
+  placement per mesh axis (pp places whole layers: see the stage column)
+    S(d)      split on tensor dim d across the axis's ranks
+    S(d|a+b)  a fused weight (qkv_proj, gate_up_proj) split part by part: its a- and b-long
+              parts of dim d each split on their own, so the model's later split stays local
+    R         replicated: whole on every rank of the axis
+    P         partial sum: each rank holds a term; an all-reduce or reduce-scatter adds them
+  tensor bytes  the local tensor handed to the collective
+  wire bytes    what one rank moves over the links with a ring algorithm: 2(n-1)/n of it for
+                an all-reduce, (n-1)/n of the gathered or scattered size otherwise, the whole
+                message for send/recv, n-1 K/V chunks for ring attention (n = axis size)"""
 
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "local_shard",
                "partial_from_replicate", "send", "recv", "ring_attention", "zigzag_shard",
@@ -73,8 +88,34 @@ class Explanation:
         return Counter({k: n * self.microbatches for k, n in Counter(
             (c.op, c.axis) for c in self.collectives[rank] if c.op not in _LOCAL).items()})
 
+    def stage_layers(self) -> dict[int, tuple[int, int]]:
+        """``{stage: (first layer, last layer)}`` of the layer stack's weights on each pipeline
+        stage (from the placements; a stage without layers is absent)."""
+        out: dict[int, tuple[int, int]] = {}
+        for fqn, _spec, _shape, stage in self.placements:
+            m = re.search(r"\.(\d+)\.", fqn)
+            if m:
+                n = int(m.group(1))
+                lo, hi = out.get(stage, (n, n))
+                out[stage] = (min(lo, n), max(hi, n))
+        return out
+
+    def _group_label(self, ranks: list[int]) -> str:
+        """``ranks 0,2`` and, with pipeline stages, ``(stage 0: layers 0-1)``."""
+        label = f"ranks {_ranges(ranks)}"
+        stages = sorted({self.stages.get(r, 0) for r in ranks})
+        if max(self.stages.values(), default=0) == 0:
+            return label
+        layers = self.stage_layers()
+        parts = []
+        for s in stages:
+            lo, hi = layers.get(s, (None, None))
+            span = "" if lo is None else f": layer {lo}" if lo == hi else f": layers {lo}-{hi}"
+            parts.append(f"stage {s}{span}")
+        return f"{label} ({'; '.join(parts)})"
+
     def __str__(self) -> str:
-        lines = [f"fxshard plan on mesh {self.mesh} ({self.ranks} ranks)", ""]
+        lines = [f"fxshard plan on mesh {self.mesh} ({self.ranks} ranks)", "", LEGEND, ""]
         per = f"; {self.microbatches} microbatches" if self.microbatches > 1 else ""
         lines.append(f"Collectives per rank per forward (op, axis: count, tensor bytes, wire "
                      f"bytes){per}")
@@ -90,7 +131,7 @@ class Explanation:
                 a[0] += self.microbatches
                 a[1] += c.tensor_bytes * self.microbatches
                 a[2] += c.wire_bytes * self.microbatches
-            lines.append(f"  ranks {_ranges(ranks)}:")
+            lines.append(f"  {self._group_label(ranks)}:")
             if not agg:
                 lines.append("    (none)")
             for (op, axis), (n, tb, wb) in sorted(agg.items()):
@@ -100,7 +141,7 @@ class Explanation:
         for r, b in self.param_bytes.items():
             by_bytes.setdefault(b, []).append(r)
         for b, ranks in by_bytes.items():
-            lines.append(f"  ranks {_ranges(ranks)}: {b:,d}")
+            lines.append(f"  {self._group_label(ranks)}: {b:,d}")
         if self.kv_cache_bytes:
             lines += ["", "KV cache bytes per rank per cached position (all sequences of the "
                           "batch; ring_cp ranks hold every n-th position)"]

@@ -26,9 +26,19 @@ def test_dependencies_license_and_extras():
     assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
     extras = project["optional-dependencies"]
     assert extras["plot"] == ["matplotlib"] and "matplotlib" in extras["test"]
-    for extra in ("gpu", "test"):  # triton only where its wheels exist
-        triton = [d for d in extras[extra] if d.startswith("triton")]
-        assert triton and "sys_platform == 'linux'" in triton[0], extras[extra]
+    # triton only in gpu, and only where its wheels exist; test installs without it
+    triton = [d for d in extras["gpu"] if d.startswith("triton")]
+    assert triton and "sys_platform == 'linux'" in triton[0], extras["gpu"]
+    assert not any(d.startswith("triton") for d in extras["test"]), extras["test"]
+    assert not any(d.startswith("triton") for d in extras["plot"]), extras["plot"]
+
+
+def test_ci_installs_triton_for_the_interpreter_tests():
+    """CI runs the Triton-interpreter tests: its install names the gpu extra and it checks
+    triton imports before the README's test command."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert '-e ".[test,gpu]"' in ci and 'import triton' in ci, ci
+    assert "python -m pytest -q" in ci
 
 
 def test_fxshard_imports_no_numpy_and_triton_lazily():
