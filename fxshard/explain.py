@@ -51,6 +51,7 @@ class CollectiveInfo:
     tensor_bytes: int
     wire_bytes: int
     module: str = ""        # the model module the collective belongs to ("model.layers.3.mlp")
+    peer: int = -1          # send/recv: the other end's coordinate on the axis (its stage)
 
 
 @dataclass
@@ -70,6 +71,8 @@ class Explanation:
     stages: dict = field(default_factory=dict)          # rank -> pipeline stage
     slices: dict = field(default_factory=dict)          # rank -> [(fqn, global index)] of
     #                                                     the first sharded weights it holds
+    sliced: dict = field(default_factory=dict)          # rank -> how many weights it holds a
+    #                                                     slice of (``slices`` shows 3)
     mesh_shape: tuple = ()
     axis_names: tuple = ()
     kv_cache_bytes: dict = field(default_factory=dict)  # rank -> KV-cache bytes per cached
@@ -213,27 +216,44 @@ def collectives_of(graph, mesh) -> list[CollectiveInfo]:
             out.append(CollectiveInfo(node.name, op, axis, size, shape, nbytes,
                                       (size - 1) * nbytes, _module_of(node)))
             continue
+        peer = -1
         if op == "recv":
             shape, dtype = tuple(node.args[0]), node.args[1]
-            axis, size = node.args[3], mesh.axis_size(node.args[3])
+            axis, size, peer = node.args[3], mesh.axis_size(node.args[3]), node.args[4]
         else:
             val, spec = x.meta["val"], x.meta["fxshard_spec"]
             shape, dtype = local_shape(tuple(val.shape), spec, mesh), val.dtype
             axis = node.args[-2] if op != "send" else node.args[1]
             size = mesh.axis_size(axis)
+            peer = node.args[2] if op == "send" else -1
         nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
+        # the gather of the model's output on dp or a CP axis belongs to no module ("")
+        output_gather = (op in ("all_gather", "zigzag_gather") and axis != "tp"
+                         and any(u.op == "output" for u in node.users))
         out.append(CollectiveInfo(node.name, op, axis, size, shape, nbytes,
-                                  _wire(op, size, nbytes), _module_of(node)))
+                                  _wire(op, size, nbytes),
+                                  "" if output_gather else _module_of(node), peer))
     return out
 
 
 def _module_of(node) -> str:
     """The deepest model module of ``node`` or of the value it moves (inserted collectives
-    have no module of their own; their input does)."""
+    have no module of their own; their input does, possibly through other inserted ones)."""
     for n in [node, *[a for a in node.args if hasattr(a, "meta")]]:
         stack = n.meta.get("nn_module_stack")
         if stack:
             return list(stack.values())[-1][0]
+    todo, seen = [a for a in node.args if hasattr(a, "meta")], set()
+    while todo:
+        n = todo.pop(0)
+        if n in seen or not str(n.target).startswith("fxshard."):
+            continue
+        seen.add(n)
+        for a in (a for a in n.args if hasattr(a, "meta")):
+            stack = a.meta.get("nn_module_stack")
+            if stack:
+                return list(stack.values())[-1][0]
+            todo.append(a)
     return ""
 
 
@@ -256,10 +276,11 @@ def explain(pm, compiled) -> Explanation:
         prog = programs[stage_of(r)] if len(programs) > 1 else programs[0]
         ex.collectives[r] = per_stage[prog.stage]
         ex.stages[r] = prog.stage
-        ex.slices[r] = [(s.fqn, shard_slices(s.shape, s.spec, mesh, r))
-                        for s in prog.slots.values()
-                        if s.kind == "param" and any(isinstance(p, Shard) and n > 1 for n, p
-                                                     in zip(mesh.shape, s.spec))][:3]
+        sharded = [s for s in prog.slots.values()
+                   if s.kind == "param" and any(isinstance(p, Shard) and n > 1 for n, p
+                                                in zip(mesh.shape, s.spec))]
+        ex.slices[r] = [(s.fqn, shard_slices(s.shape, s.spec, mesh, r)) for s in sharded[:3]]
+        ex.sliced[r] = len(sharded)
         total = 0
         for s in prog.slots.values():
             if s.kind != "param":
