@@ -41,7 +41,7 @@ def test_first_example_runs_and_matches_one_device(tmp_path, monkeypatch):
     exec(compile(code, "README.md", "exec"), scope)   # noqa: S102 - the README's own example
     model, ids = scope["model"], scope["ids"]
     with torch.no_grad():
-        torch.testing.assert_close(scope["logits"], model(ids), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(scope["out"], model(ids), rtol=1e-4, atol=1e-4)
     x = ids
     for _ in range(8):   # greedy on one device, no cache
         with torch.no_grad():
