@@ -31,7 +31,8 @@ Legend
   tensor bytes  the local tensor handed to the collective
   wire bytes    what one rank moves over the links with a ring algorithm: 2(n-1)/n of it for
                 an all-reduce, (n-1)/n of the gathered or scattered size otherwise, the whole
-                message for send/recv, n-1 K/V chunks for ring attention (n = axis size)"""
+                message for send/recv, n-1 K/V chunks for ring attention (n = axis size);
+                local_shard / zigzag_shard take a rank's slice: no communication, 0 bytes"""
 
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "local_shard",
                "partial_from_replicate", "send", "recv", "ring_attention", "zigzag_shard",

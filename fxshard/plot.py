@@ -178,7 +178,9 @@ def _order(ex):
             return (1, last.get(int(m.group(2)), -1) + 0.5)
         if label == "output gather":
             return (3, 0)
-        return (2 if "head" in label or "norm" in label else 0, 0)
+        if "norm" in label:       # the final norm, then the head
+            return (2, 0)
+        return (2, 1) if "head" in label else (0, label != "embed_tokens")
     return key
 
 
