@@ -104,6 +104,20 @@ def _meshes_of(module, params: dict) -> list[str]:
     return out
 
 
+def _expand(module, params: dict) -> dict:
+    """A parametrized case named by a key of a module-level table (``USP_MASKED["bloom-u2r2"]
+    = ("bloom", dict(ulysses_cp=2, ring_cp=2), ...)``): its entries as more parameters."""
+    out = dict(params)
+    for name, value in params.items():
+        if not isinstance(value, str):
+            continue
+        for table_name, table in vars(module).items():
+            if table_name.isupper() and table_name not in ("MESHES", "FAMILIES") and \
+                    isinstance(table, dict) and isinstance(table.get(value), tuple):
+                out.update({f"{name}.{i}": v for i, v in enumerate(table[value])})
+    return out
+
+
 def _literal_meshes(fn) -> list[str]:
     """Meshes spelled out in ``fn``'s body: ``dict(tp=2, ring_cp=2)``, ``mesh(tp=2)``,
     ``{"tp": 2}`` or ``init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))``."""
@@ -189,6 +203,7 @@ def collect() -> dict[str, dict]:
             refs = _referenced(fn, module)
             literal = _literal_meshes(fn)
             for params in _params(fn) or [{}]:
+                params = _expand(module, params)
                 meshes = _meshes_of(module, params) or literal
                 if not meshes:
                     continue
@@ -200,6 +215,8 @@ def collect() -> dict[str, dict]:
                     if isinstance(value, str) and kind == "generate" and \
                             value in generate_families:
                         models_here.add(_class_of(generate_families[value]))
+                    if isinstance(value, str) and value in builders and "getattr" in refs:
+                        models_here.add(_class_of(builders[value]))
                     if callable(value) and getattr(value, "__name__", "") in builders:
                         models_here.add(_class_of(value))
                 for cls in models_here:
