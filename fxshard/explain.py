@@ -153,7 +153,7 @@ class Explanation:
             for r, b in self.kv_cache_bytes.items():
                 by_bytes.setdefault(b, []).append(r)
             for b, ranks in by_bytes.items():
-                lines.append(f"  ranks {_ranges(ranks)}: {b:,d}")
+                lines.append(f"  {self._group_label(ranks)}: {b:,d}")
         lines += ["", "Placements of weights (stage, placement per axis, local shape)"]
         for fqn, spec, shape, stage in self.placements:
             lines.append(f"  {fqn:50s} {stage:>5d}  {spec:20s} {shape}")
