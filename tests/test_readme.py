@@ -38,6 +38,7 @@ def test_first_example_runs_and_matches_one_device(tmp_path, monkeypatch):
     assert len(code.strip().splitlines()) <= 13, code
     monkeypatch.chdir(tmp_path)
     scope: dict = {}
+    torch.manual_seed(0)   # fixed weights and prompt: no near-tie can flip a greedy token
     exec(compile(code, "README.md", "exec"), scope)   # noqa: S102 - the README's own example
     model, ids = scope["model"], scope["ids"]
     with torch.no_grad():
