@@ -298,8 +298,7 @@ def _refuse_on_cp(softmax: fx.Node, ctx: PassCtx) -> None:
     ctx.gathered.append((softmax.name, why))
 
 
-def eager_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
-                         ) -> fx.GraphModule:
+def eager_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     graph = gm.graph
     found = causal_n = capped_n = biased_n = 0
     ctx.gathered.clear()
@@ -326,7 +325,7 @@ def eager_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
             if (mask, sq, skv) not in additive:  # layers share one mask: evaluate it once
                 try:
                     with torch.no_grad():
-                        value = _constant_value(mask, constants)
+                        value = _constant_value(mask, ctx.constants)
                 except MetaBuffer:  # fold_causal_mask_pass warns about it on the SDPA node
                     value = None
                 additive[mask, sq, skv] = value is not None and \
@@ -344,13 +343,6 @@ def eager_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
         out.replace_all_uses_with(sdpa)
         _erase_unused(graph, out)
         found += 1
-    if found:
-        graph.eliminate_dead_code()
-        graph.lint()
-        gm.recompile()
-    ctx.report("eager_attention_pass", f"recognised {found} eager attentions as SDPA "
-                                       f"({causal_n} with a constant causal mask"
-                                       + (f", {capped_n} soft-capped" if capped_n else "")
-                                       + (f", {biased_n} with a bias added to the mask (ALiBi)"
-                                          if biased_n else "") + ")")
+    ctx.report("eager_attention_pass", attentions=found, causal_masks=causal_n,
+               soft_capped=capped_n, biases_in_mask=biased_n)
     return gm

@@ -96,9 +96,8 @@ def _is_causal_mask(mask: torch.Tensor, sq: int, skv: int) -> bool:
     return bool((mask == causal).all())
 
 
-def fold_causal_mask_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
-                          ) -> fx.GraphModule:
-    folded = 0
+def fold_causal_mask_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
+    folded = on_meta = 0
     causal: dict[tuple, bool] = {}  # (mask node, sq, skv) -> is it causal; layers share masks
     for node in gm.graph.nodes:
         if node.target is not aten.scaled_dot_product_attention.default:
@@ -112,7 +111,7 @@ def fold_causal_mask_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
         if key not in causal:
             try:
                 with torch.no_grad():
-                    value = _constant_value(mask, constants)
+                    value = _constant_value(mask, ctx.constants)
             except MetaBuffer as e:
                 warnings.warn(
                     f"fxshard.parallelize: the attention mask of {node.name} reads the buffer "
@@ -120,8 +119,7 @@ def fold_causal_mask_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
                     f"is the causal mask; attention keeps the explicit mask (context "
                     f"parallelism then gathers the sequence). Build the model under "
                     f"fxshard.init_empty_weights() so buffers are real", stacklevel=2)
-                ctx.report("fold_causal_mask_pass", f"{node.name}: mask reads meta buffer "
-                                                    f"{e.fqn}")
+                on_meta += 1
                 value = None
             causal[key] = value is not None and _is_causal_mask(value, sq, skv)
         if not causal[key]:
@@ -131,9 +129,6 @@ def fold_causal_mask_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
         node.args = (a["query"], a["key"], a["value"], None, a["dropout_p"], True)
         node.kwargs = kwargs
         folded += 1
-    if folded:
-        gm.graph.eliminate_dead_code()
-        gm.graph.lint()
-        gm.recompile()
-    ctx.report("fold_causal_mask_pass", f"folded {folded} constant masks to is_causal=True")
+    ctx.report("fold_causal_mask_pass", changed=folded > 0, folded_masks=folded,
+               masks_on_meta=on_meta)
     return gm
