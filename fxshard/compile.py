@@ -158,8 +158,8 @@ def compile_stage(program: Program, example_module: fx.GraphModule,
     (``example_module``) and that rank's inputs (no collective runs while compiling).
     ``groups`` (mesh axis -> torch.distributed group name, real meshes only): lower the
     stage's collectives on those axes to torch's functional collectives
-    (:func:`fxshard.passes.post_emit.native_collectives_pass`); without it every collective stays an ``fxshard::*`` op
-    (the simulated mesh). The graph: :func:`inductor_graph`."""
+    (:func:`fxshard.passes.post_emit.native_collectives_pass`); without it every collective
+    stays an ``fxshard::*`` op (the simulated mesh). The graph: :func:`inductor_graph`."""
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode

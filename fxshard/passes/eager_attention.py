@@ -4,7 +4,8 @@ HuggingFace's ``eager`` attention (and hand-written attention) computes
 ``softmax(q @ k^T * scale + mask) @ v`` with plain matmuls. As SDPA it gets the attention rule
 and ``lower_attention``: local fused attention, Ulysses or ring attention on the CP axes, instead
 of K and V gathered along the sequence. A constant additive causal mask (0 on and below the
-diagonal, a huge negative number above) becomes ``is_causal=True``; any other mask is passed
+diagonal, a huge negative number above; evaluated from ``ctx.constants``) becomes
+``is_causal=True``; any other mask is passed
 on as SDPA's additive ``attn_mask`` (same arithmetic). Gemma-2's tanh soft-cap of the scaled
 scores (``tanh(s / cap) * cap`` before the mask) is recognised too: SDPA has no argument for
 it, so the cap rides in ``node.meta["fxshard_softcap"]`` and ``lower_attention`` hands it to

@@ -3,7 +3,8 @@
 Parameters and buffers stop being graph inputs and become attributes under their original
 FQNs, holding only the rank's slice, so ``rank_module(r).state_dict()`` reads like the model's
 own state dict with smaller tensors. Ranks of one stage share the graph; collectives name mesh
-axes, and each rank's coordinate comes from the runtime.
+axes, and each rank's coordinate comes from the runtime. The pass appends stage
+``ctx.stage``'s :class:`Program` to ``ctx.programs`` and returns its input unchanged.
 
 Before::  forward(self, p_model_layers_0_self_attn_q_proj_weight, ..., input_ids)
 After::   forward(self, input_ids)

@@ -1,7 +1,8 @@
 """Fold constant causal masks into ``is_causal=True`` before placements are chosen.
 
 HuggingFace builds its attention mask from ``arange`` and constants (no input, no weight). The
-mask is evaluated once at trace time; when it is the plain causal mask the attention call gets
+mask is evaluated once at trace time, reading buffers from ``ctx.constants`` (the trace's
+constants and the buffers as loaded); when it is the plain causal mask the attention call gets
 ``is_causal=True`` and no mask, so the fused kernel runs without it and context parallelism
 sees causal attention rather than an opaque ``[B, 1, S, S]`` tensor.
 

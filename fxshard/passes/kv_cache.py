@@ -32,10 +32,12 @@ says which through ``cache_write_pos``, the others write a scratch slot past the
             pieces = fxshard.all_gather(unsqueeze(attention[0], 0), 0, 'ring_cp', 2)
             out = fxshard.merge_pieces(pieces, fxshard.all_gather(unsqueeze(attention[1], 0), ...))
 
-Cache shapes are the rank's: ``[B, H, capacity + 1, D]`` (the last slot is the scratch slot).
+Cache shapes are the rank's: ``[B, H, capacity + 1, D]`` (the last slot is the scratch slot);
+``capacity`` is ``ctx.cache_capacity``. The pass lists: ``PREFILL`` and ``DECODE`` (greedy:
+``DECODE_GREEDY``) of :mod:`fxshard.passes.pipeline`.
 
 ``greedy_tokens_pass`` makes the decode program of greedy generation return the chosen token
-ids ``[B, 1]`` (int64) in place of the logits: the caller needs only their argmax. Where the
+ids ``[B, 1]`` (int64) in place of the logits (found among the outputs by ``ctx.out_spec``): the caller needs only their argmax. Where the
 logits end vocab-sharded on one axis (tp's column-parallel lm_head), the gather of the
 ``[B, 1, V]`` logits becomes a :func:`fxshard::sharded_argmax
 <fxshard.runtime.kv_cache.sharded_argmax>` (one ``(max, index)`` pair per row exchanged);

@@ -21,7 +21,10 @@ After, stage 0 and stage 1::
     h1 = layer1(h0, cos, sin); out = linear(norm(h1), w_head)
 
 Stages other than the last return nothing; the runner hands the last stage's output to the
-caller (and, on a real mesh, to every rank).
+caller (and, on a real mesh, to every rank). The layer stack and each layer's stage come on
+``ctx.layer_stack`` / ``ctx.layer_stages`` (``fxshard.passes.pipeline.build_programs``); the
+stage graphs go to ``ctx.stage_graphs`` and the pass returns its input unchanged: the pass
+driver runs the passes after it (emit) on each stage graph.
 """
 from __future__ import annotations
 
