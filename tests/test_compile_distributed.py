@@ -82,8 +82,9 @@ LOWERING_CASES = [("all_reduce", ()), *(("all_gather", (d,)) for d in (0, 1, 2, 
 
 def _collective_lowerings(mesh, rank: int) -> dict:
     """Every lowered collective (each dim, split/concat pair) on an uneven [4, 6, 10] tensor:
-    ``fxshard.passes.post_emit.native_collectives_pass``' functional-collective graph, run eagerly, against
-    the ``fxshard::*`` op on ``DistributedBackend``. Returns case -> max |difference|."""
+    ``fxshard.passes.post_emit.native_collectives_pass``' functional-collective graph, run
+    eagerly, against the ``fxshard::*`` op on ``DistributedBackend``. Returns case -> max
+    |difference|."""
     import torch.fx as fx
 
     from fxshard.passes.pipeline import run_passes
