@@ -9,12 +9,12 @@ changed goes to ``ctx.report(pass_name, **counts)``. :func:`run_passes` owns the
     for each pass:  gm = pass(gm, ctx=ctx)
                     if it changed the graph: eliminate dead code, lint, recompile
 
-The last two passes of a program pipeline produce more than one graph. ``split_stages_pass``
-(pp > 1) leaves one GraphModule per stage on ``ctx.stage_graphs`` and returns its input
-unchanged; :func:`run_passes` then runs the passes after it on each stage graph in turn
-(``ctx.stage`` = its index), each new graph getting the same ending. ``emit_pass`` appends the
-stage's :class:`fxshard.passes.emit.Program` to ``ctx.programs`` and returns its input. So
-:func:`build_programs` reads the programs, one per stage, from ``ctx.programs``.
+The last two passes produce more than a graph (stage graphs, programs) and keep the one
+signature all the same: they leave what they make on ``ctx`` and return their input unchanged. ``split_stages_pass`` (pp > 1)
+leaves one GraphModule per stage on ``ctx.stage_graphs``; :func:`run_passes` then runs the
+passes after it on each stage graph in turn (``ctx.stage`` = its index; each new graph gets the
+same ending first). ``emit_pass`` appends the stage's :class:`fxshard.passes.emit.Program` to
+``ctx.programs``, which :func:`build_programs` returns (one program per stage). The lists::
 
     FORWARD  = [cleanup, eager_attention, fold_causal_mask, unrepeat_kv, moe_routing, propagate,
                 insert_collectives, lower_attention, localize, split_stages, emit]
