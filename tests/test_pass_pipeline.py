@@ -138,3 +138,14 @@ def test_generation_lists_add_their_passes_to_forward():
     assert passes_for(("decode", 8, "greedy")) is DECODE_GREEDY
     with pytest.raises(ValueError, match=r"generation=\('prefill', 8, 'greedy'\)"):
         passes_for(("prefill", 8, "greedy"))
+
+
+def test_explain_prints_one_line_per_pass_from_its_counts():
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    pm = fxshard.parallelize(_Stack(), mesh, example_inputs=(torch.randn(3, 8),))
+    e = pm.explain()
+    lines = str(e).split("\nPasses\n")[1].splitlines()
+    assert [line.split(":")[0].strip() for line in lines] == [p.__name__ for p in FORWARD]
+    assert "  split_stages_pass: 1 stages, 0 sends, 0 receives" in lines
+    assert e.passes["emit_pass"] == {"programs": 1, "weights": 4, "unused_weights_dropped": 0}
+    pm.close()
