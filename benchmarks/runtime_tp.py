@@ -39,8 +39,8 @@ input ids. Variants:
                      the rank program compiled by Inductor (``fxshard.compile``), called as
                      ``pm(ids)``.
   fxshard compiled fxattn (diag.)
-                     the same with ``fxshard.compile._aten_attention`` switched off (patched
-                     here): attention stays the ``fxshard::attention_out`` custom op inside
+                     the same without ``fxshard.passes.post_emit.aten_attention_pass`` (patched
+                     out here): attention stays the ``fxshard::attention_out`` custom op inside
                      Inductor instead of aten's CPU flash attention (the code before issue 9's
                      attention lowering; an A/B of that lowering in one run).
   megatron compiled  the hand-written Megatron forward under ``torch.compile`` (Inductor;
@@ -95,7 +95,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from megatron_slices import cols, layer_slices, rows  # noqa: E402  (this folder)
 
 import fxshard  # noqa: E402
-import fxshard.compile  # noqa: E402  (the diagnostic variant patches its attention lowering)
+from fxshard.passes import post_emit  # noqa: E402  (the diagnostic variant drops a pass)
 from fxshard.models.llama import (LlamaConfig, LlamaForCausalLM, apply_rotary_pos_emb,  # noqa: E402
                                   rope_cos_sin)
 
@@ -388,7 +388,9 @@ def _run(rank: int, args) -> None:
             compile_s["fxshard compiled (parallelize + Inductor + first forward)"] = \
                 time.perf_counter() - t0
             if wanted(DIAG_ATTENTION):
-                with mock.patch.object(fxshard.compile, "_aten_attention", lambda gm: 0):
+                without = [p for p in post_emit.INDUCTOR
+                           if p is not post_emit.aten_attention_pass]
+                with mock.patch.object(post_emit, "INDUCTOR", without):
                     pm_c_attn = fxshard.parallelize(model, mesh, example_inputs=(ids,),
                                                     compile=True)
                     pm_c_attn(ids)

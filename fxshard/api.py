@@ -22,20 +22,11 @@ from .checks import (check_parallelize_args, check_state_dict_values, inference_
                      unmatched_plan_patterns)
 from .mesh import MeshSpec, is_simulated, mesh_spec
 from .passes import PLAN_STYLES, PassCtx
-from .passes.fold_mask import fold_causal_mask_pass
-from .passes.gqa import unrepeat_kv_pass
-from .passes.eager_attention import eager_attention_pass
-from .passes.emit import Program, build_rank_module, emit_pass
-from .passes.insert_collectives import insert_collectives_pass
-from .passes.kv_cache import (decode_attention_pass, greedy_tokens_pass,
-                                prefill_cache_pass)
-from .passes.localize import localize_pass
-from .passes.lower_attention import lower_attention_pass
-from .passes.propagate import propagate_pass
-from .passes.split_stages import assign_layers_to_stages, find_layer_stack, split_stages_pass
+from .passes.emit import Program, build_rank_module
+from .passes.pipeline import build_programs
 from .placement import R
 from .runtime.runner import run
-from .trace import Traced, cleanup_pass, trace
+from .trace import Traced
 from .weights import WeightWatch, materialize_buffers, non_persistent_buffers
 
 __all__ = ["parallelize", "ParallelModule"]
@@ -65,58 +56,11 @@ def _signature(flat) -> tuple:
                  else ("const", repr(x)) for x in flat)
 
 
-def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx, *,
-                    stages: list[int] | None = None, traced: Traced | None = None,
-                    buffers: dict | None = None,
-                    generation: tuple | None = None) -> Compiled:
-    """Trace ``model`` on ``args``/``kwargs`` (unless ``traced`` is given) and run the pass
-    pipeline under ``ctx``. ``buffers`` (FQN -> tensor) are the values the mask folds read
-    instead of the model's own (what ``load_state_dict`` loaded). ``generation``:
-    ``("prefill" | "decode", cache capacity per rank)`` binds a KV cache
-    (:mod:`fxshard.passes.kv_cache`); ``("decode", capacity, "greedy")``: the decode program
-    returns the argmax token ids instead of the logits (``greedy_tokens_pass``)."""
-    n_stages = ctx.mesh.axis_size("pp")
-    if n_stages > 1:  # validate before the (slower) trace
-        stack, layer_stages = _layer_stages(model, n_stages, stages)
-    if traced is None:
-        traced = trace(model, args, kwargs, real_inputs=generation is not None
-                       and generation[0] == "decode")
-    gm = cleanup_pass(traced.gm, ctx=ctx)
-    constants = {**traced.constants, **(buffers or {})}
-    gm = eager_attention_pass(gm, ctx=ctx, constants=constants)
-    gm = fold_causal_mask_pass(gm, ctx=ctx, constants=constants)
-    gm = unrepeat_kv_pass(gm, ctx=ctx)
-    gm = propagate_pass(gm, ctx=ctx)
-    gm = insert_collectives_pass(gm, ctx=ctx)
-    mode, capacity, *options = generation or (None, 0)
-    if "greedy" in options:
-        gm = greedy_tokens_pass(gm, ctx=ctx, out_spec=traced.out_spec)
-    if mode == "decode":
-        gm = decode_attention_pass(gm, ctx=ctx, capacity=capacity)
-    gm = lower_attention_pass(gm, ctx=ctx)
-    if mode == "prefill":
-        gm = prefill_cache_pass(gm, ctx=ctx, capacity=capacity)
-    gm = localize_pass(gm, ctx=ctx)
-    if n_stages > 1:
-        graphs = split_stages_pass(gm, ctx=ctx, stack=stack, layer_stages=layer_stages)
-        programs = [emit_pass(g, ctx=ctx, stage=s) for s, g in enumerate(graphs)]
-    else:
-        programs = [emit_pass(gm, ctx=ctx)]
+def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx,
+                    **options) -> Compiled:
+    """:func:`fxshard.passes.pipeline.build_programs`' trace and programs, as a ``Compiled``."""
+    traced, programs = build_programs(model, args, kwargs, ctx, **options)
     return Compiled(traced=traced, ctx=ctx, programs=programs)
-
-
-def _layer_stages(model, n_stages: int, stages) -> tuple[str, list[int]]:
-    stack, n_layers = find_layer_stack(model)
-    if stages is None:
-        return stack, assign_layers_to_stages(n_layers, n_stages)
-    stages = list(stages)
-    if len(stages) != n_layers or any(not 0 <= s < n_stages for s in stages) or \
-            stages != sorted(stages) or set(stages) != set(range(n_stages)):
-        raise ValueError(
-            f"{_WHERE}: stages={stages} must give each of the {n_layers} layers of {stack} a "
-            f"stage in 0..{n_stages - 1}, in non-decreasing order, using every stage, e.g. "
-            f"{assign_layers_to_stages(n_layers, n_stages) if n_layers >= n_stages else '-'}")
-    return stack, stages
 
 
 class ParallelModule:

@@ -66,7 +66,7 @@ class Explanation:
     fallbacks: list = field(default_factory=list)
     replicated: list = field(default_factory=list)      # (weight FQN, why it stays whole on tp)
     gathered: list = field(default_factory=list)        # (node, why a CP axis gathers there)
-    edits: list = field(default_factory=list)
+    passes: dict = field(default_factory=dict)          # pass -> {what: count} it changed
     microbatches: int = 1                               # runs of each program per forward
     unmatched_plan: list = field(default_factory=list)  # plan globs that matched no module
     stages: dict = field(default_factory=dict)          # rank -> pipeline stage
@@ -168,7 +168,9 @@ class Explanation:
         if self.unmatched_plan:
             lines += ["", f"Plan patterns that match no module (ignored): "
                           f"{', '.join(map(repr, self.unmatched_plan))}"]
-        lines += ["", "Passes"] + [f"  {p}: {m}" for p, m in self.edits]
+        lines += ["", "Passes"] + [f"  {p}: " + ", ".join(f"{n} {what.replace('_', ' ')}"
+                                                          for what, n in counts.items())
+                                   for p, counts in self.passes.items()]
         return "\n".join(lines)
 
 
@@ -265,7 +267,7 @@ def explain(pm, compiled) -> Explanation:
     ex = Explanation(mesh=mesh.describe(), ranks=mesh.world_size, mesh_shape=tuple(mesh.shape),
                      axis_names=tuple(mesh.axis_names),
                      fallbacks=[f for f in compiled.ctx.fallbacks if f.split(":")[0] in alive],
-                     edits=list(compiled.ctx.edits),
+                     passes={p: dict(c) for p, c in compiled.ctx.reports.items()},
                      replicated=list(getattr(compiled.ctx, "replicated", [])),
                      gathered=list(getattr(compiled.ctx, "gathered", [])),
                      microbatches=getattr(pm, "microbatches", 1),

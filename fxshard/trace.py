@@ -210,9 +210,9 @@ def _is_noop_to(node: fx.Node) -> bool:
             and a.dtype == b.dtype and same_device and a.shape == b.shape)
 
 
-def cleanup_pass(gm: fx.GraphModule, *, ctx=None) -> fx.GraphModule:
+def cleanup_pass(gm: fx.GraphModule, *, ctx) -> fx.GraphModule:
     """Drop ``_assert_tensor_metadata``, casts/copies that change nothing and unused
-    non-tensor inputs."""
+    non-tensor inputs (the first pass of :mod:`fxshard.passes.pipeline`'s lists)."""
     changed = 0
     for node in list(gm.graph.nodes):
         if node.op == "placeholder" and node.meta.get("fxshard_input") is not None and \
@@ -230,9 +230,5 @@ def cleanup_pass(gm: fx.GraphModule, *, ctx=None) -> fx.GraphModule:
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
             changed += 1
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    if ctx is not None:
-        ctx.report("cleanup_pass", f"removed {changed} no-op nodes")
+    ctx.report("cleanup_pass", removed_nodes=changed)
     return gm

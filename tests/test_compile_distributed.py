@@ -82,11 +82,13 @@ LOWERING_CASES = [("all_reduce", ()), *(("all_gather", (d,)) for d in (0, 1, 2, 
 
 def _collective_lowerings(mesh, rank: int) -> dict:
     """Every lowered collective (each dim, split/concat pair) on an uneven [4, 6, 10] tensor:
-    ``fxshard.compile._native_collectives``' functional-collective graph, run eagerly, against
-    the ``fxshard::*`` op on ``DistributedBackend``. Returns case -> max |difference|."""
+    ``fxshard.passes.post_emit.native_collectives_pass``' functional-collective graph, run
+    eagerly, against the ``fxshard::*`` op on ``DistributedBackend``. Returns case -> max
+    |difference|."""
     import torch.fx as fx
 
-    from fxshard.compile import _native_collectives
+    from fxshard.passes.pipeline import run_passes
+    from fxshard.passes.post_emit import PostEmitCtx, native_collectives_pass
     from fxshard.runtime import backend_for, use_backend
 
     x = torch.randn(4, 6, 10, generator=torch.Generator().manual_seed(rank))
@@ -100,7 +102,9 @@ def _collective_lowerings(mesh, rank: int) -> dict:
         gm = fx.GraphModule(torch.nn.Module(), graph)
         with use_backend(backend_for(mesh)):
             want = gm(x)
-        lowered = _native_collectives(gm, {"tp": mesh.get_group("tp").group_name})
+        ctx = PostEmitCtx(groups={"tp": mesh.get_group("tp").group_name})
+        run_passes(gm, [native_collectives_pass], ctx)
+        lowered = ctx.reports["native_collectives_pass"]["native_collectives"]
         got = gm(x)
         ok = lowered == 1 and "fxshard" not in gm.code and got.shape == want.shape
         result[f"{name}{dims}"] = float((got - want).abs().max()) if ok else float("nan")

@@ -1,7 +1,7 @@
-"""The graph rewrites ``fxshard.compile`` applies before Inductor, on small hand-built graphs
-(no Inductor, no processes: each graph runs eagerly before and after the rewrite).
+"""The post-emit rewrites the runners apply (``fxshard.passes.post_emit``), on small hand-built
+graphs (no Inductor, no processes: each graph runs eagerly before and after the rewrite).
 
-``_aten_attention``: an ``fxshard::attention`` / ``attention_out`` whose contract is aten's
+``aten_attention_pass``: an ``fxshard::attention`` / ``attention_out`` whose contract is aten's
 becomes aten's CPU flash attention (what compiled hand-written code calls); the others keep the
 fxshard op. Values equal the fxshard op's, and ``attention_out``'s ``[B, S, H, D]`` storage is
 kept.
@@ -15,10 +15,18 @@ import torch
 import torch.fx as fx
 
 import fxshard  # noqa: F401  (registers the fxshard ops)
-from fxshard.compile import _aten_attention
 from fxshard.kernels.attention_out import attention_out
+from fxshard.passes.pipeline import run_passes
+from fxshard.passes.post_emit import PostEmitCtx, aten_attention_pass
 
 FLASH = "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default("
+
+
+def _aten_attention(gm: fx.GraphModule) -> int:
+    """Run ``aten_attention_pass`` on ``gm`` as the runners do; how many it lowered."""
+    ctx = PostEmitCtx()
+    run_passes(gm, [aten_attention_pass], ctx)
+    return ctx.reports["aten_attention_pass"]["flash_attentions"]
 
 
 def _attention_graph(op, inputs: dict, options: dict, *, read_lse: bool) -> fx.GraphModule:

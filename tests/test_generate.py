@@ -83,7 +83,8 @@ def _export_once():
     import dataclasses
 
     import fxshard.api as api
-    real, memo = api.trace, {}
+    import fxshard.passes.pipeline as pipeline
+    real, memo = pipeline.trace, {}
 
     def trace(model, args, kwargs=None, **options):
         key = (id(model), api._signature(torch.utils._pytree.tree_flatten((args, kwargs))[0]),
@@ -95,9 +96,9 @@ def _export_once():
         graph.output(graph.graph_copy(traced.gm.graph, {}))
         return dataclasses.replace(traced, gm=torch.fx.GraphModule(traced.gm, graph))
 
-    api.trace = trace
+    pipeline.trace = trace
     yield
-    api.trace = real
+    pipeline.trace = real
 
 
 def family(name):

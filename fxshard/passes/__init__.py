@@ -1,15 +1,22 @@
-"""Graph passes. Each is ``def name_pass(gm, *, ctx: PassCtx) -> GraphModule`` and reports
-what it changed through ``ctx.report``; the order is fixed by ``fxshard.api.compile_program``::
+"""Graph passes. Each is ``def name_pass(gm, *, ctx: PassCtx) -> GraphModule``: what it needs
+beyond the graph (constants, cache capacity, the layer stages) is on ``ctx``, and it says what
+it changed as counts, ``ctx.report(pass_name, folded_masks=2)``. The order is data, the pass
+lists of :mod:`fxshard.passes.pipeline`, run by its ``run_passes`` (which owns the "if
+changed: eliminate dead code, lint, recompile" ending)::
 
-    cleanup -> eager_attention -> fold_causal_mask -> unrepeat_kv -> propagate
-            -> insert_collectives -> [decode_attention] -> lower_attention -> [prefill_cache]
-            -> localize -> split_stages (pp > 1) -> emit
+    FORWARD: cleanup -> eager_attention -> fold_causal_mask -> unrepeat_kv -> moe_routing
+             -> propagate -> insert_collectives -> lower_attention -> localize
+             -> split_stages -> emit (per stage)
+    PREFILL: FORWARD with prefill_cache after lower_attention
+    DECODE:  FORWARD with decode_attention before lower_attention (and, greedy,
+             greedy_tokens before decode_attention)
 
-(the bracketed passes build text generation's programs, ``fxshard.passes.kv_cache``).
-``propagate`` first runs ``moe_routing`` (it tags the expert-routing regions its rules read).
-``split_stages`` runs after ``localize`` (DESIGN.md lists it before): a receive needs the local
-shape of what it receives. ``split_stages`` returns one graph per stage and ``emit`` one
-``Program`` per graph.
+(the generation passes are :mod:`fxshard.passes.kv_cache`). ``moe_routing`` tags the
+expert-routing regions ``propagate``'s rules read. ``split_stages`` runs after ``localize``
+(DESIGN.md lists it before): a receive needs the local shape of what it receives; it leaves
+one graph per stage on ``ctx.stage_graphs`` and the driver runs ``emit`` on each, which
+appends one ``Program`` to ``ctx.programs``. After emit, the runners' rewrites are passes of
+the same shape (:mod:`fxshard.passes.post_emit`, with their own small ``PostEmitCtx``).
 """
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ from dataclasses import dataclass, field
 from ..mesh import MeshSpec
 from ..placement import P, R, Shard
 
-__all__ = ["PassCtx", "PLAN_STYLES"]
+__all__ = ["PassCtx", "PassReports", "PLAN_STYLES"]
 
 # plan style -> placement on the tp axis of (weight, bias)
 PLAN_STYLES = {
@@ -31,8 +38,29 @@ PLAN_STYLES = {
 }
 
 
+class PassReports:
+    """What each pass changed, as counts: ``reports["fold_causal_mask_pass"] ==
+    {"folded_masks": 2, "meta_buffer_masks": 0}``. A pass that runs more than once (emit, per
+    stage) adds to its counts. ``changed`` says whether the pass now running edited the graph
+    (the driver then eliminates dead code, lints and recompiles)."""
+
+    def __init__(self):
+        self.reports: dict[str, dict[str, int]] = {}
+        self.changed = False
+
+    def report(self, pass_name: str, *, changed: bool | None = None, **counts: int) -> None:
+        """Add ``counts`` to ``pass_name``'s report. ``changed``: whether the graph was edited
+        (default: any count is nonzero; say ``False`` for counts of what was only looked at
+        or annotated)."""
+        mine = self.reports.setdefault(pass_name, {})
+        for key, n in counts.items():
+            assert isinstance(n, int), (pass_name, key, n)
+            mine[key] = mine.get(key, 0) + n
+        self.changed |= any(counts.values()) if changed is None else changed
+
+
 @dataclass
-class PassCtx:
+class PassCtx(PassReports):
     """Options and bookkeeping shared by the passes of one ``parallelize`` call."""
 
     mesh: MeshSpec
@@ -44,17 +72,26 @@ class PassCtx:
     keep_output_placement: bool = False   # leave outputs sharded (rule tests read the blocks)
     ring_zigzag: bool = True              # zigzag sequence layout on ring_cp (load balance)
     split_sequence: bool = True           # user inputs' dim 1 on the CP axes (off: decode)
-    edits: list = field(default_factory=list)
     fallbacks: list = field(default_factory=list)
     replicated: list = field(default_factory=list)   # (weight FQN, why it stays whole on tp)
     gathered: list = field(default_factory=list)     # (node, why a CP axis gathers around it)
+    # what the passes read beyond the graph (``fxshard.passes.pipeline.build_programs`` sets them)
+    constants: dict = field(default_factory=dict)    # FQN -> value the mask folds evaluate
+    out_spec: object = None                          # the traced output's pytree spec (greedy)
+    cache_capacity: int = 0                          # KV-cache slots per rank (generation)
+    layer_stack: str | None = None                   # FQN of the layer ModuleList (pp > 1)
+    layer_stages: list | None = None                 # the stage of each layer (pp > 1)
+    # what the last passes leave (split_stages: one graph per stage; emit: their programs)
+    stage: int = 0                                   # the stage emit is emitting
+    stage_graphs: list | None = None
+    programs: list = field(default_factory=list)
+
+    def __post_init__(self):
+        PassReports.__init__(self)
 
     @property
     def zigzag_axes(self) -> tuple[str, ...]:
         return ("ring_cp",) if self.ring_zigzag and self.mesh.axis_size("ring_cp") > 1 else ()
-
-    def report(self, pass_name: str, message: str) -> None:
-        self.edits.append((pass_name, message))
 
     def plan_for(self, fqn: str) -> tuple | None:
         """(weight, bias) tp placements the user's ``plan`` gives the module owning ``fqn``."""

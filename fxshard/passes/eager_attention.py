@@ -4,7 +4,8 @@ HuggingFace's ``eager`` attention (and hand-written attention) computes
 ``softmax(q @ k^T * scale + mask) @ v`` with plain matmuls. As SDPA it gets the attention rule
 and ``lower_attention``: local fused attention, Ulysses or ring attention on the CP axes, instead
 of K and V gathered along the sequence. A constant additive causal mask (0 on and below the
-diagonal, a huge negative number above) becomes ``is_causal=True``; any other mask is passed
+diagonal, a huge negative number above; evaluated from ``ctx.constants``) becomes
+``is_causal=True``; any other mask is passed
 on as SDPA's additive ``attn_mask`` (same arithmetic). Gemma-2's tanh soft-cap of the scaled
 scores (``tanh(s / cap) * cap`` before the mask) is recognised too: SDPA has no argument for
 it, so the cap rides in ``node.meta["fxshard_softcap"]`` and ``lower_attention`` hands it to
@@ -298,8 +299,7 @@ def _refuse_on_cp(softmax: fx.Node, ctx: PassCtx) -> None:
     ctx.gathered.append((softmax.name, why))
 
 
-def eager_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
-                         ) -> fx.GraphModule:
+def eager_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     graph = gm.graph
     found = causal_n = capped_n = biased_n = 0
     ctx.gathered.clear()
@@ -326,7 +326,7 @@ def eager_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
             if (mask, sq, skv) not in additive:  # layers share one mask: evaluate it once
                 try:
                     with torch.no_grad():
-                        value = _constant_value(mask, constants)
+                        value = _constant_value(mask, ctx.constants)
                 except MetaBuffer:  # fold_causal_mask_pass warns about it on the SDPA node
                     value = None
                 additive[mask, sq, skv] = value is not None and \
@@ -344,13 +344,6 @@ def eager_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
         out.replace_all_uses_with(sdpa)
         _erase_unused(graph, out)
         found += 1
-    if found:
-        graph.eliminate_dead_code()
-        graph.lint()
-        gm.recompile()
-    ctx.report("eager_attention_pass", f"recognised {found} eager attentions as SDPA "
-                                       f"({causal_n} with a constant causal mask"
-                                       + (f", {capped_n} soft-capped" if capped_n else "")
-                                       + (f", {biased_n} with a bias added to the mask (ALiBi)"
-                                          if biased_n else "") + ")")
+    ctx.report("eager_attention_pass", attentions=found, causal_masks=causal_n,
+               soft_capped=capped_n, biases_in_mask=biased_n)
     return gm

@@ -3,7 +3,8 @@
 Parameters and buffers stop being graph inputs and become attributes under their original
 FQNs, holding only the rank's slice, so ``rank_module(r).state_dict()`` reads like the model's
 own state dict with smaller tensors. Ranks of one stage share the graph; collectives name mesh
-axes, and each rank's coordinate comes from the runtime.
+axes, and each rank's coordinate comes from the runtime. The pass appends stage
+``ctx.stage``'s :class:`Program` to ``ctx.programs`` and returns its input unchanged.
 
 Before::  forward(self, p_model_layers_0_self_attn_q_proj_weight, ..., input_ids)
 After::   forward(self, input_ids)
@@ -44,10 +45,12 @@ class Program:
     eager: object = field(default=None, repr=False, compare=False)  # fxshard.compile.eager_stage
 
 
-def emit_pass(gm: fx.GraphModule | fx.Graph, *, ctx: PassCtx, stage: int = 0) -> Program:
-    """Turn weight placeholders into attributes; drop the ones nothing reads."""
+def emit_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
+    """Stage ``ctx.stage``'s :class:`Program` onto ``ctx.programs``: a copy of ``gm``'s graph
+    with weight placeholders turned into attributes, the ones nothing reads dropped. ``gm``
+    itself is returned unchanged."""
     graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph if isinstance(gm, fx.GraphModule) else gm, {}))
+    graph.output(graph.graph_copy(gm.graph, {}))
     slots: dict[str, Slot] = {}
     first = next(n for n in graph.nodes if n.op != "placeholder")
     dropped = 0
@@ -71,9 +74,10 @@ def emit_pass(gm: fx.GraphModule | fx.Graph, *, ctx: PassCtx, stage: int = 0) ->
         node.replace_all_uses_with(attr)
         graph.erase_node(node)
     graph.lint()
-    ctx.report("emit_pass", f"stage {stage}: {len(slots)} weights as attributes, {dropped} "
-                            f"unused inputs dropped")
-    return Program(graph=graph, slots=slots, stage=stage)
+    ctx.report("emit_pass", changed=False, programs=1, weights=len(slots),
+               unused_weights_dropped=dropped)
+    ctx.programs.append(Program(graph=graph, slots=slots, stage=ctx.stage))
+    return gm
 
 
 def build_rank_module(program: Program, rank: int, mesh: MeshSpec, values: dict,

@@ -1,7 +1,8 @@
 """Fold constant causal masks into ``is_causal=True`` before placements are chosen.
 
 HuggingFace builds its attention mask from ``arange`` and constants (no input, no weight). The
-mask is evaluated once at trace time; when it is the plain causal mask the attention call gets
+mask is evaluated once at trace time, reading buffers from ``ctx.constants`` (the trace's
+constants and the buffers as loaded); when it is the plain causal mask the attention call gets
 ``is_causal=True`` and no mask, so the fused kernel runs without it and context parallelism
 sees causal attention rather than an opaque ``[B, 1, S, S]`` tensor.
 
@@ -96,9 +97,8 @@ def _is_causal_mask(mask: torch.Tensor, sq: int, skv: int) -> bool:
     return bool((mask == causal).all())
 
 
-def fold_causal_mask_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
-                          ) -> fx.GraphModule:
-    folded = 0
+def fold_causal_mask_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
+    folded = on_meta = 0
     causal: dict[tuple, bool] = {}  # (mask node, sq, skv) -> is it causal; layers share masks
     for node in gm.graph.nodes:
         if node.target is not aten.scaled_dot_product_attention.default:
@@ -112,7 +112,7 @@ def fold_causal_mask_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
         if key not in causal:
             try:
                 with torch.no_grad():
-                    value = _constant_value(mask, constants)
+                    value = _constant_value(mask, ctx.constants)
             except MetaBuffer as e:
                 warnings.warn(
                     f"fxshard.parallelize: the attention mask of {node.name} reads the buffer "
@@ -120,8 +120,7 @@ def fold_causal_mask_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
                     f"is the causal mask; attention keeps the explicit mask (context "
                     f"parallelism then gathers the sequence). Build the model under "
                     f"fxshard.init_empty_weights() so buffers are real", stacklevel=2)
-                ctx.report("fold_causal_mask_pass", f"{node.name}: mask reads meta buffer "
-                                                    f"{e.fqn}")
+                on_meta += 1
                 value = None
             causal[key] = value is not None and _is_causal_mask(value, sq, skv)
         if not causal[key]:
@@ -131,9 +130,6 @@ def fold_causal_mask_pass(gm: fx.GraphModule, *, ctx: PassCtx, constants: dict
         node.args = (a["query"], a["key"], a["value"], None, a["dropout_p"], True)
         node.kwargs = kwargs
         folded += 1
-    if folded:
-        gm.graph.eliminate_dead_code()
-        gm.graph.lint()
-        gm.recompile()
-    ctx.report("fold_causal_mask_pass", f"folded {folded} constant masks to is_causal=True")
+    ctx.report("fold_causal_mask_pass", changed=folded > 0, folded_masks=folded,
+               masks_on_meta=on_meta)
     return gm

@@ -204,8 +204,5 @@ def insert_collectives_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModu
         if changed:
             args, kwargs = pytree.tree_unflatten(flat, spec_tree)
             node.args, node.kwargs = args, kwargs
-    if added:
-        graph.lint()
-        gm.recompile()
-    ctx.report("insert_collectives_pass", f"inserted {added} collective/slice nodes")
+    ctx.report("insert_collectives_pass", inserted_nodes=added)
     return gm

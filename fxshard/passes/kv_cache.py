@@ -32,10 +32,12 @@ says which through ``cache_write_pos``, the others write a scratch slot past the
             pieces = fxshard.all_gather(unsqueeze(attention[0], 0), 0, 'ring_cp', 2)
             out = fxshard.merge_pieces(pieces, fxshard.all_gather(unsqueeze(attention[1], 0), ...))
 
-Cache shapes are the rank's: ``[B, H, capacity + 1, D]`` (the last slot is the scratch slot).
+Cache shapes are the rank's: ``[B, H, capacity + 1, D]`` (the last slot is the scratch slot);
+``capacity`` is ``ctx.cache_capacity``. The pass lists: ``PREFILL`` and ``DECODE`` (greedy:
+``DECODE_GREEDY``) of :mod:`fxshard.passes.pipeline`.
 
 ``greedy_tokens_pass`` makes the decode program of greedy generation return the chosen token
-ids ``[B, 1]`` (int64) in place of the logits: the caller needs only their argmax. Where the
+ids ``[B, 1]`` (int64) in place of the logits (found among the outputs by ``ctx.out_spec``): the caller needs only their argmax. Where the
 logits end vocab-sharded on one axis (tp's column-parallel lm_head), the gather of the
 ``[B, 1, V]`` logits becomes a :func:`fxshard::sharded_argmax
 <fxshard.runtime.kv_cache.sharded_argmax>` (one ``(max, index)`` pair per row exchanged);
@@ -115,9 +117,10 @@ def _check_generation_model(node: fx.Node, what: str) -> None:
         f"with pm(...) instead")
 
 
-def prefill_cache_pass(gm: fx.GraphModule, *, ctx: PassCtx, capacity: int) -> fx.GraphModule:
-    """Write each attention's (rank-local) K/V into its cache at slot 0 onwards."""
-    graph = gm.graph
+def prefill_cache_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
+    """Write each attention's (rank-local) K/V into its cache (``ctx.cache_capacity`` slots)
+    at slot 0 onwards."""
+    graph, capacity = gm.graph, ctx.cache_capacity
     state = _State(graph, ctx)
     layers = 0
     for node in list(graph.nodes):
@@ -137,9 +140,7 @@ def prefill_cache_pass(gm: fx.GraphModule, *, ctx: PassCtx, capacity: int) -> fx
             "fxshard.generate: the model's forward has no attention fxshard recognises "
             "(scaled_dot_product_attention, or matmul-softmax-matmul), so there is no KV cache "
             "to keep; text generation needs a decoder-only attention LM")
-    graph.lint()
-    gm.recompile()
-    ctx.report("prefill_cache_pass", f"{layers} attentions write their K/V to the cache")
+    ctx.report("prefill_cache_pass", cached_attentions=layers)
     return gm
 
 
@@ -172,10 +173,10 @@ def _call(graph, target, args, val, spec, like: fx.Node) -> fx.Node:
     return n
 
 
-def decode_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx, capacity: int
-                          ) -> fx.GraphModule:
-    """Attention of the one-token program against the cache (see the module doc)."""
-    graph = gm.graph
+def decode_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
+    """Attention of the one-token program against the cache of ``ctx.cache_capacity`` slots
+    (see the module doc)."""
+    graph, capacity = gm.graph, ctx.cache_capacity
     state = _State(graph, ctx)
     mesh = ctx.mesh
     layers = 0
@@ -235,11 +236,7 @@ def decode_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx, capacity: int
         node.replace_all_uses_with(out)
         graph.erase_node(node)
         layers += 1
-    if layers:
-        graph.eliminate_dead_code()
-        graph.lint()
-        gm.recompile()
-    ctx.report("decode_attention_pass", f"{layers} attentions read the KV cache")
+    ctx.report("decode_attention_pass", cached_attentions=layers)
     return gm
 
 
@@ -290,13 +287,14 @@ def _logits_index(flat: list, out_spec) -> int:
     return index
 
 
-def greedy_tokens_pass(gm: fx.GraphModule, *, ctx: PassCtx, out_spec) -> fx.GraphModule:
-    """The decode program returns the argmax of its logits (see the module doc); runs right
-    after ``insert_collectives_pass`` (global shapes, the output's gathers in place)."""
+def greedy_tokens_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
+    """The decode program returns the argmax of its logits (see the module doc), found in
+    the outputs by ``ctx.out_spec``; runs right after ``insert_collectives_pass`` (global
+    shapes, the output's gathers in place)."""
     graph = gm.graph
     out = next(n for n in reversed(graph.nodes) if n.op == "output")
     flat = list(out.args[0])
-    index = _logits_index(flat, out_spec)
+    index = _logits_index(flat, ctx.out_spec)
     gather = collective_target("all_gather")
     chain, x = [], flat[index]                     # the output's gathers, outermost first
     while x.op == "call_function" and x.target is gather:
@@ -317,17 +315,14 @@ def greedy_tokens_pass(gm: fx.GraphModule, *, ctx: PassCtx, out_spec) -> fx.Grap
                 if g is vocab[0] else (gather, (top, dim, axis, size))
             with graph.inserting_before(out):
                 top = _call(graph, target, args, ids, tuple(spec), logits)
-        how = f"the {vocab[0].args[2]} gather of the logits is a sharded argmax"
+        sharded = 1   # the vocab-sharded gather of the logits became a sharded argmax
     else:
         with graph.inserting_before(out):
             top = _call(graph, aten.argmax.default, (logits, -1), ids,
                         logits.meta.get("fxshard_spec"), logits)
-        how = "an argmax of the gathered logits"
+        sharded = 0   # an argmax of the gathered logits
     flat[index] = top
     out.args = (type(out.args[0])(flat), *out.args[1:])
     top.meta[_GREEDY] = True
-    graph.eliminate_dead_code()
-    graph.lint()
-    gm.recompile()
-    ctx.report("greedy_tokens_pass", f"the decode program returns token ids: {how}")
+    ctx.report("greedy_tokens_pass", changed=True, token_outputs=1, sharded_argmaxes=sharded)
     return gm

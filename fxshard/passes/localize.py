@@ -99,10 +99,7 @@ def localize_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
                 changed += 1
         elif node.target is aten.embedding.default:
             changed += _vocab_embedding(node, ctx)
-    if changed:
-        gm.graph.lint()
-        gm.recompile()
-    ctx.report("localize_pass", f"rewrote {changed} shape-dependent nodes")
+    ctx.report("localize_pass", rewritten_nodes=changed)
     return gm
 
 

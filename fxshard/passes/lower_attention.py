@@ -135,11 +135,7 @@ def lower_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
         node.replace_all_uses_with(out)
         graph.erase_node(node)
         lowered += 1
-    if lowered:
-        graph.eliminate_dead_code()
-        graph.lint()
-        gm.recompile()
-    ctx.report("lower_attention_pass", f"lowered {lowered} attention ops")
+    ctx.report("lower_attention_pass", lowered_attentions=lowered)
     return gm
 
 

@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from ..placement import Partial, R, Replicate, Shard, StridedShard, shard_dim
 from . import PassCtx
-from .moe_routing import TAG, moe_routing_pass
+from .moe_routing import TAG
 from .rules import (UNDECIDED, Decision, RuleCtx, fallback, lookup, tensor_inputs,
                     warn_fallback)
 from .rules.embedding import embedding_rule
@@ -434,8 +434,7 @@ def _moved_inside_region(gm: fx.GraphModule, ctx: PassCtx) -> set[str]:
 
 
 def _report_experts(gm: fx.GraphModule, ctx: PassCtx, tp: int) -> None:
-    """Say, in ``explain()``'s pass log, how each MoE expert weight is split on ``tp``."""
-    from ..placement import short
+    """Count, in ``explain()``'s pass log, the MoE expert weights split on ``tp``."""
     for node in gm.graph.nodes:
         fqn = node.meta.get("fxshard_param")
         if fqn is None or node.meta["val"].dim() != 3:
@@ -445,9 +444,9 @@ def _report_experts(gm: fx.GraphModule, ctx: PassCtx, tp: int) -> None:
         p = node.meta["fxshard_spec"][tp]
         if users and all(lookup(u.target) is grouped_mm_rule for u in users) and \
                 shard_dim(p) is not None:
-            ctx.report("propagate_pass", f"experts {fqn}: every expert's intermediate dim "
-                                         f"split on tp ({short(p)}), not expert-parallel "
-                                         f"(fxshard/passes/rules/experts.py says why)")
+            # every expert's intermediate dim split on tp, not expert-parallel
+            # (fxshard/passes/rules/experts.py says why)
+            ctx.report("propagate_pass", changed=False, experts_split_on_tp=1)
 
 
 def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
@@ -457,8 +456,8 @@ def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     why: dict[str, str] = {}
     mesh = ctx.mesh
     tp = mesh.axis_names.index("tp") if "tp" in mesh.axis_names else None
-    # the routing regions' tags are read by the rules; tagged here, where the rules run
-    moe_routing_pass(gm, ctx=ctx)
+    ctx.report("propagate_pass", changed=False, routing_regions_gathered=0, reduced_once=0,
+               gathered_for_routing=0, replicated_on_tp=0, experts_split_on_tp=0)
     for _ in range(_MAX_REFINEMENTS):
         auto_colwise = _run_once(gm, ctx, replicate, reduced, gathered)
         moved = _moved_inside_region(gm, ctx)
@@ -466,23 +465,21 @@ def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
             for node in gm.graph.nodes:
                 if node.meta.get(TAG) in moved:
                     del node.meta[TAG]
-            for region in sorted(moved):
-                ctx.report("propagate_pass", f"routing of {region} gathered: a collective "
-                                             f"would move rows inside it")
+            # a collective would move rows inside these routing regions: they run gathered
+            ctx.report("propagate_pass", changed=False, routing_regions_gathered=len(moved))
             continue
         twice = {k: v for k, v in _reduced_twice(gm).items() if k not in reduced}
-        for name, i in sorted(twice):
-            ctx.report("propagate_pass", f"reduce {name} once on {mesh.axis_names[i]}: "
-                                         f"several consumers use it")
+        # several consumers use these partial sums: reduced once, not by each
+        ctx.report("propagate_pass", changed=False, reduced_once=len(twice))
         reduced.update(twice)
         if tp is None or mesh.shape[tp] == 1:
             if twice:
                 continue
             break
         once = _gathered_for_routing(gm, tp) - gathered.keys()
+        # an expert-routing region and the router both read these: gathered once on tp
+        ctx.report("propagate_pass", changed=False, gathered_for_routing=len(once))
         for name, i in sorted(once):
-            ctx.report("propagate_pass", f"gather {name} once on tp: an expert-routing region "
-                                         f"and the router both read it")
             gathered[name, i] = R
         users = {fqn: _gathered_before_use(lin, tp) for fqn, lin in auto_colwise.items()}
         wasted = {fqn for fqn, u in users.items() if u is not None}
@@ -492,7 +489,7 @@ def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
             u = users[fqn]
             why[fqn] = (f"its column-parallel output would be gathered before use "
                         f"(by {u.name}: {u.target})")
-            ctx.report("propagate_pass", f"replicate {fqn} on tp: {why[fqn]}")
+            ctx.report("propagate_pass", changed=False, replicated_on_tp=1)
         replicate |= wasted
     if tp is not None and mesh.shape[tp] > 1:
         _list_replicated(gm, ctx, tp, why)
@@ -500,6 +497,6 @@ def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     sharded = sum(1 for n in gm.graph.nodes
                   if isinstance(n.meta.get("fxshard_spec"), tuple)
                   and any(not isinstance(p, Replicate) for p in n.meta["fxshard_spec"]))
-    ctx.report("propagate_pass", f"annotated {len(gm.graph.nodes)} nodes, {sharded} not "
-                                 f"replicated, {len(ctx.fallbacks)} without a rule")
+    ctx.report("propagate_pass", changed=False, nodes=len(gm.graph.nodes), sharded_nodes=sharded,
+               fallbacks=len(ctx.fallbacks))
     return gm

@@ -21,7 +21,10 @@ After, stage 0 and stage 1::
     h1 = layer1(h0, cos, sin); out = linear(norm(h1), w_head)
 
 Stages other than the last return nothing; the runner hands the last stage's output to the
-caller (and, on a real mesh, to every rank).
+caller (and, on a real mesh, to every rank). The layer stack and each layer's stage come on
+``ctx.layer_stack`` / ``ctx.layer_stages`` (``fxshard.passes.pipeline.build_programs``); the
+stage graphs go to ``ctx.stage_graphs`` and the pass returns its input unchanged: the pass
+driver runs the passes after it (emit) on each stage graph.
 """
 from __future__ import annotations
 
@@ -93,10 +96,16 @@ def _is_constant(node: fx.Node, const: dict) -> bool:
     return all(const.get(a, False) for a in node.all_input_nodes)
 
 
-def split_stages_pass(gm: fx.GraphModule, *, ctx: PassCtx, stack: str,
-                      layer_stages: list[int]) -> list[fx.Graph]:
-    """One graph per stage; ``layer_stages[i]`` is the stage of layer ``i`` of ``stack``."""
+def split_stages_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
+    """One graph per stage on ``ctx.stage_graphs`` (``gm`` itself is returned unchanged; the
+    pass driver runs the passes after this one on each stage graph);
+    ``ctx.layer_stages[i]`` is the stage of layer ``i`` of ``ctx.layer_stack``. Nothing to do
+    without a ``pp`` axis."""
     n_stages = ctx.mesh.axis_size("pp")
+    if n_stages == 1:
+        ctx.report("split_stages_pass", stages=1, sends=0, receives=0, changed=False)
+        return gm
+    stack, layer_stages = ctx.layer_stack, ctx.layer_stages
     pattern = re.compile(rf"^{re.escape(stack)}\.(\d+)(?:\.|$)")
     nodes = list(gm.graph.nodes)
     const: dict[fx.Node, bool] = {}
@@ -166,7 +175,7 @@ def split_stages_pass(gm: fx.GraphModule, *, ctx: PassCtx, stack: str,
             g.output(torch.fx.node.map_arg(output.args[0], get))
         else:
             g.output(())
-        g.eliminate_dead_code()
-        g.lint()
-    ctx.report("split_stages_pass", f"{n_stages} stages, {sends} sends, {recvs} receives")
-    return graphs
+    ctx.report("split_stages_pass", stages=n_stages, sends=sends, receives=recvs, changed=False)
+    ctx.stage_graphs = [fx.GraphModule(torch.nn.Module(), g, class_name=f"Stage{s}")
+                        for s, g in enumerate(graphs)]
+    return gm
