@@ -35,11 +35,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .kernels.attention_out import attention_out
+from .ops.attention import attention_out
+from .ops.collectives import all_reduce_consuming
+from .ops.library import direct_kernel
 from .passes.emit import Program
 from .runtime.aten_bindings import aten_binding
-from .runtime.library import direct_kernel
-from .runtime.ops import all_reduce_consuming
 
 __all__ = ["CompiledStage", "compile_stage", "eager_stage", "inductor_graph"]
 

@@ -16,7 +16,7 @@ import torch.fx as fx
 
 import fxshard  # noqa: F401  (registers the fxshard ops)
 from fxshard.compile import _aten_attention
-from fxshard.kernels.attention_out import attention_out
+from fxshard.ops.attention import attention_out
 
 FLASH = "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default("
 

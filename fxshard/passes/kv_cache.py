@@ -56,7 +56,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-import fxshard.runtime.kv_cache  # noqa: F401  (registers the cache ops)
+import fxshard.ops  # noqa: F401  (registers the cache ops)
 from ..placement import Replicate, Shard, local_shape
 from . import PassCtx
 from .insert_collectives import collective_target

@@ -53,7 +53,7 @@ import operator
 import torch
 import torch.fx as fx
 
-import fxshard.kernels.ring  # noqa: F401  (registers fxshard::attention and ring_attention)
+import fxshard.ops  # noqa: F401  (registers fxshard::attention and ring_attention)
 from ..placement import Shard
 from . import PassCtx
 from .insert_collectives import collective_target
