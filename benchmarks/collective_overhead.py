@@ -81,8 +81,8 @@ def _rotated(names: list, k: int) -> list:
 
 def _cases(group, hidden, embed, logits):
     """name -> (make_input, call): make_input runs before the clock, call is timed."""
-    from fxshard.runtime.library import direct_kernel
-    from fxshard.runtime.ops import all_reduce_consuming
+    from fxshard.ops.collectives import all_reduce_consuming
+    from fxshard.ops.library import direct_kernel
 
     gather_kernel = direct_kernel(torch.ops.fxshard.all_gather.default)
 

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fxshard.runtime.library import define_op  # noqa: E402
+from fxshard.ops.library import define_op  # noqa: E402
 
 
 def _kernel(x: torch.Tensor, axis: str, size: int) -> torch.Tensor:

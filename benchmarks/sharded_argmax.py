@@ -34,7 +34,7 @@ def worker(rank: int, port: int, args) -> None:
     import fxshard
     from fxshard.runtime.context import use_backend
     from fxshard.runtime.distributed import backend_for, release
-    from fxshard.runtime.kv_cache import sharded_argmax
+    from fxshard.ops.decode import sharded_argmax
     mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     backend = backend_for(mesh)
     kernel = sharded_argmax.__wrapped__          # what eager rank programs call

@@ -6,6 +6,7 @@ and emit one readable ``torch.fx.GraphModule`` per rank.
 """
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from . import ops  # noqa: F401  (registers every torch.ops.fxshard op)
 from .api import ParallelModule, parallelize
 from .backend import backend
 from .checkpoint import load_safetensors

@@ -34,11 +34,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .ops.library import direct_kernel
 from .passes import post_emit
 from .passes.emit import Program
 from .passes.pipeline import run_passes
 from .runtime.aten_bindings import aten_binding
-from .runtime.library import direct_kernel
 
 __all__ = ["CompiledStage", "compile_stage", "eager_stage", "inductor_graph"]
 
@@ -102,7 +102,7 @@ def _direct_forward(gm: fx.GraphModule):
     (``fxshard.runtime.aten_bindings``: ``torch.mul`` for ``aten.mul.Tensor``), else through
     the overload's dispatcher entry (``OpOverload._op``: all that ``OpOverload.__call__`` does,
     minus one Python frame per node), and fxshard's own ops straight to their Python kernels
-    (``fxshard.runtime.library.direct_kernel``). The code is generated from a copy of the graph
+    (``fxshard.ops.library.direct_kernel``). The code is generated from a copy of the graph
     whose op nodes call stand-ins, each one global name, and the generated code's globals then
     bind those names to the callables: every call is one global lookup, as in FX's own code."""
     graph = fx.Graph()

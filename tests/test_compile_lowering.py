@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 import fxshard  # noqa: F401  (registers the fxshard ops)
-from fxshard.kernels.attention_out import attention_out
+from fxshard.ops.attention import attention_out
 from fxshard.passes.pipeline import run_passes
 from fxshard.passes.post_emit import PostEmitCtx, aten_attention_pass
 

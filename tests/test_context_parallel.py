@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
 import fxshard
-import fxshard.kernels.ring  # noqa: F401  (registers fxshard::ring_attention)
+import fxshard.ops.ring  # noqa: F401  (registers fxshard::ring_attention)
 from fxshard.kernels.attention import attention
 from fxshard.mesh import MeshSpec
 from fxshard.runtime.simulated import SimulatedWorld
@@ -180,7 +180,7 @@ def test_sequence_not_divisible_by_ring_is_a_value_error():
 def test_zigzag_layout_round_trip_and_balance(n):
     """Rank j holds chunks j and 2n-1-j; gathering restores the order; every rank's causal
     work (visible query-key pairs) is the same."""
-    import fxshard.runtime.local_ops  # noqa: F401
+    import fxshard.ops.local  # noqa: F401
     x = torch.arange(2 * n * 3 * 2, dtype=torch.float32).view(2, 2 * n * 3)
     with SimulatedWorld(MeshSpec((n,), ("ring_cp",))) as w:
         parts = w.run(lambda r: torch.ops.fxshard.zigzag_shard(x, 1, "ring_cp", n))

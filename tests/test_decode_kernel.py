@@ -108,7 +108,7 @@ def test_torch_path_matches_reference(dtype, case):
 def test_eager_program_entries_match_reference(case, one_slot):
     """What eager rank programs call (``direct_kernel``: no argument checks, the new K/V's slot
     given as the index itself) computes what the checked ops do."""
-    from fxshard.runtime.library import direct_kernel
+    from fxshard.ops.library import direct_kernel
     q, k, v, lengths = inputs_of(case)
     attend = direct_kernel(torch.ops.fxshard.decode_attention.default)
     out, lse = attend(q, k, v, lengths, case["scale"], case["causal"])

@@ -10,8 +10,8 @@ import torch.fx as fx
 import fxshard
 from fxshard.compile import eager_stage
 from fxshard.passes.emit import Program
-from fxshard.runtime.library import direct_kernel
-from fxshard.runtime.ops import all_reduce_consuming
+from fxshard.ops.collectives import all_reduce_consuming
+from fxshard.ops.library import direct_kernel
 from fxshard.runtime.context import use_backend
 from tests.models import our_llama
 

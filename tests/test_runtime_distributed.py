@@ -74,7 +74,7 @@ def _check_collectives(rank: int) -> list[str]:
     if ints.tolist() != [sum(_group(rank, "tp"))] * 3:
         failures.append(f"rank {rank}: int64 all_reduce gave {ints.tolist()}")
     # the eager programs' all_reduce into a dead input: in place when contiguous, else a copy
-    from fxshard.runtime.ops import all_reduce_consuming
+    from fxshard.ops.collectives import all_reduce_consuming
     members = _group(rank, "tp")
     xs = {q: _rank_input(q + 50, [4, 6]) for q in members}
     for layout in ("contiguous", "transposed"):

@@ -1,15 +1,16 @@
-"""fxshard.kernels: fused attention returning logsumexp, decode attention against a KV cache,
-and the online-softmax merge.
+"""fxshard.kernels: the math of attention, pure: Triton kernels and their torch references.
 
-Importing this package registers the custom op ``torch.ops.fxshard.attention``, schema
-``fxshard::attention(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float? scale,
-SymInt q_offset, SymInt kv_offset) -> (Tensor, Tensor)`` (Python ints are accepted for the
-offsets; SymInt lets them be symbolic under torch.export). ``decode_attention`` attends a few
-new queries to the first ``lengths[b]`` slots of a static KV cache with the same ``(out, lse)``
-contract; on CUDA it runs a split-K (flash-decoding) Triton kernel
-(:mod:`fxshard.kernels.triton_decode`: all query heads of a KV head per program, keys split
-across programs, splits merged by logsumexp), on CPU plain torch ops. Triton is imported only
-when a Triton backend is used, so this package works without it.
+``attention`` (fused attention returning logsumexp), ``decode_attention`` (a few queries
+against a static KV cache, the same ``(out, lse)`` contract; on CUDA a split-K flash-decoding
+Triton kernel, :mod:`fxshard.kernels.triton_decode`, on CPU plain torch ops) and
+``merge_attention`` (the online-softmax merge). The Triton kernels share their online-softmax
+step (:mod:`fxshard.kernels.triton_softmax`). Triton is imported only when a Triton backend is
+used, so this package works without it.
+
+This package imports nothing else of fxshard. The ops that put these kernels in graphs
+(``torch.ops.fxshard.attention``, ``attention_out``, ``decode_attention``, ``ring_attention``:
+schemas, fake impls, autograd) are defined in :mod:`fxshard.ops`; ``attention(...,
+backend="auto")`` calls ``torch.ops.fxshard.attention``, which ``import fxshard`` registers.
 """
 from .attention import attention, merge_attention
 from .decode import decode_attention

@@ -15,9 +15,14 @@ Backends share one contract:
 - ``"torch"``: a reference in plain torch ops, computed in float32 (float64 for float64 inputs);
   it is also the CPU implementation of the whole system, so it reshapes q to
   ``[B, Hkv, G, Sq, D]`` for GQA instead of repeating K/V, and it is differentiable;
-- ``"auto"``: the custom op ``torch.ops.fxshard.attention`` (Triton on CUDA tensors without a
-  mask when triton is installed, torch otherwise: the same contract, so the same result), which FX graphs, ``torch.export`` and ``torch.compile`` see as one op.
-  Its backward is computed with the torch reference (explicit formulas, no Triton backward).
+- ``"auto"``: the op ``torch.ops.fxshard.attention`` (:mod:`fxshard.ops.attention`, registered
+  when ``fxshard`` is imported), which FX graphs, ``torch.export`` and ``torch.compile`` see as
+  one op; it runs :func:`auto_attention` (Triton on CUDA tensors without a mask when triton is
+  installed, torch otherwise: the same contract, so the same result). Its backward is
+  :func:`attention_backward` (the torch reference's explicit formulas, no Triton backward).
+
+This module is the math only: the op's schema, fake impl and autograd registration live in
+:mod:`fxshard.ops.attention`.
 
 Shape legend: B batch, Hq query heads, Hkv key/value heads, G = Hq // Hkv query heads per KV
 head, Sq query length, Skv key/value length, D head dim; in suffixes K is Hkv, T the key axis
@@ -33,9 +38,8 @@ from typing import Optional
 
 import torch
 
-from ..runtime.library import define_op
-
-__all__ = ["attention", "merge_attention"]
+__all__ = ["attention", "merge_attention", "auto_attention", "attention_backward",
+           "check_inputs", "cpu_flash", "torch_attention"]
 
 _NAME = "fxshard.kernels.attention"
 _BACKENDS = ("auto", "torch", "triton")
@@ -65,14 +69,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     """
     if backend not in _BACKENDS:
         raise ValueError(f"{_NAME}: backend={backend!r}; choose one of {_BACKENDS}.")
-    _check_inputs(q, k, v, mask, scale, q_offset, kv_offset, softcap)
+    check_inputs(q, k, v, mask, scale, q_offset, kv_offset, softcap)
     softcap = float(softcap or 0.0)
     if backend == "auto":
         out, lse = torch.ops.fxshard.attention(q, k, v, mask, bool(causal), scale, q_offset,
                                                kv_offset, softcap)
         return out, lse
     if backend == "torch":
-        return _torch_attention(q, k, v, mask, causal, scale, q_offset, kv_offset, softcap)
+        return torch_attention(q, k, v, mask, causal, scale, q_offset, kv_offset, softcap)
     if mask is not None:
         raise ValueError(f"{_NAME}: backend='triton' does not take an explicit mask (got a mask "
                          f"of shape {tuple(mask.shape)}); express it with causal/q_offset/"
@@ -115,7 +119,7 @@ def merge_attention(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
     return out.to(out1.dtype), lse.to(torch.float32)
 
 
-def _check_inputs(q, k, v, mask, scale, q_offset, kv_offset, softcap=0.0) -> None:
+def check_inputs(q, k, v, mask, scale, q_offset, kv_offset, softcap=0.0) -> None:
     """Shape, dtype and device checks shared by every backend (and the fake impl)."""
     for arg, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -223,8 +227,8 @@ def _all_finite(*tensors: torch.Tensor) -> bool:
     return math.isfinite(sum(t.sum().item() for t in tensors))
 
 
-def _cpu_flash(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_offset,
-               softcap=0.0):
+def cpu_flash(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_offset,
+              softcap=0.0):
     """torch's fused CPU flash attention's ``(out, lse)`` (in its own layouts) where it has
     this module's contract, else None: no mask, no soft-cap, the causal diagonal at the
     top-left (equal offsets), float32/64, at least one query and key, finite inputs; 3-4x the
@@ -239,8 +243,8 @@ def _cpu_flash(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_offset,
     return None
 
 
-def _torch_attention(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_offset,
-                     softcap=0.0):
+def torch_attention(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_offset,
+                    softcap=0.0):
     """The torch backend: plain ops, NaN-free (also in autograd) for rows that see no key."""
     batch, heads_q, seq_q, head_dim = q_BHSD.shape
     heads_kv, seq_kv = k_BHSD.shape[1], k_BHSD.shape[2]
@@ -249,8 +253,8 @@ def _torch_attention(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_o
         lse = torch.full(q_BHSD.shape[:3], -math.inf, dtype=torch.float32,
                          device=q_BHSD.device)
         return out, lse
-    flash = _cpu_flash(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_offset,
-                       softcap)
+    flash = cpu_flash(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_offset,
+                      softcap)
     if flash is not None:
         return flash[0].contiguous(), flash[1].to(torch.float32).contiguous()
     s_BKGST = _masked_scores(q_BHSD, k_BHSD, mask, causal, _scale_of(q_BHSD, scale),
@@ -284,7 +288,7 @@ def _triton_module():
 
 def _triton_attention(q, k, v, causal, scale, q_offset, kv_offset, softcap=0.0):
     if q.shape[2] == 0 or k.shape[2] == 0:  # nothing to launch: the torch result is exact
-        return _torch_attention(q, k, v, None, causal, scale, q_offset, kv_offset, softcap)
+        return torch_attention(q, k, v, None, causal, scale, q_offset, kv_offset, softcap)
     module = _triton_module()
     if module is None:
         raise ValueError(f"{_NAME}: the Triton backend needs the triton package, which is not "
@@ -294,43 +298,23 @@ def _triton_attention(q, k, v, causal, scale, q_offset, kv_offset, softcap=0.0):
                                 softcap=float(softcap or 0.0))
 
 
-@define_op("fxshard::attention",
-           "(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float? scale, "
-           "SymInt q_offset, SymInt kv_offset, float softcap=0.0) -> (Tensor, Tensor)")
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  mask: Optional[torch.Tensor], causal: bool, scale: Optional[float],
-                  q_offset: int, kv_offset: int, softcap: float = 0.0
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fxshard::attention``: backend="auto" dispatch (Triton on CUDA without mask, else torch)."""
-    _check_inputs(q, k, v, mask, scale, q_offset, kv_offset, softcap)
+def auto_attention(q, k, v, mask, causal, scale, q_offset, kv_offset, softcap=0.0):
+    """``backend="auto"`` without the argument checks: Triton on CUDA without a mask (when
+    triton is installed), torch otherwise. The kernel of ``fxshard::attention`` after its checks,
+    and what eager rank programs call (their inputs passed :func:`check_inputs` in the op's fake
+    impl when the program was traced, with the shapes and dtypes every call has)."""
     if q.device.type == "cuda" and mask is None and _triton_module() is not None:
         return _triton_attention(q, k, v, causal, scale, q_offset, kv_offset, softcap)
-    return _torch_attention(q, k, v, mask, causal, scale, q_offset, kv_offset, softcap)
+    return torch_attention(q, k, v, mask, causal, scale, q_offset, kv_offset, softcap)
 
 
-@_attention_op.register_direct
-def _attention_direct(q, k, v, mask, causal, scale, q_offset, kv_offset, softcap=0.0):
-    """The kernel above for eager rank programs: their attention inputs passed
-    ``_check_inputs`` in the fake impl when the program was traced, with the shapes and dtypes
-    every call has (a new shape or dtype traces a new program)."""
-    if q.device.type == "cuda" and mask is None and _triton_module() is not None:
-        return _triton_attention(q, k, v, causal, scale, q_offset, kv_offset, softcap)
-    return _torch_attention(q, k, v, mask, causal, scale, q_offset, kv_offset, softcap)
-
-
-@_attention_op.register_fake
-def _attention_fake(q, k, v, mask, causal, scale, q_offset, kv_offset, softcap=0.0):
-    _check_inputs(q, k, v, mask, scale, q_offset, kv_offset, softcap)
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
-
-
-def _attention_backward(ctx, dout_BHSD, dlse_BHS):
-    """Flash-attention backward in torch ops: recompute p from the saved lse, then
-    ``dv = p^T do``, ``ds = p * (do v^T - rowsum(do * out) + dlse)``, ``dq = ds k scale``,
+def attention_backward(q_BHSD, k_BHSD, v_BHSD, mask, out_BHSD, lse_BHS, dout_BHSD, dlse_BHS,
+                       causal, scale, q_offset, kv_offset, softcap=0.0):
+    """Flash-attention backward in torch ops, ``(dq, dk, dv)``: recompute p from the saved lse,
+    then ``dv = p^T do``, ``ds = p * (do v^T - rowsum(do * out) + dlse)``, ``dq = ds k scale``,
     ``dk = ds^T q scale``, summed over the G query heads of each KV head; with a soft-cap
-    ``ds`` is first multiplied by the cap's derivative ``1 - tanh^2``. No mask gradient."""
-    q_BHSD, k_BHSD, v_BHSD, mask, out_BHSD, lse_BHS = ctx.saved_tensors
-    causal, scale, q_offset, kv_offset, softcap = ctx.options
+    ``ds`` is first multiplied by the cap's derivative ``1 - tanh^2``. No mask gradient;
+    ``dlse_BHS`` may be None."""
     batch, heads_q, seq_q, head_dim = q_BHSD.shape
     group = heads_q // k_BHSD.shape[1]
     cdtype = _compute_dtype(q_BHSD.dtype)
@@ -355,35 +339,4 @@ def _attention_backward(ctx, dout_BHSD, dlse_BHS):
         ds_BKGST = ds_BKGST * (1 - (capped_BKGST / softcap) ** 2)
     dq_BHSD = torch.einsum("bhgqk,bhkd->bhgqd", ds_BKGST, k_c).reshape(q_BHSD.shape) * scale
     dk_BHSD = torch.einsum("bhgqk,bhgqd->bhkd", ds_BKGST, q_BKGSD) * scale
-    return (dq_BHSD.to(q_BHSD.dtype), dk_BHSD.to(k_BHSD.dtype), dv_BHSD.to(v_BHSD.dtype),
-            None, None, None, None, None, None)
-
-
-class _AttentionFunction(torch.autograd.Function):
-    """``fxshard::attention`` with the backward above (used only when an input needs grad)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, mask, causal, scale, q_offset, kv_offset, softcap=0.0):
-        out, lse = _attention_op.default(q, k, v, mask, causal, scale, q_offset, kv_offset,
-                                         softcap)
-        ctx.save_for_backward(q, k, v, mask, out, lse)
-        ctx.options = (causal, scale, q_offset, kv_offset, softcap)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout_BHSD, dlse_BHS):
-        return _attention_backward(ctx, dout_BHSD, dlse_BHS)
-
-
-def _attention_autograd(keyset, q, k, v, mask, causal, scale, q_offset, kv_offset,
-                        softcap=0.0):
-    """The Autograd kernel: inference calls go straight to the device kernel (no
-    ``autograd.Function`` on the hot path); calls that need a gradient record the backward."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _AttentionFunction.apply(q, k, v, mask, causal, scale, q_offset, kv_offset,
-                                        softcap)
-    return _attention_op.default.redispatch(keyset & torch._C._after_autograd_keyset, q, k, v,
-                                            mask, causal, scale, q_offset, kv_offset, softcap)
-
-
-_attention_op.register_kernel("Autograd", _attention_autograd, with_keyset=True)
+    return dq_BHSD.to(q_BHSD.dtype), dk_BHSD.to(k_BHSD.dtype), dv_BHSD.to(v_BHSD.dtype)

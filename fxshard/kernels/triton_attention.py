@@ -2,9 +2,10 @@
 
 The kernel follows the structure of Triton's fused-attention tutorial (``_attn_fwd``): one
 program computes ``BLOCK_M`` query rows of one (batch, query head) pair, streams the key/value
-blocks of the matching KV head through an online softmax with fp32 accumulators and writes the
-normalised output plus the natural-log logsumexp of every row. What it adds for context
-parallelism:
+blocks of the matching KV head through an online softmax with fp32 accumulators (the step
+:func:`fxshard.kernels.triton_softmax.online_softmax_step`, shared with the decode kernel) and
+writes the normalised output plus the natural-log logsumexp of every row. What it adds for
+context parallelism:
 
 - causal masking between *absolute* positions: query row ``i`` of this chunk sits at
   ``Q_OFFSET + i``, key ``j`` at ``KV_OFFSET + j``; it sees the key iff
@@ -34,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
+
+from .triton_softmax import online_softmax_finish, online_softmax_step
 
 __all__ = ["HEAD_DIMS", "attention_fwd", "interpreting"]
 
@@ -90,6 +93,7 @@ def _attn_fwd(Q, K, V, Out, Lse,
     hi = tl.maximum(hi, 0)
     full_end = (tl.maximum(full_end, 0) // BLOCK_N) * BLOCK_N
 
+    last = offs_m + delta    # causal: the last key row r sees
     for phase in tl.static_range(2):
         if phase == 0:
             lo = 0
@@ -106,30 +110,12 @@ def _attn_fwd(Q, K, V, Out, Lse,
                 kv_ok = offs_kv < SEQ_KV
                 k = tl.load(k_ptrs + start_n * stride_kn, mask=kv_ok[:, None], other=0.0)
                 v = tl.load(v_ptrs + start_n * stride_vn, mask=kv_ok[:, None], other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-            if SOFTCAP:
-                # in log2 units (qk = s * log2(e), cap_log2 = cap * log2(e)): qk / cap_log2 is
-                # s / cap, so cap_log2 * tanh(qk / cap_log2) is the capped score * log2(e)
-                e2x = tl.math.exp2(qk * (2.0 * 1.4426950408889634 / cap_log2))
-                qk = cap_log2 * (1.0 - 2.0 / (e2x + 1.0))
-            if phase == 1:
-                valid = offs_kv[None, :] < SEQ_KV
-                if CAUSAL:
-                    valid = valid & (offs_kv[None, :] <= offs_m[:, None] + delta)
-                qk = tl.where(valid, qk, float("-inf"))
-            m_ij = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-            p = tl.math.exp2(qk - m_safe[:, None])
-            alpha = tl.math.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
-            m_i = m_ij
+            m_i, l_i, acc = online_softmax_step(
+                q, k, v, m_i, l_i, acc, qk_scale, cap_log2, offs_kv, SEQ_KV, last,
+                MASKED=phase == 1, CAUSAL=CAUSAL, SOFTCAP=SOFTCAP,
+                INPUT_PRECISION=INPUT_PRECISION)
 
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"),
-                   (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    out, lse = online_softmax_finish(m_i, l_i, acc)
     tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_ok,
              out.to(Out.dtype.element_ty), mask=row_ok[:, None])
     tl.store(l_base + offs_m * stride_lm, lse, mask=row_ok)

@@ -13,7 +13,8 @@ every byte of K and V should be read once, by many programs in parallel. Two ker
    ``out`` (normalised, fp32) and ``lse`` for its split; a split that sees no key writes
    ``out = 0``, ``lse = -inf``. Causal: query ``i`` sees key ``j`` iff
    ``j <= lengths[b] - Sq + i``. Key blocks that every row sees in full run a mask-free loop,
-   the rest (the tail of the valid keys, the causal corner) a masked one.
+   the rest (the tail of the valid keys, the causal corner) a masked one; both run the
+   prefill kernel's online-softmax step (:mod:`fxshard.kernels.triton_softmax`).
 2. ``_decode_merge``: one program per (sequence, query head, query) row merges the ``n_splits``
    partial results by logsumexp: ``lse = logsumexp_s(lse_s)``,
    ``out = sum_s exp(lse_s - lse) * out_s``; a row whose splits all saw nothing gets 0, -inf.
@@ -37,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
+
+from .triton_softmax import online_softmax_finish, online_softmax_step
 
 __all__ = ["MAX_HEAD_DIM", "decode_fwd", "interpreting", "num_splits"]
 
@@ -117,23 +120,13 @@ def _decode_split(Q, K, V, Lengths, OutPart, LsePart,
                 kv_ok = (offs_kv < stop)[:, None] & d_ok[None, :]
                 k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
                 v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale
-            if phase == 1:
-                valid = (offs_kv[None, :] < stop) & (offs_kv[None, :] <= last[:, None])
-                qk = tl.where(valid, qk, float("-inf"))
-            m_ij = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-            p = tl.math.exp2(qk - m_safe[:, None])
-            alpha = tl.math.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
-            m_i = m_ij
+            # non-causal rows need no "<= last" check: key < stop <= length already says it
+            m_i, l_i, acc = online_softmax_step(
+                q, k, v, m_i, l_i, acc, qk_scale, 1.0, offs_kv, stop, last,
+                MASKED=phase == 1, CAUSAL=CAUSAL, SOFTCAP=False,
+                INPUT_PRECISION=INPUT_PRECISION)
 
-    empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"),
-                   (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    out, lse = online_softmax_finish(m_i, l_i, acc)
     p_rows = (off_z.to(tl.int64) * stride_pz + head.to(tl.int64) * stride_ph
               + query * stride_pm + split * stride_ps)
     tl.store(OutPart + p_rows[:, None] + offs_d[None, :] * stride_pk, out,

@@ -32,8 +32,7 @@ __all__ = ["insert_collectives_pass", "collective_target"]
 
 
 def collective_target(op: str):
-    import fxshard.runtime.local_ops  # noqa: F401  (registers the local fxshard ops)
-    import fxshard.runtime.ops  # noqa: F401  (registers the collectives)
+    import fxshard.ops  # noqa: F401  (registers the collectives and the local fxshard ops)
     return getattr(torch.ops.fxshard, op).default
 
 

@@ -40,7 +40,7 @@ Cache shapes are the rank's: ``[B, H, capacity + 1, D]`` (the last slot is the s
 ids ``[B, 1]`` (int64) in place of the logits (found among the outputs by ``ctx.out_spec``): the caller needs only their argmax. Where the
 logits end vocab-sharded on one axis (tp's column-parallel lm_head), the gather of the
 ``[B, 1, V]`` logits becomes a :func:`fxshard::sharded_argmax
-<fxshard.runtime.kv_cache.sharded_argmax>` (one ``(max, index)`` pair per row exchanged);
+<fxshard.ops.decode.sharded_argmax>` (one ``(max, index)`` pair per row exchanged);
 the gathers on other axes (``dp``'s batch) stay and gather the ids; anywhere else the
 gathered logits get an ``argmax``::
 
@@ -58,7 +58,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-import fxshard.runtime.kv_cache  # noqa: F401  (registers the cache ops)
+import fxshard.ops  # noqa: F401  (registers the cache ops)
 from ..placement import Replicate, Shard, local_shape
 from . import PassCtx
 from .insert_collectives import collective_target

@@ -183,7 +183,7 @@ def _vocab_embedding(node: fx.Node, ctx: PassCtx) -> int:
             f"fxshard.parallelize: embedding {node.name} is vocab-sharded over {axes} with "
             f"extra arguments {node.args[2:]}; only one vocab axis without padding_idx is "
             f"supported. Use plan={{...: 'embed_dim'}} for this embedding.")
-    import fxshard.runtime.local_ops  # noqa: F401  (registers fxshard::vocab_embedding)
+    import fxshard.ops  # noqa: F401  (registers fxshard::vocab_embedding)
     axis = axes[0]
     node.target = torch.ops.fxshard.vocab_embedding.default
     node.args = (weight, node.args[1], axis, ctx.mesh.axis_size(axis))

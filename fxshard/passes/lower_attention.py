@@ -12,7 +12,7 @@ After::
 ``fxshard.attention`` (``fxshard.kernels``) maps GQA inside the kernel and returns the
 logsumexp as well, which context parallelism merges with. Sequence-sharded attention on the
 ``ring_cp`` axis becomes ``fxshard.ring_attention(q, k, v, causal, scale, "ring_cp", n)``
-(``fxshard.kernels.ring``); an explicit mask (sliding window, ALiBi bias) arrives sharded by
+(``fxshard.ops.ring``); an explicit mask (sliding window, ALiBi bias) arrives sharded by
 query rows like q and rides along as its ``mask`` argument::
 
     ring_attention(q, k, v, False, 0.25, 'ring_cp', 2, 1, 0, True, 0, 0.0, zigzag_shard(mask))
@@ -53,7 +53,7 @@ import operator
 import torch
 import torch.fx as fx
 
-import fxshard.kernels.ring  # noqa: F401  (registers fxshard::attention and ring_attention)
+import fxshard.ops  # noqa: F401  (registers fxshard::attention and ring_attention)
 from ..placement import Shard
 from . import PassCtx
 from .insert_collectives import collective_target

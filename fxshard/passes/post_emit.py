@@ -19,8 +19,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..kernels.attention_out import attention_out
-from ..runtime.ops import all_reduce_consuming
+from ..ops.attention import attention_out
+from ..ops.collectives import all_reduce_consuming
 from . import PassReports
 
 __all__ = ["PostEmitCtx", "EAGER", "INDUCTOR", "attention_out_only_pass", "aten_attention_pass",
@@ -66,7 +66,7 @@ def consume_dead_inputs_pass(gm: fx.GraphModule, *, ctx: PostEmitCtx) -> fx.Grap
 def attention_out_only_pass(gm: fx.GraphModule, *, ctx: PostEmitCtx) -> fx.GraphModule:
     """Point every CPU ``fxshard::attention`` whose ``lse`` nobody reads and whose ``out`` is
     only transposed back to ``[B, S, H, D]`` at ``fxshard::attention_out``
-    (:mod:`fxshard.kernels.attention_out`: the same values, no ``lse``, ``out`` stored as
+    (:mod:`fxshard.ops.attention`: the same values, no ``lse``, ``out`` stored as
     ``[B, S, H, D]``: the transpose becomes contiguous, the reshape after it a view). Only
     strides change; a graph with ``as_strided`` (which reads strides) is left alone::
 

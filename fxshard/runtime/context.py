@@ -1,6 +1,6 @@
 """The backend protocol and the current backend of this thread.
 
-The collective custom ops (``fxshard.runtime.ops``) carry no process group: they name a mesh
+The collective custom ops (``fxshard.ops.collectives``) carry no process group: they name a mesh
 axis. At run time each op asks :func:`current_backend` which backend executes it::
 
     with use_backend(SimulatedBackend(world, rank)):     # or DistributedBackend(device_mesh)

@@ -154,7 +154,7 @@ class DistributedBackend:
 
     def all_reduce_(self, x: torch.Tensor, axis: str) -> torch.Tensor:
         """Sum into ``x`` itself (contiguous, referenced by nobody else: see
-        ``fxshard.runtime.ops.all_reduce_consuming``) and return it."""
+        ``fxshard.ops.collectives.all_reduce_consuming``) and return it."""
         group = self._group("all_reduce", axis)
 
         def run() -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Collectives and point-to-point messages as ``torch.library`` custom ops.
+"""Collectives and point-to-point messages as ``torch.library`` ops: what rank programs call.
 
 The graph passes emit these calls into per-rank programs; each names a mesh axis and carries
 the axis size, so the fake (meta) impls need no runtime state and the graphs stay exportable
@@ -14,7 +14,8 @@ and compilable::
 
 In a graph: ``all_gather = torch.ops.fxshard.all_gather.default(mm, 2, 'tp', 2)``.
 
-The real impls dispatch to the current backend (``fxshard.runtime.context``). A size-1 axis is
+The real impls dispatch to the current backend (``fxshard.runtime.context``: the simulated
+mesh or torch.distributed). A size-1 axis is
 the identity (a copy: custom ops never return views of their inputs).
 
 Purity. The collectives are pure functions of their inputs (every rank of a group runs the same
@@ -30,16 +31,16 @@ from __future__ import annotations
 import torch
 from torch._library.effects import EffectType
 
+from fxshard.ops.library import define_op
 from fxshard.runtime.context import Backend, current_backend
-from fxshard.runtime.library import define_op
 
 __all__ = ["COLLECTIVE_OPS", "POINT_TO_POINT_OPS", "is_communication", "is_point_to_point",
-           "all_reduce_consuming"]
+           "all_reduce_consuming", "checked_backend"]
 
 _LIB = "fxshard"
 
 
-def _checked_backend(op: str, axis: str, size: int) -> Backend:
+def checked_backend(op: str, axis: str, size: int) -> Backend:
     """The current backend, after checking that ``size`` is the size of ``axis`` on it."""
     backend = current_backend(f"torch.ops.fxshard.{op}")
     actual = backend.axis_size(axis)
@@ -89,7 +90,7 @@ def _define(name: str, schema: str):
 
 @_define("all_gather", "(Tensor x, int dim, str axis, int size) -> Tensor")
 def _all_gather(x, dim, axis, size):
-    backend = _checked_backend("all_gather", axis, size)
+    backend = checked_backend("all_gather", axis, size)
     dim = _norm_dim("all_gather", x, dim)
     return x.clone() if size == 1 else backend.all_gather(x, dim, axis)
 
@@ -106,7 +107,7 @@ def _(x, dim, axis, size):
 
 @_define("all_reduce", "(Tensor x, str axis, int size) -> Tensor")
 def _all_reduce(x, axis, size):
-    backend = _checked_backend("all_reduce", axis, size)
+    backend = checked_backend("all_reduce", axis, size)
     return x.clone() if size == 1 else backend.all_reduce(x, axis)
 
 
@@ -121,7 +122,7 @@ def all_reduce_consuming(x: torch.Tensor, axis: str, size: int) -> torch.Tensor:
     sum may be written into ``x``'s own memory, as hand-written Megatron does, instead of a
     fresh copy. Backends without an in-place ``all_reduce_`` (the simulated mesh) and
     non-contiguous ``x`` take the copying path."""
-    backend = _checked_backend("all_reduce", axis, size)
+    backend = checked_backend("all_reduce", axis, size)
     if size == 1:
         return x
     inplace = getattr(backend, "all_reduce_", None)
@@ -134,7 +135,7 @@ def all_reduce_consuming(x: torch.Tensor, axis: str, size: int) -> torch.Tensor:
 
 @_define("reduce_scatter", "(Tensor x, int dim, str axis, int size) -> Tensor")
 def _reduce_scatter(x, dim, axis, size):
-    backend = _checked_backend("reduce_scatter", axis, size)
+    backend = checked_backend("reduce_scatter", axis, size)
     dim = _norm_dim("reduce_scatter", x, dim)
     _chunk("reduce_scatter", x, dim, axis, size)
     return x.clone() if size == 1 else backend.reduce_scatter(x, dim, axis)
@@ -152,7 +153,7 @@ def _(x, dim, axis, size):
 
 @_define("all_to_all", "(Tensor x, int split_dim, int concat_dim, str axis, int size) -> Tensor")
 def _all_to_all(x, split_dim, concat_dim, axis, size):
-    backend = _checked_backend("all_to_all", axis, size)
+    backend = checked_backend("all_to_all", axis, size)
     split_dim = _norm_dim("all_to_all", x, split_dim, "split_dim")
     concat_dim = _norm_dim("all_to_all", x, concat_dim, "concat_dim")
     _chunk("all_to_all", x, split_dim, axis, size, "split_dim")
@@ -175,7 +176,7 @@ def _(x, split_dim, concat_dim, axis, size):
 
 @_define("local_shard", "(Tensor x, int dim, str axis, int size) -> Tensor")
 def _local_shard(x, dim, axis, size):
-    backend = _checked_backend("local_shard", axis, size)
+    backend = checked_backend("local_shard", axis, size)
     dim = _norm_dim("local_shard", x, dim)
     n = _chunk("local_shard", x, dim, axis, size)
     start = backend.axis_index(axis) * n

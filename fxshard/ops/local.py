@@ -1,4 +1,5 @@
-"""Local ops that depend on a rank's coordinate but move no data between ranks.
+"""Ops that read the rank's coordinate on a mesh axis; all but ``zigzag_gather`` (an all-gather
+put back in zigzag order) are local, moving no data between ranks.
 
 ``fxshard::vocab_embedding(weight, ids, axis, size)``: the rank holds rows
 ``[r * V/size, (r + 1) * V/size)`` of a vocab-sharded embedding; ids outside that range look up
@@ -15,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .context import current_backend
-from .library import define_op
+from fxshard.ops.library import define_op
+from fxshard.runtime.context import current_backend
 
 __all__ = ["vocab_embedding", "partial_from_replicate", "zigzag_shard", "zigzag_gather"]
 

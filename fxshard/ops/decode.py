@@ -1,15 +1,10 @@
-"""The KV-cache ops of text generation (``fxshard.passes.kv_cache`` puts them in rank programs).
-
-``fxshard::cache_write(Tensor(a!) cache, Tensor x, Tensor pos) -> ()``
-    writes ``x`` ``[B, H, S, D]`` into slots ``pos .. pos + S`` of ``cache`` ``[B, H, L, D]``
-    (dim 2) in place: the cache is the ParallelModule's state, updated where it lives, never
-    copied per token. The mutation is in the schema, so ``Graph.eliminate_dead_code`` keeps the
-    call and torch.compile functionalises it (later reads of ``cache`` see the write).
+"""The ops of decode programs (``fxshard.passes.kv_cache`` puts them in rank programs).
 
 ``fxshard::decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths,
 float? scale, bool causal) -> (Tensor, Tensor)``
     :func:`fxshard.kernels.decode.decode_attention` (Triton on CUDA, torch on CPU): the new
-    queries against the first ``lengths[b]`` slots of the cache, ``(out, lse)``.
+    queries against the first ``lengths[b]`` slots of the cache, ``(out, lse)``. Eager rank
+    programs call :func:`fxshard.kernels.decode.decode_attention_unchecked` directly.
 
 ``fxshard::merge_pieces(Tensor outs, Tensor lses) -> Tensor``
     the attention results of one query over disjoint pieces of the keys, stacked on dim 0
@@ -25,6 +20,8 @@ float? scale, bool causal) -> (Tensor, Tensor)``
     holds indices ``j * V / size ..``): the lowest global index on ties, and the first NaN
     when there is one, as ``torch.argmax`` on the whole row. Greedy decode programs end
     with it (``fxshard.passes.kv_cache.greedy_tokens_pass``).
+
+The cache write itself is ``fxshard::cache_write`` (:mod:`fxshard.ops.cache`).
 """
 from __future__ import annotations
 
@@ -32,38 +29,12 @@ from typing import Optional
 
 import torch
 
-from ..kernels.decode import decode_attention as _decode_attention
-from ..kernels.decode import decode_attention_unchecked
-from .library import define_op
-from .ops import _checked_backend
+from fxshard.kernels.decode import decode_attention as _decode_attention
+from fxshard.kernels.decode import decode_attention_unchecked
+from fxshard.ops.collectives import checked_backend
+from fxshard.ops.library import define_op
 
-__all__ = ["cache_write", "decode_attention", "merge_pieces", "sharded_argmax"]
-
-
-@define_op("fxshard::cache_write", "(Tensor(a!) cache, Tensor x, Tensor pos) -> ()")
-def cache_write(cache: torch.Tensor, x: torch.Tensor, pos: torch.Tensor) -> None:
-    if x.dim() != 4 or cache.dim() != 4 or x.shape[:2] != cache.shape[:2] or \
-            x.shape[3] != cache.shape[3]:
-        raise ValueError(f"fxshard::cache_write: x of shape {tuple(x.shape)} does not fit a "
-                         f"cache of shape {tuple(cache.shape)} (both [B, H, S, D])")
-    index = pos.reshape(1).to(torch.int64) + torch.arange(x.shape[2], device=cache.device)
-    cache.index_copy_(2, index, x.to(cache.dtype))
-
-
-@cache_write.register_direct
-def _cache_write_direct(cache: torch.Tensor, x: torch.Tensor, pos: torch.Tensor) -> None:
-    """Eager rank programs: a decode step's one new slot (``x`` ``[B, H, 1, D]`` of the
-    cache's dtype, ``pos`` the runner's int64 ``[1]``) is ``pos`` itself as the index, with no
-    index tensor built per call."""
-    if x.shape[2] == 1 and x.dtype == cache.dtype and pos.dtype == torch.int64:
-        cache.index_copy_(2, pos, x)
-    else:
-        cache_write(cache, x, pos)
-
-
-@cache_write.register_fake
-def _(cache, x, pos):
-    return None
+__all__ = ["decode_attention", "merge_pieces", "sharded_argmax"]
 
 
 @define_op("fxshard::decode_attention",
@@ -100,10 +71,9 @@ def _(outs, lses):
     return outs.new_empty(outs.shape[1:])
 
 
-
 @define_op("fxshard::sharded_argmax", "(Tensor x, str axis, int size) -> Tensor")
 def sharded_argmax(x: torch.Tensor, axis: str, size: int) -> torch.Tensor:
-    backend = _checked_backend("sharded_argmax", axis, size)
+    backend = checked_backend("sharded_argmax", axis, size)
     best, local = x.max(-1)             # the first maximum of the shard (or its first NaN)
     if size == 1:
         return local

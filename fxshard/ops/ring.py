@@ -1,4 +1,5 @@
-"""Ring attention: the K/V chunks of a sequence-sharded attention travel around a mesh axis.
+"""``fxshard::ring_attention``: the K/V chunks of a sequence-sharded attention travel around a
+mesh axis (the lowering of attention on ``ring_cp``, ``fxshard.passes.lower_attention``).
 
 Every rank of ``axis`` holds one contiguous chunk of the sequence for q, k and v. In step
 ``i`` rank ``r`` attends its queries to the K/V chunk of rank ``(r - i) % n`` with the absolute
@@ -24,9 +25,9 @@ from typing import Optional
 
 import torch
 
-from ..runtime.context import current_backend
-from ..runtime.library import define_op
-from .attention import attention, merge_attention
+from fxshard.kernels.attention import attention, merge_attention
+from fxshard.ops.library import define_op
+from fxshard.runtime.context import current_backend
 
 __all__ = ["ring_attention"]
 
