@@ -11,8 +11,8 @@ reshape that follows copies ``out`` once more. :func:`attention_out_bshd` return
 ``[B, S, H, D]`` memory (strides ``(S*H*D, D, H*D, 1)``), so that transpose is contiguous and
 the reshape a view, as in hand-written code calling SDPA. Same values as
 ``fxshard::attention``'s ``out`` (the same kernels, finite check and exact fallback); only the
-strides differ. The rank runners of CPU programs use it (``fxshard.compile``:
-``_attention_out_only``)::
+strides differ. The rank runners of CPU programs use it (``fxshard.passes.post_emit``:
+``attention_out_only_pass``)::
 
     before: attention = torch.ops.fxshard.attention.default(q, k, v, None, True, 0.18, 0, 0)
             getitem = attention[0];  transpose = torch.ops.aten.transpose.int(getitem, 1, 2)
