@@ -374,13 +374,13 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 def shard_rows(w: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
     """Column-parallel Linear (output features) or vocab-parallel Embedding: weight dim 0."""
     n = w.shape[0] // tp
-    return w[rank * n:(rank + 1) * n].contiguous()
+    return w[rank * n:(rank + 1) * n].clone()  # a copy: a dim-0 slice is a view otherwise
 
 
 def shard_cols(w: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
     """Row-parallel Linear (input features) or embedding-dim-sharded Embedding: weight dim 1."""
     n = w.shape[1] // tp
-    return w[:, rank * n:(rank + 1) * n].contiguous()
+    return w[:, rank * n:(rank + 1) * n].clone(memory_format=torch.contiguous_format)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -461,7 +461,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 class MegatronLlama:
     """A Llama (``fxshard.models.llama`` or HuggingFace's: the same state-dict names) written
     by hand for tensor parallelism over ``group`` (this process = ``rank`` of ``tp``), on
-    contiguous slices of ``model``'s weights: column-parallel q/k/v/gate/up (weight dim 0),
+    contiguous copies of slices of ``model``'s weights (training them leaves ``model`` as it
+    was): column-parallel q/k/v/gate/up (weight dim 0),
     row-parallel o/down (weight dim 1) followed by an all-reduce, ``F.scaled_dot_product_
     attention`` on the local heads, norms whole, lm_head column-parallel.
 
@@ -723,11 +724,21 @@ def dtensor_step(m, opt, ids, labels) -> float:
     return loss.detach().full_tensor().item() if hasattr(loss, "full_tensor") else loss.item()
 
 
-def megatron_step(m: MegatronLlama, opt, ids, labels) -> float:
-    """One forward + backward + optimizer step of a trainable :class:`MegatronLlama` (each rank
-    holds the same batch: pure tensor parallelism)."""
+def megatron_step(m: MegatronLlama, opt, ids, labels, dp_group=None) -> float:
+    """One forward + backward + optimizer step of a trainable :class:`MegatronLlama` on this
+    rank's batch. With ``dp_group`` (data parallel: each dp rank holds a slice of the batch),
+    the gradients are averaged over it in one flattened all-reduce (DDP's single bucket)
+    before the step. Returns this rank's loss."""
     loss = m.loss(ids, labels)
     loss.backward()
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+        grads = [p.grad for p in m.parameters()]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=dp_group)
+        flat /= dist.get_world_size(dp_group)
+        for g, avg in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(avg)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.item()
