@@ -8,9 +8,9 @@ than hand-written Megatron on gloo (``runtime_tp.py``) but not on the loopback
     python benchmarks/collective_overhead.py --rounds 40 --calls 25
 
 Two processes (``benchmarks/common.launch``: spawn, gloo, tp=2 mesh from
-``fxshard.init_device_mesh``, one torch thread each), same tensor sizes as ``runtime_tp.py``'s defaults: the hidden
-``[2, 64, 256]`` (all-reduce after o_proj / down_proj), the embedding shard ``[2, 64, 128]``
-and the logits shard ``[2, 64, 256]`` (all-gathers on the last dim). Variants:
+``fxshard.init_device_mesh``, one torch thread each), same tensor sizes as ``runtime_tp.py``'s
+defaults: the hidden ``[2, 64, 256]`` (all-reduce after o_proj / down_proj), the embedding shard
+``[2, 64, 128]`` and the logits shard ``[2, 64, 256]`` (all-gathers on the last dim). Variants:
 
   dist world        ``dist.all_reduce(t)`` / ``dist.all_gather(parts, t)`` + ``cat`` on the
                     default group: exactly what ``common.MegatronLlama`` calls.
@@ -38,12 +38,13 @@ burns CPU and CPU time measures skew, not overhead. The "no-op us" column is
 each path's rank-local CPU with ``dist.all_reduce`` / ``dist.all_gather`` replaced by no-ops:
 its Python and dispatch cost alone.
 
-Then whole forwards (``--forward-rounds``; runtime_tp's default model, ``common.RUNTIME_TP``
-at ``--hidden`` / ``--vocab``, batch 2, seq 64): Megatron (``common.MegatronLlama``), ``pm(ids)`` and ``run_rank`` (pm without its ``ParallelModule.__call__`` wrapper),
-interleaved and rotated like the calls, with ``dist.all_reduce`` / ``dist.all_gather`` wrapped
-so that rank 0's thread CPU per forward splits into "in coll." (inside those calls: gloo's
-enqueue, the wait, the wake-up) and "outside" (compute and Python, fxshard's backend code
-included), each forward's logits checked against the single-device model first.
+Then whole forwards (``--forward-rounds``; runtime_tp's default model, ``common.RUNTIME_TP`` at
+``--hidden`` / ``--vocab``, batch 2, seq 64): Megatron (``common.MegatronLlama``), ``pm(ids)``
+and ``run_rank`` (pm without its ``ParallelModule.__call__`` wrapper), interleaved and rotated
+like the calls, with ``dist.all_reduce`` / ``dist.all_gather`` wrapped so that rank 0's thread
+CPU per forward splits into "in coll." (inside those calls: gloo's enqueue, the wait, the
+wake-up) and "outside" (compute and Python, fxshard's backend code included), each forward's
+logits checked against the single-device model first.
 """
 from __future__ import annotations
 

@@ -336,7 +336,7 @@ def format_table(columns, rows) -> str:
         return format(value, spec)
 
     lines = [" ".join(format(t, f"{align(s)}{width(s)}") for t, s in columns)]
-    lines += [" ".join(cell(v, s) for v, (_, s) in zip(row, columns)) for row in rows]
+    lines += [" ".join(cell(v, s) for v, (_, s) in zip(row, columns)).rstrip() for row in rows]
     return "\n".join(lines)
 
 

@@ -31,8 +31,9 @@ batch 1 and 8), and generate ``--new`` 32 tokens greedily with:
              ``[B, 1, V]`` logits all-gathered and the argmax taken on every rank, as the
              megatron baseline does (an A/B of that change, interleaved in one run).
   dtensor    ``parallelize_module`` with the seed's plan (``common.dtensor_tp(...,
-             embedding_and_head=False)``: ColwiseParallel q/k/v/gate/up, RowwiseParallel o/down) on a copy of the HF model, decoded by HF ``generate``
-             (its DynamicCache).
+             embedding_and_head=False)``: ColwiseParallel q/k/v/gate/up, RowwiseParallel
+             o/down) on a copy of the HF model, decoded by HF ``generate`` (its
+             DynamicCache).
   hf 1-proc  HF ``generate`` on rank 0 alone, no parallelism (rank 1 waits at a barrier).
 
 A *step* is one decode forward plus the token choice, timed from one step's start to the next

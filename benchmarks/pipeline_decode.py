@@ -5,9 +5,9 @@
 
 One launch of 2 processes (``benchmarks/common.launch``: spawn, gloo, fp32, CPU,
 ``torch.set_num_threads(--threads)`` each, default 1). Both build the same random HuggingFace
-``LlamaForCausalLM`` (``common.hf_llama``) (default: hidden 512, 8 layers, 8/4 heads, vocab 8000: 4 layers a stage),
-``fxshard.parallelize(model, mesh pp=2, microbatches=m)`` and generate ``--new`` tokens
-greedily for a batch of ``--batch`` prompts of ``--prompt`` tokens with:
+``LlamaForCausalLM`` (``common.hf_llama``; default: hidden 512, 8 layers, 8/4 heads, vocab 8000:
+4 layers a stage), ``fxshard.parallelize(model, mesh pp=2, microbatches=m)`` and generate
+``--new`` tokens greedily for a batch of ``--batch`` prompts of ``--prompt`` tokens with:
 
   pipelined  ``pm.generate``: the m groups of sequences flow through the stages across steps
              (``fxshard.pipelined_decode``): stage 0 runs group j's next step as soon as stage 1

@@ -9,10 +9,10 @@ code (ratio <= 1.05 on the same machine, same run) and beat DTensor parallelize_
     python benchmarks/runtime_tp.py --no-compile --profile "megatron,fxshard pm(ids)"  # cProfile
 
 One launch of 2 processes (``benchmarks/common.launch``: spawn, gloo, rendezvous on a free
-127.0.0.1 port held by the launcher's TCPStore), tp=2, fp32 on CPU, ``torch.set_num_threads(--threads)`` per process, default 1 so that 2 processes
-fit 2 cores) runs every variant, so all of them share the machine state of one run. Both
-processes build the same ``fxshard.models.llama.LlamaForCausalLM`` (same seed) and the same
-input ids. Variants:
+127.0.0.1 port held by the launcher's TCPStore), tp=2, fp32 on CPU,
+``torch.set_num_threads(--threads)`` per process, default 1 so that 2 processes fit 2 cores)
+runs every variant, so all of them share the machine state of one run. Both processes build the
+same ``fxshard.models.llama.LlamaForCausalLM`` (same seed) and the same input ids. Variants:
 
   single-device      the unmodified model in one process (rank 0 alone; rank 1 waits at a
                      barrier). Context only: what tp=2 buys at this size.
@@ -46,8 +46,9 @@ input ids. Variants:
   megatron compiled  the hand-written Megatron forward under ``torch.compile`` (Inductor;
                      dynamo traces its ``dist.*`` collectives).
   dtensor            ``torch.distributed.tensor.parallel.parallelize_module`` on a copy of the
-                     model (``common.dtensor_tp``: ColwiseParallel q/k/v/gate/up, RowwiseParallel o/down, embedding and
-                     lm_head ColwiseParallel with Replicate output), eager.
+                     model (``common.dtensor_tp``: ColwiseParallel q/k/v/gate/up,
+                     RowwiseParallel o/down, embedding and lm_head ColwiseParallel with
+                     Replicate output), eager.
 
 Every variant's logits are checked against the single-device model (max abs error < 1e-4).
 Each variant is timed in ``--rounds`` rounds of ``--iters`` forward passes (after
