@@ -6,20 +6,26 @@ scripts measuring "hand-written Megatron" or "DTensor" measure the same code:
 - sizes: :func:`add_model_args` adds the model-size flags (``--hidden --heads --kv-heads
   --intermediate --layers --vocab`` and the input's ``--batch --seq --prompt --new``) with a
   script's defaults (the presets below: ``RUNTIME_TP``, ``SMALL_HF``, ``GENERATE``);
-  :func:`bundled_llama` / :func:`hf_llama` build the model from the parsed flags, and
-  :func:`token_ids` the inputs;
+  :func:`bundled_llama`, :func:`hf_llama` and :func:`tutorial_blocks` build the model from the
+  parsed flags, :func:`token_ids` the inputs;
 - launch: :func:`launch` runs a worker on N gloo ranks on loopback (a free port held by the
   launcher's store, ``torch.set_num_threads`` per rank), returns every rank's result, shuts
   the ranks down cleanly, and names the rank that failed with its traceback;
 - timing: :func:`time_calls`, :func:`stats_ms`, :func:`interleaved` (variants alternated round
   by round, so a burst of other load hits all of them alike), :func:`rotated`, and
   :func:`format_table` (fixed-width text tables);
-- baselines: :class:`MegatronLlama`, the Llama (bundled or HuggingFace) written by hand for
-  tensor parallelism (column/row-parallel linears on weight slices, its own KV cache for
-  decoding; trainable: the f/g all-reduces of Megatron-LM's backward as autograd functions and
-  a vocab-parallel cross-entropy), and the DTensor baseline: :func:`dtensor_tp_plan` (one
-  ``parallelize_module`` plan), :func:`dtensor_tp` and :func:`dtensor_train` (TP plan +
-  ``fully_shard``: torchtitan's 2-D recipe).
+- the hand-written Megatron baseline (:class:`MegatronTP`: the collectives, with Megatron-LM's
+  f/g backward as autograd functions when trainable): :class:`MegatronLlama` (the bundled or
+  HuggingFace Llama: column/row-parallel linears on weight slices, its own KV cache for
+  decoding, a vocab-parallel cross-entropy; :func:`megatron_step` = forward + backward +
+  optimizer step, data parallel over a second group) and :class:`MegatronBlocks` (the seed
+  lesson's TransformerBlocks);
+- the DTensor baseline: :func:`dtensor_tp_plan` (the one ``parallelize_module`` plan),
+  :func:`dtensor_tp`, and :func:`dtensor_train` + :func:`dtensor_step` (TP plan +
+  ``fully_shard``: torchtitan's 2-D recipe; FSDP2 runs on CPU gloo with torch 2.13).
+
+Benchmarks run as scripts (``python benchmarks/x.py``) and import this as
+``benchmarks.common`` with the checkout's root on ``sys.path``.
 """
 from __future__ import annotations
 
@@ -116,6 +122,16 @@ def hf_llama(args, seed: int = 0, **override):
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
+
+
+def tutorial_blocks(args, seed: int = 0):
+    """``--layers`` of the seed tensor-parallel lesson's ``TransformerBlock`` (``tests/models.py``:
+    q + k + v then wo, a GELU MLP of 4x ``--hidden``, all with biases; no norms or residuals)
+    in an ``nn.Sequential``, eval mode."""
+    from tests.models import TransformerBlock
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*[TransformerBlock(args.hidden, args.heads)
+                                 for _ in range(args.layers)]).eval()
 
 
 def token_ids(vocab: int, batch: int, seq: int, seed: int = 1) -> torch.Tensor:
@@ -458,7 +474,47 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.mul_(g / grad.shape[0]), None, None, None
 
 
-class MegatronLlama:
+class MegatronTP:
+    """What every hand-written tensor-parallel baseline shares: this process is ``rank`` of
+    ``tp`` in ``group``; the collectives, forward semantics (in-place ``dist.*``; torch's
+    functional collectives with ``funcol``, a diagnostic), and with ``trainable`` Megatron-LM's
+    backward as autograd functions: ``_f`` (identity forward, all-reduce backward) before a
+    column-parallel block, ``_all_reduce`` (g: identity backward) after a row-parallel one,
+    ``_gather_last`` (this rank's slice backward)."""
+
+    def __init__(self, rank: int, tp: int, group=None, *, funcol: bool = False,
+                 trainable: bool = False):
+        self.rank, self.tp, self.group = rank, tp, group
+        self.use_funcol, self.trainable = funcol, trainable
+
+    def _f(self, x):
+        return _CopyToTP.apply(x, self.group) if self.trainable else x
+
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.trainable:
+            return _ReduceFromTP.apply(x, self.group)
+        if self.use_funcol:
+            import torch.distributed._functional_collectives as funcol
+            return _wait(funcol.all_reduce(x, "sum", group=self.group or dist.group.WORLD))
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def _gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        if self.trainable:
+            return _GatherLast.apply(x, self.group, self.rank, self.tp)
+        if self.use_funcol:
+            import torch.distributed._functional_collectives as funcol
+            return _wait(funcol.all_gather_tensor(x.contiguous(), gather_dim=x.dim() - 1,
+                                                  group=self.group or dist.group.WORLD))
+        parts = [torch.empty_like(x) for _ in range(self.tp)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def _params(self, tensors: list) -> list:
+        return [torch.nn.Parameter(t) for t in tensors] if self.trainable else tensors
+
+
+class MegatronLlama(MegatronTP):
     """A Llama (``fxshard.models.llama`` or HuggingFace's: the same state-dict names) written
     by hand for tensor parallelism over ``group`` (this process = ``rank`` of ``tp``), on
     contiguous copies of slices of ``model``'s weights (training them leaves ``model`` as it
@@ -489,9 +545,9 @@ class MegatronLlama:
         if embedding not in ("embed_dim", "vocab", "replicate"):
             raise ValueError(f"MegatronLlama: embedding={embedding!r}; use 'embed_dim', "
                              f"'vocab' or 'replicate'")
+        super().__init__(rank, tp, group, funcol=funcol, trainable=trainable)
         cfg = model.config
-        self.cfg, self.rank, self.tp, self.group = cfg, rank, tp, group
-        self.embedding, self.use_funcol, self.trainable = embedding, funcol, trainable
+        self.cfg, self.embedding = cfg, embedding
         self.eps = cfg.rms_norm_eps
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // \
             cfg.num_attention_heads
@@ -535,30 +591,6 @@ class MegatronLlama:
     def parameters(self) -> list:
         return [self.embed, *(w for L in self.layers for w in L.values()), self.norm,
                 self.lm_head]
-
-    # collectives (forward semantics; the trainable versions carry Megatron's backward)
-    def _f(self, x):
-        return _CopyToTP.apply(x, self.group) if self.trainable else x
-
-    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.trainable:
-            return _ReduceFromTP.apply(x, self.group)
-        if self.use_funcol:
-            import torch.distributed._functional_collectives as funcol
-            return _wait(funcol.all_reduce(x, "sum", group=self.group or dist.group.WORLD))
-        dist.all_reduce(x, group=self.group)
-        return x
-
-    def _gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        if self.trainable:
-            return _GatherLast.apply(x, self.group, self.rank, self.tp)
-        if self.use_funcol:
-            import torch.distributed._functional_collectives as funcol
-            return _wait(funcol.all_gather_tensor(x.contiguous(), gather_dim=x.dim() - 1,
-                                                  group=self.group or dist.group.WORLD))
-        parts = [torch.empty_like(x) for _ in range(self.tp)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
@@ -645,10 +677,48 @@ class MegatronLlama:
         return torch.cat(tokens, 1)
 
 
+class MegatronBlocks(MegatronTP):
+    """:func:`tutorial_blocks` written by hand for tensor parallelism: per block, wq/wk/wv
+    column-parallel (this rank's rows of each weight and bias), their sum local, wo row-parallel
+    then an all-reduce and wo's whole bias; w1 column-parallel, GELU, w2 row-parallel, an
+    all-reduce, w2's bias (Megatron-LM's RowParallelLinear adds the bias after the reduce): two
+    all-reduces a block. ``m(x)``: ``[B, S, hidden]``, replicated."""
+
+    def __init__(self, model, rank: int, tp: int, group=None, *, trainable: bool = False):
+        super().__init__(rank, tp, group, trainable=trainable)
+        self.blocks = []
+        for blk in model:
+            att, mlp = blk.attention, blk.mlp
+            w = [shard_rows(att.wq.weight.detach(), rank, tp),
+                 shard_rows(att.wk.weight.detach(), rank, tp),
+                 shard_rows(att.wv.weight.detach(), rank, tp),
+                 shard_rows(att.wq.bias.detach(), rank, tp),
+                 shard_rows(att.wk.bias.detach(), rank, tp),
+                 shard_rows(att.wv.bias.detach(), rank, tp),
+                 shard_cols(att.wo.weight.detach(), rank, tp), att.wo.bias.detach().clone(),
+                 shard_rows(mlp.w1.weight.detach(), rank, tp),
+                 shard_rows(mlp.w1.bias.detach(), rank, tp),
+                 shard_cols(mlp.w2.weight.detach(), rank, tp), mlp.w2.bias.detach().clone()]
+            self.blocks.append(self._params(w))
+
+    def parameters(self) -> list:
+        return [t for b in self.blocks for t in b]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        for wq, wk, wv, bq, bk, bv, wo, bo, w1, b1, w2, b2 in self.blocks:
+            h = self._f(x)
+            a = F.linear(h, wq, bq) + F.linear(h, wk, bk) + F.linear(h, wv, bv)
+            x = self._all_reduce(F.linear(a, wo)) + bo
+            h = self._f(x)
+            x = self._all_reduce(F.linear(F.gelu(F.linear(h, w1, b1)), w2)) + b2
+        return x
+
+
 # --- the DTensor baseline --------------------------------------------------------------------
 
 def dtensor_tp_plan(model, *, embedding_and_head: bool = True, loss_parallel: bool = False):
-    """The one ``parallelize_module`` plan for a Llama: ColwiseParallel q/k/v/gate/up,
+    """The one ``parallelize_module`` plan. For :func:`tutorial_blocks`: ColwiseParallel
+    wq/wk/wv/w1, RowwiseParallel wo/w2. For a Llama: ColwiseParallel q/k/v/gate/up,
     RowwiseParallel o/down; with ``embedding_and_head``, the embedding and lm_head
     ColwiseParallel with Replicate output (what fxshard shards too). ``loss_parallel``
     (training, torchtitan's recipe): the embedding RowwiseParallel (vocab-sharded), the lm_head's
@@ -656,6 +726,14 @@ def dtensor_tp_plan(model, *, embedding_and_head: bool = True, loss_parallel: bo
     loss_parallel``."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    if not hasattr(model, "config"):  # tutorial_blocks: the lesson's own plan
+        plan = {}
+        for i in range(len(model)):
+            for name in ("attention.wq", "attention.wk", "attention.wv", "mlp.w1"):
+                plan[f"{i}.{name}"] = ColwiseParallel()
+            for name in ("attention.wo", "mlp.w2"):
+                plan[f"{i}.{name}"] = RowwiseParallel()
+        return plan
     plan = {}
     if loss_parallel:
         plan["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(),
