@@ -201,6 +201,7 @@ def launch(worker, world: int, *args, threads: int = 1, timeout_s: float = 900.0
     deadline = time.monotonic() + timeout_s
     exited: dict[int, float] = {}   # rank -> when its process was first seen gone
     first_failure = None
+    clean = False                   # every rank returned: give them time to exit by themselves
     try:
         while len(done) + len(failed) < world:
             try:
@@ -222,10 +223,11 @@ def launch(worker, world: int, *args, threads: int = 1, timeout_s: float = 900.0
                 raise RankFailed(f"launch: rank(s) {missing} of {world} still running after "
                                  f"{timeout_s} s; finished: {sorted(done)}; failed: "
                                  f"{sorted(failed)}")
-    finally:
+        clean = not failed
+    finally:  # also on a timeout or Ctrl-C: no rank outlives the launcher
         stuck = []
         for r, p in enumerate(procs):
-            p.join(0.5 if failed else 60.0)
+            p.join(60.0 if clean else 0.5)
             if p.is_alive():
                 stuck.append(r)
                 p.kill()
@@ -242,7 +244,7 @@ def launch(worker, world: int, *args, threads: int = 1, timeout_s: float = 900.0
         raise RankFailed(f"launch: rank {first} of {world} failed:\n{failed[first]}"
                          + (f"\n(also: {others})" if others else ""))
     for r, p in enumerate(procs):
-        if r in stuck:
+        if r in stuck:  # a hang at exit after a correct run: say so, keep the results
             print(f"warning: rank {r} had not exited 60 s after returning its result; killed",
                   file=sys.stderr)
         elif p.exitcode != 0:

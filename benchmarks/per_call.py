@@ -42,8 +42,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (MegatronBlocks, add_model_args, dtensor_tp,  # noqa: E402
-                               environment, format_table, launch, reproduce, stats_ms,
-                               time_calls, tutorial_blocks)
+                               environment, format_table, interleaved, launch, reproduce,
+                               stats_ms, tutorial_blocks)
 
 TP = 2
 BASELINE = "megatron"
@@ -63,16 +63,13 @@ def worker(rank: int, args) -> dict:
     with torch.no_grad():
         want = model(x)
         errors = {name: (fn() - want).abs().max().item() for name, fn in variants.items()}
-        for fn in variants.values():
-            time_calls(fn, args.warmup)
-        rounds = {name: [] for name in variants}
-        cpu = {name: [] for name in variants}
-        for _ in range(args.rounds):
-            for name, fn in variants.items():
-                dist.barrier()
-                rounds[name].append(time_calls(fn, args.iters, cpu[name]))
+        t = interleaved(variants, args.rounds, calls=args.iters, warmup=args.warmup,
+                        before=dist.barrier)
     pm.close()
-    return {"rounds": rounds, "cpu": cpu, "errors": errors}
+    n = args.iters
+    return {"rounds": {k: [v["wall"][i:i + n] for i in range(0, len(v["wall"]), n)]
+                       for k, v in t.items()},
+            "cpu": {k: v["cpu"] for k, v in t.items()}, "errors": errors}
 
 
 def main() -> None:

@@ -67,8 +67,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (RUNTIME_TP, MegatronLlama, add_model_args,  # noqa: E402
                                bundled_llama, dtensor_step, dtensor_train, environment,
-                               format_table, launch, megatron_step, reproduce, stats_ms,
-                               time_calls, token_ids)
+                               format_table, interleaved, launch, megatron_step, reproduce,
+                               stats_ms, token_ids)
 
 BASELINE = "megatron"
 PENDING = "pending: training not yet built"
@@ -137,15 +137,11 @@ def worker(rank: int, args) -> dict:
         losses = [mean(step()) for _ in range(args.check_steps)]
         variants[name] = step
         errors[name] = losses
-    for fn in variants.values():
-        time_calls(fn, args.warmup)
-    samples = {name: [] for name in variants}
-    cpu = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, fn in variants.items():
-            dist.barrier()
-            samples[name] += time_calls(fn, args.iters, cpu[name])
-    return {"samples": samples, "cpu": cpu, "losses": errors, "want": want, "notes": notes}
+    t = interleaved(variants, args.rounds, calls=args.iters, warmup=args.warmup,
+                    before=dist.barrier)
+    return {"samples": {n: v["wall"] for n, v in t.items()},
+            "cpu": {n: v["cpu"] for n, v in t.items()}, "losses": errors, "want": want,
+            "notes": notes}
 
 
 def _rss_kib(field: str) -> int | None:
