@@ -295,6 +295,20 @@ def stats_ms(samples_s) -> dict:
             "n": len(ms)}
 
 
+def slowest_rank(per_rank: list) -> list[float]:
+    """Lockstep samples: ``per_rank[r][i]`` is rank r's time for call i (the ranks run the calls
+    together); call i's sample is the slowest rank's time."""
+    return [max(ts) for ts in zip(*per_rank)]
+
+
+def write_json(path, obj) -> None:
+    """``obj`` as indented JSON at ``path`` (its folder made if missing)."""
+    import json
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
 def rotated(names: list, k: int) -> list:
     """``names`` starting at ``k mod len``: every variant takes every position in turn, so none
     always runs right after the same neighbour (cache and scheduler effects even out)."""

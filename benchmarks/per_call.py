@@ -30,7 +30,6 @@ blocked on the peer).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import warnings
@@ -43,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (MegatronBlocks, add_model_args, dtensor_tp,  # noqa: E402
                                environment, format_table, interleaved, launch, reproduce,
-                               stats_ms, tutorial_blocks)
+                               slowest_rank, stats_ms, tutorial_blocks, write_json)
 
 TP = 2
 BASELINE = "megatron"
@@ -85,7 +84,7 @@ def main() -> None:
     env = environment(ranks=TP, backend="gloo", dtype="float32")
     gathered = launch(worker, TP, args, threads=args.threads)
     # a sample: the slower rank's time for that forward, round by round
-    per_round = {name: [[max(ts) for ts in zip(*(g["rounds"][name][r] for g in gathered))]
+    per_round = {name: [slowest_rank([g["rounds"][name][r] for g in gathered])
                         for r in range(args.rounds)] for name in gathered[0]["rounds"]}
     results = {}
     for name, rounds in per_round.items():
@@ -121,8 +120,8 @@ def main() -> None:
     bad = [n for n, r in results.items() if not r["max_abs_err"] < 1e-4]
     if bad:
         print(f"CORRECTNESS: max abs error >= 1e-4 for: {', '.join(bad)}")
-    Path(args.json).write_text(json.dumps({"env": env, "args": vars(args), "results": results,
-                                           "correctness_failures": bad}, indent=2) + "\n")
+    write_json(args.json, {"env": env, "args": vars(args), "results": results,
+                           "correctness_failures": bad})
     print(f"wrote {args.json}")
 
 

@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import operator
 import os
 import statistics
@@ -92,7 +91,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (RUNTIME_TP, MegatronLlama, _wait, add_model_args,  # noqa: E402
                                bundled_llama, dtensor_tp, environment, format_table as table,
-                               launch, reproduce, stats_ms, time_calls, token_ids)
+                               launch, reproduce, slowest_rank, stats_ms, time_calls,
+                               token_ids, write_json)
 
 TOL = 1e-4
 TP = 2
@@ -368,7 +368,7 @@ def summarize(gathered: list) -> dict:
     results = {}
     for name in gathered[0]["samples"]:
         per_rank = [g["samples"][name] for g in gathered]
-        step = per_rank[0] if name == "single-device" else [max(ts) for ts in zip(*per_rank)]
+        step = per_rank[0] if name == "single-device" else slowest_rank(per_rank)
         r = results[name] = stats_ms(step)
         r["rank_medians_ms"] = [statistics.median(ts) * 1e3 if ts else None for ts in per_rank]
         r["cpu_median_ms_per_rank"] = [statistics.median(g["cpu"][name]) * 1e3
@@ -497,8 +497,7 @@ def main() -> None:
     gathered = launch(worker, TP, args, threads=args.threads, timeout_s=600)
     env["threads_per_rank"] = gathered[0]["threads"]
     out = report(args, gathered, env)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
     print(f"wrote {args.json}")
 
 

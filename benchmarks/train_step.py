@@ -52,7 +52,6 @@ import argparse
 import copy
 import ctypes
 import gc
-import json
 import os
 import statistics
 import sys
@@ -68,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import (RUNTIME_TP, MegatronLlama, add_model_args,  # noqa: E402
                                bundled_llama, dtensor_step, dtensor_train, environment,
                                format_table, interleaved, launch, megatron_step, reproduce,
-                               stats_ms, token_ids)
+                               slowest_rank, stats_ms, token_ids, write_json)
 
 BASELINE = "megatron"
 PENDING = "pending: training not yet built"
@@ -218,7 +217,7 @@ def main() -> None:
             memory[name] = None if None in per_rank else max(per_rank)
     results = {}
     for name in gathered[0]["samples"]:
-        step = [max(ts) for ts in zip(*(g["samples"][name] for g in gathered))]
+        step = slowest_rank([g["samples"][name] for g in gathered])
         r = results[name] = stats_ms(step)
         r["cpu_ms_rank0"] = statistics.median(gathered[0]["cpu"][name]) * 1e3
         r["losses"] = gathered[0]["losses"][name]
@@ -256,8 +255,7 @@ def main() -> None:
               f"{', '.join(bad)}")
     out = {"env": env, "args": vars(args), "results": results, "single_device_losses": want,
            "fxshard": PENDING, "correctness_failures": bad}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
     print(f"wrote {args.json}")
 
 
