@@ -608,6 +608,19 @@ class MegatronLlama(MegatronTP):
         return [self.embed, *(w for L in self.layers for w in L.values()), self.norm,
                 self.lm_head]
 
+    def grad_norm(self) -> float:
+        """The global L2 norm of the gradients over the tp group: sharded ones summed over
+        ranks, replicated ones (norms; a replicated table) counted once."""
+        whole = {id(self.norm), *(id(L[k]) for L in self.layers for k in ("ln1", "ln2"))}
+        if self.embedding == "replicate":
+            whole.add(id(self.embed))
+        sq = torch.zeros((), dtype=torch.float64)
+        for p in self.parameters():
+            if p.grad is not None and (id(p) not in whole or self.rank == 0):
+                sq += p.grad.double().pow(2).sum()
+        dist.all_reduce(sq, group=self.group)
+        return sq.sqrt().item()
+
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
@@ -806,23 +819,30 @@ def dtensor_loss(m, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
-def dtensor_step(m, opt, ids, labels) -> float:
-    """One forward + backward + optimizer step of :func:`dtensor_train`'s model."""
+def dtensor_step(m, opt, ids, labels, norms: list | None = None) -> float:
+    """One forward + backward + optimizer step of :func:`dtensor_train`'s model; with a list
+    ``norms``, appends the global gradient norm (before the step) to it."""
     from contextlib import nullcontext
     from torch.distributed.tensor.parallel import loss_parallel
     with loss_parallel() if m._fxshard_bench_loss_parallel else nullcontext():
         loss = dtensor_loss(m, ids, labels)
         loss.backward()
+    if norms is not None:  # each gradient gathered whole (its meshes differ under TP + FSDP)
+        sq = sum((p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                 .double().pow(2).sum() for p in m.parameters())
+        norms.append(float(sq) ** 0.5)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.detach().full_tensor().item() if hasattr(loss, "full_tensor") else loss.item()
 
 
-def megatron_step(m: MegatronLlama, opt, ids, labels, dp_group=None) -> float:
+def megatron_step(m: MegatronLlama, opt, ids, labels, dp_group=None,
+                  norms: list | None = None) -> float:
     """One forward + backward + optimizer step of a trainable :class:`MegatronLlama` on this
     rank's batch. With ``dp_group`` (data parallel: each dp rank holds a slice of the batch),
     the gradients are averaged over it in one flattened all-reduce (DDP's single bucket)
-    before the step. Returns this rank's loss."""
+    before the step. With a list ``norms``, appends the global gradient norm (before the
+    step). Returns this rank's loss."""
     loss = m.loss(ids, labels)
     loss.backward()
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
@@ -833,6 +853,8 @@ def megatron_step(m: MegatronLlama, opt, ids, labels, dp_group=None) -> float:
         flat /= dist.get_world_size(dp_group)
         for g, avg in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(avg)
+    if norms is not None:
+        norms.append(m.grad_norm())
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.item()

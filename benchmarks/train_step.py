@@ -34,7 +34,8 @@ sequences of ``--seq`` tokens, labels = the ids shifted by one); the fsdp ranks 
 
 Correctness first: the first ``--check-steps`` steps of every variant give losses (averaged
 over the fsdp ranks) equal to the single-device model trained by AdamW on the whole batch
-(``max |loss err|``). Then each variant is timed in ``--rounds`` rounds of ``--iters`` steps
+(``max |loss err|``), and global gradient norms before each step equal to its (``grad norm
+err``, relative: Adam's update hides a gradient's scale, the norm does not). Then each variant is timed in ``--rounds`` rounds of ``--iters`` steps
 after ``--warmup``, variants interleaved round by round, a barrier before each block. A sample
 is the slowest rank's wall time for that step. Columns: ``step ms`` median / ``p10`` / ``p90``
 over the samples, ``vs megatron`` (median ratio), ``CPU ms`` (median thread CPU time of rank
@@ -78,24 +79,27 @@ def _batch(args):
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
-def reference_losses(model, args) -> list[float]:
-    """The single-device model's losses over ``--check-steps`` AdamW steps on the whole batch."""
+def reference(model, args) -> tuple[list[float], list[float]]:
+    """The single-device model's losses and gradient norms over ``--check-steps`` AdamW steps on
+    the whole batch."""
     m = copy.deepcopy(model).train()
     opt = torch.optim.AdamW(m.parameters(), lr=args.lr)
     ids, labels = _batch(args)
-    out = []
+    losses, norms = [], []
     for _ in range(args.check_steps):
         loss = F.cross_entropy(m(ids).flatten(0, 1), labels.flatten())
         loss.backward()
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in m.parameters()]).item())
         opt.step()
         opt.zero_grad(set_to_none=True)
-        out.append(loss.item())
-    return out
+        losses.append(loss.item())
+    return losses, norms
 
 
 def build(name: str, model, mesh, args):
-    """``(step, mean_loss)`` of variant ``name`` on this rank: ``step()`` runs one training step
-    on this rank's share of the batch and returns its loss averaged over the fsdp ranks."""
+    """``(step, mean_loss)`` of variant ``name`` on this rank: ``step(norms=None)`` runs one
+    training step on this rank's share of the batch (appending the global gradient norm to
+    ``norms``) and returns this rank's loss; ``mean_loss`` averages it over the fsdp ranks."""
     fsdp = mesh["fsdp"].get_local_rank()
     per = args.batch // mesh["fsdp"].size()
     ids, labels = (t[fsdp * per:(fsdp + 1) * per] for t in _batch(args))
@@ -110,11 +114,12 @@ def build(name: str, model, mesh, args):
         m = MegatronLlama(model, mesh["tp"].get_local_rank(), mesh["tp"].size(),
                           mesh.get_group("tp"), trainable=True)
         opt = torch.optim.AdamW(m.parameters(), lr=args.lr)
-        return lambda: megatron_step(m, opt, ids, labels, dp_group), mean_over_fsdp
+        return (lambda norms=None: megatron_step(m, opt, ids, labels, dp_group, norms),
+                mean_over_fsdp)
     if name == "dtensor":
         m = dtensor_train(model, mesh)
         opt = torch.optim.AdamW(m.parameters(), lr=args.lr)
-        return lambda: dtensor_step(m, opt, ids, labels), mean_over_fsdp
+        return lambda norms=None: dtensor_step(m, opt, ids, labels, norms), mean_over_fsdp
     raise ValueError(f"train_step.build: unknown variant {name!r}")
 
 
@@ -129,18 +134,19 @@ def worker(rank: int, args) -> dict:
     warnings.filterwarnings("ignore", category=UserWarning)
     mesh = _mesh(args)
     model = bundled_llama(args)
-    want = reference_losses(model, args) if rank == 0 else None
-    variants, errors, notes = {}, {}, {}
+    want = reference(model, args) if rank == 0 else None
+    variants, errors, grad_norms, notes = {}, {}, {}, {}
     for name in ("megatron", "dtensor"):
         step, mean = build(name, model, mesh, args)
-        losses = [mean(step()) for _ in range(args.check_steps)]
+        norms: list = []
+        errors[name] = [mean(step(norms)) for _ in range(args.check_steps)]
         variants[name] = step
-        errors[name] = losses
+        grad_norms[name] = norms
     t = interleaved(variants, args.rounds, calls=args.iters, warmup=args.warmup,
                     before=dist.barrier)
     return {"samples": {n: v["wall"] for n, v in t.items()},
-            "cpu": {n: v["cpu"] for n, v in t.items()}, "losses": errors, "want": want,
-            "notes": notes}
+            "cpu": {n: v["cpu"] for n, v in t.items()}, "losses": errors,
+            "grad_norms": grad_norms, "want": want, "notes": notes}
 
 
 def _rss_kib(field: str) -> int | None:
@@ -209,7 +215,7 @@ def main() -> None:
                          f"{args.tp}, and --batch {args.batch} of fsdp = {fsdp}")
     env = environment(ranks=args.ranks, mesh=f"fsdp={fsdp} x tp={args.tp}", dtype="float32")
     gathered = launch(worker, args.ranks, args, threads=args.threads)
-    want = gathered[0]["want"]
+    want, want_norms = gathered[0]["want"]
     memory = {}
     if args.memory:
         for name in gathered[0]["samples"]:
@@ -222,6 +228,8 @@ def main() -> None:
         r["cpu_ms_rank0"] = statistics.median(gathered[0]["cpu"][name]) * 1e3
         r["losses"] = gathered[0]["losses"][name]
         r["max_loss_err"] = max(abs(a - b) for a, b in zip(r["losses"], want))
+        r["grad_norms"] = gathered[0]["grad_norms"][name]
+        r["grad_norm_rel_err"] = max(abs(a - b) / b for a, b in zip(r["grad_norms"], want_norms))
         r["peak_mib"] = memory.get(name)
     base = results[BASELINE]["median_ms"]
     mem_base = results["dtensor"]["peak_mib"]
@@ -230,8 +238,8 @@ def main() -> None:
         rows.append([name, r["median_ms"], r["p10_ms"], r["p90_ms"], r["median_ms"] / base,
                      r["cpu_ms_rank0"], r["peak_mib"],
                      r["peak_mib"] / mem_base if r["peak_mib"] and mem_base else None,
-                     r["max_loss_err"]])
-    rows.append(["fxshard", PENDING, "", "", "", "", "", "", ""])
+                     r["max_loss_err"], r["grad_norm_rel_err"]])
+    rows.append(["fxshard", PENDING, "", "", "", "", "", "", "", ""])
     print(__doc__.split("\n\n")[0])
     print()
     print(f"{env['date']}; torch {env['torch']}; {env['cpus']} CPUs ({env['processor']}); "
@@ -247,13 +255,15 @@ def main() -> None:
     print(format_table([("variant", "<10"), ("step ms", ">9.2f"), ("p10", ">9.2f"),
                         ("p90", ">9.2f"), ("vs megatron", ">11.3f"), ("CPU ms", ">9.2f"),
                         ("peak MiB", ">9.1f"), ("vs dtensor", ">10.3f"),
-                        ("max |loss err|", ">14.2e")], rows))
+                        ("max |loss err|", ">14.2e"), ("grad norm err", ">13.2e")], rows))
     print(f"\nsingle-device losses of the checked steps: {', '.join(f'{x:.6f}' for x in want)}")
-    bad = [n for n, r in results.items() if not r["max_loss_err"] < 1e-4]
+    bad = [n for n, r in results.items()
+           if not (r["max_loss_err"] < 1e-4 and r["grad_norm_rel_err"] < 1e-5)]
     if bad:
-        print(f"CORRECTNESS: loss differs from the single-device model by >= 1e-4 for: "
-              f"{', '.join(bad)}")
+        print(f"CORRECTNESS: loss (>= 1e-4) or gradient norm (relative >= 1e-5) differs from "
+              f"the single-device model for: {', '.join(bad)}")
     out = {"env": env, "args": vars(args), "results": results, "single_device_losses": want,
+           "single_device_grad_norms": want_norms,
            "fxshard": PENDING, "correctness_failures": bad}
     write_json(args.json, out)
     print(f"wrote {args.json}")
