@@ -403,15 +403,22 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
+def _even(w: torch.Tensor, dim: int, tp: int) -> int:
+    if w.shape[dim] % tp:
+        raise ValueError(f"hand-written baseline: a weight of shape {list(w.shape)} does not "
+                         f"split evenly on dim {dim} over tp={tp}; pick sizes divisible by tp")
+    return w.shape[dim] // tp
+
+
 def shard_rows(w: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
     """Column-parallel Linear (output features) or vocab-parallel Embedding: weight dim 0."""
-    n = w.shape[0] // tp
+    n = _even(w, 0, tp)
     return w[rank * n:(rank + 1) * n].clone()  # a copy: a dim-0 slice is a view otherwise
 
 
 def shard_cols(w: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
     """Row-parallel Linear (input features) or embedding-dim-sharded Embedding: weight dim 1."""
-    n = w.shape[1] // tp
+    n = _even(w, 1, tp)
     return w[:, rank * n:(rank + 1) * n].clone(memory_format=torch.contiguous_format)
 
 
@@ -578,6 +585,16 @@ class MegatronLlama(MegatronTP):
             from fxshard.models.llama import apply_rotary_pos_emb
         self._apply_rope = apply_rotary_pos_emb
         sd = {k: v.detach() for k, v in model.state_dict().items()}
+        biases = [k for k in sd if k.endswith(".bias")]
+        if biases:
+            raise ValueError(f"MegatronLlama: the model has biases ({biases[0]}, ...), which "
+                             f"this baseline does not apply; use a config without biases")
+        if trainable and getattr(cfg, "tie_word_embeddings", False):
+            raise NotImplementedError("MegatronLlama(trainable=True): tied embeddings would "
+                                      "train as two parameters; use tie_word_embeddings=False")
+        if cfg.num_key_value_heads % tp:
+            raise ValueError(f"MegatronLlama: {cfg.num_key_value_heads} key/value heads do not "
+                             f"split over tp={tp}")
 
         table = sd["model.embed_tokens.weight"]
         self.vocab = table.shape[0] // tp           # this rank's rows of the vocabulary

@@ -71,3 +71,19 @@ def _fail_on_rank_1(rank: int) -> int:
 def test_launch_names_the_rank_that_failed():
     with pytest.raises(common.RankFailed, match=r"(?s)rank 1 of 2 failed.*deliberate failure"):
         common.launch(_fail_on_rank_1, 2, timeout_s=120)
+
+
+def test_megatron_baseline_slices_and_refuses_what_it_cannot_split():
+    args = argparse.Namespace(hidden=32, heads=4, kv_heads=2, intermediate=48, layers=1,
+                              vocab=40)
+    model = common.bundled_llama(args)
+    m = common.MegatronLlama(model, 1, 2, embedding="vocab")  # builds slices, no collective
+    wq = model.model.layers[0].self_attn.q_proj.weight
+    assert torch.equal(m.layers[0]["wq"], wq[16:]) and m.layers[0]["wq"].data_ptr() != \
+        wq[16:].data_ptr()                        # a copy: training it leaves the model alone
+    assert torch.equal(m.layers[0]["wd"], model.model.layers[0].mlp.down_proj.weight[:, 24:])
+    with pytest.raises(ValueError, match="2 key/value heads do not split over tp=4"):
+        common.MegatronLlama(model, 0, 4)
+    odd = common.bundled_llama(argparse.Namespace(**dict(vars(args), vocab=41)))
+    with pytest.raises(ValueError, match=r"shape \[41, 32\] does not split evenly on dim 0"):
+        common.MegatronLlama(odd, 0, 2, embedding="vocab")
