@@ -7,20 +7,20 @@ than hand-written Megatron on gloo (``runtime_tp.py``) but not on the loopback
     python benchmarks/collective_overhead.py                    # ~1 minute on 2 cores
     python benchmarks/collective_overhead.py --rounds 40 --calls 25
 
-Two processes (torch.multiprocessing spawn, gloo, tp=2 mesh from ``fxshard.init_device_mesh``,
-one torch thread each), same tensor sizes as ``runtime_tp.py``'s defaults: the hidden
-``[2, 64, 256]`` (all-reduce after o_proj / down_proj), the embedding shard ``[2, 64, 128]``
-and the logits shard ``[2, 64, 256]`` (all-gathers on the last dim). Variants:
+Two processes (``benchmarks/common.launch``: spawn, gloo, tp=2 mesh from
+``fxshard.init_device_mesh``, one torch thread each), same tensor sizes as ``runtime_tp.py``'s
+defaults: the hidden ``[2, 64, 256]`` (all-reduce after o_proj / down_proj), the embedding shard
+``[2, 64, 128]`` and the logits shard ``[2, 64, 256]`` (all-gathers on the last dim). Variants:
 
   dist world        ``dist.all_reduce(t)`` / ``dist.all_gather(parts, t)`` + ``cat`` on the
-                    default group: exactly what runtime_tp's Megatron calls.
+                    default group: exactly what ``common.MegatronLlama`` calls.
   dist mesh group   the same calls on ``device_mesh.get_group("tp")``, the group fxshard uses.
-  fxshard consuming ``fxshard.runtime.ops.all_reduce_consuming`` (what the eager runner calls
+  fxshard consuming ``fxshard.ops.collectives.all_reduce_consuming`` (what the eager runner calls
                     for an all-reduce of a dead input: in place, no dispatcher).
   fxshard op        ``torch.ops.fxshard.all_reduce`` / ``all_gather`` (dispatcher, a copy for
                     the all-reduce): what a GraphModule called directly runs.
   fxshard kernel    the all-gather's Python kernel without the dispatcher
-                    (``fxshard.runtime.library.direct_kernel``): what the eager runner calls.
+                    (``fxshard.ops.library.direct_kernel``): what the eager runner calls.
   into_tensor       all-gather as ``dist.all_gather_into_tensor`` on dim 0 + ``movedim`` /
                     ``reshape`` copy to the last dim (one collective output buffer, no list).
 
@@ -38,17 +38,17 @@ burns CPU and CPU time measures skew, not overhead. The "no-op us" column is
 each path's rank-local CPU with ``dist.all_reduce`` / ``dist.all_gather`` replaced by no-ops:
 its Python and dispatch cost alone.
 
-Then whole forwards (``--forward-rounds``; runtime_tp's default model, batch 2, seq 64):
-Megatron, ``pm(ids)`` and ``run_rank`` (pm without its ``ParallelModule.__call__`` wrapper),
-interleaved and rotated like the calls, with ``dist.all_reduce`` / ``dist.all_gather`` wrapped
-so that rank 0's thread CPU per forward splits into "in coll." (inside those calls: gloo's
-enqueue, the wait, the wake-up) and "outside" (compute and Python, fxshard's backend code
-included), each forward's logits checked against the single-device model first.
+Then whole forwards (``--forward-rounds``; runtime_tp's default model, ``common.RUNTIME_TP`` at
+``--hidden`` / ``--vocab``, batch 2, seq 64): Megatron (``common.MegatronLlama``), ``pm(ids)``
+and ``run_rank`` (pm without its ``ParallelModule.__call__`` wrapper), interleaved and rotated
+like the calls, with ``dist.all_reduce`` / ``dist.all_gather`` wrapped so that rank 0's thread
+CPU per forward splits into "in coll." (inside those calls: gloo's enqueue, the wait, the
+wake-up) and "outside" (compute and Python, fxshard's backend code included), each forward's
+logits checked against the single-device model first.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import platform
 import statistics
@@ -58,10 +58,11 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # this checkout's fxshard, runtime_tp's Megatron
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import (RUNTIME_TP, MegatronLlama, add_model_args,  # noqa: E402
+                               bundled_llama, launch, rotated, token_ids)
 
 TP = 2
 
@@ -70,13 +71,6 @@ def _busy(us: float) -> None:
     end = time.perf_counter() + us * 1e-6
     while time.perf_counter() < end:
         pass
-
-
-def _rotated(names: list, k: int) -> list:
-    """``names`` starting at ``k mod len``: every variant takes every position in turn, so none
-    always runs right after the same neighbour (cache and scheduler effects even out)."""
-    k %= len(names)
-    return names[k:] + names[:k]
 
 
 def _cases(group, hidden, embed, logits):
@@ -154,7 +148,7 @@ def _run(rank: int, args) -> dict:
     with use_backend(backend), torch.no_grad():
         for rnd in range(args.rounds + 1):  # round 0 is warm-up
             for i in range(args.calls):
-                for name in _rotated(list(cases), rnd * args.calls + i):
+                for name in rotated(list(cases), rnd * args.calls + i):
                     make, call = cases[name]
                     t = make()
                     if args.sync:
@@ -177,15 +171,11 @@ def _forwards(rank: int, mesh, args) -> dict:
     thread's CPU split into "inside ``dist.all_reduce`` / ``dist.all_gather``" (the caller's
     share of each collective: enqueue, wait, wake-up) and the rest (compute, Python)."""
     import fxshard
-    from runtime_tp import MegatronLlama, make_config
-    from fxshard.models.llama import LlamaForCausalLM
 
-    cfg = make_config(argparse.Namespace(vocab=args.vocab, hidden=args.hidden, layers=2,
-                                         intermediate=688, heads=8, kv_heads=4))
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq),
-                        generator=torch.Generator().manual_seed(1))
+    model = bundled_llama(argparse.Namespace(**dict(RUNTIME_TP, hidden=args.hidden,
+                                                    vocab=args.vocab)))
+    cfg = model.config
+    ids = token_ids(cfg.vocab_size, args.batch, args.seq)
     pm = fxshard.parallelize(model, mesh, example_inputs=(ids,))
     megatron = MegatronLlama(model, rank, TP)
     inside = [0.0, 0.0, 0]
@@ -216,7 +206,7 @@ def _forwards(rank: int, mesh, args) -> dict:
             assert err < 1e-4, (name, err)
         for rnd in range(args.forward_rounds + 1):
             for i in range(args.calls):
-                for name in _rotated(list(variants), rnd * args.calls + i):
+                for name in rotated(list(variants), rnd * args.calls + i):
                     fn = variants[name]
                     if args.sync:
                         dist.barrier()
@@ -259,20 +249,10 @@ def _python_only(cases, skip, args) -> dict:
     return {n: statistics.median(v) for n, v in out.items()}
 
 
-def worker(rank: int, port: int, args, queue) -> None:
+def worker(rank: int, args) -> dict | None:
     warnings.filterwarnings("ignore", category=FutureWarning)
-    torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=300)
-    store = dist.TCPStore("127.0.0.1", port, TP, is_master=False, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=TP, timeout=timeout)
-    try:
-        res = _run(rank, args)
-        if rank == 0:
-            queue.put(res)
-    finally:
-        from fxshard.runtime.distributed import release_all
-        release_all()
-        dist.destroy_process_group()
+    res = _run(rank, args)
+    return res if rank == 0 else None
 
 
 def format_table(res: dict) -> str:
@@ -309,10 +289,7 @@ def format_table(res: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=512)
+    add_model_args(ap, hidden=RUNTIME_TP["hidden"], vocab=RUNTIME_TP["vocab"], batch=2, seq=64)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--calls", type=int, default=10, help="calls per variant per round")
     ap.add_argument("--skew-us", type=float, nargs="*", default=[1000.0, 4000.0],
@@ -323,12 +300,7 @@ def main() -> None:
                     help="no barrier before each timed call")
     args = ap.parse_args()
     load = os.getloadavg()[0]
-    store = dist.TCPStore("127.0.0.1", 0, TP, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=300))
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.spawn(worker, args=(store.port, args, queue), nprocs=TP, join=True)
-    res = queue.get()
+    res = launch(worker, TP, args, threads=1, timeout_s=300)[0]
     print(f"{time.strftime('%Y-%m-%d %H:%M')} torch {torch.__version__} python "
           f"{platform.python_version()} gloo tp={TP}, sync={args.sync}, load avg {load:.1f}")
     print("; ".join(f"{k}: {v}" for k, v in res["info"].items()))

@@ -17,18 +17,23 @@ build (meta weights). Medians of ``--repeat`` runs.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 import warnings
 
 import torch
 
-import fxshard
-from fxshard.api import compile_program
-from fxshard.mesh import mesh_spec
-from fxshard.passes import PassCtx
-from fxshard.passes.emit import build_rank_module
-from fxshard.trace import trace
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fxshard  # noqa: E402
+from benchmarks.common import format_table, time_calls  # noqa: E402
+from fxshard.api import compile_program  # noqa: E402
+from fxshard.mesh import mesh_spec  # noqa: E402
+from fxshard.passes import PassCtx  # noqa: E402
+from fxshard.passes.emit import build_rank_module  # noqa: E402
+from fxshard.trace import trace  # noqa: E402
 
 CONFIGS = {  # Llama-3 shapes
     "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -51,12 +56,10 @@ def build(model_kind: str, config: str, layers: int) -> torch.nn.Module:
 
 
 def timed(fn, repeat: int) -> tuple[float, object]:
-    times, out = [], None
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+    """Median seconds of ``repeat`` calls, and the last call's result."""
+    out = []
+    times = time_calls(lambda: out.append(fn()), repeat)
+    return statistics.median(times), out[-1]
 
 
 def main() -> None:
@@ -76,8 +79,10 @@ def main() -> None:
     mesh = fxshard.init_device_mesh("cpu", shape, mesh_dim_names=names)
     print(f"torch {torch.__version__}; mesh {mesh.describe()} ({mesh.world_size} ranks); "
           f"batch 2, seq {args.seq}; medians of {args.repeat}")
-    print(f"{'model':>5} {'config':>6} {'layers':>6} {'export s':>9} {'passes s':>9} "
-          f"{'parallelize s':>14} {'par/export':>10} {'rank module s':>14}")
+    columns = [("model", ">5"), ("config", ">6"), ("layers", ">6"), ("export s", ">9.2f"),
+               ("passes s", ">9.2f"), ("parallelize s", ">14.2f"), ("par/export", ">10.2f"),
+               ("rank module s", ">14.3f")]
+    print(format_table(columns, []))
     kinds = ["hf", "ours"] if args.model == "both" else [args.model]
     for kind in kinds:
         config = args.config or ("8b" if kind == "hf" else "70b")
@@ -95,8 +100,8 @@ def main() -> None:
             t0 = time.perf_counter()
             build_rank_module(c.programs[0], 0, mesh_spec(mesh), {}, torch.device("cpu"))
             t_rank = time.perf_counter() - t0
-            print(f"{kind:>5} {config:>6} {layers:>6} {t_export:>9.2f} {t_passes:>9.2f} "
-                  f"{t_par:>14.2f} {t_par / t_export:>10.2f} {t_rank:>14.3f}", flush=True)
+            row = [kind, config, layers, t_export, t_passes, t_par, t_par / t_export, t_rank]
+            print(format_table(columns, [row]).splitlines()[1], flush=True)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ compute, undisturbed by a peer. The model and shapes are ``benchmarks/runtime_tp
 (``fxshard.models.llama``, hidden 256, 8/4 heads, 2 layers, batch 2, seq 64), rank 0 of a
 ``tp=2`` program. Rows (median microseconds per call over ``--rounds`` rounds of ``--iters``):
 
-  megatron (loopback)      the hand-written tp=2 forward of runtime_tp.py, collectives
+  megatron (loopback)      the hand-written tp=2 forward (``common.MegatronLlama``), collectives
                            replaced by the same loopback (in place / cat): the baseline
   rank GraphModule         ``pm.rank_module(0)(ids)``: the readable FX module
   rank runner              what ``pm(ids)`` runs per rank (``fxshard.compile.eager_stage``):
@@ -30,9 +30,7 @@ compute, undisturbed by a peer. The model and shapes are ``benchmarks/runtime_tp
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -40,14 +38,13 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fxshard  # noqa: E402
+from benchmarks.common import (RUNTIME_TP, MegatronLlama, add_model_args,  # noqa: E402
+                               bundled_llama, format_table, interleaved, token_ids)
 from fxshard.mesh import mesh_spec  # noqa: E402
-from fxshard.models.llama import LlamaForCausalLM  # noqa: E402
 from fxshard.runtime import use_backend  # noqa: E402
 from fxshard.weights import WeightWatch  # noqa: E402
-from runtime_tp import MegatronLlama, make_config  # noqa: E402
 
 TP = 2
 
@@ -85,56 +82,33 @@ class LoopbackMegatron(MegatronLlama):
         return torch.cat([x.contiguous()] * self.tp, dim=-1)
 
 
+def _interleaved(fns: dict, iters: int, rounds: int, warmup: int = 3) -> dict:
+    """Median, min and max over ``rounds`` of the mean thread-CPU microseconds per call of each
+    callable, interleaved round by round (``common.interleaved``: a burst of other load on the
+    machine hits all of them alike)."""
+    import statistics
+    t = interleaved(fns, rounds, calls=iters, warmup=warmup, per_call=False)
+    return {name: (statistics.median(v["cpu"]) * 1e6, min(v["cpu"]) * 1e6,
+                   max(v["cpu"]) * 1e6) for name, v in t.items()}
+
+
 def _us(fn, iters: int, rounds: int) -> tuple[float, float, float]:
-    """Median, min and max over rounds of the mean thread-CPU microseconds per call."""
-    for _ in range(max(3, iters // 4)):
-        fn()
-    per = []
-    for _ in range(rounds):
-        c0 = time.thread_time()
-        for _ in range(iters):
-            fn()
-        per.append((time.thread_time() - c0) / iters * 1e6)
-    return statistics.median(per), min(per), max(per)
-
-
-def _interleaved(fns: dict, iters: int, rounds: int) -> dict:
-    """:func:`_us` for several callables, interleaved round by round (so a burst of other
-    load on the machine hits all of them alike)."""
-    for fn in fns.values():
-        for _ in range(3):
-            fn()
-    per = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            c0 = time.thread_time()
-            for _ in range(iters):
-                fn()
-            per[name].append((time.thread_time() - c0) / iters * 1e6)
-    return {name: (statistics.median(v), min(v), max(v)) for name, v in per.items()}
+    """:func:`_interleaved` of one callable."""
+    return _interleaved({"": fn}, iters, rounds, warmup=max(3, iters // 4))[""]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--intermediate", type=int, default=688)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=64)
+    add_model_args(ap, **RUNTIME_TP, batch=2, seq=64)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=7,
                     help="rounds per component (3x as many, interleaved, for the forwards)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    cfg = make_config(args)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq),
-                        generator=torch.Generator().manual_seed(1))
+    model = bundled_llama(args)
+    cfg = model.config
+    ids = token_ids(cfg.vocab_size, args.batch, args.seq)
     mesh = fxshard.init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
     pm = fxshard.parallelize(model, mesh, example_inputs=(ids,))
     backend = Loopback(mesh_spec(mesh))
@@ -196,9 +170,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, 1 thread, {cfg.num_hidden_layers} layers, hidden "
           f"{cfg.hidden_size}, batch {args.batch}, seq {args.seq}; thread CPU us per call, "
           f"median (min-max) of {args.rounds} rounds")
-    print(f"{'component':<48} {'median us':>10} {'min':>9} {'max':>9}")
-    for name, (med, lo, hi) in rows.items():
-        print(f"{name:<48} {med:>10.1f} {lo:>9.1f} {hi:>9.1f}")
+    print(format_table([("component", "<48"), ("median us", ">10.1f"), ("min", ">9.1f"),
+                        ("max", ">9.1f")], [[name, *v] for name, v in rows.items()]))
     base = rows["megatron (loopback), forward"][0]
     low = rows["megatron (loopback), forward"][1]
     for name in ("rank GraphModule gm(ids), forward", "rank runner (what pm runs), forward"):

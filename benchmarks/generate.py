@@ -7,14 +7,15 @@ step, and faster than DTensor ``parallelize_module``.
     python benchmarks/generate.py                      # defaults below, a few minutes on 2 cores
     python benchmarks/generate.py --hidden 512 --layers 4 --vocab 8000 --repeats 5
 
-One launch of 2 processes (torch.multiprocessing spawn, gloo, fp32, CPU,
+One launch of 2 processes (``benchmarks/common.launch``: spawn, gloo, fp32, CPU,
 ``torch.set_num_threads(--threads)`` each, default 1 so 2 processes fit 2 cores). Both build
 the same random HuggingFace ``LlamaForCausalLM`` (default: hidden 1024, 8 layers, 16 heads /
 4 KV heads, intermediate 2816, vocab 32000) and the same prompts (``--prompt`` 128 tokens,
 batch 1 and 8), and generate ``--new`` 32 tokens greedily with:
 
   megatron   hand-written tp=2 decode in plain torch + torch.distributed on slices of the same
-             weights: Megatron-LM's VocabParallelEmbedding (each rank holds half the rows;
+             weights (``common.MegatronLlama(..., embedding="vocab")``, the baseline every
+             benchmark shares): Megatron-LM's VocabParallelEmbedding (each rank holds half the rows;
              masked lookup + in-place ``dist.all_reduce``), column-parallel q/k/v/gate/up,
              row-parallel o/down + in-place ``dist.all_reduce``, column-parallel lm_head +
              ``dist.all_gather`` of the last position's logits (10 collectives a step with 4
@@ -29,9 +30,10 @@ batch 1 and 8), and generate ``--new`` 32 tokens greedily with:
              before the sharded argmax (``fxshard.passes.kv_cache.greedy_tokens_pass``): the
              ``[B, 1, V]`` logits all-gathered and the argmax taken on every rank, as the
              megatron baseline does (an A/B of that change, interleaved in one run).
-  dtensor    ``parallelize_module`` with the seed's plan (ColwiseParallel q/k/v/gate/up,
-             RowwiseParallel o/down) on a copy of the HF model, decoded by HF ``generate``
-             (its DynamicCache).
+  dtensor    ``parallelize_module`` with the seed's plan (``common.dtensor_tp(...,
+             embedding_and_head=False)``: ColwiseParallel q/k/v/gate/up, RowwiseParallel
+             o/down) on a copy of the HF model, decoded by HF ``generate`` (its
+             DynamicCache).
   hf 1-proc  HF ``generate`` on rank 0 alone, no parallelism (rank 1 waits at a barrier).
 
 A *step* is one decode forward plus the token choice, timed from one step's start to the next
@@ -48,11 +50,8 @@ against HF ``generate`` on one process.
 from __future__ import annotations
 
 import argparse
-import copy
-import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -61,132 +60,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from megatron_slices import layer_slices, rows  # noqa: E402  (this folder)
+from benchmarks.common import (GENERATE, MegatronLlama, add_model_args, dtensor_tp,  # noqa: E402
+                               environment, hf_llama, launch, now, token_ids)
 
 TP = 2
-
-
-def now() -> tuple[float, float]:
-    """(wall, this thread's CPU time) in seconds."""
-    return time.perf_counter(), time.thread_time()
-
-
-def make_model(args):
-    import transformers
-    cfg = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, max_position_embeddings=4096,
-        attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    model.generation_config.eos_token_id = None   # always exactly --new tokens
-    model.generation_config.pad_token_id = 0
-    return model
-
-
-# --- hand-written Megatron decode ---------------------------------------------------------
-
-class MegatronDecoder:
-    """HF Llama's forward written by hand for tp=2 with a static KV cache."""
-
-    def __init__(self, model, rank: int, *, replicated_embedding: bool):
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-        self.rope = model.model.rotary_emb
-        self.apply_rope = apply_rotary_pos_emb
-        cfg = model.config
-        self.eps, self.d = cfg.rms_norm_eps, cfg.hidden_size // cfg.num_attention_heads
-        self.kv_heads = cfg.num_key_value_heads // TP
-        sd = {k: v.detach() for k, v in model.state_dict().items()}
-
-        table = sd["model.embed_tokens.weight"]
-        self.vocab = table.shape[0] // TP
-        self.first = rank * self.vocab
-        self.replicated_embedding = replicated_embedding
-        self.embed = table if replicated_embedding else rows(table, rank, TP)
-        self.layers = layer_slices(sd, cfg.num_hidden_layers, rank, TP)
-        self.norm = sd["model.norm.weight"]
-        self.lm_head = rows(sd["lm_head.weight"], rank, TP)
-
-    def _rms(self, x, w):
-        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-
-    def _embed(self, ids):
-        if self.replicated_embedding:
-            return F.embedding(ids, self.embed)
-        local = ids - self.first                     # Megatron-LM's VocabParallelEmbedding
-        outside = (local < 0) | (local >= self.vocab)
-        x = F.embedding(local.masked_fill(outside, 0), self.embed)
-        x.masked_fill_(outside[..., None], 0.0)
-        dist.all_reduce(x)
-        return x
-
-    def _forward(self, ids, pos: int, caches):
-        bsz, seq = ids.shape
-        x = self._embed(ids)
-        position_ids = torch.arange(pos, pos + seq, device="cpu")[None]
-        cos, sin = self.rope(x, position_ids)
-        where = torch.arange(pos, pos + seq, device="cpu")
-        for L, (kc, vc) in zip(self.layers, caches):
-            h = self._rms(x, L["ln1"])
-            q = F.linear(h, L["wq"]).view(bsz, seq, -1, self.d).transpose(1, 2)
-            k = F.linear(h, L["wk"]).view(bsz, seq, -1, self.d).transpose(1, 2)
-            v = F.linear(h, L["wv"]).view(bsz, seq, -1, self.d).transpose(1, 2)
-            q, k = self.apply_rope(q, k, cos, sin)
-            kc.index_copy_(2, where, k)
-            vc.index_copy_(2, where, v)
-            a = F.scaled_dot_product_attention(q, kc[:, :, :pos + seq], vc[:, :, :pos + seq],
-                                               is_causal=seq > 1, enable_gqa=True)
-            o = F.linear(a.transpose(1, 2).reshape(bsz, seq, -1), L["wo"])
-            dist.all_reduce(o)
-            x = x + o
-            h = self._rms(x, L["ln2"])
-            m = F.linear(F.silu(F.linear(h, L["wg"])) * F.linear(h, L["wu"]), L["wd"])
-            dist.all_reduce(m)
-            x = x + m
-        logits = F.linear(self._rms(x[:, -1], self.norm), self.lm_head)
-        parts = [torch.empty_like(logits) for _ in range(TP)]
-        dist.all_gather(parts, logits)
-        return torch.cat(parts, -1)
-
-    def generate(self, ids, new: int, stamps: list):
-        bsz, prompt = ids.shape
-        caches = [(torch.zeros(bsz, self.kv_heads, prompt + new, self.d, device="cpu"),
-                   torch.zeros(bsz, self.kv_heads, prompt + new, self.d, device="cpu"))
-                  for _ in self.layers]
-        stamps.append(now())
-        tokens = [ids]
-        nxt = self._forward(ids, 0, caches).argmax(-1)
-        for t in range(new - 1):
-            tokens.append(nxt[:, None])
-            stamps.append(now())
-            nxt = self._forward(nxt[:, None], prompt + t, caches).argmax(-1)
-        tokens.append(nxt[:, None])
-        stamps.append(now())
-        return torch.cat(tokens, 1)
-
-
-# --- variants -------------------------------------------------------------------------------
-
-def dtensor_model(model, device_mesh):
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
-    m = copy.deepcopy(model)
-    plan = {}
-    for i in range(model.config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                     "mlp.gate_proj", "mlp.up_proj"):
-            plan[p + name] = ColwiseParallel()
-        for name in ("self_attn.o_proj", "mlp.down_proj"):
-            plan[p + name] = RowwiseParallel()
-    return parallelize_module(m, device_mesh, plan)
 
 
 def hf_generate(model, ids, new: int, stamps: list):
@@ -241,35 +121,20 @@ def steps_and_prefill(stamps: list) -> tuple[list[float], list[float], float]:
             [b[1] - a[1] for a, b in zip(stamps[1:], stamps[2:])], stamps[1][0] - stamps[0][0])
 
 
-# --- the worker ----------------------------------------------------------------------------
-
-def worker(rank: int, port: int, args, out_path: str) -> None:
+def worker(rank: int, args) -> dict:
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(args.threads)
-    timeout = datetime.timedelta(seconds=900)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=TP, timeout=timeout)
-    try:
-        result = _run(rank, args)
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
-
-
-def _run(rank: int, args) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import fxshard
-    model = make_model(args)
+    model = hf_llama(args)
     mesh = fxshard.init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
     pm = fxshard.parallelize(model, mesh)
     pm_rep = fxshard.parallelize(model, mesh, embedding="replicate")
     pm_old = gathering_logits(fxshard.parallelize(model, mesh))
-    megatron = MegatronDecoder(model, rank, replicated_embedding=False)
-    megatron_rep = MegatronDecoder(model, rank, replicated_embedding=True)
-    dt = dtensor_model(model, init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",)))
+    megatron = MegatronLlama(model, rank, TP, embedding="vocab")
+    megatron_rep = MegatronLlama(model, rank, TP, embedding="replicate")
+    dt = dtensor_tp(model, init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",)),
+                    embedding_and_head=False)
     variants = {
         "megatron": lambda ids, s: megatron.generate(ids, args.new, s),
         "fxshard": lambda ids, s: fxshard_generate(pm, ids, args.new, s),
@@ -281,8 +146,7 @@ def _run(rank: int, args) -> dict:
     }
     result = {}
     for batch in args.batches:
-        ids = torch.randint(0, args.vocab, (batch, args.prompt), device="cpu",
-                            generator=torch.Generator().manual_seed(batch))
+        ids = token_ids(args.vocab, batch, args.prompt, seed=batch)
         with torch.no_grad():
             want = hf_generate(model, ids, args.new, []) if rank == 0 else None
             for name, fn in variants.items():   # warm-up: traces, first-call costs
@@ -319,30 +183,18 @@ def _run(rank: int, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--intermediate", type=int, default=2816)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--new", type=int, default=32)
+    add_model_args(parser, **GENERATE, prompt=128, new=32)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=str(Path(__file__).with_name("generate.json")))
     args = parser.parse_args()
-    from tests.launch import free_port
     start = time.perf_counter()
-    mp.spawn(worker, args=(free_port(), args, args.json), nprocs=TP, join=True)
-    with open(args.json) as f:
-        result = json.load(f)
+    env = environment(args=vars(args))
+    result = launch(worker, TP, args, threads=args.threads)[0]
     import transformers
-    env = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-           "torch": torch.__version__, "transformers": transformers.__version__,
-           "python": platform.python_version(), "cpus": os.cpu_count(),
-           "load_avg": os.getloadavg(), "args": vars(args),
-           "wall_s": round(time.perf_counter() - start, 1)}
+    env.update(transformers=transformers.__version__, load_avg=list(os.getloadavg()),
+               wall_s=round(time.perf_counter() - start, 1))
     with open(args.json, "w") as f:
         json.dump({"env": env, "result": result}, f, indent=1)
     print(f"{env['date']}, torch {env['torch']}, transformers {env['transformers']}, "

@@ -5,7 +5,7 @@ The same kernel (``x.clone()``, what a size-1 collective does) is called four wa
   direct Python call        the function itself: the floor
   torch.ops.aten.clone      a built-in op, for scale
   fxshard define_op         ``torch.ops.<ns>.all_reduce`` registered as fxshard registers its
-                            ops now (``fxshard.runtime.library.define_op``: dispatcher kernels)
+                            ops now (``fxshard.ops.library.define_op``: dispatcher kernels)
   torch.library.custom_op   the same op through ``custom_op`` (how fxshard registered them
                             before): autograd wrapper, redispatch, aliasing check per call
 
@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import format_table, interleaved  # noqa: E402
 from fxshard.ops.library import define_op  # noqa: E402
 
 
@@ -48,15 +48,9 @@ def _custom_op():
 
 
 def _time(fn, calls: int, rounds: int) -> list[float]:
-    for _ in range(min(calls, 1000)):
-        fn()
-    out = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t0) / calls * 1e6)
-    return out
+    """Mean wall microseconds per call in each of ``rounds`` blocks of ``calls``."""
+    t = interleaved({"": fn}, rounds, calls=calls, warmup=min(calls, 1000), per_call=False)
+    return [w * 1e6 for w in t[""]["wall"]]
 
 
 def main() -> None:
@@ -77,11 +71,14 @@ def main() -> None:
     }
     print(f"torch {torch.__version__}; tensor {list(x.shape)} fp32; {args.rounds} rounds x "
           f"{args.calls} calls; 1 thread")
-    print(f"{'registration':<26} {'median us':>9} {'min':>7} {'max':>7}")
+    columns = [("registration", "<26"), ("median us", ">9.2f"), ("min", ">7.2f"),
+               ("max", ">7.2f")]
+    print(format_table(columns, []))
     with torch.no_grad():
         for name, fn in cases.items():
             ts = _time(fn, args.calls, args.rounds)
-            print(f"{name:<26} {statistics.median(ts):>9.2f} {min(ts):>7.2f} {max(ts):>7.2f}")
+            row = [name, statistics.median(ts), min(ts), max(ts)]
+            print(format_table(columns, [row]).splitlines()[1], flush=True)
 
 
 if __name__ == "__main__":

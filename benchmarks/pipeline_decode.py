@@ -3,11 +3,11 @@
     python benchmarks/pipeline_decode.py                  # defaults below, a few minutes on 2 cores
     python benchmarks/pipeline_decode.py --rounds 12 --new 48 --microbatches 2 4
 
-One launch of 2 processes (torch.multiprocessing spawn, gloo, fp32, CPU,
+One launch of 2 processes (``benchmarks/common.launch``: spawn, gloo, fp32, CPU,
 ``torch.set_num_threads(--threads)`` each, default 1). Both build the same random HuggingFace
-``LlamaForCausalLM`` (default: hidden 512, 8 layers, 8/4 heads, vocab 8000: 4 layers a stage),
-``fxshard.parallelize(model, mesh pp=2, microbatches=m)`` and generate ``--new`` tokens
-greedily for a batch of ``--batch`` prompts of ``--prompt`` tokens with:
+``LlamaForCausalLM`` (``common.hf_llama``; default: hidden 512, 8 layers, 8/4 heads, vocab 8000:
+4 layers a stage), ``fxshard.parallelize(model, mesh pp=2, microbatches=m)`` and generate
+``--new`` tokens greedily for a batch of ``--batch`` prompts of ``--prompt`` tokens with:
 
   pipelined  ``pm.generate``: the m groups of sequences flow through the stages across steps
              (``fxshard.pipelined_decode``): stage 0 runs group j's next step as soon as stage 1
@@ -33,10 +33,8 @@ are checked equal between the variants and to HF ``generate`` on one process.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -45,39 +43,22 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from generate import make_model  # noqa: E402  (benchmarks/generate.py: the same HF Llama)
+from benchmarks.common import (SMALL_HF, add_model_args, environment, hf_llama,  # noqa: E402
+                               launch, token_ids)
 
 PP = 2
 
 
-def worker(rank: int, port: int, args, out_path: str) -> None:
+def worker(rank: int, args) -> dict:
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=PP, timeout=datetime.timedelta(seconds=900))
-    try:
-        result = _run(rank, args)
-        gathered = [None] * PP
-        dist.all_gather_object(gathered, result)
-        if rank == 0:
-            with open(out_path, "w") as f:
-                json.dump(gathered, f)
-    finally:
-        dist.destroy_process_group()
-
-
-def _run(rank: int, args) -> dict:
     import fxshard
     import fxshard.generate as g
-    model = make_model(args)
+    model = hf_llama(args)
     mesh = fxshard.init_device_mesh("cpu", (PP,), mesh_dim_names=("pp",))
-    ids = torch.randint(0, args.vocab, (args.batch, args.prompt),
-                        generator=torch.Generator().manual_seed(0))
+    ids = token_ids(args.vocab, args.batch, args.prompt, seed=0)
     with torch.no_grad():
         want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                               max_new_tokens=args.new)
@@ -94,7 +75,7 @@ def _run(rank: int, args) -> dict:
             dist.barrier()
             fn()
         names = list(variants)
-        for i in range(args.rounds):
+        for i in range(args.rounds):    # whole generations; each checked, so timed here
             for name in (names if i % 2 == 0 else names[::-1]):
                 dist.barrier()
                 wall, cpu = time.perf_counter(), time.thread_time()
@@ -103,46 +84,33 @@ def _run(rank: int, args) -> dict:
                 per[name]["wall"].append(time.perf_counter() - wall)
                 per[name]["equal"] &= torch.equal(out, want)
         pm.close()
-        result[m] = {name: {"wall_s": statistics.median(p["wall"]),
-                            "spread_s": [min(p["wall"]), max(p["wall"])],
-                            "cpu_s": statistics.median(p["cpu"]), "equal_hf": p["equal"]}
-                     for name, p in per.items()}
+        result[str(m)] = {name: {"wall_s": statistics.median(p["wall"]),
+                                 "spread_s": [min(p["wall"]), max(p["wall"])],
+                                 "cpu_s": statistics.median(p["cpu"]), "equal_hf": p["equal"]}
+                          for name, p in per.items()}
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--intermediate", type=int, default=1408)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=8000)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--prompt", type=int, default=32)
-    parser.add_argument("--new", type=int, default=32)
+    add_model_args(parser, **dict(SMALL_HF, layers=8), batch=8, prompt=32, new=32)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[2])
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default=str(Path(__file__).with_name("pipeline_decode.json")))
     args = parser.parse_args()
-    from tests.launch import free_port
     start = time.perf_counter()
-    load = os.getloadavg()
-    mp.spawn(worker, args=(free_port(), args, args.json), nprocs=PP, join=True)
-    with open(args.json) as f:
-        ranks = json.load(f)
+    env = environment(args=vars(args))
+    ranks = launch(worker, PP, args, threads=args.threads)
     import transformers
-    env = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-           "torch": torch.__version__, "transformers": transformers.__version__,
-           "python": platform.python_version(), "cpus": os.cpu_count(),
-           "load_avg_before": load, "load_avg_after": os.getloadavg(), "args": vars(args),
-           "wall_s": round(time.perf_counter() - start, 1)}
+    load = env["load_avg_1m"]
+    env.update(transformers=transformers.__version__, load_avg_before=load,
+               load_avg_after=os.getloadavg(), wall_s=round(time.perf_counter() - start, 1))
     with open(args.json, "w") as f:
         json.dump({"env": env, "ranks": ranks}, f, indent=1)
     print(f"{env['date']}, torch {env['torch']}, transformers {env['transformers']}, "
-          f"{env['cpus']} CPUs, load average {load[0]:.1f} before / "
+          f"{env['cpus']} CPUs, load average {load:.1f} before / "
           f"{env['load_avg_after'][0]:.1f} after; pp=2 gloo, {args.threads} thread(s) per "
           f"process; hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} "
           f"heads, vocab {args.vocab}; batch {args.batch}, prompt {args.prompt}, {args.new} new "

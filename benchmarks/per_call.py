@@ -1,0 +1,129 @@
+"""Per-call cost on small steps: fxshard vs hand-written Megatron vs DTensor on the seed lesson's
+TransformerBlocks, tp=2 on real ranks, eager (issue 22, item 7: median <= 1.05 of Megatron).
+
+    python benchmarks/per_call.py                            # 8 blocks, hidden 256, batch 4, seq 16
+    python benchmarks/per_call.py --hidden 512 --rounds 40
+    python benchmarks/per_call.py --layers 1 --hidden 64 --rounds 1 --iters 1   # does it run?
+
+One launch of 2 processes (``benchmarks/common.launch``: spawn, gloo, fp32, CPU, ``--threads``
+torch threads each, default 1). Both build the same ``--layers`` blocks of ``tests/models.py``'s
+``TransformerBlock`` (``common.tutorial_blocks``: q + k + v then wo, a GELU MLP, all with
+biases) and the same input ``[--batch, --seq, --hidden]``. Variants:
+
+  megatron   ``common.MegatronBlocks``: column-parallel wq/wk/wv/w1 and row-parallel wo/w2 on
+             weight slices, an in-place ``dist.all_reduce`` after each row-parallel matmul, the
+             row-parallel biases added after it (two all-reduces a block). The baseline (1.00).
+  fxshard    ``fxshard.parallelize(model, mesh, example_inputs=(x,))`` called as ``pm(x)``
+             (the ParallelModule wrapper and its per-call checks included).
+  dtensor    ``parallelize_module`` with the lesson's plan (``common.dtensor_tp``:
+             ColwiseParallel wq/wk/wv/w1, RowwiseParallel wo/w2) on a copy of the model.
+
+Every variant's output is checked against the single-device model first (``max |err|``). Then
+``--rounds`` rounds of ``--iters`` forwards each, variants interleaved round by round, a barrier
+before each block, under ``torch.no_grad()``, after ``--warmup``. A sample is the slower rank's
+wall time for that forward. Columns: ``median ms`` / ``p10`` / ``p90`` over all samples, ``vs
+megatron`` (ratio of the medians), ``rounds min / med / max`` (the spread of the per-round
+ratio: that round's median over Megatron's median of the same round), ``CPU ms`` (median
+thread CPU time of rank 0's main thread per forward: compute, Python and dispatch, not the time
+blocked on the peer).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (MegatronBlocks, add_model_args, dtensor_tp,  # noqa: E402
+                               environment, format_table, interleaved, launch, reproduce,
+                               slowest_rank, stats_ms, tutorial_blocks, write_json)
+
+TP = 2
+BASELINE = "megatron"
+
+
+def worker(rank: int, args) -> dict:
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    import fxshard
+    model = tutorial_blocks(args)
+    x = torch.randn(args.batch, args.seq, args.hidden, generator=torch.Generator().manual_seed(1))
+    mesh = fxshard.init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
+    pm = fxshard.parallelize(model, mesh, example_inputs=(x,))
+    megatron = MegatronBlocks(model, rank, TP)
+    dmodel = dtensor_tp(model, mesh)
+    variants = {BASELINE: lambda: megatron(x), "fxshard": lambda: pm(x),
+                "dtensor": lambda: dmodel(x)}
+    with torch.no_grad():
+        want = model(x)
+        errors = {name: (fn() - want).abs().max().item() for name, fn in variants.items()}
+        t = interleaved(variants, args.rounds, calls=args.iters, warmup=args.warmup,
+                        before=dist.barrier)
+    pm.close()
+    n = args.iters
+    return {"rounds": {k: [v["wall"][i:i + n] for i in range(0, len(v["wall"]), n)]
+                       for k, v in t.items()},
+            "cpu": {k: v["cpu"] for k, v in t.items()}, "errors": errors}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap, hidden=256, heads=8, layers=8, batch=4, seq=16)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=10, help="forwards per variant per round")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "per_call.json"))
+    args = ap.parse_args()
+    env = environment(ranks=TP, backend="gloo", dtype="float32")
+    gathered = launch(worker, TP, args, threads=args.threads)
+    # a sample: the slower rank's time for that forward, round by round
+    per_round = {name: [slowest_rank([g["rounds"][name][r] for g in gathered])
+                        for r in range(args.rounds)] for name in gathered[0]["rounds"]}
+    results = {}
+    for name, rounds in per_round.items():
+        r = results[name] = stats_ms([t for rnd in rounds for t in rnd])
+        r["cpu_ms_rank0"] = statistics.median(gathered[0]["cpu"][name]) * 1e3
+        r["max_abs_err"] = max(g["errors"][name] for g in gathered)
+        r["round_ratios"] = [statistics.median(a) / statistics.median(b)
+                             for a, b in zip(rounds, per_round[BASELINE])]
+    base = results[BASELINE]["median_ms"]
+    rows = []
+    for name, r in results.items():
+        q = r["round_ratios"]
+        rows.append([name, r["median_ms"], r["p10_ms"], r["p90_ms"], r["median_ms"] / base,
+                     f"{min(q):.2f} / {statistics.median(q):.2f} / {max(q):.2f}",
+                     r["cpu_ms_rank0"], r["max_abs_err"]])
+    print(__doc__.split("\n\n")[0])
+    print()
+    print(f"{env['date']}; torch {env['torch']}; {env['cpus']} CPUs ({env['processor']}); "
+          f"{TP} ranks, gloo, {args.threads} thread(s) per rank, fp32; load average (1 min) "
+          f"{env['load_avg_1m']:.2f} before")
+    print(f"{args.layers} TransformerBlocks, hidden {args.hidden}, {args.heads} heads; batch "
+          f"{args.batch}, seq {args.seq}; {args.rounds} rounds x {args.iters} forwards per "
+          f"variant after {args.warmup} warm-up")
+    print("reproduce: " + reproduce("per_call.py"))
+    print()
+    print(format_table([("variant", "<9"), ("median ms", ">9.3f"), ("p10", ">7.3f"),
+                        ("p90", ">7.3f"), ("vs megatron", ">11.3f"),
+                        ("rounds min / med / max", ">22"), ("CPU ms", ">7.3f"),
+                        ("max |err|", ">9.2e")], rows))
+    ratio = results["fxshard"]["median_ms"] / base
+    print(f"\ntarget: fxshard / megatron = {ratio:.3f} (<= 1.05: "
+          f"{'met' if ratio <= 1.05 else 'NOT met'})")
+    bad = [n for n, r in results.items() if not r["max_abs_err"] < 1e-4]
+    if bad:
+        print(f"CORRECTNESS: max abs error >= 1e-4 for: {', '.join(bad)}")
+    write_json(args.json, {"env": env, "args": vars(args), "results": results,
+                           "correctness_failures": bad})
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""Training step time and memory per rank: hand-written Megatron vs DTensor TP + FSDP2 (fxshard's
+row is pending: fxshard does not train yet).
+
+Issue 19's targets, for when fxshard trains: step time (forward + backward + AdamW) <= 1.05x the
+hand-written Megatron step and <= 0.7x DTensor ``parallelize_module`` + ``fully_shard``; peak
+memory per rank <= FSDP2's.
+
+    python benchmarks/train_step.py                                  # 2 ranks: tp=2
+    python benchmarks/train_step.py --ranks 4                        # fsdp=2 x tp=2
+    python benchmarks/train_step.py --ranks 4 --layers 8 --hidden 1024 --heads 16 \\
+        --intermediate 2816 --vocab 32000 --seq 256 --rounds 6       # the issue's size
+    python benchmarks/train_step.py --layers 1 --hidden 64 --heads 4 --kv-heads 2 \\
+        --intermediate 96 --vocab 128 --seq 16 --rounds 1 --iters 1  # does it run?
+
+One launch of ``--ranks`` processes (``benchmarks/common.launch``: spawn, gloo, fp32, CPU,
+``--threads`` torch threads each) on a ``torch`` device mesh ``(fsdp, tp)`` with ``tp =
+--tp`` (default 2) and ``fsdp = ranks / tp``. Every rank builds the same bundled
+``fxshard.models.llama`` Llama (``common.bundled_llama``) and the same batch (``--batch``
+sequences of ``--seq`` tokens, labels = the ids shifted by one); the fsdp ranks each take
+``batch / fsdp`` of the sequences, the tp ranks of one fsdp index the same ones. Variants:
+
+  megatron      ``common.MegatronLlama(trainable=True)`` on the tp group: column/row-parallel
+                linears on weight slices, Megatron-LM's f/g all-reduces as autograd
+                functions, the embedding's all-gather, a vocab-parallel cross-entropy (the
+                logits never gathered); over fsdp the gradients are averaged in one
+                flattened all-reduce (plain data parallelism: its parameters and AdamW state
+                are not sharded over fsdp). ``torch.optim.AdamW`` on the local slices.
+                The baseline (1.00).
+  dtensor       torchtitan's recipe (``common.dtensor_train``): ``parallelize_module`` with
+                the one DTensor plan on the tp sub-mesh (lm_head output left vocab-sharded,
+                ``loss_parallel``), then ``fully_shard`` (FSDP2) of every decoder layer and
+                the root on the fsdp sub-mesh (with fsdp = 1: a size-1 mesh), AdamW.
+  fxshard       pending: training not yet built (no number is printed until it is).
+
+Correctness first: the first ``--check-steps`` steps of every variant give losses (averaged
+over the fsdp ranks) equal to the single-device model trained by AdamW on the whole batch
+(``max |loss err|``), and global gradient norms before each step equal to its (``grad norm
+err``, relative: Adam's update hides a gradient's scale, the norm does not). Then each variant is timed in ``--rounds`` rounds of ``--iters`` steps
+after ``--warmup``, variants interleaved round by round, a barrier before each block. A sample
+is the slowest rank's wall time for that step. Columns: ``step ms`` median / ``p10`` / ``p90``
+over the samples, ``vs megatron`` (median ratio), ``CPU ms`` (median thread CPU time of rank
+0's main thread per step: compute, Python and dispatch, not the time blocked on peers),
+``peak MiB`` (the largest over ranks of the process's peak resident memory during
+``--memory-steps`` steps, minus its resident memory before the model was built: measured in a
+separate launch per variant, so one variant's memory does not hide another's; the variant's
+parameters, gradients, AdamW state, activations and communication buffers, after the
+single-device model it was built from was deleted) and ``vs dtensor`` (peak ratio).
+``--no-memory`` skips the memory launches.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import gc
+import os
+import statistics
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (RUNTIME_TP, MegatronLlama, add_model_args,  # noqa: E402
+                               bundled_llama, dtensor_step, dtensor_train, environment,
+                               format_table, interleaved, launch, megatron_step, reproduce,
+                               slowest_rank, stats_ms, token_ids, write_json)
+
+BASELINE = "megatron"
+PENDING = "pending: training not yet built"
+
+
+def _batch(args):
+    ids = token_ids(args.vocab, args.batch, args.seq + 1, seed=1)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def reference(model, args) -> tuple[list[float], list[float]]:
+    """The single-device model's losses and gradient norms over ``--check-steps`` AdamW steps on
+    the whole batch."""
+    m = copy.deepcopy(model).train()
+    opt = torch.optim.AdamW(m.parameters(), lr=args.lr)
+    ids, labels = _batch(args)
+    losses, norms = [], []
+    for _ in range(args.check_steps):
+        loss = F.cross_entropy(m(ids).flatten(0, 1), labels.flatten())
+        loss.backward()
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in m.parameters()]).item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, norms
+
+
+def build(name: str, model, mesh, args):
+    """``(step, mean_loss)`` of variant ``name`` on this rank: ``step(norms=None)`` runs one
+    training step on this rank's share of the batch (appending the global gradient norm to
+    ``norms``) and returns this rank's loss; ``mean_loss`` averages it over the fsdp ranks."""
+    fsdp = mesh["fsdp"].get_local_rank()
+    per = args.batch // mesh["fsdp"].size()
+    ids, labels = (t[fsdp * per:(fsdp + 1) * per] for t in _batch(args))
+    dp_group = mesh.get_group("fsdp")
+
+    def mean_over_fsdp(loss: float) -> float:
+        t = torch.tensor([loss], dtype=torch.float64)
+        dist.all_reduce(t, group=dp_group)
+        return t.item() / mesh["fsdp"].size()
+
+    if name == "megatron":
+        m = MegatronLlama(model, mesh["tp"].get_local_rank(), mesh["tp"].size(),
+                          mesh.get_group("tp"), trainable=True)
+        opt = torch.optim.AdamW(m.parameters(), lr=args.lr)
+        return (lambda norms=None: megatron_step(m, opt, ids, labels, dp_group, norms),
+                mean_over_fsdp)
+    if name == "dtensor":
+        m = dtensor_train(model, mesh)
+        opt = torch.optim.AdamW(m.parameters(), lr=args.lr)
+        return lambda norms=None: dtensor_step(m, opt, ids, labels, norms), mean_over_fsdp
+    raise ValueError(f"train_step.build: unknown variant {name!r}")
+
+
+def _mesh(args):
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (args.ranks // args.tp, args.tp),
+                            mesh_dim_names=("fsdp", "tp"))
+
+
+def worker(rank: int, args) -> dict:
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    mesh = _mesh(args)
+    model = bundled_llama(args)
+    want = reference(model, args) if rank == 0 else None
+    variants, errors, grad_norms, notes = {}, {}, {}, {}
+    for name in ("megatron", "dtensor"):
+        step, mean = build(name, model, mesh, args)
+        norms: list = []
+        errors[name] = [mean(step(norms)) for _ in range(args.check_steps)]
+        variants[name] = step
+        grad_norms[name] = norms
+    t = interleaved(variants, args.rounds, calls=args.iters, warmup=args.warmup,
+                    before=dist.barrier)
+    return {"samples": {n: v["wall"] for n, v in t.items()},
+            "cpu": {n: v["cpu"] for n, v in t.items()}, "losses": errors,
+            "grad_norms": grad_norms, "want": want, "notes": notes}
+
+
+def _rss_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def memory_worker(rank: int, args, name: str) -> float | None:
+    """MiB: this process's peak resident memory over ``--memory-steps`` steps of ``name``,
+    minus its resident memory before the model was built (None where /proc can't say)."""
+    warnings.filterwarnings("ignore")
+    mesh = _mesh(args)
+    import fxshard.models.llama  # noqa: F401  (imports are not the variant's memory)
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor.parallel  # noqa: F401
+    lin = torch.nn.Linear(2, 2)                  # nor are autograd's, AdamW's and gloo's
+    opt = torch.optim.AdamW(lin.parameters())    # first-use costs: one throwaway step
+    lin(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    dist.barrier()
+    del lin, opt
+    gc.collect()
+    start = _rss_kib("VmRSS")
+    model = bundled_llama(args)
+    step, _ = build(name, model, mesh, args)
+    del model
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand the freed model back to the OS
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")                         # reset the peak (VmHWM) to the current RSS
+    except OSError:
+        return None
+    for _ in range(args.memory_steps):
+        step()
+    peak = _rss_kib("VmHWM")
+    return None if start is None or peak is None else (peak - start) / 1024
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap, **RUNTIME_TP, batch=4, seq=64)
+    ap.add_argument("--ranks", type=int, default=2, help="processes (fsdp x tp)")
+    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
+    ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    ap.add_argument("--check-steps", type=int, default=2,
+                    help="steps checked against the single-device model")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=3, help="steps per variant per round")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--memory-steps", type=int, default=2)
+    ap.add_argument("--no-memory", dest="memory", action="store_false")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "train_step.json"))
+    args = ap.parse_args()
+    fsdp = args.ranks // args.tp
+    if fsdp * args.tp != args.ranks or args.batch % fsdp:
+        raise SystemExit(f"train_step.py: --ranks {args.ranks} must be a multiple of --tp "
+                         f"{args.tp}, and --batch {args.batch} of fsdp = {fsdp}")
+    env = environment(ranks=args.ranks, mesh=f"fsdp={fsdp} x tp={args.tp}", dtype="float32")
+    gathered = launch(worker, args.ranks, args, threads=args.threads)
+    want, want_norms = gathered[0]["want"]
+    memory = {}
+    if args.memory:
+        for name in gathered[0]["samples"]:
+            per_rank = launch(memory_worker, args.ranks, args, name, threads=args.threads)
+            memory[name] = None if None in per_rank else max(per_rank)
+    results = {}
+    for name in gathered[0]["samples"]:
+        step = slowest_rank([g["samples"][name] for g in gathered])
+        r = results[name] = stats_ms(step)
+        r["cpu_ms_rank0"] = statistics.median(gathered[0]["cpu"][name]) * 1e3
+        r["losses"] = gathered[0]["losses"][name]
+        r["max_loss_err"] = max(abs(a - b) for a, b in zip(r["losses"], want))
+        r["grad_norms"] = gathered[0]["grad_norms"][name]
+        r["grad_norm_rel_err"] = max(abs(a - b) / b for a, b in zip(r["grad_norms"], want_norms))
+        r["peak_mib"] = memory.get(name)
+    base = results[BASELINE]["median_ms"]
+    mem_base = results["dtensor"]["peak_mib"]
+    rows = []
+    for name, r in results.items():
+        rows.append([name, r["median_ms"], r["p10_ms"], r["p90_ms"], r["median_ms"] / base,
+                     r["cpu_ms_rank0"], r["peak_mib"],
+                     r["peak_mib"] / mem_base if r["peak_mib"] and mem_base else None,
+                     r["max_loss_err"], r["grad_norm_rel_err"]])
+    rows.append(["fxshard", PENDING, "", "", "", "", "", "", "", ""])
+    print(__doc__.split("\n\n")[0])
+    print()
+    print(f"{env['date']}; torch {env['torch']}; {env['cpus']} CPUs ({env['processor']}); "
+          f"{args.ranks} ranks, gloo, {env['mesh']}, {args.threads} thread(s) per rank, fp32; "
+          f"load average (1 min) {env['load_avg_1m']:.2f} before, {os.getloadavg()[0]:.2f} "
+          f"after")
+    print(f"model: hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} "
+          f"heads, intermediate {args.intermediate}, vocab {args.vocab}; batch {args.batch} x "
+          f"seq {args.seq}; AdamW lr {args.lr}; {args.rounds} rounds x {args.iters} steps per "
+          f"variant after {args.warmup} warm-up")
+    print("reproduce: " + reproduce("train_step.py"))
+    print()
+    print(format_table([("variant", "<10"), ("step ms", ">9.2f"), ("p10", ">9.2f"),
+                        ("p90", ">9.2f"), ("vs megatron", ">11.3f"), ("CPU ms", ">9.2f"),
+                        ("peak MiB", ">9.1f"), ("vs dtensor", ">10.3f"),
+                        ("max |loss err|", ">14.2e"), ("grad norm err", ">13.2e")], rows))
+    print(f"\nsingle-device losses of the checked steps: {', '.join(f'{x:.6f}' for x in want)}")
+    bad = [n for n, r in results.items()
+           if not (r["max_loss_err"] < 1e-4 and r["grad_norm_rel_err"] < 1e-5)]
+    if bad:
+        print(f"CORRECTNESS: loss (>= 1e-4) or gradient norm (relative >= 1e-5) differs from "
+              f"the single-device model for: {', '.join(bad)}")
+    out = {"env": env, "args": vars(args), "results": results, "single_device_losses": want,
+           "single_device_grad_norms": want_norms,
+           "fxshard": PENDING, "correctness_failures": bad}
+    write_json(args.json, out)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
