@@ -24,7 +24,7 @@ import warnings
 import torch
 
 import fxshard
-from fxshard.api import compile_program
+from fxshard.runtime.program_cache import compile_program
 from fxshard.mesh import mesh_spec
 from fxshard.passes import PassCtx
 from fxshard.passes.emit import build_rank_module

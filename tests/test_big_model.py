@@ -151,7 +151,7 @@ def test_causal_mask_folds_on_meta():
         empty = transformers.LlamaForCausalLM(_llama_config())
     mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("ring_cp",))
     pm = fxshard.parallelize(empty, mesh, example_inputs=(IDS,))
-    edits = dict(pm._last.ctx.edits)
+    edits = dict(pm.programs.last.ctx.edits)
     assert edits["fold_causal_mask_pass"] == "folded 2 constant masks to is_causal=True"
     assert pm.rank_module(0).code.count("fxshard.ring_attention") == 2
 
@@ -168,9 +168,9 @@ def test_weight_changes_after_parallelize_are_seen():
     model = transformers.LlamaForCausalLM(_llama_config()).eval()
     pm = _tp2(model)
     pm(IDS)
-    modules = dict(pm._last.modules)
+    modules = dict(pm.programs.last.modules)
     pm(IDS)
-    assert pm._last.modules == modules  # nothing changed: no re-slicing
+    assert pm.programs.last.modules == modules  # nothing changed: no re-slicing
 
     def check():
         with torch.no_grad():
