@@ -1,13 +1,14 @@
 """Text generation: bind a static KV cache to every attention of the rank programs.
 
-Generation runs two programs per input signature (``fxshard.generate``): *prefill* (the
+Generation runs two programs per input signature (``fxshard.generation``): *prefill* (the
 prompt, the forward as ``parallelize`` builds it) and *decode* (one new token per sequence, at
 ``position_ids``). Both read and write one cache per attention, state of the ParallelModule
 that each rank holds in the layout of the K/V it stores: batch on ``dp``, KV heads on ``tp`` /
 ``ulysses_cp`` (the head each rank's queries use, where an axis exceeds the KV heads), the
 sequence on ``ring_cp``; a layer's cache lives on the ``pp`` stage of the layer. The caches are
-extra graph inputs (``fxshard_state``) the runner binds per rank, written in place by
-``fxshard::cache_write`` (the mutation is in the op's schema, so compile functionalises it).
+extra graph inputs (``fxshard_state``, listed on ``Program.state_inputs``) the executor binds
+per rank, written in place by ``fxshard::cache_write`` (the mutation is in the op's schema, so
+compile functionalises it).
 
 ``prefill_cache_pass`` runs after ``lower_attention``: the keys and values each rank attends
 are exactly what it must keep::
