@@ -192,10 +192,9 @@ def _forwards(rank: int, mesh, args) -> dict:
                 inside[2] += 1
         return call
 
-    from fxshard.runtime.runner import run_rank
-    c, micro = pm._get((ids,), {})
+    c, micro = pm.programs.get((ids,), {})
     variants = {"megatron": lambda: megatron(ids), "fxshard pm(ids)": lambda: pm(ids),
-                "fxshard run_rank (no pm wrapper)": lambda: run_rank(pm, c, rank, micro)[0]}
+                "fxshard run_rank (no pm wrapper)": lambda: pm.executor.run_rank(c, rank, micro)[0]}
     ref = model(ids)
     rows = {n: {"cpu": [], "in_cpu": [], "wall": [], "in_wall": [], "calls": 0}
             for n in variants}

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fxshard  # noqa: E402
 from benchmarks.common import format_table, time_calls  # noqa: E402
-from fxshard.api import compile_program  # noqa: E402
+from fxshard.runtime.program_cache import compile_program  # noqa: E402
 from fxshard.mesh import mesh_spec  # noqa: E402
 from fxshard.passes import PassCtx  # noqa: E402
 from fxshard.passes.emit import build_rank_module  # noqa: E402

@@ -44,7 +44,7 @@ from benchmarks.common import (RUNTIME_TP, MegatronLlama, add_model_args,  # noq
                                bundled_llama, format_table, interleaved, token_ids)
 from fxshard.mesh import mesh_spec  # noqa: E402
 from fxshard.runtime import use_backend  # noqa: E402
-from fxshard.weights import WeightWatch  # noqa: E402
+from fxshard.runtime.weight_store import WeightWatch  # noqa: E402
 
 TP = 2
 
@@ -112,9 +112,9 @@ def main() -> None:
     mesh = fxshard.init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
     pm = fxshard.parallelize(model, mesh, example_inputs=(ids,))
     backend = Loopback(mesh_spec(mesh))
-    c = pm._last
+    c = pm.programs.last
     gm = pm.rank_module(0)
-    runner = pm._runner(c, 0, [ids])
+    runner = pm.executor.runner(c, 0, [ids])
     megatron = LoopbackMegatron(model, 0, TP)
 
     hq, hkv, d = cfg.num_attention_heads // TP, cfg.num_key_value_heads // TP, cfg.head_dim
@@ -136,8 +136,8 @@ def main() -> None:
     out = [torch.empty(0)]
 
     def wrapper():
-        pm._sync_weights()
-        pm._get((ids,), {})
+        pm.programs.sync_weights()
+        pm.programs.get((ids,), {})
         pytree.tree_unflatten(out, c.traced.out_spec)
 
     rows = {}
@@ -163,7 +163,7 @@ def main() -> None:
             lambda: backend.all_reduce(x, "tp"), args.iters * 4, args.rounds)
         rows[f"weight fetch, {len(weights)} GraphModule attribute reads"] = _us(
             lambda: read_fn(gm), args.iters * 4, args.rounds)
-        rows[f"WeightWatch.changed(), {len(watch._fqns)} tensors"] = _us(
+        rows[f"WeightWatch.changed(), {len(watch)} tensors"] = _us(
             watch.changed, args.iters * 4, args.rounds)
         rows["pm wrapper (sync weights, _get, unflatten)"] = _us(wrapper, args.iters * 4,
                                                                   args.rounds)

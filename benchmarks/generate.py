@@ -38,7 +38,7 @@ batch 1 and 8), and generate ``--new`` 32 tokens greedily with:
 
 A *step* is one decode forward plus the token choice, timed from one step's start to the next
 (fxshard: successive calls of the runner from ``pm.generate``, recorded by wrapping
-``fxshard.generate.run``; HF: a StoppingCriteria that stamps the time after each token). The
+``pm.executor.run``; HF: a StoppingCriteria that stamps the time after each token). The
 first token comes from the prefill, timed apart. Each variant runs ``--repeats`` times,
 variants interleaved per repeat; the table gives the median step over all repeats, the spread
 (min-max of the repeats' medians), the median thread CPU time of a step (rank 0's main
@@ -84,18 +84,17 @@ def hf_generate(model, ids, new: int, stamps: list):
 
 
 def fxshard_generate(pm, ids, new: int, stamps: list):
-    import fxshard.generate as g
-    inner = g.run
+    inner = pm.executor.run
 
     def stamped(*a, **k):
         stamps.append(now())
         return inner(*a, **k)
 
-    g.run = stamped
+    pm.executor.run = stamped
     try:
         out = pm.generate(ids, max_new_tokens=new)
     finally:
-        g.run = inner
+        del pm.executor.run
     stamps.append(now())
     return out
 
@@ -103,14 +102,14 @@ def fxshard_generate(pm, ids, new: int, stamps: list):
 def gathering_logits(pm):
     """``pm`` whose greedy decode program gathers the logits (the program before the sharded
     argmax: its generation key without ``"greedy"``)."""
-    get = pm._get
+    get = pm.programs.get
 
     def _get(args, kwargs, generation=None):
         if generation is not None and generation[0] == "decode":
             generation = generation[:2]
         return get(args, kwargs, generation)
 
-    pm._get = _get
+    pm.programs.get = _get
     return pm
 
 

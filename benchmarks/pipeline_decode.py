@@ -10,9 +10,9 @@ One launch of 2 processes (``benchmarks/common.launch``: spawn, gloo, fp32, CPU,
 ``--new`` tokens greedily for a batch of ``--batch`` prompts of ``--prompt`` tokens with:
 
   pipelined  ``pm.generate``: the m groups of sequences flow through the stages across steps
-             (``fxshard.pipelined_decode``): stage 0 runs group j's next step as soon as stage 1
+             (``fxshard.generation.pipelined``): stage 0 runs group j's next step as soon as stage 1
              has sent group j's tokens (``[b]`` ints).
-  steps      the step-synchronous loop (``fxshard.generate.generate(..., _step_synchronous=
+  steps      the step-synchronous loop (``fxshard.generation.loop.generate(..., _step_synchronous=
              True)``): each step pipelines the m groups GPipe-style, stage 1 sends the whole
              batch's last-position logits (``[B, vocab]`` floats) back, every rank picks the
              tokens, then the next step starts: a (p-1)/(m+p-1) bubble per step.
@@ -23,7 +23,7 @@ the median over ``--rounds`` of the whole ``generate`` (prefill + decode), its t
 thread_time`` of the rank's main thread: its own compute, not gloo's threads or time spent
 waiting) and the ratio of the steps' wall to the pipelined wall (> 1: pipelined is faster).
 The ideal ratio with m >= p groups on p stages is about (m + p - 1) / m (1.5 for m = p = 2;
-the table prints it from ``fxshard.pipelined_decode.schedule``, one tick per stage run, equal
+the table prints it from ``fxshard.generation.pipelined.schedule``, one tick per stage run, equal
 stages, no communication cost), when the two ranks really compute at the same time, i.e. have
 a core each. On a machine
 where other processes take the cores, the ranks take turns and the overlap buys less: compare
@@ -55,7 +55,7 @@ PP = 2
 def worker(rank: int, args) -> dict:
     warnings.filterwarnings("ignore")
     import fxshard
-    import fxshard.generate as g
+    import fxshard.generation.loop as g
     model = hf_llama(args)
     mesh = fxshard.init_device_mesh("cpu", (PP,), mesh_dim_names=("pp",))
     ids = token_ids(args.vocab, args.batch, args.prompt, seed=0)
@@ -115,7 +115,7 @@ def main() -> None:
           f"process; hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} "
           f"heads, vocab {args.vocab}; batch {args.batch}, prompt {args.prompt}, {args.new} new "
           f"tokens, {args.rounds} interleaved rounds")
-    from fxshard.pipelined_decode import schedule
+    from fxshard.generation.pipelined import schedule
     for m in ranks[0]:
         rows = ranks[0][m]
         ideal = args.new * (int(m) + PP - 1) / len(schedule(PP, int(m), args.new))

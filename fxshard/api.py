@@ -8,63 +8,54 @@
 On a simulated mesh ``pm(x)`` runs every rank as a thread of this process and returns the
 global output. Under ``torchrun`` (a real ``DeviceMesh``) each process builds and runs only its
 own rank; every rank passes the same global input and gets the full output back.
+
+:class:`ParallelModule` is the front door: the options, and three parts in
+:mod:`fxshard.runtime` it delegates to, each usable on its own by generation, the backend and
+tests: ``pm.weights`` (:class:`~fxshard.runtime.weight_store.WeightStore`: the global values
+the ranks' weights are sliced from, and the watch on the model), ``pm.programs``
+(:class:`~fxshard.runtime.program_cache.ProgramCache`: the programs per input signature;
+``pm.programs.last`` the most recent) and ``pm.executor``
+(:class:`~fxshard.runtime.executor.Executor`: binds and runs them on the ranks).
 """
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from .checks import (check_parallelize_args, check_state_dict_values, inference_only,
-                     unmatched_plan_patterns)
+from .checks import check_parallelize_args, inference_only, unmatched_plan_patterns
 from .mesh import MeshSpec, is_simulated, mesh_spec
-from .passes import PLAN_STYLES, PassCtx
-from .passes.emit import Program, build_rank_module
-from .passes.pipeline import build_programs
-from .placement import R
-from .runtime.runner import run
-from .trace import Traced
-from .weights import WeightWatch, materialize_buffers, non_persistent_buffers
+from .passes import PLAN_STYLES
+from .runtime.executor import Executor
+from .runtime.program_cache import Options, ProgramCache
+from .runtime.weight_store import WeightStore
+from .weights import materialize_buffers
 
 __all__ = ["parallelize", "ParallelModule"]
 
 _WHERE = "fxshard.parallelize"
 
 
-@dataclass
-class Compiled:
-    """Everything built for one input signature: one program per pipeline stage."""
-
-    traced: Traced
-    ctx: PassCtx
-    programs: list
-    modules: dict = field(default_factory=dict)     # rank -> GraphModule
-    compiled: dict = field(default_factory=dict)    # stage -> CompiledStage (compile=True)
-    runners: dict = field(default_factory=dict)     # rank -> (GraphModule, bound callable)
-    loaded: bool = False                            # every weight slot has a value
-
-    @property
-    def program(self) -> Program:
-        return self.programs[0]
-
-
-def _signature(flat) -> tuple:
-    return tuple((tuple(x.shape), x.dtype, x.device.type) if isinstance(x, torch.Tensor)
-                 else ("const", repr(x)) for x in flat)
-
-
-def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx,
-                    **options) -> Compiled:
-    """:func:`fxshard.passes.pipeline.build_programs`' trace and programs, as a ``Compiled``."""
-    traced, programs = build_programs(model, args, kwargs, ctx, **options)
-    return Compiled(traced=traced, ctx=ctx, programs=programs)
+def _option(name: str) -> property:
+    """``pm.<name>``: the option as ``parallelize`` got it (read and written on ``pm.options``,
+    which the program cache and the executor read)."""
+    return property(lambda self: getattr(self.options, name),
+                    lambda self, value: setattr(self.options, name, value))
 
 
 class ParallelModule:
     """A model parallelized over a mesh; see :func:`parallelize`."""
+
+    plan = _option("plan")
+    sequence_parallel = _option("sequence_parallel")
+    microbatches = _option("microbatches")
+    strict = _option("strict")
+    embedding = _option("embedding")
+    stages = _option("stages")
+    ring_zigzag = _option("ring_zigzag")
+    compile = _option("compile")
 
     def __init__(self, model: torch.nn.Module, mesh, *, plan: dict, sequence_parallel: bool,
                  microbatches: int, strict: bool, embedding: str, stages=None,
@@ -72,204 +63,22 @@ class ParallelModule:
         self.model = model
         self.mesh = mesh
         self.spec: MeshSpec = mesh_spec(mesh, where=_WHERE)
-        self.plan = dict(plan)
-        self.sequence_parallel = sequence_parallel
-        self.microbatches = microbatches
-        self.strict = strict
-        self.embedding = embedding
-        self.stages = stages
-        self.ring_zigzag = ring_zigzag
+        self.options = Options(plan=dict(plan), sequence_parallel=sequence_parallel,
+                               microbatches=microbatches, strict=strict, embedding=embedding,
+                               stages=stages, ring_zigzag=ring_zigzag, compile=compile)
         materialize_buffers(model)
         self.unmatched_plan: list[str] = []
-        self.compile = compile
-        self._values = {k: v for k, v in model.state_dict(keep_vars=True).items()}
-        self._expected = {k: (tuple(v.shape), v.dtype) for k, v in self._values.items()}
-        extra = non_persistent_buffers(model)  # in no state dict or checkpoint
-        self._buffers_np = {k: (tuple(v.shape), v.dtype) for k, v in extra.items()}
-        self._values.update(extra)
-        self._buffer_fqns = {n for n, _ in model.named_buffers(remove_duplicate=False)}
-        self._watch = WeightWatch(model)
-        self._compiled: dict[tuple, Compiled] = {}
-        self._last: Compiled | None = None
-        self._world = None
-        self._kv_state = None    # the last generate's caches (fxshard.generate._Caches)
-        self._device = torch.device(self.spec.device_type)
+        self.weights = WeightStore(model, self.spec)
+        self.programs = ProgramCache(model, self.spec, self.options, self.weights)
+        self.executor = Executor(mesh, self.spec, self.options, self.weights)
 
-    # -- building ----------------------------------------------------------------------
-    def _build(self, args: tuple, kwargs: dict, generation: tuple | None = None) -> Compiled:
-        decode = generation is not None and generation[0] == "decode"
-        ctx = PassCtx(mesh=self.spec, sequence_parallel=self.sequence_parallel and not decode,
-                      strict=self.strict, plan=self.plan, embedding_style=self.embedding,
-                      ring_zigzag=self.ring_zigzag, split_sequence=not decode)
-        c = compile_program(self.model, args, kwargs, ctx, stages=self.stages,
-                            buffers=self._buffer_values(), generation=generation)
-        for fqn, value in c.traced.constants.items():
-            if value is not None:
-                self._values.setdefault(fqn, value)
-        return c
-
-    def _buffer_values(self) -> dict:
-        """The buffers' values as loaded (a checkpoint's read whole: buffers are small)."""
-        out = {}
-        for fqn in self._buffer_fqns:
-            v = self._values.get(fqn)
-            if hasattr(v, "block"):
-                v = v.block((R,) * len(self.spec.shape), self.spec, 0)
-            if isinstance(v, torch.Tensor) and v.device.type != "meta":
-                out[fqn] = v
-        return out
-
-    def _split(self, args: tuple, kwargs: dict) -> list[list]:
-        """The flat inputs of each microbatch (the batch is dim 0 of every tensor input)."""
-        if not kwargs and all(isinstance(x, torch.Tensor) for x in args):
-            flat = list(args)   # what tree_flatten gives, without its ~15 us per call
-        else:
-            flat, _ = pytree.tree_flatten((args, kwargs))
-        m = self.microbatches
-        if m == 1:
-            return [flat]
-        for x in flat:
-            if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] % m):
-                raise ValueError(
-                    f"{_WHERE}: an input of shape {tuple(x.shape)} cannot be split into "
-                    f"microbatches={m} along dim 0 (batch {x.shape[0] if x.dim() else '-'}); "
-                    f"use a batch that is a multiple of {m} or change microbatches")
-        return [[x.chunk(m)[i] if isinstance(x, torch.Tensor) else x for x in flat]
-                for i in range(m)]
-
-    def _get(self, args: tuple, kwargs: dict, generation: tuple | None = None
-             ) -> tuple[Compiled, list[list]]:
-        micro = self._split(args, kwargs)
-        key = (generation, _signature(micro[0]))
-        if key not in self._compiled:
-            _, spec = pytree.tree_flatten((args, kwargs))
-            a, k = pytree.tree_unflatten(micro[0], spec)
-            try:
-                self._compiled[key] = self._build(tuple(a), dict(k), generation)
-            except ValueError as e:
-                if len(micro) == 1:
-                    raise
-                raise ValueError(
-                    f"{e} [with microbatches={len(micro)} the program is traced on one "
-                    f"microbatch, 1/{len(micro)} of the batch: the shapes above are a "
-                    f"microbatch's; use fewer microbatches or a larger batch]") from e
-            if len(micro) > 1:
-                self._check_microbatch_outputs(self._compiled[key], micro[0])
-        self._last = self._compiled[key]
-        return self._last, micro
-
-    def _check_microbatch_outputs(self, c: Compiled, first: list) -> None:
-        """Microbatch outputs are joined along dim 0, so every tensor output must be per-sample
-        (batch on dim 0), not a reduction over the batch (a mean loss, a sum)."""
-        batch = next(x.shape[0] for x in first if isinstance(x, torch.Tensor) and x.dim())
-        out_node = next(n for n in c.programs[-1].graph.nodes if n.op == "output")
-        for i, a in enumerate(pytree.tree_leaves(out_node.args[0])):
-            v = a.meta.get("val") if isinstance(a, fx.Node) else None
-            if isinstance(v, torch.Tensor) and (v.dim() == 0 or v.shape[0] != batch):
-                raise ValueError(
-                    f"{_WHERE}: with microbatches={self.microbatches} the outputs of the "
-                    f"microbatches are joined along dim 0, but output {i} has shape "
-                    f"{tuple(v.shape)} per microbatch of {batch} samples (not per-sample). "
-                    f"Return per-sample values (e.g. logits, not a loss) or use microbatches=1")
+    def __call__(self, *args, **kwargs):
+        c, micro = self.programs.prepare(args, kwargs)
+        out = self.executor.run(c, micro)
+        return pytree.tree_unflatten(inference_only(self.model, list(out)), c.traced.out_spec)
 
     def stage_of(self, rank: int) -> int:
         return self.spec.axis_index(rank, "pp")
-
-    def _module(self, c: Compiled, rank: int) -> fx.GraphModule:
-        if rank not in c.modules:
-            c.modules[rank] = build_rank_module(c.programs[self.stage_of(rank)], rank,
-                                                self.spec, self._values, self._device)
-        return c.modules[rank]
-
-    def _runner(self, c: Compiled, rank: int, flat: list):
-        """What rank ``rank`` calls: its stage's program bound to its weights, as a plain
-        GraphModule with weights as inputs (``fxshard.compile.eager_stage``) or, with
-        ``compile=True``, Inductor-compiled (once per stage, here, in the calling thread: call
-        it for every rank before the ranks run)."""
-        mod = self._module(c, rank)
-        built = c.runners.get(rank)
-        if built is None or built[0] is not mod:
-            from .compile import compile_stage, eager_stage
-            stage = self.stage_of(rank)
-            if not self.compile:
-                fn = eager_stage(c.programs[stage])
-            else:
-                if stage not in c.compiled:
-                    state = [torch.zeros(n.meta["val"].shape, dtype=n.meta["val"].dtype,
-                                         device=self._device)
-                             for n in c.programs[stage].graph.nodes
-                             if n.op == "placeholder" and n.meta.get("fxshard_state") is not None]
-                    c.compiled[stage] = compile_stage(
-                        c.programs[stage], mod,
-                        [x for x in flat if isinstance(x, torch.Tensor)] + state,
-                        groups=None if is_simulated(self.mesh) else {
-                            axis: self.mesh.get_group(axis).group_name
-                            for axis in self.mesh.mesh_dim_names})
-                fn = c.compiled[stage]
-            built = c.runners[rank] = (mod, fn.bind(mod))
-        return built[1]
-
-    # -- running -----------------------------------------------------------------------
-    def _sync_weights(self) -> None:
-        """Take the model's tensors that changed since the last call (in place, reloaded,
-        reassigned, cast) and re-slice every rank's weights from them; a new dtype or shape,
-        or a changed buffer (a mask the trace may have folded), also retraces."""
-        changed = {k: v for k, v in self._watch.changed().items()
-                   if v is not None and v.device.type != "meta"}
-        if not changed:
-            return
-        self._values.update(changed)
-        self._invalidate(retrace=self._needs_retrace(changed))
-
-    def _needs_retrace(self, values: dict) -> bool:
-        """A changed buffer, dtype or shape needs a new trace; records the new dtypes/shapes."""
-        retrace = False
-        for k, v in values.items():
-            table = self._expected if k in self._expected else self._buffers_np
-            now = (tuple(v.shape), v.dtype)
-            retrace |= k in self._buffer_fqns or table.get(k) != now
-            table[k] = now
-        return retrace
-
-    def _invalidate(self, *, retrace: bool = False) -> None:
-        if retrace:  # the next call traces again (rank_module shows the old program till then)
-            self._compiled.clear()
-        for c in self._compiled.values():
-            c.modules.clear()
-            c.runners.clear()
-            c.loaded = False
-
-    def _check_loaded(self, c: Compiled) -> None:
-        empty = [fqn for p in c.programs for fqn, slot in p.slots.items()
-                 if self._values.get(fqn) is None or self._values[fqn].device.type == "meta"
-                 and not hasattr(self._values[fqn], "block")]
-        if not empty:
-            c.loaded = True
-            return
-        buffers = [f for f in empty if f in self._buffers_np]
-        weights = [f for f in empty if f not in self._buffers_np]
-        also = (f"; the weights are not loaded either ({weights[0]!r} and {len(weights) - 1} "
-                f"more): call pm.load_state_dict(full_state_dict) or "
-                f"fxshard.load_safetensors(pm, path)") if weights else ""
-        if buffers:
-            raise ValueError(
-                f"{_WHERE}: the non-persistent buffers {buffers[:4]}"
-                f"{' ...' if len(buffers) > 4 else ''} are on the meta device and no checkpoint "
-                f"holds them (state_dict() leaves them out). Build the model under "
-                f"fxshard.init_empty_weights() instead of torch.device('meta') so its "
-                f"constructor computes them, or pass them by name to pm.load_state_dict{also}")
-        raise ValueError(f"{_WHERE}: the model was built on the meta device and has no "
-                         f"weights yet ({weights[0]!r} and {len(weights) - 1} more are empty); "
-                         f"call pm.load_state_dict(full_state_dict) or "
-                         f"fxshard.load_safetensors(pm, path) before running it")
-
-    def __call__(self, *args, **kwargs):
-        self._sync_weights()
-        c, micro = self._get(args, kwargs)
-        if not c.loaded:
-            self._check_loaded(c)
-        out = run(self, c, micro)
-        return pytree.tree_unflatten(inference_only(self.model, list(out)), c.traced.out_spec)
 
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int,
                  do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
@@ -280,30 +89,24 @@ class ParallelModule:
         top-k, top-p, ``generator``); a sequence that emits ``eos_token_id`` (an id or a list)
         is padded with ``pad_token_id`` (default: the eos id) and generation stops when all
         have. A static KV cache per rank, sharded like the K/V it holds (see
-        :mod:`fxshard.generate`); the model's forward must take ``position_ids``."""
-        from .generate import generate
+        :mod:`fxshard.generation`); the model's forward must take ``position_ids``."""
+        from .generation import generate
         return generate(self, input_ids, max_new_tokens=max_new_tokens, do_sample=do_sample,
                         temperature=temperature, top_k=top_k, top_p=top_p,
                         eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                         generator=generator)
 
     # -- inspection --------------------------------------------------------------------
-    def _require_compiled(self, what: str) -> Compiled:
-        if self._last is None:
-            raise ValueError(f"ParallelModule.{what}: nothing is traced yet; call pm(x) once or "
-                             f"pass example_inputs= to fxshard.parallelize")
-        return self._last
-
     def rank_module(self, rank: int) -> fx.GraphModule:
         """The GraphModule rank ``rank`` runs for the most recent input signature."""
-        c = self._require_compiled("rank_module")
+        c = self.programs.require_last("rank_module")
         self.spec.coords(rank)
-        self._sync_weights()
-        return self._module(c, rank)
+        self.programs.sync_weights()
+        return self.executor.module(c, rank)
 
     def explain(self):
         from .explain import explain
-        return explain(self, self._require_compiled("explain"))
+        return explain(self, self.programs.require_last("explain"))
 
     # -- weights -----------------------------------------------------------------------
     def tied_names(self) -> dict[str, list[str]]:
@@ -318,34 +121,13 @@ class ParallelModule:
 
         Every key of ``model.state_dict()`` is required; the model's non-persistent buffers
         (in no checkpoint) may be given too, by name."""
-        check_state_dict_values("ParallelModule.load_state_dict", state_dict)
-        missing = sorted(set(self._expected) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(self._expected) - set(self._buffers_np))
-        if missing or unexpected:
-            raise ValueError(
-                f"ParallelModule.load_state_dict: the state dict does not match the model: "
-                f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}, unexpected "
-                f"keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}. Pass the "
-                f"unsharded model's state_dict() with the same parameter names.")
-        for k, (shape, _) in {**self._buffers_np, **self._expected}.items():
-            if k not in state_dict:
-                continue
-            got = tuple(state_dict[k].shape)
-            if got != shape:
-                raise ValueError(
-                    f"ParallelModule.load_state_dict: {k!r} has shape {got} but the model "
-                    f"expects {shape}; load a checkpoint of the same configuration")
-        self._values.update(state_dict)
-        self._watch.changed()  # the model's own tensors as they are now count as seen
-        self._invalidate(retrace=any(k in self._buffer_fqns for k in state_dict))
+        retrace = self.weights.load(state_dict)
+        self.programs.invalidate(retrace=retrace)
 
     def close(self) -> None:
         """Release the ranks' threads (simulated mesh) or this process's backend and its
         pending sends (real mesh); the module can still be called afterwards."""
-        self._kv_state = None
-        if self._world is not None:
-            self._world.close()
-            self._world = None
+        self.executor.close()
         if not is_simulated(self.mesh):
             from .runtime.distributed import release
             release(self.mesh)
@@ -401,5 +183,5 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
                         stages=stages, ring_zigzag=ring_zigzag, compile=compile)
     pm.unmatched_plan = unmatched    # globs that matched no module (warned; in explain())
     if example_inputs is not None or example_kwargs is not None:
-        pm._get(tuple(example_inputs or ()), dict(example_kwargs or {}))
+        pm.programs.get(tuple(example_inputs or ()), dict(example_kwargs or {}))
     return pm

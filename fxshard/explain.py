@@ -291,11 +291,10 @@ def explain(pm, compiled) -> Explanation:
             numel = int(torch.Size(local_shape(s.shape, s.spec, mesh)).numel())
             total += numel * s.dtype.itemsize
         ex.param_bytes[r] = total
-        caches = [n.meta["val"] for n in prog.graph.nodes if n.op == "placeholder"
-                  and str(n.meta.get("fxshard_state", "")).startswith("kv.")]
-        if caches:
+        if prog.kv_caches:
             ex.kv_cache_bytes[r] = ex.microbatches * sum(
-                v.shape[0] * v.shape[1] * v.shape[3] * v.element_size() for v in caches)
+                shape[0] * shape[1] * shape[3] * dtype.itemsize
+                for _, shape, dtype in prog.kv_caches)
     for prog in programs:
         for s in prog.slots.values():
             if s.kind != "param":

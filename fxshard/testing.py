@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .api import compile_program
+from .runtime.program_cache import compile_program
 from .mesh import MeshSpec
 from .passes import PassCtx
 from .passes.emit import build_rank_module

@@ -14,18 +14,16 @@ real, and for a model built entirely on ``meta`` (``with torch.device("meta")``)
 ``_init_weights``) to compute them. Nothing is ever guessed: a buffer that neither gives a
 value stays missing, and running the model names it and says how to fix it.
 
-:class:`WeightWatch` notices when the user changes the model after ``parallelize`` (an
-in-place update, ``model.load_state_dict``, a reassigned ``Parameter``), so the rank programs
-are re-sliced instead of computing with stale weights.
+What ``parallelize`` keeps of these weights, and how it notices the user changing the model
+afterwards, is :mod:`fxshard.runtime.weight_store`.
 """
 from __future__ import annotations
 
 import contextlib
-import operator
 
 import torch
 
-__all__ = ["init_empty_weights", "materialize_buffers", "non_persistent_buffers", "WeightWatch"]
+__all__ = ["init_empty_weights", "materialize_buffers", "non_persistent_buffers"]
 
 
 @contextlib.contextmanager
@@ -100,38 +98,3 @@ def materialize_buffers(model: torch.nn.Module) -> list[str]:
             else:
                 done.append(f"{mname}.{b}" if mname else b)
     return done
-
-
-class WeightWatch:
-    """Remembers each parameter and buffer of ``model`` (its identity and ``_version``) and
-    reports the FQNs whose tensor was replaced, re-pointed (``p.data = t``, ``model.half()``)
-    or modified in place since the last :meth:`changed` call: ~1 us per tensor (0.25-0.3 ms for a Llama-3-8B's 293 tensors, measured
-    on a busy 2-core CPU), once per forward."""
-
-    def __init__(self, model: torch.nn.Module):
-        self._fqns, self._slots, self._tensors = [], [], []
-        for mname, module in model.named_modules(remove_duplicate=False):
-            for table in (module._parameters, module._buffers):
-                for leaf, t in table.items():
-                    if t is not None:
-                        self._fqns.append(f"{mname}.{leaf}" if mname else leaf)
-                        self._slots.append((table, leaf))
-                        self._tensors.append(t)
-        self._versions = self._state(self._tensors)
-
-    @staticmethod
-    def _state(tensors: list) -> list:
-        # _version: in-place ops; data_ptr: `p.data = t`, model.to(dtype/device) (same
-        # Parameter, new storage). An in-place write through `p.data` changes neither.
-        return [(-1, 0) if t is None else (t._version, t.data_ptr()) for t in tensors]
-
-    def changed(self) -> dict[str, torch.Tensor]:
-        """``{fqn: current tensor}`` for every entry changed since the last call."""
-        now = [table.get(leaf) for table, leaf in self._slots]
-        versions = self._state(now)
-        if versions == self._versions and all(map(operator.is_, now, self._tensors)):
-            return {}
-        out = {f: t for f, t, old, v, w in zip(self._fqns, now, self._tensors, versions,
-                                                self._versions) if t is not old or v != w}
-        self._tensors, self._versions = now, versions
-        return out

@@ -53,7 +53,7 @@ def generate_case(rank: int, shape, names) -> dict:
         out["global_rng_hf"] = model.generate(ids, do_sample=True, top_k=TOP_K, top_p=1.0,
                                               temperature=1.0, max_new_tokens=NEW,
                                               attention_mask=ones).tolist()
-    out["modules_built"] = sorted(pm._last.modules)
+    out["modules_built"] = sorted(pm.programs.last.modules)
     out["microbatches"] = microbatches
     out["seconds"] = round(time.monotonic() - start, 2)
     pm.close()

@@ -89,7 +89,7 @@ def test_traces_at_first_call_and_caches_per_signature():
     for seq in (4, 6, 4):
         ids = torch.randint(0, 128, (1, seq))
         torch.testing.assert_close(pm(ids), model(ids), rtol=1e-4, atol=1e-4)
-    assert len(pm._compiled) == 2
+    assert len(pm.programs) == 2
 
 
 def test_explain_counts_bytes_and_parameters():

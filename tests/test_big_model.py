@@ -168,9 +168,9 @@ def test_weight_changes_after_parallelize_are_seen():
     model = transformers.LlamaForCausalLM(_llama_config()).eval()
     pm = _tp2(model)
     pm(IDS)
-    modules = dict(pm._last.modules)
+    modules = dict(pm.programs.last.modules)
     pm(IDS)
-    assert pm._last.modules == modules  # nothing changed: no re-slicing
+    assert pm.programs.last.modules == modules  # nothing changed: no re-slicing
 
     def check():
         with torch.no_grad():

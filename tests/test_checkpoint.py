@@ -30,7 +30,7 @@ def test_meta_model_reads_only_its_slices(tmp_path):
     torch.testing.assert_close(pm(ids), ref(ids), rtol=1e-4, atol=1e-4)
     total = sum(p.numel() for p in ref.parameters())
     read = {}
-    for name, src in pm._values.items():
+    for name, src in pm.weights.values.items():
         assert hasattr(src, "block"), name
         read[name] = sum(src.reads)
     # each weight read once per rank that holds it, only its block: q_proj is split over tp

@@ -111,7 +111,7 @@ def test_backend_new_sequence_length_retraces():
     # dynamo recompiles once with a dynamic sequence; that region traces per concrete length
     assert len(regions) == 2
     dynamic = regions[1].parallel_module
-    assert len(dynamic._compiled) == 2                          # seq 6 and 12
+    assert len(dynamic.programs) == 2                          # seq 6 and 12
     assert dynamic.explain().counts(0)[("all_reduce", "tp")] == 2
 
 
@@ -171,7 +171,7 @@ def test_backend_compiles_rank_programs_with_inductor():
     compiled, regions = _compiled(model, mesh)                  # compile=True by default
     torch.testing.assert_close(compiled(ids), model(ids), **TOL)
     pm = regions[0].parallel_module
-    c = pm._last
+    c = pm.programs.last
     assert pm.compile and sorted(c.compiled) == [0]              # one compiled program
     assert len({id(c.runners[r][1]) for r in range(4)}) == 4     # bound to each rank's weights
     assert pm.explain().counts(0)[("all_reduce", "tp")] == 2
@@ -193,6 +193,6 @@ def test_parallelize_compile_matches_eager_with_pipeline():
     out = pm(ids)
     torch.testing.assert_close(out, eager(ids), **TOL)
     torch.testing.assert_close(out, model(ids), **TOL)
-    assert sorted(pm._last.compiled) == [0, 1]                   # one per stage
-    for stage in pm._last.compiled.values():
+    assert sorted(pm.programs.last.compiled) == [0, 1]                   # one per stage
+    for stage in pm.programs.last.compiled.values():
         assert "_scaled_dot_product_flash_attention_for_cpu.default(" in stage.module.code

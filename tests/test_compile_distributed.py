@@ -42,9 +42,9 @@ def _cases(rank: int, report: dict) -> None:
     report["parallelize"] = {
         "vs_model": float((got - want).abs().max()),
         "vs_eager": float((got - eager).abs().max()),
-        "compiled_stages": sorted(pm._last.compiled),
-        "runners": sorted(pm._last.runners),
-        "code": pm._last.compiled[0].module.code,   # what Inductor compiled
+        "compiled_stages": sorted(pm.programs.last.compiled),
+        "runners": sorted(pm.programs.last.runners),
+        "code": pm.programs.last.compiled[0].module.code,   # what Inductor compiled
         "rank_code": pm.rank_module(rank).code,
     }
     report["lowerings"] = _collective_lowerings(mesh, rank)
@@ -69,8 +69,8 @@ def _cases(rank: int, report: dict) -> None:
         "own_numel": sum(t.numel() for t in own.values()),
         "expected_numel": (total - norms) // 2 + norms,
         "all_reduces": region.rank_module(rank).code.count("fxshard.all_reduce.default"),
-        "compiled_stages": sorted(region._last.compiled),
-        "code": region._last.compiled[0].module.code,
+        "compiled_stages": sorted(region.programs.last.compiled),
+        "code": region.programs.last.compiled[0].module.code,
     }
 
 
@@ -120,7 +120,7 @@ def _ulysses_lowered(model, ids, want, rank: int) -> dict:
 
     mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("ulysses_cp",))
     pm = fxshard.parallelize(model, mesh, example_inputs=(ids,))
-    gm, names = inductor_graph(pm._last.programs[0],
+    gm, names = inductor_graph(pm.programs.last.programs[0],
                                groups={"ulysses_cp": mesh.get_group("ulysses_cp").group_name})
     with use_backend(backend_for(mesh)):                 # the local_shard of the ids
         (got,) = gm(*_weights_of(pm.rank_module(rank), names), ids)

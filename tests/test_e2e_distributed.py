@@ -92,7 +92,7 @@ def _run_case(model_kind: str, shape, names, kwargs) -> tuple[str, str]:
     with torch.no_grad():
         got = pm(ids)
         want = model(ids)
-    built = sorted(pm._last.modules)
+    built = sorted(pm.programs.last.modules)
     if built != [dist.get_rank()]:  # a process builds its own rank's module only
         return f"built the modules of ranks {built}", type(got).__name__
     return _compare(got, want), type(got).__name__
@@ -177,16 +177,16 @@ def _safetensors_case(rank: int, ckpt_dir: str) -> dict:
     with torch.no_grad():
         got = pm(ids)
         want = ref(ids)
-    sources = {id(v): v for v in pm._values.values() if isinstance(v, SafetensorsSource)}
+    sources = {id(v): v for v in pm.weights.values.values() if isinstance(v, SafetensorsSource)}
     own = pm.rank_module(rank).state_dict()
     return {
         "compare": _compare(got, want),
         "read": sum(sum(s.reads) for s in sources.values()),
         "own_numel": sum(t.numel() for t in own.values()),
         "total_params": sum(p.numel() for p in ref.parameters()),
-        "modules_built": sorted(pm._last.modules),
-        "all_values_lazy": all(isinstance(v, SafetensorsSource) for k, v in pm._values.items()
-                               if k in pm._expected),
+        "modules_built": sorted(pm.programs.last.modules),
+        "all_values_lazy": all(isinstance(v, SafetensorsSource) for k, v in pm.weights.values.items()
+                               if k in pm.weights.expected),
     }
 
 

@@ -24,7 +24,7 @@ def test_eager_stage_binds_weights_once_and_sums_into_dead_inputs():
     mesh = fxshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     pm = fxshard.parallelize(model, mesh)
     torch.testing.assert_close(pm(ids), model(ids), rtol=1e-4, atol=1e-4)
-    c = pm._last
+    c = pm.programs.last
     stage = c.programs[0].eager
     code = stage.module.code
     assert "self." not in code                      # no weight read through attributes
@@ -171,8 +171,8 @@ def test_bindings_make_the_same_aten_calls_and_the_exact_result(monkeypatch):
     mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     pm = fxshard.parallelize(model, mesh)
     pm(ids)
-    c = pm._last
-    program, mod = c.programs[0], pm._module(c, 0)
+    c = pm.programs.last
+    program, mod = c.programs[0], pm.executor.module(c, 0)
     with_bindings = eager_stage(program)
     program.eager = None
     monkeypatch.setattr(fc, "aten_binding", lambda op: None)

@@ -7,7 +7,7 @@ the sequence or the layers)
 program writes and reads the cache once per layer, ring ranks merge their pieces, the caches
 hold each rank's share (and the positions the decode steps wrote), sampling follows HF's
 processors with the same generator, eos stops each sequence as in HF. Greedy on ``pp`` runs
-the groups of sequences through the stages across steps (``fxshard.pipelined_decode``): its
+the groups of sequences through the stages across steps (``fxshard.generation.pipelined``): its
 schedule, the overlap of one step's last group with the next step's first, eos per group.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 import fxshard
-from fxshard.pipelined_decode import schedule
+from fxshard.generation.pipelined import schedule
 from fxshard.passes.kv_cache import READ_LEN, WRITE_POS
 
 THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
@@ -82,12 +82,12 @@ def _export_once():
     runs). Only this module does this; the product traces on every build."""
     import dataclasses
 
-    import fxshard.api as api
     import fxshard.passes.pipeline as pipeline
+    import fxshard.runtime.program_cache as cache
     real, memo = pipeline.trace, {}
 
     def trace(model, args, kwargs=None, **options):
-        key = (id(model), api._signature(torch.utils._pytree.tree_flatten((args, kwargs))[0]),
+        key = (id(model), cache.signature(torch.utils._pytree.tree_flatten((args, kwargs))[0]),
                tuple(sorted((kwargs or {}))), tuple(sorted(options.items())))
         if key not in memo:
             memo[key] = (model, real(model, args, kwargs, **options))
@@ -159,7 +159,7 @@ def test_decode_program_reads_and_writes_the_cache_per_layer():
     assert _count(code, "all_reduce") == 2 * layers    # Megatron's two per layer on tp
     assert _count(code, "ring_attention") == _count(code, "attention") == 0
     # the prefill projects only the last position to the vocab (HF's logits_to_keep=1)
-    prefill = [c for (gen, _), c in pm._compiled.items() if gen and gen[0] == "prefill"]
+    prefill = [c for (gen, _), c in pm.programs.items() if gen and gen[0] == "prefill"]
     out = next(n for n in prefill[0].programs[-1].graph.nodes if n.op == "output")
     logits = [a.meta["val"] for a in torch.utils._pytree.tree_leaves(out.args[0])
               if isinstance(a, torch.fx.Node) and a.meta["val"].dim() == 3]
@@ -255,7 +255,7 @@ def test_each_rank_holds_its_share_of_the_cache(axes, share):
     ids = prompt(4, 8)
     pm = parallel(model, axes)
     pm.generate(ids, max_new_tokens=NEW)
-    state = pm._kv_state
+    state = pm.executor.kv_caches
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     whole = 2 * cfg.num_hidden_layers * 4 * cfg.num_key_value_heads * head_dim * 4  # per slot
@@ -408,7 +408,7 @@ def test_state_inputs_are_bound_per_rank():
     names = [n.name for n in placeholders]
     assert names[:2] == ["input_ids", "position_ids"]
     assert WRITE_POS in names and READ_LEN in names
-    st = pm._kv_state.state
+    st = pm.executor.kv_caches.state
     # after step t=2 (the last decode step of 3): coordinate 0 wrote steps 0 and 2
     assert int(st[0][READ_LEN][0]) == 4 + 2 and int(st[1][READ_LEN][0]) == 4 + 1
     pm.close()
@@ -434,9 +434,9 @@ def test_generate_on_a_model_built_empty_and_loaded_from_shards(tmp_path):
 # --- greedy on pp: the groups flow through the stages across steps ------------------------
 
 def _generate(pm, ids, **kwargs):
-    """``fxshard.generate.generate`` (the package's ``generate`` attribute may be shadowed)."""
-    import importlib
-    return importlib.import_module("fxshard.generate").generate(pm, ids, **kwargs)
+    """``fxshard.generation.loop.generate``, with its private options."""
+    from fxshard.generation.loop import generate
+    return generate(pm, ids, **kwargs)
 
 
 @settings(max_examples=30 if not THOROUGH else 300)

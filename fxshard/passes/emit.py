@@ -20,6 +20,7 @@ import torch.fx as fx
 from ..placement import local_block, local_shape
 from ..mesh import MeshSpec
 from . import PassCtx
+from .kv_cache import WRITE_POS, cache_keys, greedy_output
 
 __all__ = ["Program", "Slot", "emit_pass", "build_rank_module"]
 
@@ -37,12 +38,33 @@ class Slot:
 
 @dataclass
 class Program:
-    """A graph every rank of one stage runs, and the weights it reads."""
+    """A graph every rank of one stage runs, the weights it reads, and its state contract.
+
+    The state contract is what the runtime binds besides the user's inputs, read once from the
+    node meta the passes wrote (:mod:`fxshard.passes.kv_cache`): ``state_inputs``, the
+    ``fxshard_state`` placeholders' keys in input order (after the user's tensors);
+    ``kv_caches``, ``(key, local shape, dtype)`` of each KV-cache input; ``write_pos``, the key
+    of the cache write position (one slot for every sequence, so not cut into microbatches),
+    or None; ``token_ids``, which flat output holds the chosen token ids of a greedy decode
+    program, or None (the program returns logits)."""
 
     graph: fx.Graph
     slots: dict = field(default_factory=dict)   # fqn -> Slot
     stage: int = 0
     eager: object = field(default=None, repr=False, compare=False)  # fxshard.compile.eager_stage
+    state_inputs: tuple = field(default=(), init=False)
+    kv_caches: tuple = field(default=(), init=False)
+    write_pos: str | None = field(default=None, init=False)
+    token_ids: int | None = field(default=None, init=False)
+
+    def __post_init__(self):
+        self.state_inputs = tuple(n.meta["fxshard_state"] for n in self.graph.nodes
+                                  if n.op == "placeholder"
+                                  and n.meta.get("fxshard_state") is not None)
+        self.kv_caches = tuple(cache_keys(self.graph))
+        self.write_pos = WRITE_POS if WRITE_POS in self.state_inputs else None
+        if any(n.op == "output" for n in self.graph.nodes):
+            self.token_ids = greedy_output(self.graph)
 
 
 def emit_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:

@@ -1,13 +1,14 @@
 """Text generation: bind a static KV cache to every attention of the rank programs.
 
-Generation runs two programs per input signature (``fxshard.generate``): *prefill* (the
+Generation runs two programs per input signature (``fxshard.generation``): *prefill* (the
 prompt, the forward as ``parallelize`` builds it) and *decode* (one new token per sequence, at
 ``position_ids``). Both read and write one cache per attention, state of the ParallelModule
 that each rank holds in the layout of the K/V it stores: batch on ``dp``, KV heads on ``tp`` /
 ``ulysses_cp`` (the head each rank's queries use, where an axis exceeds the KV heads), the
 sequence on ``ring_cp``; a layer's cache lives on the ``pp`` stage of the layer. The caches are
-extra graph inputs (``fxshard_state``) the runner binds per rank, written in place by
-``fxshard::cache_write`` (the mutation is in the op's schema, so compile functionalises it).
+extra graph inputs (``fxshard_state``, listed on ``Program.state_inputs``) the executor binds
+per rank, written in place by ``fxshard::cache_write`` (the mutation is in the op's schema, so
+compile functionalises it).
 
 ``prefill_cache_pass`` runs after ``lower_attention``: the keys and values each rank attends
 are exactly what it must keep::
@@ -23,8 +24,9 @@ every causal mask does); it becomes the new K/V written into the cache and the q
 to the cache's valid slots. On ``ulysses_cp`` (the query is not split on the sequence: one
 token) the rank takes its heads, as the cache holds them, and the heads are gathered after; on
 ``ring_cp`` each rank attends its piece of the sequence and the pieces merge by logsumexp
-(flash-decoding across ranks); the new K/V goes to one rank of the ring per step (the runner
-says which through ``cache_write_pos``, the others write a scratch slot past the capacity)::
+(flash-decoding across ranks); the new K/V goes to one rank of the ring per step, the others
+write a scratch slot past the capacity (:func:`decode_slots`, the one place that rule is
+written; the runtime fills ``cache_write_pos`` and ``cache_read_len`` from it)::
 
     before: sdpa = aten.scaled_dot_product_attention(q, k, v, mask, scale=0.25)
     after:  fxshard.cache_write(kv_0_k, k, cache_write_pos); ...(kv_0_v, v, ...)
@@ -68,7 +70,7 @@ from .rules.attention import SOFTCAP, sdpa_args
 aten = torch.ops.aten
 
 __all__ = ["prefill_cache_pass", "decode_attention_pass", "greedy_tokens_pass", "cache_keys",
-           "greedy_output", "WRITE_POS", "READ_LEN"]
+           "greedy_output", "decode_slots", "WRITE_POS", "READ_LEN"]
 
 WRITE_POS = "cache_write_pos"
 READ_LEN = "cache_read_len"
@@ -326,3 +328,16 @@ def greedy_tokens_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     top.meta[_GREEDY] = True
     ctx.report("greedy_tokens_pass", changed=True, token_outputs=1, sharded_argmaxes=sharded)
     return gm
+
+
+def decode_slots(step: int, coord: int, ring: int, prompt_held: int, capacity: int
+                 ) -> tuple[int, int]:
+    """``(cache_write_pos, cache_read_len)`` of decode step ``step`` (its new K/V at prompt +
+    ``step``) on the rank at ring coordinate ``coord`` of ``ring`` that holds ``prompt_held``
+    of the prompt's positions. The write owner of step ``t`` is ring coordinate ``t % ring``
+    (the pieces grow evenly); the other ranks write the scratch slot ``capacity`` (every cache
+    has ``capacity + 1`` slots) and read only their piece."""
+    if ring == 1:
+        return prompt_held + step, prompt_held + step + 1
+    held = prompt_held + (step + ring - 1 - coord) // ring
+    return (held, held + 1) if step % ring == coord else (capacity, held)

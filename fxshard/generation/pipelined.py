@@ -23,7 +23,7 @@ group has finished or after ``max_new_tokens``: the output HF ``generate`` gives
 finished sequences and stops when all have finished). Every rank ends with every token and
 returns the same ``[B, S + new]``.
 
-Sampling keeps the step-synchronous loop of :mod:`fxshard.generate`: HF draws one
+Sampling keeps the step-synchronous loop of :mod:`fxshard.generation.loop`: HF draws one
 ``torch.multinomial`` over the whole batch's ``[B, vocab]`` per step, and per-group draws would
 consume the generator differently (a schedule choice: the tokens stay HF's).
 """
@@ -32,8 +32,7 @@ from __future__ import annotations
 import torch
 import torch.utils._pytree as pytree
 
-from .mesh import is_simulated
-from .runtime.runner import _inputs, state_keys
+from ..runtime.executor import bind_inputs
 
 __all__ = ["schedule"]
 
@@ -43,7 +42,7 @@ def schedule(stages: int, groups: int, steps: int) -> list[list[tuple[int, int] 
     finishing early: ``ticks[k][s]`` is the unit ``(step, group)`` stage ``s`` runs at tick
     ``k``, or None (idle). ``steps`` counts the prefill (step -1) and the decode steps."""
     if stages < 1 or groups < 1 or steps < 1:
-        raise ValueError(f"fxshard.pipelined_decode.schedule: stages={stages}, groups={groups}, "
+        raise ValueError(f"fxshard.generation.pipelined.schedule: stages={stages}, groups={groups}, "
                          f"steps={steps} must all be >= 1")
     done: dict[tuple[int, int, int], int] = {}   # (stage, step, group) -> tick it ends
     free = [0] * stages                           # the first tick stage s is free
@@ -81,7 +80,7 @@ class _Rank:
 
     def __init__(self, pm, rank, prefill, pre_micro, decode, caches, *, greedy, new, eos, pad,
                  input_ids, hook):
-        self.pm, self.rank, self.caches = pm, rank, caches
+        self.executor, self.rank, self.caches = pm.executor, rank, caches
         self.stage, self.last = pm.stage_of(rank), pm.spec.axis_size("pp") - 1
         self.m, self.new, self.pad, self.hook = pm.microbatches, new, pad, hook
         self.greedy, self.eos = greedy, eos
@@ -90,8 +89,8 @@ class _Rank:
         self.mesh_device = torch.device(pm.spec.device_type)
         self.b = input_ids.shape[0] // self.m
         self.pre_micro = pre_micro
-        self.programs = {    # step < 0: the prefill; else decode: (Compiled, state keys)
-            phase: (c, state_keys(c.programs[self.stage].graph))
+        self.programs = {    # step < 0: the prefill; else decode: (Compiled, stage program)
+            phase: (c, c.programs[self.stage])
             for phase, c in ((True, prefill), (False, decode)) if c is not None}
         self.tokens: list[list[torch.Tensor]] = [[] for _ in range(self.m)]
         self.unfinished = [torch.ones(self.b, dtype=torch.bool, device=self.out_device)
@@ -106,12 +105,12 @@ class _Rank:
         self.tokens[j].append(tok)
 
     def _run(self, t: int, j: int, backend) -> None:
-        c, keys = self.programs[t < 0]
+        c, program = self.programs[t < 0]
         flat = self.pre_micro[j] if t < 0 else _flat(self.tokens[j][t], self.prompt + t)
-        mod = self.pm._runner(c, self.rank, flat)
+        mod = self.executor.runner(c, self.rank, flat)
         if self.hook is not None:
             self.hook(self.rank, self.stage, t, j)
-        out = mod(*_inputs(flat, keys, self.caches.state[self.rank], j, self.m))
+        out = mod(*bind_inputs(flat, program, self.caches.state[self.rank], j, self.m))
         if self.stage != self.last:
             return
         tok = self.greedy(c, out).to(device=self.out_device, dtype=self.out_dtype)
@@ -125,7 +124,7 @@ class _Rank:
         self._take(j, tok.to(self.out_device))
 
     def __call__(self) -> torch.Tensor:
-        from .runtime.context import current_backend
+        from ..runtime.context import current_backend
         backend = current_backend("fxshard.generate")
         with torch.no_grad():   # per thread: simulated ranks are threads
             for t in range(-1, self.new):       # unit (t, j) makes token t + 1 of group j
@@ -160,24 +159,7 @@ def pipelined_greedy(pm, input_ids: torch.Tensor, prefill, pre_micro: list[list]
         return _Rank(pm, rank, prefill, pre_micro, decode, caches, greedy=greedy, new=new,
                      eos=eos_t, pad=pad, input_ids=input_ids, hook=hook)()
 
-    if is_simulated(pm.mesh):
-        from .runtime.simulated import SimulatedWorld
-        if pm._world is None:
-            pm._world = SimulatedWorld(pm.spec)
-        for r in range(pm.spec.world_size):    # built (or compiled) here, not in the threads
-            pm._runner(prefill, r, pre_micro[0])
-            if decode is not None:
-                pm._runner(decode, r, decode_flat)
-        results = pm._world.run(driver)
-        assert all(torch.equal(x, results[0]) for x in results), "ranks' tokens differ"
-        return results[0]
-    from .runtime.context import use_backend
-    from .runtime.distributed import backend_for
-    backend = backend_for(pm.mesh)
-    pm._runner(prefill, backend.rank, pre_micro[0])
-    if decode is not None:
-        pm._runner(decode, backend.rank, decode_flat)
-    with use_backend(backend):
-        out = driver(backend.rank)
-        backend.flush()   # a failed send surfaces here, not in a later forward
-    return out
+    bind = [(prefill, pre_micro[0])] + ([(decode, decode_flat)] if decode is not None else [])
+    results = pm.executor.on_ranks(driver, bind)   # built (or compiled) here, not in threads
+    assert all(torch.equal(x, results[0]) for x in results), "ranks' tokens differ"
+    return results[0]

@@ -1,0 +1,81 @@
+"""Every rank's KV caches and cache positions: the state the generation programs bind.
+
+A program says which caches it reads (``Program.kv_caches``: key, the rank's shape, dtype; from
+:mod:`fxshard.passes.kv_cache`). :class:`Caches` allocates them once per ``generate`` call, one
+set per rank this process runs (on a real mesh: its own), with the batch of every microbatch
+(``microbatches=m``: ``m`` times the program's), and before each decode step fills the write
+position and read lengths in place from :func:`fxshard.passes.kv_cache.decode_slots` (the one
+place the ring's write-owner rule is written).
+
+The capacity per rank is the prompt plus ``max_new_tokens`` (on ``ring_cp``: the most any ring
+rank holds), rounded up to a multiple of :data:`CAPACITY_STEP` so prompts of similar length
+share the decode program.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..passes.kv_cache import READ_LEN, WRITE_POS, decode_slots
+
+__all__ = ["Caches", "capacity", "check_same_caches", "CAPACITY_STEP"]
+
+_WHERE = "ParallelModule.generate"
+CAPACITY_STEP = 64
+
+
+def capacity(spec, prompt: int, new: int) -> int:
+    """Cache slots per rank for a prompt of ``prompt`` tokens and ``new`` new ones."""
+    ring = spec.axis_size("ring_cp")
+    need = prompt // ring + -(-max(new - 1, 0) // ring)
+    return max(CAPACITY_STEP, -(-need // CAPACITY_STEP) * CAPACITY_STEP)
+
+
+class Caches:
+    """Every rank's KV caches and positions for the programs of ``c`` (the prefill's
+    ``Compiled``), on the ranks ``executor`` runs; ``state[rank]`` is what a rank binds."""
+
+    def __init__(self, executor, c, prompt: int, capacity: int):
+        self.spec = executor.spec
+        self.ring = self.spec.axis_size("ring_cp")
+        self.capacity = capacity
+        self.base = prompt // self.ring           # prompt positions each ring rank holds
+        self.device = device = executor.device
+        m = executor.options.microbatches
+        self.state: dict[int, dict] = {}
+        for rank in executor.ranks():
+            program = c.programs[executor.stage_of(rank)]
+            st = {}
+            for key, shape, dtype in program.kv_caches:
+                st[key] = torch.zeros((shape[0] * m, *shape[1:]), dtype=dtype, device=device)
+            st[WRITE_POS] = torch.zeros(1, dtype=torch.int64, device=device)
+            self.state[rank] = st
+        self.batch = {r: next((t.shape[0] for k, t in st.items() if k.startswith("kv.")), 1)
+                      for r, st in self.state.items()}
+        self.coord = {r: self.spec.axis_index(r, "ring_cp") for r in self.state}
+
+    def step(self, t: int, *, ranks=None) -> None:
+        """Positions for decode step ``t`` (its new K/V at prompt + t), on ``ranks`` (all)."""
+        for rank in self.state if ranks is None else ranks:
+            st = self.state[rank]
+            write, read = decode_slots(t, self.coord[rank], self.ring, self.base, self.capacity)
+            st[WRITE_POS].fill_(write)     # in place: no new tensors per step
+            if READ_LEN in st:
+                st[READ_LEN].fill_(read)
+            else:
+                st[READ_LEN] = torch.full((self.batch[rank],), read, dtype=torch.int64,
+                                          device=self.device)
+
+
+def check_same_caches(prefill, decode) -> None:
+    """The decode program must read every cache the prefill wrote: an attention the decode
+    trace did not recognise would attend only the new token."""
+    def keys(c):
+        return sorted(k for p in c.programs for k, _, _ in p.kv_caches)
+    written, read = keys(prefill), keys(decode)
+    if written != read:
+        raise NotImplementedError(
+            f"{_WHERE}: the prompt's forward has {len(written) // 2} attentions but fxshard "
+            f"recognised {len(read) // 2} in the one-token decode step (its attention is "
+            f"written in a form fxshard does not lower for a single query, e.g. eager "
+            f"attention with a mask built from position_ids); run the model with "
+            f"attn_implementation='sdpa'")

@@ -1,0 +1,173 @@
+"""The weights a ParallelModule's rank programs are sliced from, and what changed since.
+
+``WeightStore(model, spec)`` holds one global value per FQN: the model's own tensors (its state
+dict and its non-persistent buffers), replaced by what ``load_state_dict`` loads (a tensor, or a
+checkpoint source with ``block(spec, mesh, rank)`` that reads only a rank's slice). Each rank
+module holds its blocks of these values (:func:`fxshard.passes.emit.build_rank_module`).
+
+:class:`WeightWatch` notices when the user changes the model after ``parallelize`` (an in-place
+update, ``model.load_state_dict``, a reassigned ``Parameter``); :meth:`WeightStore.sync` takes
+those tensors and says whether the programs must be re-sliced or retraced, so the ranks never
+compute with stale weights.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ..checks import check_state_dict_values
+from ..mesh import MeshSpec
+from ..placement import R
+from ..weights import non_persistent_buffers
+
+__all__ = ["WeightStore", "WeightWatch"]
+
+_WHERE = "fxshard.parallelize"
+
+
+class WeightWatch:
+    """Remembers each parameter and buffer of ``model`` (its identity and ``_version``) and
+    reports the FQNs whose tensor was replaced, re-pointed (``p.data = t``, ``model.half()``)
+    or modified in place since the last :meth:`changed` call: ~1 us per tensor (0.25-0.3 ms
+    for a Llama-3-8B's 293 tensors, measured on a busy 2-core CPU), once per forward."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._fqns, self._slots, self._tensors = [], [], []
+        for mname, module in model.named_modules(remove_duplicate=False):
+            for table in (module._parameters, module._buffers):
+                for leaf, t in table.items():
+                    if t is not None:
+                        self._fqns.append(f"{mname}.{leaf}" if mname else leaf)
+                        self._slots.append((table, leaf))
+                        self._tensors.append(t)
+        self._versions = self._state(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._fqns)
+
+    @staticmethod
+    def _state(tensors: list) -> list:
+        # _version: in-place ops; data_ptr: `p.data = t`, model.to(dtype/device) (same
+        # Parameter, new storage). An in-place write through `p.data` changes neither.
+        return [(-1, 0) if t is None else (t._version, t.data_ptr()) for t in tensors]
+
+    def changed(self) -> dict[str, torch.Tensor]:
+        """``{fqn: current tensor}`` for every entry changed since the last call."""
+        now = [table.get(leaf) for table, leaf in self._slots]
+        versions = self._state(now)
+        if versions == self._versions and all(map(operator.is_, now, self._tensors)):
+            return {}
+        out = {f: t for f, t, old, v, w in zip(self._fqns, now, self._tensors, versions,
+                                                self._versions) if t is not old or v != w}
+        self._tensors, self._versions = now, versions
+        return out
+
+
+class WeightStore:
+    """FQN -> global value of every weight slot, the shapes and dtypes the trace expects, and
+    the watch on the model's own tensors.
+
+    ``values``: FQN -> tensor or checkpoint source; ``expected``: FQN -> (shape, dtype) of the
+    state dict's entries; ``non_persistent``: the same for the buffers no state dict holds;
+    ``buffer_fqns``: every buffer's FQN (a changed buffer may have been folded by the trace)."""
+
+    def __init__(self, model: torch.nn.Module, spec: MeshSpec):
+        self.spec = spec
+        self.values: dict = {k: v for k, v in model.state_dict(keep_vars=True).items()}
+        self.expected = {k: (tuple(v.shape), v.dtype) for k, v in self.values.items()}
+        extra = non_persistent_buffers(model)  # in no state dict or checkpoint
+        self.non_persistent = {k: (tuple(v.shape), v.dtype) for k, v in extra.items()}
+        self.values.update(extra)
+        self.buffer_fqns = {n for n, _ in model.named_buffers(remove_duplicate=False)}
+        self.watch = WeightWatch(model)
+
+    def sync(self) -> bool | None:
+        """Take the model's tensors that changed since the last call (in place, reloaded,
+        reassigned, cast). None: nothing changed; else whether the programs must be retraced
+        (a new dtype or shape, or a changed buffer: a mask the trace may have folded) rather
+        than only re-sliced."""
+        changed = {k: v for k, v in self.watch.changed().items()
+                   if v is not None and v.device.type != "meta"}
+        if not changed:
+            return None
+        self.values.update(changed)
+        return self._needs_retrace(changed)
+
+    def _needs_retrace(self, values: dict) -> bool:
+        """A changed buffer, dtype or shape needs a new trace; records the new dtypes/shapes."""
+        retrace = False
+        for k, v in values.items():
+            table = self.expected if k in self.expected else self.non_persistent
+            now = (tuple(v.shape), v.dtype)
+            retrace |= k in self.buffer_fqns or table.get(k) != now
+            table[k] = now
+        return retrace
+
+    def record_constants(self, constants: dict) -> None:
+        """The values of the constants a trace found (tensors the model holds outside its
+        state dict), for the slots that have none yet."""
+        for fqn, value in constants.items():
+            if value is not None:
+                self.values.setdefault(fqn, value)
+
+    def buffer_values(self) -> dict:
+        """The buffers' values as loaded (a checkpoint's read whole: buffers are small)."""
+        out = {}
+        for fqn in self.buffer_fqns:
+            v = self.values.get(fqn)
+            if hasattr(v, "block"):
+                v = v.block((R,) * len(self.spec.shape), self.spec, 0)
+            if isinstance(v, torch.Tensor) and v.device.type != "meta":
+                out[fqn] = v
+        return out
+
+    def check_loaded(self, programs: list) -> None:
+        """Raise unless every weight slot of ``programs`` has a value (not an empty meta
+        tensor): what to load, and how."""
+        empty = [fqn for p in programs for fqn, slot in p.slots.items()
+                 if self.values.get(fqn) is None or self.values[fqn].device.type == "meta"
+                 and not hasattr(self.values[fqn], "block")]
+        if not empty:
+            return
+        buffers = [f for f in empty if f in self.non_persistent]
+        weights = [f for f in empty if f not in self.non_persistent]
+        also = (f"; the weights are not loaded either ({weights[0]!r} and {len(weights) - 1} "
+                f"more): call pm.load_state_dict(full_state_dict) or "
+                f"fxshard.load_safetensors(pm, path)") if weights else ""
+        if buffers:
+            raise ValueError(
+                f"{_WHERE}: the non-persistent buffers {buffers[:4]}"
+                f"{' ...' if len(buffers) > 4 else ''} are on the meta device and no checkpoint "
+                f"holds them (state_dict() leaves them out). Build the model under "
+                f"fxshard.init_empty_weights() instead of torch.device('meta') so its "
+                f"constructor computes them, or pass them by name to pm.load_state_dict{also}")
+        raise ValueError(f"{_WHERE}: the model was built on the meta device and has no "
+                         f"weights yet ({weights[0]!r} and {len(weights) - 1} more are empty); "
+                         f"call pm.load_state_dict(full_state_dict) or "
+                         f"fxshard.load_safetensors(pm, path) before running it")
+
+    def load(self, state_dict: dict) -> bool:
+        """Check and take the unsharded model's state dict (see
+        :meth:`fxshard.ParallelModule.load_state_dict`); returns whether the programs must be
+        retraced (a buffer was loaded: the trace may have folded it)."""
+        check_state_dict_values("ParallelModule.load_state_dict", state_dict)
+        missing = sorted(set(self.expected) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(self.expected) - set(self.non_persistent))
+        if missing or unexpected:
+            raise ValueError(
+                f"ParallelModule.load_state_dict: the state dict does not match the model: "
+                f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}, unexpected "
+                f"keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}. Pass the "
+                f"unsharded model's state_dict() with the same parameter names.")
+        for k, (shape, _) in {**self.non_persistent, **self.expected}.items():
+            if k not in state_dict:
+                continue
+            got = tuple(state_dict[k].shape)
+            if got != shape:
+                raise ValueError(
+                    f"ParallelModule.load_state_dict: {k!r} has shape {got} but the model "
+                    f"expects {shape}; load a checkpoint of the same configuration")
+        self.values.update(state_dict)
+        self.watch.changed()  # the model's own tensors as they are now count as seen
+        return any(k in self.buffer_fqns for k in state_dict)
