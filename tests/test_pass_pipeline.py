@@ -6,7 +6,7 @@ import torch
 import torch.fx as fx
 
 import fxshard
-from fxshard.api import compile_program
+from fxshard.runtime.program_cache import compile_program
 from fxshard.mesh import mesh_spec
 from fxshard.passes import PassCtx, PassReports
 from fxshard.passes.kv_cache import (decode_attention_pass, greedy_tokens_pass,
