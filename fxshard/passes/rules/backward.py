@@ -1,0 +1,150 @@
+"""Rules for the ops of a joint forward+backward graph (``fxshard.training``).
+
+Layout legend: q/out/grad_out ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]``, lse ``[B, Hq, S]``.
+
+aot_autograd's joint graph holds the backend op SDPA dispatches to and aten's backward ops;
+each gets a rule like any forward op, so the gradient collectives come from the same
+redistribution table::
+
+    _scaled_dot_product_flash_attention_for_cpu(q: S(1), k: S(1), v: S(1))
+        -> [out S(1), lse S(1)]                       (heads on tp; batch S(0) alike)
+    _scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse)
+        -> [grad_q, grad_k, grad_v] on the same heads / batch shard
+    embedding_dense_backward(grad: S(0) [B, S, E], ids: S(0) [B, S]) -> P [V, E]
+        (each rank scatters its own tokens' rows; the sum over ranks is the gradient)
+    embedding_dense_backward(grad: S(2), ids: R)      -> S(1)   (the embed_dim table shard)
+    slice_backward(grad: S(0) [B, H, S, 8], [B, H, S, 16], dim=3, 8, end) -> S(0)
+        (zero-padding along the sliced dim; a shard of that dim is gathered first)
+    _softmax_backward_data(grad, out, dim=-1): the softmax dim whole, others pass through
+
+Pointwise backward ops (``silu_backward``, ``threshold_backward``, ``gelu_backward``) carry
+torch's pointwise tag and use the pointwise rule; ``mm``/``t``/``sum`` are forward rules.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ...placement import P, R, Partial, Shard
+from . import Decision, RuleCtx, rule, tensor_inputs
+
+aten = torch.ops.aten
+
+_FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _attention(node: fx.Node, ins: list, ctx: RuleCtx, q: fx.Node, k: fx.Node,
+               mask: fx.Node | None, n_out: int, dropout_p: float) -> Decision:
+    """Batch (dim 0) or heads (dim 1) shards pass through attention; every tensor input but
+    the mask is ``[B, H, ...]``; a mask follows where it has that dim whole."""
+    if dropout_p:
+        raise NotImplementedError(
+            f"fxshard.training: attention {node.name} has dropout_p={dropout_p}; dropout "
+            f"masks that agree across ranks are not built yet. Use dropout 0")
+    tensors = tensor_inputs(node)
+    anchor = next((p.dim for p in ins if isinstance(p, Shard) and p.dim in (0, 1)), None)
+    if anchor is None:
+        return Decision(ins=[R] * len(ins), out=[R] * n_out)
+    if anchor == 1:
+        hq, hkv = ctx.shape(q)[1], ctx.shape(k)[1]
+        if hq % ctx.size or hkv % ctx.size:
+            raise NotImplementedError(
+                f"fxshard.training: attention {node.name} has {hq} query and {hkv} key/value "
+                f"heads, which mesh axis {ctx.axis!r} of size {ctx.size} (mesh "
+                f"{ctx.mesh.describe()}) cannot split evenly; training with replicated KV heads "
+                f"(tp > KV heads) is not built yet. Use a {ctx.axis} size that divides {hkv}")
+    elif any(ctx.shape(t)[0] != ctx.shape(q)[0] for t in tensors if t is not mask):
+        return Decision(ins=[R] * len(ins), out=[R] * n_out)
+    need = []
+    for t in tensors:
+        if t is mask:
+            md = anchor + ctx.ndim(t) - 4
+            whole = ctx.shape(q)[anchor]
+            need.append(Shard(md) if md >= 0 and ctx.shape(t)[md] == whole and whole > 1
+                        else R)
+        else:
+            need.append(Shard(anchor))
+    return Decision(ins=need, out=[Shard(anchor)] * n_out)
+
+
+def _kw(node: fx.Node, names: list[str], defaults: dict) -> dict:
+    out = dict(defaults)
+    out.update(dict(zip(names, node.args)))
+    out.update(node.kwargs)
+    return out
+
+
+@rule(_FLASH)
+def flash_attention_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    a = _kw(node, ["query", "key", "value", "dropout_p", "is_causal"],
+            dict(dropout_p=0.0, attn_mask=None))
+    return _attention(node, ins, ctx, a["query"], a["key"], a["attn_mask"], 2, a["dropout_p"])
+
+
+@rule(_FLASH_BACKWARD)
+def flash_attention_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    a = _kw(node, ["grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p",
+                   "is_causal"], dict(dropout_p=0.0, attn_mask=None))
+    return _attention(node, ins, ctx, a["query"], a["key"], a["attn_mask"], 3, a["dropout_p"])
+
+
+@rule(aten.embedding_dense_backward.default)
+def embedding_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``embedding_dense_backward(grad[..., E], ids[...], V, padding_idx, scale_by_freq)``."""
+    grad, ids = ins
+    g, i = tensor_inputs(node)
+    last = ctx.ndim(g) - 1
+    by_freq = len(node.args) > 4 and node.args[4]
+    if isinstance(grad, Shard) and grad.dim == last:
+        return Decision(ins=[grad, R], out=Shard(1))
+    if isinstance(grad, Partial):
+        return Decision(ins=[P, R], out=P)
+    token = next((p for p in (grad, ids) if isinstance(p, Shard) and p.dim < ctx.ndim(i)), None)
+    if token is not None and not by_freq:
+        # every rank scatters its own tokens' rows: a partial sum of the table's gradient
+        return Decision(ins=[token, token], out=P)
+    return Decision(ins=[R, R], out=R)
+
+
+def _padded_dim(node: fx.Node) -> int:
+    n = len(node.args[1])
+    return node.args[2] % n
+
+
+@rule(aten.slice_backward.default)
+def slice_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``slice_backward(grad, input_sizes, dim, start, end, step)``: ``grad`` zero-padded back
+    to ``input_sizes`` along ``dim``; shards of other dims and partial sums pass through."""
+    p = ins[0]
+    if isinstance(p, Shard) and p.dim != _padded_dim(node):
+        return Decision(ins=[p], out=p)
+    if isinstance(p, Partial):
+        return Decision(ins=[P], out=P)
+    return Decision(ins=[R], out=R)
+
+
+@rule(aten.select_backward.default)
+def select_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``select_backward(grad, input_sizes, dim, index)``: ``grad`` placed at ``index`` of a
+    new dim ``dim`` (zeros elsewhere)."""
+    p = ins[0]
+    dim = _padded_dim(node)
+    if isinstance(p, Shard):
+        return Decision(ins=[p], out=Shard(p.dim + (p.dim >= dim)))
+    if isinstance(p, Partial):
+        return Decision(ins=[P], out=P)
+    return Decision(ins=[R], out=R)
+
+
+@rule(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
+def softmax_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``_softmax_backward_data(grad, out, dim, dtype)``: the softmax dim whole."""
+    nd = ctx.ndim(node)
+    dim = node.args[2] % nd
+    if isinstance(ins[0], Partial) and not isinstance(ins[1], Partial):
+        return Decision(ins=[P, R], out=P)    # linear in the incoming gradient
+    shard = next((p for p in ins if isinstance(p, Shard) and p.dim != dim), None)
+    if shard is not None:
+        return Decision(ins=[shard, shard], out=shard)
+    return Decision(ins=[R, R], out=R)
