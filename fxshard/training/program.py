@@ -33,8 +33,10 @@ from ..passes.fold_mask import fold_causal_mask_pass
 from ..passes.gqa import unrepeat_kv_pass
 from ..passes.insert_collectives import insert_collectives_pass
 from ..passes.localize import localize_pass
-from ..passes.propagate import input_spec, propagate_pass
-from ..placement import R
+from ..passes.moe_routing import moe_routing_pass
+from ..passes.propagate import _run_once, input_spec, propagate_pass
+from ..passes.rules import tensor_inputs
+from ..placement import Partial, R
 from .joint import Joint, joint_graph
 from .partition import Split, partition
 
@@ -43,6 +45,7 @@ aten = torch.ops.aten
 __all__ = ["TrainProgram", "build_train_program"]
 
 _WHERE = "fxshard.training"
+_MAX_ROUNDS = 8
 
 
 @dataclass
@@ -83,40 +86,107 @@ def forward_placements(joint: Joint, ctx: PassCtx) -> dict:
     return out
 
 
-def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict) -> None:
-    """``propagate_pass`` on the joint graph with every weight's placement fixed: weights and
-    tangents enter as inputs given their placement (``ctx.input_specs``), which the
-    propagation hands their consumers; afterwards they are weights again, already placed."""
+def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint) -> None:
+    """The propagation pass's sweep on the joint graph with every weight's placement fixed:
+    weights and tangents enter as inputs given their placement (``ctx.input_specs``), which
+    the sweep hands their consumers; afterwards the weights are weights again, placed.
+
+    A tangent takes the placement its output has before the forward gathers it (the
+    backward of an all-gather is a local slice; a Partial output's tangent is the whole
+    gradient, Replicate). Sweeps repeat until that and one more refinement settle: a partial
+    sum that flows through linear ops (the norm's backward) into several reductions is
+    reduced once, at the latest value they all pass through (the input gradient of a
+    column-parallel block, summed over q, k, v: Megatron's one all-reduce)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     users = [n for n in placeholders if n.meta.get("fxshard_input") is not None
              and isinstance(n.meta.get("val"), torch.Tensor)]
     main = users[0].meta["val"] if users else None
-    given, tags = {}, {}
+    whole = tuple(R for _ in ctx.mesh.shape)
+    given, tags, tangents = {}, {}, {}
     fresh = 1 + max([n.meta["fxshard_input"] for n in users] or [0])
     for node in placeholders:
-        val = node.meta.get("val")
         fqn = node.meta.get("fxshard_param") or node.meta.get("fxshard_buffer")
         if node in users:
-            given[node.meta["fxshard_input"]] = input_spec(val, ctx, main)
+            given[node.meta["fxshard_input"]] = input_spec(node.meta["val"], ctx, main)
             continue
-        if fqn is not None:
-            spec = specs.get(fqn, tuple(R for _ in ctx.mesh.shape))
-        elif node.meta.get("fxshard_tangent") is not None:
-            spec = tuple(R for _ in ctx.mesh.shape)   # outputs leave the forward gathered
-        else:
+        if fqn is None and node.meta.get("fxshard_tangent") is None:
             continue
         key = "fxshard_param" if node.meta.get("fxshard_param") is not None else \
             "fxshard_buffer" if fqn is not None else "fxshard_tangent"
         tags[node] = (key, node.meta.pop(key))
+        if key == "fxshard_tangent":
+            tangents[fresh] = tags[node][1]
         node.meta["fxshard_input"] = fresh
-        given[fresh] = spec
+        given[fresh] = specs.get(fqn, whole) if fqn is not None else whole
         fresh += 1
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    for fqn, g in zip(joint.grads, out.args[0][joint.n_outputs:]):
+        if fqn is not None and isinstance(g, fx.Node):
+            g.meta["fxshard_want"] = specs.get(fqn, whole)   # rules may aim for it
     ctx.input_specs = given
-    propagate_pass(gm, ctx=ctx)
+    moe_routing_pass(gm, ctx=ctx)
+    reduced: dict = {}
+    for _ in range(_MAX_ROUNDS):
+        _run_once(gm, ctx, set(), reduced, {})
+        changed = False
+        for index, k in tangents.items():
+            value = out.args[0][k]
+            have = value.meta.get("fxshard_then") or value.meta.get("fxshard_spec")
+            want = tuple(R if isinstance(p, Partial) else p for p in have) \
+                if isinstance(have, tuple) else whole
+            changed |= given[index] != want
+            given[index] = want
+        more = {k: v for k, v in _reduced_many_times(gm, ctx).items() if k not in reduced}
+        for name, i in sorted(more):
+            ctx.report("propagate_pass", f"reduce {name} once on {ctx.mesh.axis_names[i]}: "
+                                         f"its partial sum reaches several reductions")
+        reduced.update(more)
+        if not changed and not more:
+            break
+    ctx.report("propagate_pass", f"annotated {len(gm.graph.nodes)} nodes of the joint graph, "
+                                 f"{len(ctx.fallbacks)} without a rule")
     for node, (key, value) in tags.items():
         del node.meta["fxshard_input"]
         node.meta[key] = value
-        node.meta["fxshard_spec"] = node.meta.pop("fxshard_then", node.meta["fxshard_spec"])
+        if key != "fxshard_tangent":   # a tangent arrives whole and is sliced (then)
+            node.meta["fxshard_spec"] = node.meta.pop("fxshard_then", node.meta["fxshard_spec"])
+
+
+def _reduced_many_times(gm: fx.GraphModule, ctx: PassCtx) -> dict:
+    """(node, axis index) -> placement for each Partial value whose partial sum reaches more
+    than one reduction through Partial consumers, taking the latest such value (none of its
+    consumers reaches all of its reductions)."""
+    out = {}
+    nodes = list(gm.graph.nodes)
+    for i, n in enumerate(ctx.mesh.shape):
+        if n == 1:
+            continue
+        sinks: dict = {}
+        for node in reversed(nodes):
+            spec = node.meta.get("fxshard_spec")
+            if not isinstance(spec, tuple) or not isinstance(spec[i], Partial) or \
+                    node.op == "placeholder":
+                continue
+            found = set()
+            for u in node.users:
+                uspec = u.meta.get("fxshard_spec")
+                for t, need in zip(tensor_inputs(u), u.meta.get("fxshard_need") or []):
+                    if t is not node or need is None:
+                        continue
+                    if not isinstance(need[i], Partial):   # one reduction of node
+                        found.add((node.name, tuple(need)))
+                    elif isinstance(uspec, tuple) and isinstance(uspec[i], Partial):
+                        found |= sinks.get(u, frozenset())
+            sinks[node] = frozenset(found)
+        chosen: list = []
+        for node, reached in sorted(sinks.items(), key=lambda kv: -len(kv[1])):
+            if len(reached) < 2 or any(u in sinks and sinks[u] >= reached for u in node.users) \
+                    or any(reached <= other for _, other in chosen):
+                continue
+            chosen.append((node, reached))
+            wants = {x[1][i] for x in reached}
+            out[(node.name, i)] = wants.pop() if len(wants) == 1 else R
+    return out
 
 
 def _gradient_targets(gm: fx.GraphModule, joint: Joint, specs: dict, ctx: PassCtx) -> None:
@@ -171,7 +241,7 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
     jctx = PassCtx(mesh=ctx.mesh, sequence_parallel=ctx.sequence_parallel, strict=ctx.strict,
                    plan=ctx.plan, embedding_style=ctx.embedding_style)
     gm = joint.gm
-    _joint_propagate(gm, jctx, specs)
+    _joint_propagate(gm, jctx, specs, joint)
     _gradient_targets(gm, joint, specs, jctx)
     gm = insert_collectives_pass(gm, ctx=jctx)
     gm = localize_pass(gm, ctx=jctx)

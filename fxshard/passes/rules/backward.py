@@ -12,7 +12,9 @@ redistribution table::
         -> [grad_q, grad_k, grad_v] on the same heads / batch shard
     embedding_dense_backward(grad: S(0) [B, S, E], ids: S(0) [B, S]) -> P [V, E]
         (each rank scatters its own tokens' rows; the sum over ranks is the gradient)
-    embedding_dense_backward(grad: S(2), ids: R)      -> S(1)   (the embed_dim table shard)
+    embedding_dense_backward(grad: S(2), ids: R)      -> S(1)   (the embed_dim table shard;
+        a whole grad is sliced to the columns first when the table is S(1): node.meta
+        ["fxshard_want"], the gradient's target placement, which the training driver sets)
     slice_backward(grad: S(0) [B, H, S, 8], [B, H, S, 16], dim=3, 8, end) -> S(0)
         (zero-padding along the sliced dim; a shard of that dim is gathered first)
     _softmax_backward_data(grad, out, dim=-1): the softmax dim whole, others pass through
@@ -104,6 +106,9 @@ def embedding_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     if token is not None and not by_freq:
         # every rank scatters its own tokens' rows: a partial sum of the table's gradient
         return Decision(ins=[token, token], out=P)
+    want = node.meta.get("fxshard_want")   # the table's placement (fxshard.training)
+    if want is not None and want[ctx.mesh.axis_names.index(ctx.axis)] == Shard(1):
+        return Decision(ins=[Shard(last), R], out=Shard(1))   # the rank's columns only
     return Decision(ins=[R, R], out=R)
 
 
