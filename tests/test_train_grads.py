@@ -1,0 +1,207 @@
+"""Training on dp, tp and dp·tp: every parameter's gradient equals the single-device model's.
+
+The loss is computed by the user on the returned logits (cross-entropy); the gradient of the
+logits flows back into every rank's backward program. Sizes are uneven on purpose (hidden 48,
+intermediate 72, vocab 96, sequence 6).
+"""
+import collections
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fxshard
+from fxshard.models.llama import LlamaConfig, LlamaForCausalLM
+from fxshard.training import assemble, parallelize_for_training
+
+V, B, S = 96, 4, 6
+
+
+def _llama(layers=2, kv=2):
+    torch.manual_seed(0)
+    cfg = LlamaConfig.tiny(num_hidden_layers=layers, vocab_size=V, hidden_size=48,
+                           intermediate_size=72, num_attention_heads=4,
+                           num_key_value_heads=kv)
+    return LlamaForCausalLM(cfg)
+
+
+def _data(seed=1, batch=B, seq=S):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, V, (batch, seq), generator=g),
+            torch.randint(0, V, (batch, seq), generator=g))
+
+
+def _loss(logits, labels):
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _mesh(dp, tp):
+    return fxshard.init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def _check_grads(model, tm, ids, labels, logits_of=lambda o: o):
+    out = tm(ids)
+    ref = model(ids)
+    torch.testing.assert_close(logits_of(out), logits_of(ref), rtol=1e-4, atol=1e-4)
+    _loss(logits_of(out), labels).backward()
+    _loss(logits_of(ref), labels).backward()
+    grads = tm.gradients()
+    worst = 0.0
+    for name, p in model.named_parameters():
+        assert grads[name] is not None, name
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+        worst = max(worst, (grads[name] - p.grad).abs().max().item())
+    return worst
+
+
+def _collectives(tm, which):
+    """(op, axis) -> count in rank 0's ``which`` program."""
+    out = collections.Counter()
+    for n in tm.rank_module(0, which).graph.nodes:
+        if n.op == "call_function" and str(n.target).startswith("fxshard."):
+            op = str(n.target).split(".")[1]
+            axis = next(a for a in n.args if isinstance(a, str))
+            out[op, axis] += 1
+    return out
+
+
+@pytest.mark.parametrize("dp,tp,sp", [(2, 1, False), (1, 2, False), (2, 2, False),
+                                      (1, 2, True)])
+def test_gradients_equal_single_device(dp, tp, sp):
+    model = _llama()
+    ids, labels = _data()
+    tm = parallelize_for_training(model, _mesh(dp, tp), sequence_parallel=sp)
+    _check_grads(model, tm, ids, labels)
+    n_params = len(list(model.parameters()))
+    c = _collectives(tm, "backward")
+    layers = 2
+    if dp > 1:   # one all-reduce per parameter gradient
+        assert c["all_reduce", "dp"] == n_params
+    if tp > 1 and not sp:
+        # Megatron: the input gradient of each column-parallel block (attention, MLP) is
+        # all-reduced once per layer, and the lm_head's input gradient once
+        assert c["all_reduce", "tp"] == 2 * layers + 1
+        assert set(k for k in c if k[1] == "tp") <= {("all_reduce", "tp"), ("local_shard", "tp")}
+    if tp > 1 and sp:
+        # the backward of each block's all-gather / reduce-scatter; the norms' weight
+        # gradients (sequence-sharded data) all-reduced
+        assert c["reduce_scatter", "tp"] >= 2 * layers
+        assert c["all_gather", "tp"] >= 2 * layers
+        assert c["all_reduce", "tp"] == 2 * layers + 1
+
+
+def test_rank_programs_are_readable_and_split():
+    model = _llama(layers=1)
+    ids, labels = _data()
+    tm = parallelize_for_training(model, _mesh(1, 2), example_inputs=(ids,))
+    fwd, bwd = tm.rank_module(0, "forward"), tm.rank_module(1, "backward")
+    names = [n.name for n in fwd.graph.nodes if n.op == "placeholder"]
+    assert names[0] == "model_embed_tokens_weight" and names[-1] == "input_0"
+    bnames = [n.name for n in bwd.graph.nodes if n.op == "placeholder"]
+    assert bnames[-1] == "grad_output_0" and any(b.startswith("saved_") for b in bnames)
+    assert not any(n.meta.get("fxshard_tangent") is not None for n in fwd.graph.nodes)
+    # the backward returns one gradient per parameter, shaped like the rank's shard
+    out = next(n for n in bwd.graph.nodes if n.op == "output").args[0]
+    assert len(out) == len(tm.shards(1))
+    _loss(tm(ids), labels).backward()
+    for r in range(2):
+        for name, p in tm.shards(r).items():
+            assert p.grad is not None and p.grad.shape == p.shape, (r, name)
+    assert tm.shards(0)["model.layers.0.mlp.up_proj.weight"].shape == (36, 48)
+    assert tm.shards(0)["model.layers.0.mlp.down_proj.weight"].shape == (48, 36)
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_optimizer_steps_equal_single_device(opt):
+    model = _llama(layers=1)
+    ids, labels = _data()
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    tm = parallelize_for_training(model, _mesh(2, 2), example_inputs=(ids,))
+    make = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)) if opt == "sgd" else \
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1))
+    ours = make(tm.parameters())
+    for step in range(3):
+        ours.zero_grad()
+        _loss(tm(ids), labels).backward()
+        ours.step()
+    # the model keeps its initial weights: fxshard trains the shards
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, initial[k]), k
+    trained = tm.state_dict()
+    theirs = make(model.parameters())
+    for step in range(3):
+        theirs.zero_grad()
+        _loss(model(ids), labels).backward()
+        theirs.step()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-5, msg=name)
+    # replicated parameters stay equal on every rank
+    norm = "model.layers.0.input_layernorm.weight"
+    for r in range(1, 4):
+        assert torch.equal(tm.shards(r)[norm], tm.shards(0)[norm])
+
+
+def test_hf_llama_gradients():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=48, intermediate_size=72,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids, labels = _data()
+    for dp, tp in [(2, 2), (1, 4)]:     # tp 4 > 2 KV heads: K/V projections replicated
+        model.zero_grad()
+        tm = parallelize_for_training(model, _mesh(dp, tp))
+        _check_grads(model, tm, ids, labels, logits_of=lambda o: o.logits)
+
+
+@settings(max_examples=4)
+@given(mesh=st.sampled_from([(2, 1), (1, 2), (2, 2), (4, 1), (1, 4)]),
+       layers=st.integers(1, 2), batch=st.sampled_from([4, 8]), seq=st.sampled_from([3, 5]),
+       seed=st.integers(0, 3))
+def test_gradients_property(mesh, layers, batch, seq, seed):
+    dp, tp = mesh
+    model = _llama(layers=layers, kv=4 if tp == 4 else 2)
+    ids, labels = _data(seed, batch=batch, seq=seq)
+    tm = parallelize_for_training(model, _mesh(dp, tp))
+    _check_grads(model, tm, ids, labels)
+
+
+def test_tp_beyond_kv_heads_unrepeated_is_an_error():
+    # the bundled Llama attends with unrepeated KV heads (enable_gqa): 2 KV heads on tp=4
+    # would need each rank's KV head picked and its gradient summed back: not built yet
+    model = _llama(layers=1)
+    ids, _ = _data()
+    with pytest.raises(NotImplementedError, match="replicated KV heads"):
+        parallelize_for_training(model, _mesh(1, 4), example_inputs=(ids,))
+
+
+def test_assemble_sums_partial_and_places_shards():
+    from fxshard.mesh import mesh_spec
+    from fxshard.placement import P, R, Shard, local_block
+    spec_mesh = mesh_spec(_mesh(2, 2))
+    t = torch.arange(24.0).reshape(4, 6)
+    for spec in [(R, Shard(0)), (Shard(1), Shard(0)), (P, Shard(1)), (R, R), (Shard(0), P)]:
+        blocks = [local_block(t, spec, spec_mesh, r) for r in range(4)]
+        assert torch.equal(assemble(blocks, (4, 6), spec, spec_mesh), t), spec
+
+
+def test_unsupported_axes_and_dropout_are_errors():
+    model = _llama(layers=1)
+    ids, _ = _data()
+    mesh = fxshard.init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "tp"))
+    with pytest.raises(NotImplementedError, match="'pp'.*dp and tp"):
+        parallelize_for_training(model, mesh, example_inputs=(ids,))
+
+    class Drop(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return F.dropout(self.lin(x), p=0.1, training=True)
+
+    with pytest.raises(NotImplementedError, match="dropout with p > 0"):
+        parallelize_for_training(Drop(), _mesh(2, 1), example_inputs=(torch.randn(2, 8),))
