@@ -20,6 +20,7 @@ sequence-sharded data) is all-reduced, or reduce-scattered where the parameter i
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +36,7 @@ from ..passes.insert_collectives import insert_collectives_pass
 from ..passes.localize import localize_pass
 from ..passes.moe_routing import moe_routing_pass
 from ..passes.propagate import _run_once, input_spec, propagate_pass
-from ..passes.rules import tensor_inputs
+from ..passes.rules import FallbackWarning, tensor_inputs
 from ..placement import Partial, R
 from .joint import Joint, joint_graph
 from .partition import Split, partition
@@ -77,7 +78,9 @@ def forward_placements(joint: Joint, ctx: PassCtx) -> dict:
     gm = eager_attention_pass(gm, ctx=ctx, constants=constants)
     gm = fold_causal_mask_pass(gm, ctx=ctx, constants=constants)
     gm = unrepeat_kv_pass(gm, ctx=ctx)
-    gm = propagate_pass(gm, ctx=ctx)
+    with warnings.catch_warnings():   # the joint graph's propagation warns about its own ops
+        warnings.simplefilter("ignore", FallbackWarning)
+        gm = propagate_pass(gm, ctx=ctx)
     out = {}
     for node in gm.graph.nodes:
         fqn = node.meta.get("fxshard_param") or node.meta.get("fxshard_buffer")
@@ -126,8 +129,11 @@ def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint
     ctx.input_specs = given
     moe_routing_pass(gm, ctx=ctx)
     reduced: dict = {}
-    for _ in range(_MAX_ROUNDS):
-        _run_once(gm, ctx, set(), reduced, {})
+    for round_ in range(_MAX_ROUNDS):
+        with warnings.catch_warnings():   # an op without a rule is warned about once
+            if round_:
+                warnings.simplefilter("ignore", FallbackWarning)
+            _run_once(gm, ctx, set(), reduced, {})
         changed = False
         for index, k in tangents.items():
             value = out.args[0][k]

@@ -153,3 +153,36 @@ def softmax_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     if shard is not None:
         return Decision(ins=[shard, shard], out=shard)
     return Decision(ins=[R, R], out=R)
+
+
+def _norm_leading(node: fx.Node, ins: list, ctx: RuleCtx, x: fx.Node, normalized: list):
+    """A shard of a dim before the normalized ones (tokens), or None."""
+    lead = ctx.ndim(x) - len(normalized)
+    return next((p for p in ins if isinstance(p, Shard) and p.dim < lead), None)
+
+
+@rule(aten.native_layer_norm.default)
+def native_layer_norm_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``native_layer_norm(x, normalized_shape, w, b, eps)`` -> (out, mean, rstd): token
+    shards pass through (mean/rstd keep the leading dims); the normalized dims whole."""
+    x = node.args[0]
+    shard = _norm_leading(node, ins[:1], ctx, x, list(node.args[1]))
+    if shard is None:
+        return Decision(ins=[R] * len(ins), out=[R] * 3)
+    return Decision(ins=[shard] + [R] * (len(ins) - 1), out=[shard] * 3)
+
+
+@rule(aten.native_layer_norm_backward.default)
+def native_layer_norm_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``native_layer_norm_backward(grad, x, shape, mean, rstd, w, b, mask)`` -> (grad_x,
+    grad_w, grad_b): on token shards grad_x keeps the shard and the weight's gradients are
+    partial sums; linear in ``grad`` (a Partial grad gives Partial gradients)."""
+    tensors = tensor_inputs(node)
+    x = node.args[1]
+    n_w = len(tensors) - 4          # weight and bias, when given
+    if isinstance(ins[0], Partial) and not any(isinstance(p, Partial) for p in ins[1:]):
+        return Decision(ins=[P] + [R] * (len(ins) - 1), out=[P] * 3)
+    shard = _norm_leading(node, ins[:2], ctx, x, list(node.args[2]))
+    if shard is None:
+        return Decision(ins=[R] * len(ins), out=[R] * 3)
+    return Decision(ins=[shard] * 4 + [R] * n_w, out=[shard, P, P])
