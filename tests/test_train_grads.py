@@ -15,16 +15,16 @@ from hypothesis import strategies as st
 
 import fxshard
 from fxshard.models.llama import LlamaConfig, LlamaForCausalLM
-from fxshard.training import assemble, parallelize_for_training
+from fxshard.training import assemble, clip_grad_norm_, parallelize_for_training
 
 V, B, S = 96, 4, 6
 
 
-def _llama(layers=2, kv=2):
+def _llama(layers=2, kv=2, tied=False):
     torch.manual_seed(0)
     cfg = LlamaConfig.tiny(num_hidden_layers=layers, vocab_size=V, hidden_size=48,
                            intermediate_size=72, num_attention_heads=4,
-                           num_key_value_heads=kv)
+                           num_key_value_heads=kv, tie_word_embeddings=tied)
     return LlamaForCausalLM(cfg)
 
 
@@ -50,7 +50,7 @@ def _check_grads(model, tm, ids, labels, logits_of=lambda o: o):
     _loss(logits_of(ref), labels).backward()
     grads = tm.gradients()
     worst = 0.0
-    for name, p in model.named_parameters():
+    for name, p in model.named_parameters(remove_duplicate=False):
         assert grads[name] is not None, name
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
         worst = max(worst, (grads[name] - p.grad).abs().max().item())
@@ -93,6 +93,16 @@ def test_gradients_equal_single_device(dp, tp, sp):
         assert c["all_reduce", "tp"] == 2 * layers + 1
 
 
+@pytest.mark.parametrize("dp,tp", [(2, 1), (1, 2)])
+def test_tied_embedding_gradient_sums_both_uses(dp, tp):
+    model = _llama(layers=1, tied=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids, labels = _data()
+    tm = parallelize_for_training(model, _mesh(dp, tp))
+    _check_grads(model, tm, ids, labels)
+    assert "lm_head.weight" not in tm.shards(0)    # one shard per rank for the one tensor
+
+
 def test_rank_programs_are_readable_and_split():
     model = _llama(layers=1)
     ids, labels = _data()
@@ -123,18 +133,24 @@ def test_optimizer_steps_equal_single_device(opt):
     make = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)) if opt == "sgd" else \
         (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1))
     ours = make(tm.parameters())
+    norms = []  # the gradient norm before clipping: above 0.5, so every step clips
     for step in range(3):
         ours.zero_grad()
         _loss(tm(ids), labels).backward()
+        norms.append(clip_grad_norm_(tm, 0.5))
         ours.step()
     # the model keeps its initial weights: fxshard trains the shards
     for k, v in model.state_dict().items():
         assert torch.equal(v, initial[k]), k
+    assert all(n > 0.5 for n in norms), norms
     trained = tm.state_dict()
     theirs = make(model.parameters())
     for step in range(3):
         theirs.zero_grad()
         _loss(model(ids), labels).backward()
+        torch.testing.assert_close(norms[step],
+                                   torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5),
+                                   rtol=1e-5, atol=1e-6)
         theirs.step()
     for name, p in model.named_parameters():
         torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-5, msg=name)

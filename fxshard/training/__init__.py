@@ -4,5 +4,6 @@
 outputs that backpropagate into every rank's parameter shards; see ``module.py``.
 """
 from .module import TrainModule, assemble, parallelize_for_training
+from .optim import clip_grad_norm_
 
-__all__ = ["TrainModule", "parallelize_for_training", "assemble"]
+__all__ = ["TrainModule", "parallelize_for_training", "assemble", "clip_grad_norm_"]

@@ -41,6 +41,7 @@ class Joint:
     n_outputs: int                # the first n_outputs outputs are the model's (flat)
     grads: list                   # per later output: the FQN whose gradient it is, or None
     params: list                  # parameter FQNs in placeholder order
+    tied: dict                    # a tied parameter's other names -> the name kept
 
 
 class _Replay(torch.nn.Module):
@@ -79,6 +80,7 @@ def joint_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None = None)
         TangentAOTInput)
     traced = trace(model, args, kwargs)
     cleanup_pass(traced.gm)
+    tied = _untie(traced, model)
     # the user's tensors in the export's input order (non-tensor inputs are baked in)
     import torch.fx._pytree as fx_pytree
     flat = fx_pytree.tree_flatten_spec((tuple(args), _without_cache(model, dict(kwargs or {}))),
@@ -132,7 +134,31 @@ def joint_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None = None)
         raise AssertionError((descs, out.args))
     _no_dropout(gm, model)
     gm.recompile()
-    return Joint(gm=gm, traced=traced, n_outputs=n_outputs, grads=grads, params=params)
+    return Joint(gm=gm, traced=traced, n_outputs=n_outputs, grads=grads, params=params,
+                 tied=tied)
+
+
+def _untie(traced: Traced, model: torch.nn.Module) -> dict:
+    """Tied parameters (one tensor under several names: a tied embedding and lm_head) are
+    separate inputs of the export; make them one, so that autograd sums the gradients of
+    every use into one (as the single-device model's ``.grad``). Returns {other name: the
+    kept name}."""
+    first: dict[int, fx.Node] = {}
+    tied = {}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for node in list(traced.gm.graph.nodes):
+        fqn = node.meta.get("fxshard_param")
+        if node.op != "placeholder" or fqn is None:
+            continue
+        kept = first.setdefault(id(params[fqn]), node)
+        if kept is not node:
+            node.replace_all_uses_with(kept)
+            traced.gm.graph.erase_node(node)
+            tied[fqn] = kept.meta["fxshard_param"]
+    if tied:
+        traced.gm.graph.lint()
+        traced.gm.recompile()
+    return tied
 
 
 _RANDOM = ("native_dropout", "bernoulli", "rand", "randn", "randint", "rand_like",

@@ -218,6 +218,8 @@ class TrainModule:
                 out[fqn] = None
                 continue
             out[fqn] = assemble(blocks, program.shapes[fqn], self._specs[fqn], self.spec)
+        for other, kept in program.joint.tied.items():   # one tensor, several names
+            out[other] = out[kept]
         return out
 
     def gradients(self) -> dict:
