@@ -195,19 +195,21 @@ def test_hf_llama_gradients():
        seed=st.integers(0, 3))
 def test_gradients_property(mesh, layers, batch, seq, seed):
     dp, tp = mesh
-    model = _llama(layers=layers, kv=4 if tp == 4 else 2)
+    model = _llama(layers=layers)
     ids, labels = _data(seed, batch=batch, seq=seq)
     tm = parallelize_for_training(model, _mesh(dp, tp))
     _check_grads(model, tm, ids, labels)
 
 
-def test_tp_beyond_kv_heads_unrepeated_is_an_error():
-    # the bundled Llama attends with unrepeated KV heads (enable_gqa): 2 KV heads on tp=4
-    # would need each rank's KV head picked and its gradient summed back: not built yet
-    model = _llama(layers=1)
-    ids, _ = _data()
-    with pytest.raises(NotImplementedError, match="replicated KV heads"):
-        parallelize_for_training(model, _mesh(1, 4), example_inputs=(ids,))
+def test_tp_beyond_unrepeated_kv_heads():
+    # the bundled Llama attends with unrepeated KV heads (enable_gqa): on tp=4 its 2 KV heads
+    # are repeated in the joint graph and their gradient summed back over each group
+    model = _llama(layers=2)
+    ids, labels = _data()
+    tm = parallelize_for_training(model, _mesh(1, 4))
+    _check_grads(model, tm, ids, labels)
+    assert tm.shards(3)["model.layers.0.self_attn.k_proj.weight"].shape == (24, 48)   # whole
+    assert tm.shards(3)["model.layers.0.self_attn.q_proj.weight"].shape == (12, 48)
 
 
 def test_assemble_sums_partial_and_places_shards():

@@ -5,7 +5,8 @@
     model ─joint_graph─▶ joint forward+backward ATen graph (global shapes)
     model ─trace─▶ forward graph ─eager_attention, fold_mask, unrepeat_kv, propagate─▶
           every parameter's placement (the inference program's: the shards are the same)
-    joint ─propagate (parameters fixed; tangents as their outputs)─▶ placements on every node
+    joint ─repeat_kv (tp > KV heads)─▶ ─propagate (parameters fixed; tangents as their
+          outputs)─▶ placements on every node
           ─insert_collectives─▶ gradient collectives from the redistribution table
           ─localize─▶ local shapes ─partition─▶ forward and backward rank programs
 
@@ -38,6 +39,7 @@ from ..passes.moe_routing import moe_routing_pass
 from ..passes.propagate import _run_once, input_spec, propagate_pass
 from ..passes.rules import FallbackWarning, tensor_inputs
 from ..placement import Partial, R
+from .gqa import repeat_kv_pass
 from .joint import Joint, joint_graph
 from .partition import Split, partition
 
@@ -246,7 +248,7 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
     edits = list(ctx.edits)
     jctx = PassCtx(mesh=ctx.mesh, sequence_parallel=ctx.sequence_parallel, strict=ctx.strict,
                    plan=ctx.plan, embedding_style=ctx.embedding_style)
-    gm = joint.gm
+    gm = repeat_kv_pass(joint.gm, ctx=jctx)
     _joint_propagate(gm, jctx, specs, joint)
     _gradient_targets(gm, joint, specs, jctx)
     gm = insert_collectives_pass(gm, ctx=jctx)

@@ -54,8 +54,9 @@ def _attention(node: fx.Node, ins: list, ctx: RuleCtx, q: fx.Node, k: fx.Node,
             raise NotImplementedError(
                 f"fxshard.training: attention {node.name} has {hq} query and {hkv} key/value "
                 f"heads, which mesh axis {ctx.axis!r} of size {ctx.size} (mesh "
-                f"{ctx.mesh.describe()}) cannot split evenly; training with replicated KV heads "
-                f"(tp > KV heads) is not built yet. Use a {ctx.axis} size that divides {hkv}")
+                f"{ctx.mesh.describe()}) cannot split evenly (KV heads fewer than the axis are "
+                f"repeated first, fxshard/training/gqa.py). Use a {ctx.axis} size that divides "
+                f"{hq} and {hkv} or is a multiple of {hkv} dividing {hq}")
     elif any(ctx.shape(t)[0] != ctx.shape(q)[0] for t in tensors if t is not mask):
         return Decision(ins=[R] * len(ins), out=[R] * n_out)
     need = []
