@@ -86,11 +86,15 @@ def test_gradients_equal_single_device(dp, tp, sp):
         assert c["all_reduce", "tp"] == 2 * layers + 1
         assert set(k for k in c if k[1] == "tp") <= {("all_reduce", "tp"), ("local_shard", "tp")}
     if tp > 1 and sp:
-        # the backward of each block's all-gather / reduce-scatter; the norms' weight
-        # gradients (sequence-sharded data) all-reduced
-        assert c["reduce_scatter", "tp"] >= 2 * layers
-        assert c["all_gather", "tp"] >= 2 * layers
+        # Megatron-SP: the backward of each block's all-gather is a reduce-scatter (and of
+        # the lm_head's), of each reduce-scatter an all-gather; the norms' weight gradients
+        # (sequence-sharded data) all-reduced; the embedding's a sequence -> hidden exchange
+        assert c["reduce_scatter", "tp"] == 2 * layers + 1
+        assert c["all_gather", "tp"] == 2 * layers
         assert c["all_reduce", "tp"] == 2 * layers + 1
+        assert c["all_to_all", "tp"] == 1
+        f = _collectives(tm, "forward")
+        assert f["all_gather", "tp"] == 2 * layers + 2 and f["reduce_scatter", "tp"] == 2 * layers
 
 
 @pytest.mark.parametrize("dp,tp", [(2, 1), (1, 2)])

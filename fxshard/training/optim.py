@@ -21,7 +21,7 @@ def clip_grad_norm_(tm, max_norm: float, norm_type: float = 2.0) -> torch.Tensor
     norm ``max_norm``; returns the norm before clipping (as ``torch.nn.utils``)."""
     grads = [g for g in tm.gradients().values() if g is not None]
     if not grads:
-        return torch.tensor(0.0)
+        return torch.zeros((), device=torch.device(tm.spec.device_type))
     norm_type = float(norm_type)
     total = torch.linalg.vector_norm(
         torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type)

@@ -5,7 +5,7 @@
     model ─joint_graph─▶ joint forward+backward ATen graph (global shapes)
     model ─trace─▶ forward graph ─eager_attention, fold_mask, unrepeat_kv, propagate─▶
           every parameter's placement (the inference program's: the shards are the same)
-    joint ─repeat_kv (tp > KV heads)─▶ ─propagate (parameters fixed; tangents as their
+    joint ─repeat_kv (tp > KV heads)─▶ ─dedupe_views─▶ ─propagate (parameters fixed; tangents as their
           outputs)─▶ placements on every node
           ─insert_collectives─▶ gradient collectives from the redistribution table
           ─localize─▶ local shapes ─partition─▶ forward and backward rank programs
@@ -37,10 +37,11 @@ from ..passes.insert_collectives import insert_collectives_pass
 from ..passes.localize import localize_pass
 from ..passes.moe_routing import moe_routing_pass
 from ..passes.propagate import _run_once, input_spec, propagate_pass
-from ..passes.rules import FallbackWarning, tensor_inputs
+from ..passes.rules import FallbackWarning
 from ..placement import Partial, R
 from .gqa import repeat_kv_pass
 from .joint import Joint, joint_graph
+from .refine import dedupe_views_pass, gathered_many_times, reduced_many_times
 from .partition import Split, partition
 
 aten = torch.ops.aten
@@ -131,11 +132,12 @@ def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint
     ctx.input_specs = given
     moe_routing_pass(gm, ctx=ctx)
     reduced: dict = {}
+    gathered: dict = {}
     for round_ in range(_MAX_ROUNDS):
         with warnings.catch_warnings():   # an op without a rule is warned about once
             if round_:
                 warnings.simplefilter("ignore", FallbackWarning)
-            _run_once(gm, ctx, set(), reduced, {})
+            _run_once(gm, ctx, set(), reduced, gathered)
         changed = False
         for index, k in tangents.items():
             value = out.args[0][k]
@@ -144,12 +146,17 @@ def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint
                 if isinstance(have, tuple) else whole
             changed |= given[index] != want
             given[index] = want
-        more = {k: v for k, v in _reduced_many_times(gm, ctx).items() if k not in reduced}
+        more = {k: v for k, v in reduced_many_times(gm, ctx).items() if k not in reduced}
         for name, i in sorted(more):
             ctx.report("propagate_pass", f"reduce {name} once on {ctx.mesh.axis_names[i]}: "
                                          f"its partial sum reaches several reductions")
         reduced.update(more)
-        if not changed and not more:
+        once = {k: v for k, v in gathered_many_times(gm, ctx).items() if k not in gathered}
+        for name, i in sorted(once):
+            ctx.report("propagate_pass", f"gather {name} once on {ctx.mesh.axis_names[i]}: "
+                                         f"views of it are gathered several times")
+        gathered.update(once)
+        if not changed and not more and not once:
             break
     ctx.report("propagate_pass", f"annotated {len(gm.graph.nodes)} nodes of the joint graph, "
                                  f"{len(ctx.fallbacks)} without a rule")
@@ -158,43 +165,6 @@ def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint
         node.meta[key] = value
         if key != "fxshard_tangent":   # a tangent arrives whole and is sliced (then)
             node.meta["fxshard_spec"] = node.meta.pop("fxshard_then", node.meta["fxshard_spec"])
-
-
-def _reduced_many_times(gm: fx.GraphModule, ctx: PassCtx) -> dict:
-    """(node, axis index) -> placement for each Partial value whose partial sum reaches more
-    than one reduction through Partial consumers, taking the latest such value (none of its
-    consumers reaches all of its reductions)."""
-    out = {}
-    nodes = list(gm.graph.nodes)
-    for i, n in enumerate(ctx.mesh.shape):
-        if n == 1:
-            continue
-        sinks: dict = {}
-        for node in reversed(nodes):
-            spec = node.meta.get("fxshard_spec")
-            if not isinstance(spec, tuple) or not isinstance(spec[i], Partial) or \
-                    node.op == "placeholder":
-                continue
-            found = set()
-            for u in node.users:
-                uspec = u.meta.get("fxshard_spec")
-                for t, need in zip(tensor_inputs(u), u.meta.get("fxshard_need") or []):
-                    if t is not node or need is None:
-                        continue
-                    if not isinstance(need[i], Partial):   # one reduction of node
-                        found.add((node.name, tuple(need)))
-                    elif isinstance(uspec, tuple) and isinstance(uspec[i], Partial):
-                        found |= sinks.get(u, frozenset())
-            sinks[node] = frozenset(found)
-        chosen: list = []
-        for node, reached in sorted(sinks.items(), key=lambda kv: -len(kv[1])):
-            if len(reached) < 2 or any(u in sinks and sinks[u] >= reached for u in node.users) \
-                    or any(reached <= other for _, other in chosen):
-                continue
-            chosen.append((node, reached))
-            wants = {x[1][i] for x in reached}
-            out[(node.name, i)] = wants.pop() if len(wants) == 1 else R
-    return out
 
 
 def _gradient_targets(gm: fx.GraphModule, joint: Joint, specs: dict, ctx: PassCtx) -> None:
@@ -249,6 +219,7 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
     jctx = PassCtx(mesh=ctx.mesh, sequence_parallel=ctx.sequence_parallel, strict=ctx.strict,
                    plan=ctx.plan, embedding_style=ctx.embedding_style)
     gm = repeat_kv_pass(joint.gm, ctx=jctx)
+    gm = dedupe_views_pass(gm, ctx=jctx)
     _joint_propagate(gm, jctx, specs, joint)
     _gradient_targets(gm, joint, specs, jctx)
     gm = insert_collectives_pass(gm, ctx=jctx)

@@ -99,17 +99,18 @@ def embedding_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     g, i = tensor_inputs(node)
     last = ctx.ndim(g) - 1
     by_freq = len(node.args) > 4 and node.args[4]
-    if isinstance(grad, Shard) and grad.dim == last:
-        return Decision(ins=[grad, R], out=Shard(1))
+    want = node.meta.get("fxshard_want")   # the table's placement (fxshard.training)
+    if isinstance(grad, Shard) and grad.dim == last or \
+            want is not None and want[ctx.mesh.axis_names.index(ctx.axis)] == Shard(1):
+        # the rank's columns of the table: the grad moved to its hidden shard (an all-to-all
+        # of activations, not a reduce-scatter of the whole table's gradient)
+        return Decision(ins=[Shard(last), R], out=Shard(1))
     if isinstance(grad, Partial):
         return Decision(ins=[P, R], out=P)
     token = next((p for p in (grad, ids) if isinstance(p, Shard) and p.dim < ctx.ndim(i)), None)
     if token is not None and not by_freq:
         # every rank scatters its own tokens' rows: a partial sum of the table's gradient
         return Decision(ins=[token, token], out=P)
-    want = node.meta.get("fxshard_want")   # the table's placement (fxshard.training)
-    if want is not None and want[ctx.mesh.axis_names.index(ctx.axis)] == Shard(1):
-        return Decision(ins=[Shard(last), R], out=Shard(1))   # the rank's columns only
     return Decision(ins=[R, R], out=R)
 
 
