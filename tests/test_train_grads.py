@@ -125,6 +125,11 @@ def test_rank_programs_are_readable_and_split():
         for name, p in tm.shards(r).items():
             assert p.grad is not None and p.grad.shape == p.shape, (r, name)
     assert tm.shards(0)["model.layers.0.mlp.up_proj.weight"].shape == (36, 48)
+    # parameters, gradients per rank: half the model plus the replicated norms (3 x 48)
+    total = sum(p.numel() for p in model.parameters()) * 4
+    mem = tm.memory(1)
+    assert mem["parameters"] == mem["gradients"] == (total - 3 * 48 * 4) // 2 + 3 * 48 * 4
+    assert mem["saved"] > 0
     assert tm.shards(0)["model.layers.0.mlp.down_proj.weight"].shape == (48, 36)
 
 

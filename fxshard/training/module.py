@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
 
 from ..mesh import MeshSpec, is_simulated, mesh_spec
 from ..passes import PassCtx
 from ..placement import Partial, block_index, local_block
+from ..trace import _without_cache
 from .program import TrainProgram, build_train_program
 
 __all__ = ["TrainModule", "parallelize_for_training", "assemble"]
@@ -49,6 +51,18 @@ def assemble(blocks: list[torch.Tensor], shape: tuple, spec: tuple, mesh: MeshSp
                                 for ix in index], indexing="ij") if shape else ()
         out.index_put_(grid, block, accumulate=True)
     return out
+
+
+def _bytes(tensors) -> int:
+    """Bytes of the distinct storages of ``tensors`` (views of one storage count once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+    return total
 
 
 def shard_dim_of(p):
@@ -149,7 +163,9 @@ class TrainModule:
     def __call__(self, *args, **kwargs):
         program = self._program(args, kwargs)
         split = program.split
-        flat, _ = pytree.tree_flatten((args, kwargs))
+        # the export's order of the user's inputs (HF's use_cache=False added, as traced)
+        flat = fx_pytree.tree_flatten_spec((args, _without_cache(self.model, dict(kwargs))),
+                                           program.joint.traced.in_spec)
         user = [flat[i] for i in split.inputs]
         shards = [self._shards[r][fqn] for r in range(self.spec.world_size)
                   for fqn in split.weights]
@@ -177,6 +193,7 @@ class TrainModule:
         results = self._world_run(run)
         outs = list(results[0][:split.n_outputs])
         saved = [list(r[split.n_outputs:]) for r in results]
+        self._saved_bytes = [_bytes(s) for s in saved]
         return outs, saved
 
     def _run_backward(self, program: TrainProgram, saved: list, tangents: list) -> list:
@@ -229,6 +246,14 @@ class TrainModule:
     def state_dict(self) -> dict:
         """The trained parameters, whole, by the model's names."""
         return self._assembled(lambda p: p.detach())
+
+    def memory(self, rank: int) -> dict:
+        """Bytes rank ``rank`` holds: its parameter shards, their gradients, and the
+        activations the last forward saved for the backward (distinct storages)."""
+        mine = self.shards(rank)
+        return {"parameters": _bytes(mine.values()),
+                "gradients": _bytes(p.grad for p in mine.values() if p.grad is not None),
+                "saved": (getattr(self, "_saved_bytes", None) or [0] * (rank + 1))[rank]}
 
     def rank_module(self, rank: int, which: str = "forward") -> fx.GraphModule:
         """The ``"forward"`` or ``"backward"`` program rank ``rank`` runs (ranks share the
