@@ -15,8 +15,10 @@ a copy per rank; they stay equal, as their gradients are all-reduced). On a simu
 call runs every rank's forward (threads), keeps each rank's saved activations, and the
 backward of the returned outputs runs every rank's backward program with the output's
 gradient (every rank is given the global one, as every rank was given the global input) and
-fills each rank's shard gradients. The model itself keeps its initial weights:
-:meth:`TrainModule.state_dict` assembles the trained ones.
+fills each rank's shard gradients. Under ``torchrun`` (a torch ``DeviceMesh``) each process
+holds and runs its own rank only (same programs; collectives on the mesh's process groups).
+The model itself keeps its initial weights: :meth:`TrainModule.state_dict` assembles the
+trained ones (simulated mesh).
 """
 from __future__ import annotations
 
@@ -108,18 +110,14 @@ class TrainModule:
         self.model = model
         self.mesh = mesh
         self.spec: MeshSpec = mesh_spec(mesh, where=_WHERE)
-        if not is_simulated(mesh):
-            raise NotImplementedError(
-                f"{_WHERE}: training runs on a simulated mesh for now (mesh "
-                f"{self.spec.describe()} is a torch DeviceMesh); build the mesh in one process "
-                f"with fxshard.init_device_mesh")
+        self._simulated = is_simulated(mesh)
         self.sequence_parallel = sequence_parallel
         self.plan = dict(plan or {})
         self.embedding = embedding
         self.strict = strict
         self._programs: dict[tuple, TrainProgram] = {}
         self._last: TrainProgram | None = None
-        self._shards: list[dict] | None = None     # rank -> FQN -> nn.Parameter (or buffer)
+        self._shards: dict | None = None     # held rank -> FQN -> nn.Parameter (or buffer)
         self._specs: dict | None = None
         self._world = None
 
@@ -145,13 +143,13 @@ class TrainModule:
             values.update(program.joint.traced.constants)
             params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
             self._specs = dict(program.specs)
-            self._shards = []
-            for rank in range(self.spec.world_size):
+            self._shards = {}
+            for rank in self.ranks:
                 mine = {}
                 for fqn, spec in program.specs.items():
                     block = local_block(values[fqn].detach(), spec, self.spec, rank)
                     mine[fqn] = torch.nn.Parameter(block) if fqn in params else block
-                self._shards.append(mine)
+                self._shards[rank] = mine
             return
         for fqn, spec in program.specs.items():
             if self._specs.get(fqn, spec) != spec:
@@ -167,19 +165,35 @@ class TrainModule:
         flat = fx_pytree.tree_flatten_spec((args, _without_cache(self.model, dict(kwargs))),
                                            program.joint.traced.in_spec)
         user = [flat[i] for i in split.inputs]
-        shards = [self._shards[r][fqn] for r in range(self.spec.world_size)
-                  for fqn in split.weights]
+        shards = [self._shards[r][fqn] for r in self.ranks for fqn in split.weights]
         # buffers (no gradient) ride along as inputs too; only parameters are autograd leaves
         differentiable = [s for s in shards if isinstance(s, torch.nn.Parameter)]
         outs = _Step.apply(self, program, len(differentiable), *differentiable, *user)
         n = split.n_outputs
         return pytree.tree_unflatten(list(outs[:n]), program.joint.traced.out_spec)
 
-    def _world_run(self, fn):
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks this process runs: all of a simulated mesh, its own of a real one."""
+        if self._simulated:
+            return list(range(self.spec.world_size))
+        from ..runtime.distributed import backend_for
+        return [backend_for(self.mesh).rank]
+
+    def _world_run(self, fn) -> dict:
+        """``{rank: fn(rank)}`` for the ranks this process runs."""
+        if not self._simulated:
+            from ..runtime.context import use_backend
+            from ..runtime.distributed import backend_for
+            backend = backend_for(self.mesh)
+            with use_backend(backend):
+                out = {backend.rank: fn(backend.rank)}
+                backend.flush()
+            return out
         if self._world is None:
             from ..runtime.simulated import SimulatedWorld
             self._world = SimulatedWorld(self.spec)
-        return self._world.run(fn)
+        return dict(enumerate(self._world.run(fn)))
 
     def _rank_weights(self, program: TrainProgram, rank: int) -> list:
         return [self._shards[rank][fqn].detach() for fqn in program.split.weights]
@@ -191,9 +205,9 @@ class TrainModule:
             with torch.no_grad():
                 return split.forward(*self._rank_weights(program, rank), *user)
         results = self._world_run(run)
-        outs = list(results[0][:split.n_outputs])
-        saved = [list(r[split.n_outputs:]) for r in results]
-        self._saved_bytes = [_bytes(s) for s in saved]
+        outs = list(results[self.ranks[0]][:split.n_outputs])
+        saved = {r: list(out[split.n_outputs:]) for r, out in results.items()}
+        self._saved_bytes = {r: _bytes(s) for r, s in saved.items()}
         return outs, saved
 
     def _run_backward(self, program: TrainProgram, saved: list, tangents: list) -> list:
@@ -204,9 +218,9 @@ class TrainModule:
                 return split.backward(*self._rank_weights(program, rank), *saved[rank],
                                       *tangents)
         results = self._world_run(run)
-        by_fqn = [dict(zip(split.grads, r)) for r in results]
+        by_fqn = {r: dict(zip(split.grads, out)) for r, out in results.items()}
         grads = []
-        for rank in range(self.spec.world_size):
+        for rank in self.ranks:
             for fqn in split.weights:
                 shard = self._shards[rank][fqn]
                 if isinstance(shard, torch.nn.Parameter):
@@ -218,16 +232,25 @@ class TrainModule:
     def parameters(self) -> list[torch.nn.Parameter]:
         """Every rank's parameter shards (rank-major), the leaves ``loss.backward()`` fills."""
         self._require("parameters")
-        return [p for mine in self._shards for p in mine.values()
+        return [p for mine in self._shards.values() for p in mine.values()
                 if isinstance(p, torch.nn.Parameter)]
 
     def shards(self, rank: int) -> dict:
-        """Rank ``rank``'s parameter shards by the model's names."""
+        """Rank ``rank``'s parameter shards by the model's names (a real mesh: this
+        process's rank only)."""
         self._require("shards")
+        if rank not in self._shards:
+            raise ValueError(f"{_WHERE}.TrainModule.shards: rank {rank} runs in another "
+                             f"process; this one holds rank {self.ranks}")
         return {k: v for k, v in self._shards[rank].items() if isinstance(v, torch.nn.Parameter)}
 
     def _assembled(self, what) -> dict:
-        program = self._last
+        program = self._require("gradients")
+        if not self._simulated:
+            raise NotImplementedError(
+                f"{_WHERE}: whole gradients / state dicts on a real mesh (mesh "
+                f"{self.spec.describe()}) need a gather across processes, not built yet; read "
+                f"this rank's shards with tm.shards(rank) (their .grad)")
         out = {}
         for fqn in self.shards(0):
             blocks = [what(self._shards[r][fqn]) for r in range(self.spec.world_size)]
@@ -253,7 +276,7 @@ class TrainModule:
         mine = self.shards(rank)
         return {"parameters": _bytes(mine.values()),
                 "gradients": _bytes(p.grad for p in mine.values() if p.grad is not None),
-                "saved": (getattr(self, "_saved_bytes", None) or [0] * (rank + 1))[rank]}
+                "saved": (getattr(self, "_saved_bytes", None) or {}).get(rank, 0)}
 
     def rank_module(self, rank: int, which: str = "forward") -> fx.GraphModule:
         """The ``"forward"`` or ``"backward"`` program rank ``rank`` runs (ranks share the
