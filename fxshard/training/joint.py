@@ -12,7 +12,8 @@ same node tags the forward passes read::
     placeholder primals_13   PlainAOTInput(idx=0)        -> meta["fxshard_input"] = 0
     placeholder tangents_1   TangentAOTInput(output 0)   -> meta["fxshard_tangent"] = 0
     output [_unsafe_view_7, embedding_dense_backward, t_39, ...]
-                             -> Joint.n_outputs = 1, Joint.grads = ["model.embed_tokens.weight", ...]
+                             -> Joint.n_outputs = 1,
+                                Joint.grads = ["model.embed_tokens.weight", ...]
 
 The backward half holds aten's backward ops (``embedding_dense_backward``, ``silu_backward``,
 ``slice_backward``, CPU flash attention's backward, ...): their sharding rules are in

@@ -5,15 +5,15 @@
     model ─joint_graph─▶ joint forward+backward ATen graph (global shapes)
     model ─trace─▶ forward graph ─eager_attention, fold_mask, unrepeat_kv, propagate─▶
           every parameter's placement (the inference program's: the shards are the same)
-    joint ─repeat_kv (tp > KV heads)─▶ ─dedupe_views─▶ ─propagate (parameters fixed; tangents as their
-          outputs)─▶ placements on every node
+    joint ─repeat_kv (tp > KV heads)─▶ ─dedupe_views─▶ ─propagate (parameters fixed;
+          tangents as their outputs)─▶ placements on every node
           ─insert_collectives─▶ gradient collectives from the redistribution table
           ─localize─▶ local shapes ─partition─▶ forward and backward rank programs
 
-Parameters enter the joint propagation with their forward placement fixed; each tangent with
-the placement its output leaves the forward in (``Replicate``: outputs are gathered, as
-``pm(x)`` returns the global output); each parameter's gradient must leave the backward in
-its parameter's placement, so a Partial gradient (a weight used with batch- or
+Parameters enter the joint propagation with their forward placement fixed; each tangent (every
+rank is given the whole gradient of an output, as ``pm(x)`` returns the whole output) is sliced
+to the placement its output has before the forward gathers it; each parameter's gradient must
+leave the backward in its parameter's placement, so a Partial gradient (a weight used with batch- or
 sequence-sharded data) is all-reduced, or reduce-scattered where the parameter is sharded::
 
     mm_8 = mm(t_8, view_11)            # dp: S(1) x S(0) -> P
