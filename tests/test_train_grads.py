@@ -68,6 +68,16 @@ def _collectives(tm, which):
     return out
 
 
+def test_vocab_parallel_embedding_gradient():
+    model = _llama(layers=1)
+    ids, labels = _data()
+    tm = parallelize_for_training(model, _mesh(2, 2), embedding="vocab")
+    _check_grads(model, tm, ids, labels)
+    assert tm.shards(1)["model.embed_tokens.weight"].shape == (V // 2, 48)
+    assert any(n.target is torch.ops.fxshard.vocab_embedding_backward.default
+               for n in tm.rank_module(0, "backward").graph.nodes)
+
+
 @pytest.mark.parametrize("dp,tp,sp", [(2, 1, False), (1, 2, False), (2, 2, False),
                                       (1, 2, True)])
 def test_gradients_equal_single_device(dp, tp, sp):

@@ -193,15 +193,32 @@ def _localize_backward(gm: fx.GraphModule, ctx: PassCtx) -> int:
                 node.update_arg(1, local)
                 changed += 1
         elif node.target is aten.embedding_dense_backward.default:
-            val, spec = node.meta["val"], node.meta["fxshard_spec"]
-            rows = local_shape(tuple(val.shape), spec, ctx.mesh, what=node.name)[0]
-            if rows != node.args[2]:
-                raise NotImplementedError(
-                    f"{_WHERE}: the gradient of a vocab-sharded embedding ({node.name}) is not "
-                    f"built yet; use embedding='embed_dim' (the default) or 'replicate'")
+            changed += _vocab_backward(node, ctx)
     if changed:
         gm.recompile()
     return changed
+
+
+def _vocab_backward(node: fx.Node, ctx: PassCtx) -> int:
+    """The gradient of a vocab-sharded table's rows: ``fxshard::vocab_embedding_backward``
+    (one vocab axis, as the forward's ``vocab_embedding``)."""
+    from ..placement import Shard
+    from .ops import vocab_embedding_backward
+    spec = node.meta["fxshard_spec"]
+    axes = [(a, n) for a, n, p in zip(ctx.mesh.axis_names, ctx.mesh.shape, spec)
+            if n > 1 and p == Shard(0)]
+    if not axes:
+        return 0
+    if len(axes) > 1 or node.args[4]:
+        raise NotImplementedError(
+            f"{_WHERE}: embedding gradient {node.name} is vocab-sharded over {axes} "
+            f"(scale_grad_by_freq={node.args[4]}); one vocab axis without scale_grad_by_freq "
+            f"is supported. Use embedding='embed_dim' (the default)")
+    (axis, n), = axes
+    grad, ids, vocab, padding = node.args[:4]
+    node.target = vocab_embedding_backward.default
+    node.args = (grad, ids, vocab // n, padding, axis, n)
+    return 1
 
 
 def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx

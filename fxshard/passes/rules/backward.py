@@ -111,6 +111,11 @@ def embedding_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     if token is not None and not by_freq:
         # every rank scatters its own tokens' rows: a partial sum of the table's gradient
         return Decision(ins=[token, token], out=P)
+    if want is not None and want[ctx.mesh.axis_names.index(ctx.axis)] == Shard(0) and \
+            not by_freq:
+        # a vocab-sharded table: each rank the gradient of its rows (fxshard.training's
+        # localize makes it fxshard::vocab_embedding_backward)
+        return Decision(ins=[R, R], out=Shard(0))
     return Decision(ins=[R, R], out=R)
 
 
