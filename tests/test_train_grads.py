@@ -297,3 +297,29 @@ def test_backward_op_rules_property(mesh, seq, seed):
     grads = tm.gradients()
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_partial_bias_trains_on_one_coordinate():
+    # a row-parallel bias is a Partial parameter (coordinate 0 holds it, the others zeros):
+    # its gradient goes to coordinate 0 only, so an elementwise optimizer keeps the zeros
+    torch.manual_seed(0)
+    cfg = LlamaConfig.tiny(num_hidden_layers=1, vocab_size=V, hidden_size=48,
+                           intermediate_size=72, attention_bias=True, mlp_bias=True)
+    model = LlamaForCausalLM(cfg)
+    ids, labels = _data()
+    tm = parallelize_for_training(model, _mesh(1, 2), example_inputs=(ids,))
+    bias = "model.layers.0.mlp.down_proj.bias"
+    assert isinstance(tm._specs[bias][1], torch.distributed.tensor.Partial)
+    ours = torch.optim.AdamW(tm.parameters(), lr=1e-3, weight_decay=0.1)
+    theirs = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    for _ in range(2):
+        ours.zero_grad()
+        theirs.zero_grad()
+        _loss(tm(ids), labels).backward()
+        _loss(model(ids), labels).backward()
+        ours.step()
+        theirs.step()
+    trained = tm.state_dict()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-5, msg=name)
+    assert not tm.shards(1)[bias].any() and tm.shards(0)[bias].any()
