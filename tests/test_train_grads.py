@@ -88,8 +88,11 @@ def test_gradients_equal_single_device(dp, tp, sp):
     n_params = len(list(model.parameters()))
     c = _collectives(tm, "backward")
     layers = 2
-    if dp > 1:   # one all-reduce per parameter gradient
+    if dp > 1:   # one all-reduce per parameter gradient: the rank's shards' bytes
         assert c["all_reduce", "dp"] == n_params
+        moved = sum(x.tensor_bytes for x in tm.collectives("backward")
+                    if x.op == "all_reduce" and x.axis == "dp")
+        assert moved == tm.memory(0)["parameters"]
     if tp > 1 and not sp:
         # Megatron: the input gradient of each column-parallel block (attention, MLP) is
         # all-reduced once per layer, and the lm_head's input gradient once

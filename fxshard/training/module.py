@@ -278,6 +278,13 @@ class TrainModule:
                 "gradients": _bytes(p.grad for p in mine.values() if p.grad is not None),
                 "saved": (getattr(self, "_saved_bytes", None) or {}).get(rank, 0)}
 
+    def collectives(self, which: str = "backward") -> list:
+        """The collectives of the ``"forward"`` or ``"backward"`` program (every rank runs
+        the same ones), with the local shape and bytes each moves
+        (``fxshard.explain.CollectiveInfo``)."""
+        from ..explain import collectives_of
+        return collectives_of(self.rank_module(0, which).graph, self.spec)
+
     def rank_module(self, rank: int, which: str = "forward") -> fx.GraphModule:
         """The ``"forward"`` or ``"backward"`` program rank ``rank`` runs (ranks share the
         graphs; collectives name mesh axes)."""
