@@ -1,0 +1,195 @@
+"""Rules for the ops of a joint forward+backward graph (``fxshard.training``).
+
+Layout legend: q/out/grad_out ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]``, lse ``[B, Hq, S]``.
+
+aot_autograd's joint graph holds the backend op SDPA dispatches to and aten's backward ops;
+each gets a rule like any forward op, so the gradient collectives come from the same
+redistribution table::
+
+    _scaled_dot_product_flash_attention_for_cpu(q: S(1), k: S(1), v: S(1))
+        -> [out S(1), lse S(1)]                       (heads on tp; batch S(0) alike)
+    _scaled_dot_product_flash_attention_for_cpu_backward(grad_out, q, k, v, out, lse)
+        -> [grad_q, grad_k, grad_v] on the same heads / batch shard
+    embedding_dense_backward(grad: S(0) [B, S, E], ids: S(0) [B, S]) -> P [V, E]
+        (each rank scatters its own tokens' rows; the sum over ranks is the gradient)
+    embedding_dense_backward(grad: S(2), ids: R)      -> S(1)   (the embed_dim table shard;
+        a whole grad is sliced to the columns first when the table is S(1): node.meta
+        ["fxshard_want"], the gradient's target placement, which the training driver sets)
+    slice_backward(grad: S(0) [B, H, S, 8], [B, H, S, 16], dim=3, 8, end) -> S(0)
+        (zero-padding along the sliced dim; a shard of that dim is gathered first)
+    _softmax_backward_data(grad, out, dim=-1): the softmax dim whole, others pass through
+
+Pointwise backward ops (``silu_backward``, ``threshold_backward``, ``gelu_backward``) carry
+torch's pointwise tag and use the pointwise rule; ``mm``/``t``/``sum`` are forward rules.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ...placement import P, R, Partial, Shard
+from . import Decision, RuleCtx, rule, tensor_inputs
+
+aten = torch.ops.aten
+
+_FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _attention(node: fx.Node, ins: list, ctx: RuleCtx, q: fx.Node, k: fx.Node,
+               mask: fx.Node | None, n_out: int, dropout_p: float) -> Decision:
+    """Batch (dim 0) or heads (dim 1) shards pass through attention; every tensor input but
+    the mask is ``[B, H, ...]``; a mask follows where it has that dim whole."""
+    if dropout_p:
+        raise NotImplementedError(
+            f"fxshard.training: attention {node.name} has dropout_p={dropout_p}; dropout "
+            f"masks that agree across ranks are not built yet. Use dropout 0")
+    tensors = tensor_inputs(node)
+    anchor = next((p.dim for p in ins if isinstance(p, Shard) and p.dim in (0, 1)), None)
+    if anchor is None:
+        return Decision(ins=[R] * len(ins), out=[R] * n_out)
+    if anchor == 1:
+        hq, hkv = ctx.shape(q)[1], ctx.shape(k)[1]
+        if hq % ctx.size or hkv % ctx.size:
+            raise NotImplementedError(
+                f"fxshard.training: attention {node.name} has {hq} query and {hkv} key/value "
+                f"heads, which mesh axis {ctx.axis!r} of size {ctx.size} (mesh "
+                f"{ctx.mesh.describe()}) cannot split evenly (KV heads fewer than the axis are "
+                f"repeated first, fxshard/training/gqa.py). Use a {ctx.axis} size that divides "
+                f"{hq} and {hkv} or is a multiple of {hkv} dividing {hq}")
+    elif any(ctx.shape(t)[0] != ctx.shape(q)[0] for t in tensors if t is not mask):
+        return Decision(ins=[R] * len(ins), out=[R] * n_out)
+    need = []
+    for t in tensors:
+        if t is mask:
+            md = anchor + ctx.ndim(t) - 4
+            whole = ctx.shape(q)[anchor]
+            need.append(Shard(md) if md >= 0 and ctx.shape(t)[md] == whole and whole > 1
+                        else R)
+        else:
+            need.append(Shard(anchor))
+    return Decision(ins=need, out=[Shard(anchor)] * n_out)
+
+
+def _kw(node: fx.Node, names: list[str], defaults: dict) -> dict:
+    out = dict(defaults)
+    out.update(dict(zip(names, node.args)))
+    out.update(node.kwargs)
+    return out
+
+
+@rule(_FLASH)
+def flash_attention_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    a = _kw(node, ["query", "key", "value", "dropout_p", "is_causal"],
+            dict(dropout_p=0.0, attn_mask=None))
+    return _attention(node, ins, ctx, a["query"], a["key"], a["attn_mask"], 2, a["dropout_p"])
+
+
+@rule(_FLASH_BACKWARD)
+def flash_attention_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    a = _kw(node, ["grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p",
+                   "is_causal"], dict(dropout_p=0.0, attn_mask=None))
+    return _attention(node, ins, ctx, a["query"], a["key"], a["attn_mask"], 3, a["dropout_p"])
+
+
+@rule(aten.embedding_dense_backward.default)
+def embedding_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``embedding_dense_backward(grad[..., E], ids[...], V, padding_idx, scale_by_freq)``."""
+    grad, ids = ins
+    g, i = tensor_inputs(node)
+    last = ctx.ndim(g) - 1
+    by_freq = len(node.args) > 4 and node.args[4]
+    want = node.meta.get("fxshard_want")   # the table's placement (fxshard.training)
+    if isinstance(grad, Shard) and grad.dim == last or \
+            want is not None and want[ctx.mesh.axis_names.index(ctx.axis)] == Shard(1):
+        # the rank's columns of the table: the grad moved to its hidden shard (an all-to-all
+        # of activations, not a reduce-scatter of the whole table's gradient)
+        return Decision(ins=[Shard(last), R], out=Shard(1))
+    if isinstance(grad, Partial):
+        return Decision(ins=[P, R], out=P)
+    token = next((p for p in (grad, ids) if isinstance(p, Shard) and p.dim < ctx.ndim(i)), None)
+    if token is not None and not by_freq:
+        # every rank scatters its own tokens' rows: a partial sum of the table's gradient
+        return Decision(ins=[token, token], out=P)
+    if want is not None and want[ctx.mesh.axis_names.index(ctx.axis)] == Shard(0) and \
+            not by_freq:
+        # a vocab-sharded table: each rank the gradient of its rows (fxshard.training's
+        # localize makes it fxshard::vocab_embedding_backward)
+        return Decision(ins=[R, R], out=Shard(0))
+    return Decision(ins=[R, R], out=R)
+
+
+def _padded_dim(node: fx.Node) -> int:
+    n = len(node.args[1])
+    return node.args[2] % n
+
+
+@rule(aten.slice_backward.default)
+def slice_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``slice_backward(grad, input_sizes, dim, start, end, step)``: ``grad`` zero-padded back
+    to ``input_sizes`` along ``dim``; shards of other dims and partial sums pass through."""
+    p = ins[0]
+    if isinstance(p, Shard) and p.dim != _padded_dim(node):
+        return Decision(ins=[p], out=p)
+    if isinstance(p, Partial):
+        return Decision(ins=[P], out=P)
+    return Decision(ins=[R], out=R)
+
+
+@rule(aten.select_backward.default)
+def select_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``select_backward(grad, input_sizes, dim, index)``: ``grad`` placed at ``index`` of a
+    new dim ``dim`` (zeros elsewhere)."""
+    p = ins[0]
+    dim = _padded_dim(node)
+    if isinstance(p, Shard):
+        return Decision(ins=[p], out=Shard(p.dim + (p.dim >= dim)))
+    if isinstance(p, Partial):
+        return Decision(ins=[P], out=P)
+    return Decision(ins=[R], out=R)
+
+
+@rule(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
+def softmax_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``_softmax_backward_data(grad, out, dim, dtype)``: the softmax dim whole."""
+    nd = ctx.ndim(node)
+    dim = node.args[2] % nd
+    if isinstance(ins[0], Partial) and not isinstance(ins[1], Partial):
+        return Decision(ins=[P, R], out=P)    # linear in the incoming gradient
+    shard = next((p for p in ins if isinstance(p, Shard) and p.dim != dim), None)
+    if shard is not None:
+        return Decision(ins=[shard, shard], out=shard)
+    return Decision(ins=[R, R], out=R)
+
+
+def _norm_leading(node: fx.Node, ins: list, ctx: RuleCtx, x: fx.Node, normalized: list):
+    """A shard of a dim before the normalized ones (tokens), or None."""
+    lead = ctx.ndim(x) - len(normalized)
+    return next((p for p in ins if isinstance(p, Shard) and p.dim < lead), None)
+
+
+@rule(aten.native_layer_norm.default)
+def native_layer_norm_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``native_layer_norm(x, normalized_shape, w, b, eps)`` -> (out, mean, rstd): token
+    shards pass through (mean/rstd keep the leading dims); the normalized dims whole."""
+    x = node.args[0]
+    shard = _norm_leading(node, ins[:1], ctx, x, list(node.args[1]))
+    if shard is None:
+        return Decision(ins=[R] * len(ins), out=[R] * 3)
+    return Decision(ins=[shard] + [R] * (len(ins) - 1), out=[shard] * 3)
+
+
+@rule(aten.native_layer_norm_backward.default)
+def native_layer_norm_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``native_layer_norm_backward(grad, x, shape, mean, rstd, w, b, mask)`` -> (grad_x,
+    grad_w, grad_b): on token shards grad_x keeps the shard and the weight's gradients are
+    partial sums; linear in ``grad`` (a Partial grad gives Partial gradients)."""
+    tensors = tensor_inputs(node)
+    x = node.args[1]
+    n_w = len(tensors) - 4          # weight and bias, when given
+    if isinstance(ins[0], Partial) and not any(isinstance(p, Partial) for p in ins[1:]):
+        return Decision(ins=[P] + [R] * (len(ins) - 1), out=[P] * 3)
+    shard = _norm_leading(node, ins[:2], ctx, x, list(node.args[2]))
+    if shard is None:
+        return Decision(ins=[R] * len(ins), out=[R] * 3)
+    return Decision(ins=[shard] * 4 + [R] * n_w, out=[shard, P, P])

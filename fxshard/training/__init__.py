@@ -1,0 +1,9 @@
+"""Training: the joint forward+backward graph through the same passes (wave 3).
+
+``parallelize_for_training(model, mesh)`` gives a :class:`TrainModule` whose call returns
+outputs that backpropagate into every rank's parameter shards; see ``module.py``.
+"""
+from .module import TrainModule, assemble, parallelize_for_training
+from .optim import clip_grad_norm_
+
+__all__ = ["TrainModule", "parallelize_for_training", "assemble", "clip_grad_norm_"]

@@ -1,0 +1,181 @@
+"""The joint forward+backward ATen graph of the single-device model.
+
+``trace`` exports the model as for inference; that graph is then replayed under aot_autograd
+(``aot_export_joint_with_descriptors``, as autoparallel does), which gives one functional graph
+taking the parameters, buffers, user inputs and one *tangent* per differentiable output (the
+gradient of the loss with respect to that output) and returning the outputs followed by the
+gradient of every parameter. Its inputs and outputs carry descriptors; they are turned into the
+same node tags the forward passes read::
+
+    placeholder primals_2    ParamAOTInput('model.layers.0.self_attn.q_proj.weight')
+                             -> meta["fxshard_param"] = "model.layers.0.self_attn.q_proj.weight"
+    placeholder primals_13   PlainAOTInput(idx=0)        -> meta["fxshard_input"] = 0
+    placeholder tangents_1   TangentAOTInput(output 0)   -> meta["fxshard_tangent"] = 0
+    output [_unsafe_view_7, embedding_dense_backward, t_39, ...]
+                             -> Joint.n_outputs = 1,
+                                Joint.grads = ["model.embed_tokens.weight", ...]
+
+The backward half holds aten's backward ops (``embedding_dense_backward``, ``silu_backward``,
+``slice_backward``, CPU flash attention's backward, ...): their sharding rules are in
+``fxshard/passes/rules/backward.py``. ``linear`` arrives decomposed (``t`` + ``mm``) and SDPA
+as the backend op it dispatches to (``_scaled_dot_product_flash_attention_for_cpu`` on CPU).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ..trace import Traced, _without_cache, cleanup_pass, trace
+
+__all__ = ["Joint", "joint_graph"]
+
+
+@dataclass
+class Joint:
+    """A joint graph and what its inputs and outputs are."""
+
+    gm: fx.GraphModule
+    traced: Traced                # the forward export (out_spec, constants)
+    n_outputs: int                # the first n_outputs outputs are the model's (flat)
+    grads: list                   # per later output: the FQN whose gradient it is, or None
+    params: list                  # parameter FQNs in placeholder order
+    tied: dict                    # a tied parameter's other names -> the name kept
+
+
+class _Replay(torch.nn.Module):
+    """The exported forward as a module aot_autograd can trace: parameters ``p<i>`` and
+    buffers ``b<i>`` in the export's placeholder order, the user's tensors as arguments."""
+
+    def __init__(self, traced: Traced, model: torch.nn.Module):
+        super().__init__()
+        self.gm = traced.gm
+        params = dict(model.named_parameters(remove_duplicate=False))
+        self.kinds: list[tuple[str, object]] = []
+        for i, node in enumerate(n for n in traced.gm.graph.nodes if n.op == "placeholder"):
+            if node.meta.get("fxshard_param") is not None:
+                fqn = node.meta["fxshard_param"]
+                self.register_parameter(f"p{i}", params[fqn])
+                self.kinds.append(("param", f"p{i}"))
+            elif node.meta.get("fxshard_buffer") is not None:
+                value = traced.constants[node.meta["fxshard_buffer"]]
+                self.register_buffer(f"b{i}", value)
+                self.kinds.append(("buffer", f"b{i}"))
+            else:
+                self.kinds.append(("input", node.meta["fxshard_input"]))
+
+    def forward(self, *inputs):
+        values = [getattr(self, ref) if kind != "input" else inputs[ref]
+                  for kind, ref in self.kinds]
+        return tuple(fx.Interpreter(self.gm).run(*values))
+
+
+def joint_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Joint:
+    """Trace ``model`` on ``args``/``kwargs`` (real tensors; nothing is computed) and build
+    its joint forward+backward graph."""
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+    from torch._functorch._aot_autograd.descriptors import (
+        BufferAOTInput, GradAOTOutput, ParamAOTInput, PlainAOTInput, PlainAOTOutput,
+        TangentAOTInput)
+    traced = trace(model, args, kwargs)
+    cleanup_pass(traced.gm)
+    tied = _untie(traced, model)
+    # the user's tensors in the export's input order (non-tensor inputs are baked in)
+    import torch.fx._pytree as fx_pytree
+    flat = fx_pytree.tree_flatten_spec((tuple(args), _without_cache(model, dict(kwargs or {}))),
+                                       traced.in_spec)
+    user = [n for n in traced.gm.graph.nodes if n.op == "placeholder"
+            and n.meta.get("fxshard_input") is not None]
+    replay = _Replay(traced, model)
+    tensors = [flat[n.meta["fxshard_input"]] for n in user]
+    # the replay reads user input k at position k of its arguments
+    index = {n.meta["fxshard_input"]: k for k, n in enumerate(user)}
+    replay.kinds = [(kind, index[ref]) if kind == "input" else (kind, ref)
+                    for kind, ref in replay.kinds]
+    names = {f"p{i}": n.meta["fxshard_param"] for i, n in enumerate(
+        n for n in traced.gm.graph.nodes if n.op == "placeholder")
+        if n.meta.get("fxshard_param") is not None}
+    buffers = {f"b{i}": n.meta["fxshard_buffer"] for i, n in enumerate(
+        n for n in traced.gm.graph.nodes if n.op == "placeholder")
+        if n.meta.get("fxshard_buffer") is not None}
+    with contextlib.ExitStack() as stack:
+        jd = aot_export_joint_with_descriptors(stack, replay, tuple(tensors))
+        gm = jd.graph_module
+    gm.graph._codegen = fx.graph.CodeGen()   # plain flat inputs and outputs
+    params = []
+    for node in gm.graph.nodes:
+        desc = node.meta.get("desc")
+        if node.op != "placeholder":
+            continue
+        if isinstance(desc, ParamAOTInput):
+            node.meta["fxshard_param"] = names[desc.target]
+            params.append(names[desc.target])
+        elif isinstance(desc, BufferAOTInput):
+            node.meta["fxshard_buffer"] = buffers[desc.target]
+        elif isinstance(desc, PlainAOTInput):
+            node.meta["fxshard_input"] = user[desc.idx].meta["fxshard_input"]
+        elif isinstance(desc, TangentAOTInput) and isinstance(desc.output, PlainAOTOutput):
+            node.meta["fxshard_tangent"] = desc.output.idx
+        else:
+            raise NotImplementedError(
+                f"fxshard.training: joint graph input {node.name} is {desc!r}; only "
+                f"parameters, buffers, user inputs and output gradients are supported")
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    descs = out.meta.get("desc") or []
+    n_outputs = sum(isinstance(d, PlainAOTOutput) for d in descs)
+    grads = []
+    for d in descs[n_outputs:]:
+        if isinstance(d, GradAOTOutput) and isinstance(d.grad_of, ParamAOTInput):
+            grads.append(names[d.grad_of.target])
+        else:
+            grads.append(None)
+    if list(out.args[0][n_outputs:]) and len(grads) != len(out.args[0]) - n_outputs:
+        raise AssertionError((descs, out.args))
+    _no_dropout(gm, model)
+    gm.recompile()
+    return Joint(gm=gm, traced=traced, n_outputs=n_outputs, grads=grads, params=params,
+                 tied=tied)
+
+
+def _untie(traced: Traced, model: torch.nn.Module) -> dict:
+    """Tied parameters (one tensor under several names: a tied embedding and lm_head) are
+    separate inputs of the export; make them one, so that autograd sums the gradients of
+    every use into one (as the single-device model's ``.grad``). Returns {other name: the
+    kept name}."""
+    first: dict[int, fx.Node] = {}
+    tied = {}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for node in list(traced.gm.graph.nodes):
+        fqn = node.meta.get("fxshard_param")
+        if node.op != "placeholder" or fqn is None:
+            continue
+        kept = first.setdefault(id(params[fqn]), node)
+        if kept is not node:
+            node.replace_all_uses_with(kept)
+            traced.gm.graph.erase_node(node)
+            tied[fqn] = kept.meta["fxshard_param"]
+    if tied:
+        traced.gm.graph.lint()
+        traced.gm.recompile()
+    return tied
+
+
+_RANDOM = ("native_dropout", "bernoulli", "rand", "randn", "randint", "rand_like",
+           "randn_like")
+
+
+def _no_dropout(gm: fx.GraphModule, model: torch.nn.Module) -> None:
+    """Random ops (dropout with ``p > 0`` in train mode) would draw different masks per rank:
+    a clear error until masks agree across ranks (a model-parallel RNG)."""
+    for node in gm.graph.nodes:
+        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        if name == "native_dropout" and node.args[1] == 0:
+            continue   # p = 0: an all-ones mask, the same on every rank
+        if node.op == "call_function" and name in _RANDOM:
+            raise NotImplementedError(
+                f"fxshard.training: {type(model).__name__}'s forward draws random numbers "
+                f"({node.target} at {node.name}: dropout with p > 0 in train mode); masks that "
+                f"agree across ranks are not built yet. Set every dropout probability to 0 "
+                f"or call model.eval() before parallelizing for training")

@@ -1,0 +1,316 @@
+"""``TrainModule``: the model's forward and backward rank programs behind ``loss.backward()``.
+
+::
+
+    tm = fxshard.training.parallelize_for_training(model, mesh)
+    out = tm(ids)                          # the global output, as model(ids); backpropagates
+    loss = F.cross_entropy(out.flatten(0, 1), labels.flatten())
+    loss.backward()                        # every rank's backward; .grad of tm.parameters()
+    opt = torch.optim.AdamW(tm.parameters()); opt.step()
+    tm.gradients()                         # full gradients by the model's names
+    tm.rank_module(r, "backward")          # the backward program rank r runs
+
+Each rank holds its own shard of every parameter as an ``nn.Parameter`` (a replicated one is
+a copy per rank; they stay equal, as their gradients are all-reduced). On a simulated mesh the
+call runs every rank's forward (threads), keeps each rank's saved activations, and the
+backward of the returned outputs runs every rank's backward program with the output's
+gradient (every rank is given the global one, as every rank was given the global input) and
+fills each rank's shard gradients. Under ``torchrun`` (a torch ``DeviceMesh``) each process
+holds and runs its own rank only (same programs; collectives on the mesh's process groups).
+The model itself keeps its initial weights: :meth:`TrainModule.state_dict` assembles the
+trained ones (simulated mesh).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.fx._pytree as fx_pytree
+import torch.utils._pytree as pytree
+
+from ..mesh import MeshSpec, is_simulated, mesh_spec
+from ..passes import PassCtx
+from ..placement import Partial, block_index, local_block
+from ..trace import _without_cache
+from .program import TrainProgram, build_train_program
+
+__all__ = ["TrainModule", "parallelize_for_training", "assemble"]
+
+_WHERE = "fxshard.training"
+
+
+def assemble(blocks: list[torch.Tensor], shape: tuple, spec: tuple, mesh: MeshSpec
+             ) -> torch.Tensor:
+    """The global tensor from every rank's block (``blocks[rank]``): shards placed where they
+    belong, Partial axes summed, Replicate axes read from coordinate 0."""
+    out = torch.zeros(shape, dtype=blocks[0].dtype, device=blocks[0].device)
+    for rank, block in enumerate(blocks):
+        coords = mesh.coords(rank)
+        if any(n > 1 and c != 0 and not isinstance(p, Partial) and shard_dim_of(p) is None
+               for n, c, p in zip(mesh.shape, coords, spec)):
+            continue    # a replica of a block another rank gave already
+        index = block_index(shape, spec, mesh, rank)
+        grid = torch.meshgrid(*[torch.tensor(ix, dtype=torch.long, device=out.device)
+                                for ix in index], indexing="ij") if shape else ()
+        out.index_put_(grid, block, accumulate=True)
+    return out
+
+
+def _bytes(tensors) -> int:
+    """Bytes of the distinct storages of ``tensors`` (views of one storage count once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+def shard_dim_of(p):
+    from ..placement import shard_dim
+    return shard_dim(p)
+
+
+class _Step(torch.autograd.Function):
+    """Every rank's forward; its backward is every rank's backward. Inputs: the runner, the
+    number of shard tensors, every rank's shards (rank-major), then the user's tensors."""
+
+    @staticmethod
+    def forward(ctx, runner: "TrainModule", program: TrainProgram, n_shards: int, *flat):
+        shards, user = flat[:n_shards], flat[n_shards:]
+        outs, saved = runner._run_forward(program, shards, user)
+        ctx.runner, ctx.program, ctx.saved_per_rank = runner, program, saved
+        ctx.n_user = len(user)
+        ctx.shapes = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None
+                      for o in outs]
+        ints = [o for o in outs if isinstance(o, torch.Tensor) and not o.is_floating_point()]
+        ctx.mark_non_differentiable(*ints)
+        return tuple(outs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grad_outputs):
+        split = ctx.program.split
+        tangents = []
+        for i in split.tangents:
+            g, meta = grad_outputs[i], ctx.shapes[i]
+            tangents.append(g if g is not None else torch.zeros(meta[0], dtype=meta[1],
+                                                                device=meta[2]))
+        grads = ctx.runner._run_backward(ctx.program, ctx.saved_per_rank, tangents)
+        ctx.saved_per_rank = None
+        return (None, None, None, *grads, *([None] * ctx.n_user))
+
+
+class TrainModule:
+    """A model's training programs over a mesh; see :func:`parallelize_for_training`."""
+
+    def __init__(self, model: torch.nn.Module, mesh, *, sequence_parallel: bool = False,
+                 plan: dict | None = None, embedding: str = "embed_dim", strict: bool = False):
+        self.model = model
+        self.mesh = mesh
+        self.spec: MeshSpec = mesh_spec(mesh, where=_WHERE)
+        self._simulated = is_simulated(mesh)
+        self.sequence_parallel = sequence_parallel
+        self.plan = dict(plan or {})
+        self.embedding = embedding
+        self.strict = strict
+        self._programs: dict[tuple, TrainProgram] = {}
+        self._last: TrainProgram | None = None
+        self._shards: dict | None = None     # held rank -> FQN -> nn.Parameter (or buffer)
+        self._specs: dict | None = None
+        self._world = None
+
+    # -- building ------------------------------------------------------------------------
+    def _program(self, args: tuple, kwargs: dict) -> TrainProgram:
+        flat, _ = pytree.tree_flatten((args, kwargs))
+        key = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
+                    for x in flat)
+        if key not in self._programs:
+            ctx = PassCtx(mesh=self.spec, sequence_parallel=self.sequence_parallel,
+                          strict=self.strict, plan=self.plan, embedding_style=self.embedding)
+            program = build_train_program(self.model, args, kwargs, ctx)
+            self._place(program)
+            self._programs[key] = program
+        self._last = self._programs[key]
+        return self._last
+
+    def _place(self, program: TrainProgram) -> None:
+        """Each rank's shards, cut from the model once (the first program); a later program
+        must place every weight the same way (it trains the same shards)."""
+        if self._shards is None:
+            values = dict(self.model.named_parameters(remove_duplicate=False))
+            values.update(program.joint.traced.constants)
+            params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+            self._specs = dict(program.specs)
+            self._shards = {}
+            for rank in self.ranks:
+                mine = {}
+                for fqn, spec in program.specs.items():
+                    block = local_block(values[fqn].detach(), spec, self.spec, rank)
+                    mine[fqn] = torch.nn.Parameter(block) if fqn in params else block
+                self._shards[rank] = mine
+            return
+        for fqn, spec in program.specs.items():
+            if self._specs.get(fqn, spec) != spec:
+                raise NotImplementedError(
+                    f"{_WHERE}: a new input signature places {fqn} as {spec}, the trained "
+                    f"shards are {self._specs[fqn]}; use one input shape for training")
+
+    # -- running -------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        program = self._program(args, kwargs)
+        split = program.split
+        # the export's order of the user's inputs (HF's use_cache=False added, as traced)
+        flat = fx_pytree.tree_flatten_spec((args, _without_cache(self.model, dict(kwargs))),
+                                           program.joint.traced.in_spec)
+        user = [flat[i] for i in split.inputs]
+        shards = [self._shards[r][fqn] for r in self.ranks for fqn in split.weights]
+        # buffers (no gradient) ride along as inputs too; only parameters are autograd leaves
+        differentiable = [s for s in shards if isinstance(s, torch.nn.Parameter)]
+        outs = _Step.apply(self, program, len(differentiable), *differentiable, *user)
+        n = split.n_outputs
+        return pytree.tree_unflatten(list(outs[:n]), program.joint.traced.out_spec)
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks this process runs: all of a simulated mesh, its own of a real one."""
+        if self._simulated:
+            return list(range(self.spec.world_size))
+        from ..runtime.distributed import backend_for
+        return [backend_for(self.mesh).rank]
+
+    def _world_run(self, fn) -> dict:
+        """``{rank: fn(rank)}`` for the ranks this process runs."""
+        if not self._simulated:
+            from ..runtime.context import use_backend
+            from ..runtime.distributed import backend_for
+            backend = backend_for(self.mesh)
+            with use_backend(backend):
+                out = {backend.rank: fn(backend.rank)}
+                backend.flush()
+            return out
+        if self._world is None:
+            from ..runtime.simulated import SimulatedWorld
+            self._world = SimulatedWorld(self.spec)
+        return dict(enumerate(self._world.run(fn)))
+
+    def _rank_weights(self, program: TrainProgram, rank: int) -> list:
+        return [self._shards[rank][fqn].detach() for fqn in program.split.weights]
+
+    def _run_forward(self, program: TrainProgram, shards, user) -> tuple[list, list]:
+        split = program.split
+
+        def run(rank):
+            with torch.no_grad():
+                return split.forward(*self._rank_weights(program, rank), *user)
+        results = self._world_run(run)
+        outs = list(results[self.ranks[0]][:split.n_outputs])
+        saved = {r: list(out[split.n_outputs:]) for r, out in results.items()}
+        self._saved_bytes = {r: _bytes(s) for r, s in saved.items()}
+        return outs, saved
+
+    def _run_backward(self, program: TrainProgram, saved: list, tangents: list) -> list:
+        split = program.split
+
+        def run(rank):
+            with torch.no_grad():
+                return split.backward(*self._rank_weights(program, rank), *saved[rank],
+                                      *tangents)
+        results = self._world_run(run)
+        by_fqn = {r: dict(zip(split.grads, out)) for r, out in results.items()}
+        grads = []
+        for rank in self.ranks:
+            for fqn in split.weights:
+                shard = self._shards[rank][fqn]
+                if isinstance(shard, torch.nn.Parameter):
+                    g = by_fqn[rank].get(fqn)
+                    grads.append(g if g is not None else torch.zeros_like(shard))
+        return grads
+
+    # -- the optimizer's view and looking inside -------------------------------------------
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """Every rank's parameter shards (rank-major), the leaves ``loss.backward()`` fills."""
+        self._require("parameters")
+        return [p for mine in self._shards.values() for p in mine.values()
+                if isinstance(p, torch.nn.Parameter)]
+
+    def shards(self, rank: int) -> dict:
+        """Rank ``rank``'s parameter shards by the model's names (a real mesh: this
+        process's rank only)."""
+        self._require("shards")
+        if rank not in self._shards:
+            raise ValueError(f"{_WHERE}.TrainModule.shards: rank {rank} runs in another "
+                             f"process; this one holds rank {self.ranks}")
+        return {k: v for k, v in self._shards[rank].items() if isinstance(v, torch.nn.Parameter)}
+
+    def _assembled(self, what) -> dict:
+        program = self._require("gradients")
+        if not self._simulated:
+            raise NotImplementedError(
+                f"{_WHERE}: whole gradients / state dicts on a real mesh (mesh "
+                f"{self.spec.describe()}) need a gather across processes, not built yet; read "
+                f"this rank's shards with tm.shards(rank) (their .grad)")
+        out = {}
+        for fqn in self.shards(0):
+            blocks = [what(self._shards[r][fqn]) for r in range(self.spec.world_size)]
+            if any(b is None for b in blocks):
+                out[fqn] = None
+                continue
+            out[fqn] = assemble(blocks, program.shapes[fqn], self._specs[fqn], self.spec)
+        for other, kept in program.joint.tied.items():   # one tensor, several names
+            out[other] = out[kept]
+        return out
+
+    def gradients(self) -> dict:
+        """Full gradients by the model's parameter names, assembled from the shards."""
+        return self._assembled(lambda p: p.grad)
+
+    def state_dict(self) -> dict:
+        """The trained parameters, whole, by the model's names."""
+        return self._assembled(lambda p: p.detach())
+
+    def memory(self, rank: int) -> dict:
+        """Bytes rank ``rank`` holds: its parameter shards, their gradients, and the
+        activations the last forward saved for the backward (distinct storages)."""
+        mine = self.shards(rank)
+        return {"parameters": _bytes(mine.values()),
+                "gradients": _bytes(p.grad for p in mine.values() if p.grad is not None),
+                "saved": (getattr(self, "_saved_bytes", None) or {}).get(rank, 0)}
+
+    def collectives(self, which: str = "backward") -> list:
+        """The collectives of the ``"forward"`` or ``"backward"`` program (every rank runs
+        the same ones), with the local shape and bytes each moves
+        (``fxshard.explain.CollectiveInfo``)."""
+        from ..explain import collectives_of
+        return collectives_of(self.rank_module(0, which).graph, self.spec)
+
+    def rank_module(self, rank: int, which: str = "forward") -> fx.GraphModule:
+        """The ``"forward"`` or ``"backward"`` program rank ``rank`` runs (ranks share the
+        graphs; collectives name mesh axes)."""
+        self.spec.coords(rank)
+        if which not in ("forward", "backward"):
+            raise ValueError(f"{_WHERE}.rank_module: which={which!r}; use 'forward' or "
+                             f"'backward'")
+        return getattr(self._require("rank_module").split, which)
+
+    def _require(self, what: str) -> TrainProgram:
+        if self._last is None:
+            raise ValueError(f"{_WHERE}.TrainModule.{what}: nothing is traced yet; call the "
+                             f"module once (tm(x)) first")
+        return self._last
+
+
+def parallelize_for_training(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = None,
+                             example_kwargs: dict | None = None,
+                             sequence_parallel: bool = False, plan: dict | None = None,
+                             embedding: str = "embed_dim", strict: bool = False) -> TrainModule:
+    """Training programs for ``model`` over ``mesh`` (``dp`` and ``tp`` axes), built at the
+    first call (one per input signature) or now on ``example_inputs``/``example_kwargs`` (then
+    :meth:`TrainModule.parameters` is there for an optimizer before the first step); options
+    as for :func:`fxshard.parallelize`."""
+    tm = TrainModule(model, mesh, sequence_parallel=sequence_parallel, plan=plan,
+                     embedding=embedding, strict=strict)
+    if example_inputs is not None or example_kwargs is not None:
+        tm._program(tuple(example_inputs or ()), dict(example_kwargs or {}))
+    return tm

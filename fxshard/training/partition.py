@@ -1,0 +1,131 @@
+"""Split a sharded, localized joint graph into a forward and a backward rank program.
+
+Every rank runs the same two graphs (collectives name mesh axes, as for inference)::
+
+    forward(weights..., inputs...)            -> (outputs..., saved...)
+    backward(weights..., saved..., tangents...) -> (one gradient per parameter, in order)
+
+The rule (our own; torch's partitioners expect aot_autograd's naming and know nothing of
+collectives): the forward is what the model's outputs need; the backward is what the
+gradients need besides. Values the backward reads from the forward are *saved* when they
+depend on the user's inputs (activations); a forward value that depends on weights and
+constants alone (a transposed weight, a gathered weight, the RoPE tables) is recomputed in the
+backward instead of kept alive between the two calls. Before/after on one linear::
+
+    joint:     t = t(w); mm = mm(x, t); ...; mm_8 = mm(t(tangent), x); t_10 = t(t); mm_9 = ...
+    forward:   t = t(w); mm = mm(x, t)                      -> (out, x)        (x saved)
+    backward:  t = t(w); t_10 = t(t); mm_8 = mm(t(tangent), x); mm_9 = mm(tangent, t_10)
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+__all__ = ["Split", "partition"]
+
+
+@dataclass
+class Split:
+    """The two programs and their calling convention."""
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    weights: list        # FQNs of the leading inputs of both programs (params, then buffers)
+    inputs: list         # the user's input index of each later forward input
+    n_outputs: int       # the forward's first outputs are the model's; then the saved values
+    n_saved: int
+    tangents: list       # the output index each tangent input of the backward belongs to
+    grads: list          # the parameter FQN of each backward output
+
+
+def _weight(node: fx.Node) -> str | None:
+    return node.meta.get("fxshard_param") or node.meta.get("fxshard_buffer")
+
+
+def _ident(fqn: str) -> str:
+    name = fqn.replace(".", "_")
+    return name if name.isidentifier() else "w_" + name
+
+
+def _ancestors(roots, stop=lambda n: False) -> set:
+    seen, stack = set(), [r for r in roots if isinstance(r, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if not stop(n):
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def partition(gm: fx.GraphModule, n_outputs: int, grad_fqns: list) -> Split:
+    """``gm``: a joint graph whose placeholders carry ``fxshard_param`` / ``fxshard_buffer`` /
+    ``fxshard_input`` / ``fxshard_tangent`` and whose output is the model's ``n_outputs``
+    outputs followed by one gradient per entry of ``grad_fqns`` (None: not a parameter's)."""
+    nodes = list(gm.graph.nodes)
+    out = nodes[-1]
+    outs = list(out.args[0])
+    fwd_outs, grad_outs = outs[:n_outputs], outs[n_outputs:]
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    tangents = [n for n in placeholders if n.meta.get("fxshard_tangent") is not None]
+    user = [n for n in placeholders if n.meta.get("fxshard_input") is not None]
+    params = [n for n in placeholders if n.meta.get("fxshard_param") is not None]
+    buffers = [n for n in placeholders if n.meta.get("fxshard_buffer") is not None]
+
+    from_input = set()
+    for n in nodes:
+        if n in user or any(a in from_input for a in n.all_input_nodes):
+            from_input.add(n)
+    forward = _ancestors(fwd_outs)
+    # a multi-output op's other results are made with it (flash attention's logsumexp)
+    forward |= {n for n in nodes if n.target is operator.getitem and n.args[0] in forward}
+    assert not any(t in forward for t in tangents), "a model output depends on a tangent"
+    grads = [(fqn, g) for fqn, g in zip(grad_fqns, grad_outs) if fqn is not None]
+    # the backward: what the gradients need, stopping at saved forward activations
+    backward = _ancestors([g for _, g in grads],
+                          stop=lambda n: n in forward and n in from_input)
+    saved = [n for n in nodes if n in backward and n in forward and n in from_input
+             and n.op != "output"]
+    backward = [n for n in nodes if n in backward and n.op == "call_function"
+                and n not in saved]
+
+    def new_placeholder(graph, node, name):
+        ph = graph.placeholder(name)
+        ph.meta.update(node.meta)
+        return ph
+
+    fg, env = fx.Graph(), {}
+    for n in params + buffers:
+        env[n] = new_placeholder(fg, n, _ident(_weight(n)))
+    for n in user:
+        env[n] = new_placeholder(fg, n, f"input_{n.meta['fxshard_input']}")
+    for n in nodes:
+        if n.op == "call_function" and n in forward:
+            env[n] = fg.node_copy(n, lambda a: env[a])
+    fg.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in fwd_outs)
+              + tuple(env[s] for s in saved))
+
+    bg, benv = fx.Graph(), {}
+    for n in params + buffers:
+        benv[n] = new_placeholder(bg, n, _ident(_weight(n)))
+    for n in saved:
+        benv[n] = new_placeholder(bg, n, f"saved_{n.name}")
+    for t in tangents:
+        benv[t] = new_placeholder(bg, t, f"grad_output_{t.meta['fxshard_tangent']}")
+    for n in backward:
+        benv[n] = bg.node_copy(n, lambda a: benv[a])
+    bg.output(tuple(benv[g] if isinstance(g, fx.Node) else g for _, g in grads))
+    for g in (fg, bg):
+        g.eliminate_dead_code()
+        g.lint()
+    root = torch.nn.Module()
+    return Split(forward=fx.GraphModule(root, fg, class_name="TrainForward"),
+                 backward=fx.GraphModule(root, bg, class_name="TrainBackward"),
+                 weights=[_weight(n) for n in params + buffers],
+                 inputs=[n.meta["fxshard_input"] for n in user], n_outputs=len(fwd_outs),
+                 n_saved=len(saved), tangents=[t.meta["fxshard_tangent"] for t in tangents],
+                 grads=[fqn for fqn, _ in grads])

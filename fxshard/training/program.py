@@ -1,0 +1,248 @@
+"""The training pipeline: the forward passes' placements, then the same passes on the joint.
+
+::
+
+    model ─joint_graph─▶ joint forward+backward ATen graph (global shapes)
+    model ─trace─▶ forward graph ─eager_attention, fold_mask, unrepeat_kv, propagate─▶
+          every parameter's placement (the inference program's: the shards are the same)
+    joint ─repeat_kv (tp > KV heads)─▶ ─dedupe_views─▶ ─propagate (parameters fixed;
+          tangents as their outputs)─▶ placements on every node
+          ─insert_collectives─▶ gradient collectives from the redistribution table
+          ─localize─▶ local shapes ─partition─▶ forward and backward rank programs
+
+Parameters enter the joint propagation with their forward placement fixed; each tangent (every
+rank is given the whole gradient of an output, as ``pm(x)`` returns the whole output) is sliced
+to the placement its output has before the forward gathers it; each parameter's gradient must
+leave the backward in its parameter's placement, so a Partial gradient (a weight used with batch- or
+sequence-sharded data) is all-reduced, or reduce-scattered where the parameter is sharded::
+
+    mm_8 = mm(t_8, view_11)            # dp: S(1) x S(0) -> P
+    all_reduce = fxshard.all_reduce(mm_8, 'dp', 2)       # P -> R, the parameter's placement
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+import fxshard.passes.rules.backward  # noqa: F401  (registers the backward ops' rules)
+from ..mesh import MeshSpec
+from ..passes import PassCtx
+from ..passes.eager_attention import eager_attention_pass
+from ..passes.fold_mask import fold_causal_mask_pass
+from ..passes.gqa import unrepeat_kv_pass
+from ..passes.insert_collectives import insert_collectives_pass
+from ..passes.localize import localize_pass
+from ..passes.moe_routing import moe_routing_pass
+from ..passes.propagate import _run_once, input_spec, propagate_pass
+from ..passes.rules import FallbackWarning
+from ..placement import Partial, R
+from .gqa import repeat_kv_pass
+from .joint import Joint, joint_graph
+from .refine import dedupe_views_pass, gathered_many_times, reduced_many_times
+from .partition import Split, partition
+
+aten = torch.ops.aten
+
+__all__ = ["TrainProgram", "build_train_program"]
+
+_WHERE = "fxshard.training"
+_MAX_ROUNDS = 8
+
+
+@dataclass
+class TrainProgram:
+    """The rank programs of one input signature and the placements of their weights."""
+
+    split: Split
+    specs: dict                 # weight FQN -> spec (one placement per mesh axis)
+    shapes: dict                # weight FQN -> global shape
+    joint: Joint
+    ctx: PassCtx
+    edits: list = field(default_factory=list)
+
+
+def _check_mesh(mesh: MeshSpec) -> None:
+    for axis in ("pp", "ulysses_cp", "ring_cp"):
+        if axis in mesh.axis_names and mesh.axis_size(axis) > 1:
+            raise NotImplementedError(
+                f"{_WHERE}: training on mesh axis {axis!r} of size {mesh.axis_size(axis)} "
+                f"(mesh {mesh.describe()}) is not built yet (dp and tp are); run the forward "
+                f"under torch.no_grad() for inference on this mesh, or train on dp and tp")
+
+
+def forward_placements(joint: Joint, ctx: PassCtx) -> dict:
+    """Every weight's placement as the inference program places it: the forward passes up to
+    ``propagate`` on the forward export (which the joint graph was built from)."""
+    gm = joint.traced.gm
+    constants = joint.traced.constants
+    gm = eager_attention_pass(gm, ctx=ctx, constants=constants)
+    gm = fold_causal_mask_pass(gm, ctx=ctx, constants=constants)
+    gm = unrepeat_kv_pass(gm, ctx=ctx)
+    with warnings.catch_warnings():   # the joint graph's propagation warns about its own ops
+        warnings.simplefilter("ignore", FallbackWarning)
+        gm = propagate_pass(gm, ctx=ctx)
+    out = {}
+    for node in gm.graph.nodes:
+        fqn = node.meta.get("fxshard_param") or node.meta.get("fxshard_buffer")
+        if node.op == "placeholder" and fqn is not None:
+            out[fqn] = tuple(node.meta["fxshard_spec"])
+    return out
+
+
+def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint) -> None:
+    """The propagation pass's sweep on the joint graph with every weight's placement fixed:
+    weights and tangents enter as inputs given their placement (``ctx.input_specs``), which
+    the sweep hands their consumers; afterwards the weights are weights again, placed.
+
+    A tangent takes the placement its output has before the forward gathers it (the
+    backward of an all-gather is a local slice; a Partial output's tangent is the whole
+    gradient, Replicate). Sweeps repeat until that and one more refinement settle: a partial
+    sum that flows through linear ops (the norm's backward) into several reductions is
+    reduced once, at the latest value they all pass through (the input gradient of a
+    column-parallel block, summed over q, k, v: Megatron's one all-reduce)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    users = [n for n in placeholders if n.meta.get("fxshard_input") is not None
+             and isinstance(n.meta.get("val"), torch.Tensor)]
+    main = users[0].meta["val"] if users else None
+    whole = tuple(R for _ in ctx.mesh.shape)
+    given, tags, tangents = {}, {}, {}
+    fresh = 1 + max([n.meta["fxshard_input"] for n in users] or [0])
+    for node in placeholders:
+        fqn = node.meta.get("fxshard_param") or node.meta.get("fxshard_buffer")
+        if node in users:
+            given[node.meta["fxshard_input"]] = input_spec(node.meta["val"], ctx, main)
+            continue
+        if fqn is None and node.meta.get("fxshard_tangent") is None:
+            continue
+        key = "fxshard_param" if node.meta.get("fxshard_param") is not None else \
+            "fxshard_buffer" if fqn is not None else "fxshard_tangent"
+        tags[node] = (key, node.meta.pop(key))
+        if key == "fxshard_tangent":
+            tangents[fresh] = tags[node][1]
+        node.meta["fxshard_input"] = fresh
+        given[fresh] = specs.get(fqn, whole) if fqn is not None else whole
+        fresh += 1
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    for fqn, g in zip(joint.grads, out.args[0][joint.n_outputs:]):
+        if fqn is not None and isinstance(g, fx.Node):
+            g.meta["fxshard_want"] = specs.get(fqn, whole)   # rules may aim for it
+    ctx.input_specs = given
+    moe_routing_pass(gm, ctx=ctx)
+    reduced: dict = {}
+    gathered: dict = {}
+    for round_ in range(_MAX_ROUNDS):
+        with warnings.catch_warnings():   # an op without a rule is warned about once
+            if round_:
+                warnings.simplefilter("ignore", FallbackWarning)
+            _run_once(gm, ctx, set(), reduced, gathered)
+        changed = False
+        for index, k in tangents.items():
+            value = out.args[0][k]
+            have = value.meta.get("fxshard_then") or value.meta.get("fxshard_spec")
+            want = tuple(R if isinstance(p, Partial) else p for p in have) \
+                if isinstance(have, tuple) else whole
+            changed |= given[index] != want
+            given[index] = want
+        more = {k: v for k, v in reduced_many_times(gm, ctx).items() if k not in reduced}
+        for name, i in sorted(more):
+            ctx.report("propagate_pass", f"reduce {name} once on {ctx.mesh.axis_names[i]}: "
+                                         f"its partial sum reaches several reductions")
+        reduced.update(more)
+        once = {k: v for k, v in gathered_many_times(gm, ctx).items() if k not in gathered}
+        for name, i in sorted(once):
+            ctx.report("propagate_pass", f"gather {name} once on {ctx.mesh.axis_names[i]}: "
+                                         f"views of it are gathered several times")
+        gathered.update(once)
+        if not changed and not more and not once:
+            break
+    ctx.report("propagate_pass", f"annotated {len(gm.graph.nodes)} nodes of the joint graph, "
+                                 f"{len(ctx.fallbacks)} without a rule")
+    for node, (key, value) in tags.items():
+        del node.meta["fxshard_input"]
+        node.meta[key] = value
+        if key != "fxshard_tangent":   # a tangent arrives whole and is sliced (then)
+            node.meta["fxshard_spec"] = node.meta.pop("fxshard_then", node.meta["fxshard_spec"])
+
+
+def _gradient_targets(gm: fx.GraphModule, joint: Joint, specs: dict, ctx: PassCtx) -> None:
+    """The output node's needs: the model's outputs gathered (Replicate), each parameter's
+    gradient in its parameter's placement."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    whole = tuple(R for _ in ctx.mesh.shape)
+    need = []
+    for i, a in enumerate(out.args[0]):
+        if not (isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)):
+            continue
+        fqn = joint.grads[i - joint.n_outputs] if i >= joint.n_outputs else None
+        need.append(specs[fqn] if fqn is not None else whole)
+    out.meta["fxshard_need"] = need
+
+
+def _localize_backward(gm: fx.GraphModule, ctx: PassCtx) -> int:
+    """Backward ops whose arguments spell a global shape or size: the local one."""
+    from ..placement import local_shape
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.target in (aten.slice_backward.default, aten.select_backward.default):
+            val, spec = node.meta["val"], node.meta["fxshard_spec"]
+            local = list(local_shape(tuple(val.shape), spec, ctx.mesh, what=node.name))
+            if list(node.args[1]) != local:
+                node.update_arg(1, local)
+                changed += 1
+        elif node.target is aten.embedding_dense_backward.default:
+            changed += _vocab_backward(node, ctx)
+    if changed:
+        gm.recompile()
+    return changed
+
+
+def _vocab_backward(node: fx.Node, ctx: PassCtx) -> int:
+    """The gradient of a vocab-sharded table's rows: ``fxshard::vocab_embedding_backward``
+    (one vocab axis, as the forward's ``vocab_embedding``)."""
+    from ..placement import Shard
+    from .ops import vocab_embedding_backward
+    spec = node.meta["fxshard_spec"]
+    axes = [(a, n) for a, n, p in zip(ctx.mesh.axis_names, ctx.mesh.shape, spec)
+            if n > 1 and p == Shard(0)]
+    if not axes:
+        return 0
+    if len(axes) > 1 or node.args[4]:
+        raise NotImplementedError(
+            f"{_WHERE}: embedding gradient {node.name} is vocab-sharded over {axes} "
+            f"(scale_grad_by_freq={node.args[4]}); one vocab axis without scale_grad_by_freq "
+            f"is supported. Use embedding='embed_dim' (the default)")
+    (axis, n), = axes
+    grad, ids, vocab, padding = node.args[:4]
+    node.target = vocab_embedding_backward.default
+    node.args = (grad, ids, vocab // n, padding, axis, n)
+    return 1
+
+
+def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx
+                        ) -> TrainProgram:
+    """The forward and backward rank programs of ``model`` on ``args``/``kwargs`` under
+    ``ctx`` (its mesh, plan, sequence parallelism)."""
+    _check_mesh(ctx.mesh)
+    joint = joint_graph(model, args, kwargs)
+    shapes = {n.meta.get("fxshard_param") or n.meta.get("fxshard_buffer"):
+              tuple(n.meta["val"].shape) for n in joint.gm.graph.nodes
+              if n.op == "placeholder" and (n.meta.get("fxshard_param") or
+                                            n.meta.get("fxshard_buffer"))}
+    specs = forward_placements(joint, ctx)
+    edits = list(ctx.edits)
+    jctx = PassCtx(mesh=ctx.mesh, sequence_parallel=ctx.sequence_parallel, strict=ctx.strict,
+                   plan=ctx.plan, embedding_style=ctx.embedding_style)
+    gm = repeat_kv_pass(joint.gm, ctx=jctx)
+    gm = dedupe_views_pass(gm, ctx=jctx)
+    _joint_propagate(gm, jctx, specs, joint)
+    _gradient_targets(gm, joint, specs, jctx)
+    gm = insert_collectives_pass(gm, ctx=jctx)
+    gm = localize_pass(gm, ctx=jctx)
+    _localize_backward(gm, jctx)
+    split = partition(gm, joint.n_outputs, joint.grads)
+    return TrainProgram(split=split, specs={f: specs.get(f, tuple(R for _ in ctx.mesh.shape))
+                                            for f in split.weights},
+                        shapes=shapes, joint=joint, ctx=jctx, edits=edits + jctx.edits)

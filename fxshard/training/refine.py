@@ -1,0 +1,128 @@
+"""Refinements the joint graph's propagation repeats its sweep for (``program.py``).
+
+A backward has patterns a forward rarely has, where a rule's local choice costs extra
+collectives; each refinement finds one after a sweep and the next sweep avoids it:
+
+- ``reduced_many_times``: a partial sum flowing through linear ops into several reductions
+  (the input gradient of a column-parallel block, summed over q, k, v, then the norm's
+  backward) is reduced once, at the latest value every path passes through::
+
+      add_16 = add(add_15, view_31)          # P: q, k and v input gradients
+      mul_35 = mul(add_16, w_norm); sum_6 = sum(mul(mul_35, x), [2]); mul_38 = ...
+      before: all_reduce(sum_6), all_reduce(mul_38), all_reduce(view_32)   (three)
+      after:  all_reduce(add_16)                                             (Megatron's one)
+
+- ``gathered_many_times``: a sharded value whose views are gathered separately (sequence
+  parallelism's gradient ``view_15`` and its transpose ``t_12`` for the weight gradient) is
+  gathered once, before the views;
+- ``dedupe_views_pass``: identical views of one value (aot_autograd's decomposed ``linear``
+  reshapes its input once per projection) become one node, so q, k and v share one gather.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..passes import PassCtx
+from ..passes.rules import tensor_inputs
+from ..placement import Partial, R, shard_dim
+
+aten = torch.ops.aten
+
+__all__ = ["reduced_many_times", "gathered_many_times", "dedupe_views_pass"]
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.t.default,
+          aten.transpose.int, aten.permute.default)
+
+
+def reduced_many_times(gm: fx.GraphModule, ctx: PassCtx) -> dict:
+    """(node, axis index) -> placement for each Partial value whose partial sum reaches more
+    than one reduction through Partial consumers, taking the latest such value (none of its
+    consumers reaches all of its reductions)."""
+    out = {}
+    nodes = list(gm.graph.nodes)
+    for i, n in enumerate(ctx.mesh.shape):
+        if n == 1:
+            continue
+        sinks: dict = {}
+        for node in reversed(nodes):
+            spec = node.meta.get("fxshard_spec")
+            if not isinstance(spec, tuple) or not isinstance(spec[i], Partial) or \
+                    node.op == "placeholder":
+                continue
+            found = set()
+            for u in node.users:
+                uspec = u.meta.get("fxshard_spec")
+                for t, need in zip(tensor_inputs(u), u.meta.get("fxshard_need") or []):
+                    if t is not node or need is None:
+                        continue
+                    if not isinstance(need[i], Partial):   # one reduction of node
+                        found.add((node.name, tuple(need)))
+                    elif isinstance(uspec, tuple) and isinstance(uspec[i], Partial):
+                        found |= sinks.get(u, frozenset())
+            sinks[node] = frozenset(found)
+        chosen: list = []
+        for node, reached in sorted(sinks.items(), key=lambda kv: -len(kv[1])):
+            if len(reached) < 2 or any(u in sinks and sinks[u] >= reached for u in node.users) \
+                    or any(reached <= other for _, other in chosen):
+                continue
+            chosen.append((node, reached))
+            wants = {x[1][i] for x in reached}
+            out[(node.name, i)] = wants.pop() if len(wants) == 1 else R
+    return out
+
+
+def gathered_many_times(gm: fx.GraphModule, ctx: PassCtx) -> dict:
+    """(node, axis index) -> Replicate for each sharded value that, itself and through views
+    that keep a shard, is gathered more than once; the latest such value."""
+    out = {}
+    nodes = list(gm.graph.nodes)
+    for i, n in enumerate(ctx.mesh.shape):
+        if n == 1:
+            continue
+        sinks: dict = {}
+        for node in reversed(nodes):
+            spec = node.meta.get("fxshard_spec")
+            if not isinstance(spec, tuple) or shard_dim(spec[i]) is None or \
+                    node.op == "placeholder":
+                continue
+            found = set()
+            for u in node.users:
+                uspec = u.meta.get("fxshard_spec")
+                for t, need in zip(tensor_inputs(u), u.meta.get("fxshard_need") or []):
+                    if t is not node or need is None:
+                        continue
+                    if need[i] == R:
+                        found.add((node.name, tuple(need)))
+                    elif u.target in _VIEWS and isinstance(uspec, tuple) and \
+                            shard_dim(uspec[i]) is not None:
+                        found |= sinks.get(u, frozenset())
+            sinks[node] = frozenset(found)
+        chosen: list = []
+        for node, reached in sorted(sinks.items(), key=lambda kv: -len(kv[1])):
+            if len(reached) < 2 or any(u in sinks and sinks[u] >= reached for u in node.users) \
+                    or any(reached <= other for _, other in chosen):
+                continue
+            chosen.append((node, reached))
+            out[(node.name, i)] = R
+    return out
+
+
+def dedupe_views_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
+    """Merge views with the same input and arguments."""
+    seen: dict = {}
+    merged = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _VIEWS:
+            continue
+        key = (node.target, node.args[0], repr(node.args[1:]), repr(node.kwargs))
+        first = seen.setdefault(key, node)
+        if first is not node:
+            node.replace_all_uses_with(first)
+            gm.graph.erase_node(node)
+            merged += 1
+    if merged:
+        gm.graph.lint()
+        gm.recompile()
+    ctx.report("dedupe_views_pass", f"merged {merged} repeated views")
+    return gm

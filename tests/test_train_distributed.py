@@ -1,0 +1,82 @@
+"""Training on real processes (gloo, 4 ranks, dp2·tp2): each rank's shard gradients and its
+shards after two AdamW steps equal its blocks of the single-device model's."""
+import datetime
+import json
+import os
+import traceback
+
+import torch
+
+from tests.launch import launch
+
+WORLD = 4
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    report = {"rank": rank, "errors": []}
+    log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    try:
+        import warnings
+        warnings.simplefilter("ignore")
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+        import torch.nn.functional as F
+        import fxshard
+        from fxshard.mesh import mesh_spec
+        from fxshard.models.llama import LlamaConfig, LlamaForCausalLM
+        from fxshard.placement import local_block
+        from fxshard.training import parallelize_for_training
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+        mesh = fxshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(0)
+        cfg = LlamaConfig.tiny(num_hidden_layers=2, vocab_size=96, hidden_size=48,
+                               intermediate_size=72, num_attention_heads=4, num_key_value_heads=2)
+        model = LlamaForCausalLM(cfg)
+        g = torch.Generator().manual_seed(1)
+        ids, labels = torch.randint(0, 96, (4, 6), generator=g), torch.randint(0, 96, (4, 6),
+                                                                                generator=g)
+
+        def loss_of(logits):
+            return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+        tm = parallelize_for_training(model, mesh, example_inputs=(ids,))
+        report["ranks"] = tm.ranks
+        opt = torch.optim.AdamW(tm.parameters(), lr=1e-3)
+        out = tm(ids)
+        report["forward"] = (out - model(ids)).abs().max().item()
+        loss_of(out).backward()
+        loss_of(model(ids)).backward()
+        spec, specs = mesh_spec(mesh), tm._specs
+        report["grad"] = max((p.grad - local_block(dict(model.named_parameters())[n].grad,
+                                                   specs[n], spec, rank)).abs().max().item()
+                             for n, p in tm.shards(rank).items())
+        opt.step()
+        for _ in range(1):
+            opt.zero_grad()
+            loss_of(tm(ids)).backward()
+            opt.step()
+        ref = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ref.step()
+        for _ in range(1):
+            ref.zero_grad()
+            loss_of(model(ids)).backward()
+            ref.step()
+        report["params"] = max((p.detach() - local_block(dict(model.named_parameters())[n]
+                                                         .detach(), specs[n], spec, rank))
+                               .abs().max().item() for n, p in tm.shards(rank).items())
+    except BaseException:  # noqa: BLE001 - reported to the test process
+        report["errors"].append(traceback.format_exc())
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    os._exit(0)
+
+
+def test_dp2_tp2_gloo_gradients_and_steps(tmp_path):
+    reports = launch(_worker, WORLD, str(tmp_path), timeout_s=240)
+    for rank, r in reports.items():
+        assert not r["errors"], r["errors"][0]
+        assert r["ranks"] == [rank]
+        assert r["forward"] < 1e-4 and r["grad"] < 1e-5 and r["params"] < 1e-5, r
