@@ -82,5 +82,5 @@ def repeat_kv_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     if changed:
         graph.lint()
         gm.recompile()
-    ctx.report("repeat_kv_pass", f"{changed} attentions repeat their KV heads for tp={tp}")
+    ctx.report("repeat_kv_pass", changed=False, kv_heads_repeated=changed)
     return gm

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ..passes import PassReports
 from ..trace import Traced, _without_cache, cleanup_pass, trace
 
 __all__ = ["Joint", "joint_graph"]
@@ -80,7 +81,7 @@ def joint_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None = None)
         BufferAOTInput, GradAOTOutput, ParamAOTInput, PlainAOTInput, PlainAOTOutput,
         TangentAOTInput)
     traced = trace(model, args, kwargs)
-    cleanup_pass(traced.gm)
+    cleanup_pass(traced.gm, ctx=PassReports())
     tied = _untie(traced, model)
     # the user's tensors in the export's input order (non-tensor inputs are baked in)
     import torch.fx._pytree as fx_pytree

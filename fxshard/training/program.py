@@ -36,6 +36,7 @@ from ..passes.gqa import unrepeat_kv_pass
 from ..passes.insert_collectives import insert_collectives_pass
 from ..passes.localize import localize_pass
 from ..passes.moe_routing import moe_routing_pass
+from ..passes.pipeline import run_passes
 from ..passes.propagate import _run_once, input_spec, propagate_pass
 from ..passes.rules import FallbackWarning
 from ..placement import Partial, R
@@ -61,7 +62,7 @@ class TrainProgram:
     shapes: dict                # weight FQN -> global shape
     joint: Joint
     ctx: PassCtx
-    edits: list = field(default_factory=list)
+    reports: dict = field(default_factory=dict)   # pass -> counts (forward, then joint)
 
 
 def _check_mesh(mesh: MeshSpec) -> None:
@@ -76,14 +77,12 @@ def _check_mesh(mesh: MeshSpec) -> None:
 def forward_placements(joint: Joint, ctx: PassCtx) -> dict:
     """Every weight's placement as the inference program places it: the forward passes up to
     ``propagate`` on the forward export (which the joint graph was built from)."""
-    gm = joint.traced.gm
-    constants = joint.traced.constants
-    gm = eager_attention_pass(gm, ctx=ctx, constants=constants)
-    gm = fold_causal_mask_pass(gm, ctx=ctx, constants=constants)
-    gm = unrepeat_kv_pass(gm, ctx=ctx)
+    ctx.constants = {**joint.traced.constants, **ctx.constants}
     with warnings.catch_warnings():   # the joint graph's propagation warns about its own ops
         warnings.simplefilter("ignore", FallbackWarning)
-        gm = propagate_pass(gm, ctx=ctx)
+        gm = run_passes(joint.traced.gm, [eager_attention_pass, fold_causal_mask_pass,
+                                          unrepeat_kv_pass, moe_routing_pass, propagate_pass],
+                        ctx)
     out = {}
     for node in gm.graph.nodes:
         fqn = node.meta.get("fxshard_param") or node.meta.get("fxshard_buffer")
@@ -147,19 +146,15 @@ def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint
             changed |= given[index] != want
             given[index] = want
         more = {k: v for k, v in reduced_many_times(gm, ctx).items() if k not in reduced}
-        for name, i in sorted(more):
-            ctx.report("propagate_pass", f"reduce {name} once on {ctx.mesh.axis_names[i]}: "
-                                         f"its partial sum reaches several reductions")
+        ctx.report("propagate_pass", changed=False, reduced_once=len(more))
         reduced.update(more)
         once = {k: v for k, v in gathered_many_times(gm, ctx).items() if k not in gathered}
-        for name, i in sorted(once):
-            ctx.report("propagate_pass", f"gather {name} once on {ctx.mesh.axis_names[i]}: "
-                                         f"views of it are gathered several times")
+        ctx.report("propagate_pass", changed=False, gathered_once=len(once))
         gathered.update(once)
         if not changed and not more and not once:
             break
-    ctx.report("propagate_pass", f"annotated {len(gm.graph.nodes)} nodes of the joint graph, "
-                                 f"{len(ctx.fallbacks)} without a rule")
+    ctx.report("propagate_pass", changed=False, joint_nodes=len(gm.graph.nodes),
+               joint_fallbacks=len(ctx.fallbacks))
     for node, (key, value) in tags.items():
         del node.meta["fxshard_input"]
         node.meta[key] = value
@@ -203,7 +198,7 @@ def _vocab_backward(node: fx.Node, ctx: PassCtx) -> int:
     """The gradient of a vocab-sharded table's rows: ``fxshard::vocab_embedding_backward``
     (one vocab axis, as the forward's ``vocab_embedding``)."""
     from ..placement import Shard
-    from .ops import vocab_embedding_backward
+    from ..ops.training import vocab_embedding_backward
     spec = node.meta["fxshard_spec"]
     axes = [(a, n) for a, n, p in zip(ctx.mesh.axis_names, ctx.mesh.shape, spec)
             if n > 1 and p == Shard(0)]
@@ -232,17 +227,16 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
               if n.op == "placeholder" and (n.meta.get("fxshard_param") or
                                             n.meta.get("fxshard_buffer"))}
     specs = forward_placements(joint, ctx)
-    edits = list(ctx.edits)
     jctx = PassCtx(mesh=ctx.mesh, sequence_parallel=ctx.sequence_parallel, strict=ctx.strict,
                    plan=ctx.plan, embedding_style=ctx.embedding_style)
     gm = repeat_kv_pass(joint.gm, ctx=jctx)
     gm = dedupe_views_pass(gm, ctx=jctx)
     _joint_propagate(gm, jctx, specs, joint)
     _gradient_targets(gm, joint, specs, jctx)
-    gm = insert_collectives_pass(gm, ctx=jctx)
-    gm = localize_pass(gm, ctx=jctx)
+    gm = run_passes(gm, [insert_collectives_pass, localize_pass], jctx)
     _localize_backward(gm, jctx)
     split = partition(gm, joint.n_outputs, joint.grads)
     return TrainProgram(split=split, specs={f: specs.get(f, tuple(R for _ in ctx.mesh.shape))
                                             for f in split.weights},
-                        shapes=shapes, joint=joint, ctx=jctx, edits=edits + jctx.edits)
+                        shapes=shapes, joint=joint, ctx=jctx,
+                        reports={**ctx.reports, **jctx.reports})

@@ -124,5 +124,5 @@ def dedupe_views_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     if merged:
         gm.graph.lint()
         gm.recompile()
-    ctx.report("dedupe_views_pass", f"merged {merged} repeated views")
+    ctx.report("dedupe_views_pass", changed=False, views_merged=merged)
     return gm

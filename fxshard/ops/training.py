@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.context import current_backend
-from ..runtime.library import define_op
+from fxshard.ops.library import define_op
+from fxshard.runtime.context import current_backend
 
 __all__ = ["vocab_embedding_backward"]
 
