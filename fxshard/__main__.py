@@ -122,9 +122,8 @@ def _run(args) -> int:
     import fxshard
     from fxshard.models.llama import LlamaConfig, LlamaForCausalLM
 
-    if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("gloo")
     shape, names = args.mesh
+    # under torchrun this starts the default (gloo) process group
     mesh = fxshard.init_device_mesh("cpu", shape, mesh_dim_names=names)
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(0)

@@ -34,6 +34,7 @@ from .passes.lower_attention import lower_attention_pass
 from .passes.propagate import propagate_pass
 from .passes.split_stages import assign_layers_to_stages, find_layer_stack, split_stages_pass
 from .placement import R
+from .runtime.agreement import agree
 from .runtime.runner import run
 from .trace import Traced, cleanup_pass, trace
 from .weights import WeightWatch, materialize_buffers, non_persistent_buffers
@@ -198,6 +199,7 @@ class ParallelModule:
         micro = self._split(args, kwargs)
         key = (generation, _signature(micro[0]))
         if key not in self._compiled:
+            agree(self, _WHERE, {"generation": generation, "inputs": micro[0]})  # real mesh
             _, spec = pytree.tree_flatten((args, kwargs))
             a, k = pytree.tree_unflatten(micro[0], spec)
             try:

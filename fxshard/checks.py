@@ -13,7 +13,17 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["check_parallelize_args", "unmatched_plan_patterns", "check_state_dict_values"]
+__all__ = ["check_parallelize_args", "unmatched_plan_patterns", "check_state_dict_values",
+           "token_ids"]
+
+
+def token_ids(value):
+    """A token id (or list of ids) given as a tensor, as HuggingFace accepts ``eos_token_id``
+    (``tensor(2)``, ``tensor([2, 7])``), as the int or list it holds; anything else as it is
+    (the caller checks it)."""
+    if isinstance(value, torch.Tensor) and value.dim() <= 1 and value.device.type != "meta":
+        return value.tolist()
+    return value
 
 
 def _int(where: str, name: str, value, *, low: int, example: int) -> None:

@@ -42,9 +42,10 @@ import numbers
 import torch
 import torch.utils._pytree as pytree
 
-from .checks import inference_only
+from .checks import inference_only, token_ids
 from .mesh import is_simulated
 from .passes.kv_cache import READ_LEN, WRITE_POS, cache_keys, greedy_output
+from .runtime.agreement import agree
 from .runtime.runner import run
 
 __all__ = ["generate", "CAPACITY_STEP"]
@@ -303,6 +304,9 @@ def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: boo
         eos_token_id = getattr(config, "eos_token_id", None)
     if pad_token_id is None:
         pad_token_id = getattr(config, "pad_token_id", None)
+    eos_token_id, pad_token_id = token_ids(eos_token_id), token_ids(pad_token_id)  # tensors too
+    agree(pm, _WHERE, dict(input_ids=input_ids, max_new_tokens=max_new_tokens, sample=do_sample,
+          temperature=temperature, top_k=top_k, top_p=top_p, eos=eos_token_id, pad=pad_token_id))
     eos = _check(pm, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p,
                  eos_token_id, pad_token_id, generator)
     if max_new_tokens == 0:
