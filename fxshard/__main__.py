@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, NotImplementedError) as e:  # fxshard's errors say the fix
         parser.exit(2, f"{where}: {_for_the_cli(str(e))}\n")
     except MemoryError as e:
-        parser.exit(1, f"{where}: out of memory ({str(e) or 'MemoryError'}); use a smaller --batch, "
-                       f"--seq, --layers or mesh\n")
+        parser.exit(1, f"{where}: out of memory ({str(e) or 'MemoryError'}); use a smaller "
+                       f"--batch, --seq, --layers or mesh\n")
     except OSError as e:
         parser.exit(1, f"{where}: {e}\n")
 

@@ -19,7 +19,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from .checks import (check_parallelize_args, check_state_dict_values, inference_only,
-                     unmatched_plan_patterns)
+                     out_of_vocabulary, unmatched_plan_patterns)
 from .mesh import MeshSpec, is_simulated, mesh_spec
 from .passes import PLAN_STYLES, PassCtx
 from .passes.fold_mask import fold_causal_mask_pass
@@ -326,7 +326,13 @@ class ParallelModule:
         c, micro = self._get(args, kwargs)
         if not c.loaded:
             self._check_loaded(c)
-        out = run(self, c, micro)
+        try:
+            out = run(self, c, micro)
+        except IndexError as e:  # name the token id and the vocabulary, not "out of range"
+            better = out_of_vocabulary(self.model, c.traced, args, kwargs, where=_WHERE)
+            if better is None:
+                raise
+            raise better from e
         return pytree.tree_unflatten(inference_only(self.model, list(out)), c.traced.out_spec)
 
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int,

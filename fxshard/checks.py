@@ -138,3 +138,36 @@ def inference_only(model: torch.nn.Module, outputs: list) -> list:
         return outputs
     return [_NoBackward.apply(x, anchor) if isinstance(x, torch.Tensor) and
             x.dtype.is_floating_point else x for x in outputs]
+
+
+def out_of_vocabulary(model: torch.nn.Module, traced, args: tuple, kwargs: dict, *,
+                      where: str) -> IndexError | None:
+    """After a rank's embedding raised IndexError ("index out of range in self"): an
+    IndexError naming the token id, where it sits and the vocabulary size, for each embedding
+    of the traced graph whose ids come straight from an input of the forward; None when no
+    input holds an id outside its embedding (the original error stands)."""
+    import inspect
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return None
+    for node in traced.gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.embedding.default:
+            continue
+        weight, ids = node.args[0], node.args[1]
+        while isinstance(ids, torch.fx.Node) and ids.op == "call_function" and ids.args:
+            ids = ids.args[0]   # through a view or a shard of the ids
+        value = bound.get(getattr(ids, "name", None))
+        rows = getattr(weight.meta.get("val"), "shape", (None,))[0]
+        if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point or rows is None:
+            continue
+        bad = ((value < 0) | (value >= rows)).nonzero()
+        if len(bad):
+            at = tuple(bad[0].tolist())
+            name = traced.param_names.get(weight.name, weight.name)
+            return IndexError(
+                f"{where}: token id {int(value[at])} at {ids.name}{list(at)} is outside the "
+                f"vocabulary [0, {rows}) of the embedding {name!r} (the single-device model "
+                f"raises IndexError too); check that the input ids come from a tokenizer with "
+                f"at most {rows} tokens")
+    return None

@@ -31,6 +31,34 @@ def test_out_of_range_token_id_with_vocab_embedding_is_an_index_error(bad_id):
     pm.close()
 
 
+@pytest.mark.parametrize("mesh,embedding", [((2,), "embed_dim"), ((2,), "replicate"),
+                                            ((1,), "embed_dim")])
+@pytest.mark.parametrize("model_kind", ["ours", "hf"])
+def test_out_of_range_token_id_names_the_id_and_the_vocabulary(model_kind, mesh, embedding):
+    from tests.models import hf_llama
+    model = our_llama(num_hidden_layers=1) if model_kind == "ours" else \
+        hf_llama(layers=1, vocab=128)
+    ids = torch.randint(0, 128, (2, 8))
+    ids[1, 3] = 500
+    pm = fxshard.parallelize(model, fxshard.init_device_mesh("cpu", mesh,
+                                                             mesh_dim_names=("tp",)),
+                             embedding=embedding)
+    with pytest.raises(IndexError, match=r"token id 500 at input_ids\[1, 3\] is outside the "
+                                         r"vocabulary \[0, 128\) of the embedding "
+                                         r"'model.embed_tokens.weight'"):
+        pm(ids)
+    pm.close()
+
+
+def test_use_cache_points_to_generate():
+    from tests.models import hf_llama
+    model = hf_llama(layers=1, vocab=128)
+    pm = fxshard.parallelize(model, fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    with pytest.raises(NotImplementedError, match=r"use_cache=True.*use pm\.generate\(input_ids, "
+                                                  r"max_new_tokens=\.\.\.\)"):
+        pm(torch.randint(0, 128, (2, 8)), use_cache=True)
+
+
 @pytest.mark.parametrize("where", ["q_proj", "first_token"])
 @pytest.mark.parametrize("axis", ["ring_cp", "ulysses_cp", "tp"])
 def test_nan_weight_gives_nan_where_single_device_does(axis, where):
