@@ -46,6 +46,7 @@ from .checks import inference_only, token_ids
 from .mesh import is_simulated
 from .passes.kv_cache import READ_LEN, WRITE_POS, cache_keys, greedy_output
 from .runtime.agreement import agree
+from .runtime.memory import check_kv_cache_fits
 from .runtime.runner import run
 
 __all__ = ["generate", "CAPACITY_STEP"]
@@ -92,7 +93,7 @@ def _check(pm, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p,
             raise ValueError(f"{_WHERE}: {', '.join(given)} only apply to sampling, but "
                              f"do_sample=False (greedy); pass do_sample=True or drop them")
     eos = [] if eos_token_id is None else \
-        [eos_token_id] if isinstance(eos_token_id, numbers.Integral) else list(eos_token_id)
+        [eos_token_id] if isinstance(eos_token_id, numbers.Number) else list(eos_token_id)
     vocab = _vocab_size(pm.model)
     for t in eos + ([] if pad_token_id is None else [pad_token_id]):
         if isinstance(t, bool) or not isinstance(t, numbers.Integral) or \
@@ -322,6 +323,8 @@ def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: boo
         pm._check_loaded(c)
     prefill = c
     src = None if is_simulated(pm.mesh) else int(pm.mesh.mesh.flatten()[0])  # mesh rank 0
+    check_kv_cache_fits(pm, c, _ranks(pm), capacity, lambda n: _capacity(pm, prompt, n),
+                        max_new_tokens)
     caches = pm._kv_state = _Caches(pm, c, prompt, capacity, device)  # kept for inspection
     if not do_sample and pm.spec.axis_size("pp") > 1 and not _step_synchronous:
         return _pipelined(pm, input_ids, prefill, micro, caches, capacity, max_new_tokens,
