@@ -329,10 +329,7 @@ class ParallelModule:
         try:
             out = run(self, c, micro)
         except IndexError as e:  # name the token id and the vocabulary, not "out of range"
-            better = out_of_vocabulary(self.model, c.traced, args, kwargs, where=_WHERE)
-            if better is None:
-                raise
-            raise better from e
+            raise out_of_vocabulary(self.model, c.traced, args, kwargs, e, where=_WHERE)
         return pytree.tree_unflatten(inference_only(self.model, list(out)), c.traced.out_spec)
 
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int,

@@ -140,17 +140,17 @@ def inference_only(model: torch.nn.Module, outputs: list) -> list:
             x.dtype.is_floating_point else x for x in outputs]
 
 
-def out_of_vocabulary(model: torch.nn.Module, traced, args: tuple, kwargs: dict, *,
-                      where: str) -> IndexError | None:
-    """After a rank's embedding raised IndexError ("index out of range in self"): an
-    IndexError naming the token id, where it sits and the vocabulary size, for each embedding
-    of the traced graph whose ids come straight from an input of the forward; None when no
-    input holds an id outside its embedding (the original error stands)."""
+def out_of_vocabulary(model: torch.nn.Module, traced, args: tuple, kwargs: dict,
+                      error: IndexError, *, where: str) -> IndexError:
+    """What to raise for ``error``, a rank's IndexError ("index out of range in self"): an
+    IndexError (caused by it) naming the token id, where it sits and the vocabulary size, for
+    an embedding of the traced graph whose ids come straight from an input of the forward;
+    ``error`` itself when no input holds an id outside its embedding."""
     import inspect
     try:
         bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
     except (TypeError, ValueError):
-        return None
+        return error
     for node in traced.gm.graph.nodes:
         if node.op != "call_function" or node.target is not torch.ops.aten.embedding.default:
             continue
@@ -165,9 +165,11 @@ def out_of_vocabulary(model: torch.nn.Module, traced, args: tuple, kwargs: dict,
         if len(bad):
             at = tuple(bad[0].tolist())
             name = traced.param_names.get(weight.name, weight.name)
-            return IndexError(
+            better = IndexError(
                 f"{where}: token id {int(value[at])} at {ids.name}{list(at)} is outside the "
                 f"vocabulary [0, {rows}) of the embedding {name!r} (the single-device model "
                 f"raises IndexError too); check that the input ids come from a tokenizer with "
                 f"at most {rows} tokens")
-    return None
+            better.__cause__ = error
+            return better
+    return error
