@@ -134,15 +134,17 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in _COMMANDS.items():
         p = sub.add_parser(name, parents=[common], help=text, description=text)
         if name == "generate":
-            p.add_argument("--prompt-len", type=_positive, default=8,
-                           help="prompt tokens per sequence (default 8)")
+            p.add_argument("--prompt-len", type=_positive, default=None,
+                           help="prompt tokens per sequence (default 8, or the smallest "
+                                "multiple of 2 x ring_cp x ulysses_cp above it)")
             p.add_argument("--new-tokens", type=_positive, default=16,
                            help="new tokens per sequence (default 16)")
             p.add_argument("--seed", type=_integer, default=1,
                            help="seed of the random prompt (default 1)")
             continue
-        p.add_argument("--seq", type=_positive, default=16,
-                       help="sequence length (default 16)")
+        p.add_argument("--seq", type=_positive, default=None,
+                       help="sequence length (default 16, or the smallest multiple of "
+                            "2 x ring_cp x ulysses_cp above it)")
         if name == "demo":
             p.add_argument("--lines", type=_positive, default=60,
                            help="at most this many lines of rank 0's layer excerpt "
@@ -156,9 +158,14 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    sizes = dict(zip(args.mesh[1], args.mesh[0]))
     if args.batch is None:  # fit the mesh: every dp rank and microbatch gets a sequence
-        unit = dict(zip(args.mesh[1], args.mesh[0])).get("dp", 1) * args.microbatches
+        unit = sizes.get("dp", 1) * args.microbatches
         args.batch = unit * -(-4 // unit)
+    unit = 2 * sizes.get("ring_cp", 1) * sizes.get("ulysses_cp", 1)  # zigzag: 2 chunks a rank
+    for name, default in (("seq", 16), ("prompt_len", 8)):
+        if getattr(args, name, 0) is None:
+            setattr(args, name, unit * -(-default // unit))
     where = f"{parser.prog} {args.command}: error"
     try:
         return _run(args)

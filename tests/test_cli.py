@@ -105,6 +105,9 @@ def test_default_batch_fits_the_mesh(capsys):
                  "--layers", "2"]) == 0
     out = capsys.readouterr().out
     assert "fxshard plan on mesh (dp=2, tp=2, pp=2)" in out and "4 microbatches" in out
+    # the sequence fits ring_cp's zigzag (2 x 3 chunks): 18, not 16
+    assert main(["demo", "--mesh", "ring_cp=3", "--layers", "1"]) == 0
+    assert ": PASS" in capsys.readouterr().out
 
 
 def test_demo_prints_the_verdict_first_then_one_layer_and_the_backend(capsys):
