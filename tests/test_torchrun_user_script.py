@@ -55,7 +55,9 @@ def test_ranks_with_different_batches_fail_on_every_rank(reports):
         msg = rep["batch"]
         assert msg is not None, f"rank {rank} raised no ValueError"
         assert "the ranks disagree" in msg and f"this is rank {rank}" in msg, msg
-        assert "(4, 6)" in msg and "(2, 6)" in msg, msg  # both sides shown
+        # both sides shown, and only what differs
+        assert "rank 0: inputs=(tensor[4, 6] torch.int64 on cpu)" in msg, msg
+        assert "rank 1: inputs=(tensor[2, 6] torch.int64 on cpu)" in msg, msg
 
 
 def test_ranks_with_different_max_new_tokens_fail_on_every_rank(reports):
@@ -63,7 +65,7 @@ def test_ranks_with_different_max_new_tokens_fail_on_every_rank(reports):
         msg = rep["generate"]
         assert msg is not None, f"rank {rank} raised no ValueError"
         assert "ParallelModule.generate: the ranks disagree" in msg, msg
-        assert "'max_new_tokens', 3" in msg and "'max_new_tokens', 4" in msg, msg
+        assert "rank 0: max_new_tokens=3; rank 1: max_new_tokens=4." in msg, msg
 
 
 def test_agreeing_calls_work_after_a_disagreement(reports):

@@ -37,7 +37,8 @@ def describe(value):
     if isinstance(value, (tuple, list)):
         return tuple(describe(v) for v in value)
     if isinstance(value, dict):
-        return tuple((k, describe(v)) for k, v in sorted(value.items(), key=lambda kv: str(kv[0])))
+        return ("dict", tuple((str(k), describe(v)) for k, v in
+                              sorted(value.items(), key=lambda kv: str(kv[0]))))
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, torch.dtype):
@@ -63,9 +64,10 @@ def agree(owner, where: str, *values) -> None:
     if all(g == signature for g in gathered):
         seen.add(signature)
         return
+    differ = _differing(gathered)
     groups: dict = {}
     for rank, g in enumerate(gathered):
-        groups.setdefault(repr(g), []).append(rank)
+        groups.setdefault(_show(g, differ), []).append(rank)
     sides = "; ".join(
         f"rank{'s' if len(ranks) > 1 else ''} "
         f"{', '.join(map(str, ranks[:_SHOWN]))}{' ...' if len(ranks) > _SHOWN else ''}: {text}"
@@ -75,3 +77,25 @@ def agree(owner, where: str, *values) -> None:
         f"Under torchrun every rank must make the same calls with the same input shapes, "
         f"dtypes and options (each rank passes the same global input); give every rank the "
         f"same arguments")
+
+
+def _differing(signatures: list) -> set | None:
+    """The keys whose values differ, where every signature is one dict of the same keys (so
+    the message shows those only); None otherwise (show everything)."""
+    dicts = [g[0][1] for g in signatures if len(g) == 1 and isinstance(g[0], tuple)
+             and len(g[0]) == 2 and g[0][0] == "dict"]
+    if len(dicts) != len(signatures) or len({tuple(k for k, _ in d) for d in dicts}) != 1:
+        return None
+    return {k for i, (k, _) in enumerate(dicts[0]) if len({repr(d[i][1]) for d in dicts}) > 1}
+
+
+def _show(value, keys: set | None = None) -> str:
+    """A signature as a person reads it: ``max_new_tokens=3``, ``tensor[4, 6] torch.int64``."""
+    if isinstance(value, tuple) and len(value) == 4 and value[0] == "tensor":
+        return f"tensor{list(value[1])} {value[2]} on {value[3]}"
+    if isinstance(value, tuple) and len(value) == 2 and value[0] == "dict":
+        return ", ".join(f"{k}={_show(v)}" for k, v in value[1] if keys is None or k in keys)
+    if isinstance(value, tuple):
+        inner = ", ".join(_show(v, keys) for v in value)
+        return inner if keys is not None and len(value) == 1 else f"({inner})"
+    return repr(value)
