@@ -6,8 +6,9 @@
   python -m fxshard generate --mesh tp=2 --prompt-len 8 --new-tokens 16
   torchrun --nproc_per_node=4 -m fxshard demo --mesh dp=2,tp=2    real ranks (gloo)
 
-demo prints the collectives per rank, parameter bytes per rank, one layer of rank 0's program
-and the largest difference from the single-device model; explain prints the plan only;
+demo prints its verdict first (the largest difference from the single-device model, PASS or
+FAIL), then the plan (collectives and parameter bytes per rank) and one layer of rank 0's
+program; explain prints the plan only; "COMMAND --help" lists a command's options;
 generate prints greedy tokens from pm.generate, whether they equal the single-device model's
 (a plain loop without a cache) and the prefill time and decode tokens per second.
 """
@@ -19,6 +20,9 @@ import re
 import sys
 
 import torch
+
+
+TOLERANCE = 1e-4  # the demo's pass mark: largest |parallel - single device|, fp32
 
 
 def _parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -48,6 +52,27 @@ def _positive(text: str) -> int:
     if not text.strip().isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return int(text)
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _writable(path: str) -> str:
+    """A file path whose folder exists and can be written (checked before the run, so the
+    picture does not fail after it)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path!r} is a directory; give a file name such as "
+                                         f"plan.svg")
+    if not os.path.isdir(folder):
+        raise argparse.ArgumentTypeError(f"the folder {folder!r} of {path!r} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{path!r} cannot be written (permission denied)")
+    return path
 
 
 def layer_excerpt(code: str) -> list[str]:
@@ -81,39 +106,88 @@ def _ran_on(pm) -> str:
             f"threads of this process ({pm.spec.device_type})")
 
 
-def main(argv: list[str] | None = None) -> int:
+_COMMANDS = {
+    "demo": "run on the mesh and compare with one device: the verdict, the plan, one layer",
+    "explain": "the plan only: placements, collectives, bytes per rank (and a picture)",
+    "generate": "greedy text generation with pm.generate, compared with one device",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fxshard", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["demo", "explain", "generate"],
-                        help="demo: run and compare with one device; explain: the plan only; "
-                             "generate: greedy text generation vs one device")
-    parser.add_argument("--mesh", default=((2, 2), ("dp", "tp")), type=_parse_mesh,
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--mesh", default=((2, 2), ("dp", "tp")), type=_parse_mesh,
                         help="axis sizes, e.g. dp=2,tp=2 (axes: dp, tp, pp, ulysses_cp, "
                              "ring_cp; default dp=2,tp=2)")
-    parser.add_argument("--sp", action="store_true",
+    common.add_argument("--sp", action="store_true",
                         help="sequence parallelism on tp (generate: the prefill; a decode step "
                              "has one token)")
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
-    parser.add_argument("--microbatches", type=int, default=1,
+    common.add_argument("--layers", type=_positive, default=4, help="decoder layers (default 4)")
+    common.add_argument("--microbatches", type=_positive, default=1,
                         help="pipeline microbatches (GPipe; needs pp; default 1)")
-    parser.add_argument("--batch", type=int, default=4, help="batch size (default 4)")
-    parser.add_argument("--seq", type=int, default=16, help="sequence length (default 16)")
-    parser.add_argument("--prompt-len", type=_positive, default=8,
-                        help="generate: prompt tokens per sequence (default 8)")
-    parser.add_argument("--new-tokens", type=_positive, default=16,
-                        help="generate: new tokens per sequence (default 16)")
-    parser.add_argument("--seed", type=int, default=1,
-                        help="generate: seed of the random prompt (default 1)")
-    parser.add_argument("--lines", type=int, default=60,
-                        help="at most this many lines of rank 0's layer excerpt (default 60)")
-    parser.add_argument("--svg", metavar="FILE",
-                        help="also draw the plan to FILE (.svg/.png; needs matplotlib: "
-                             "pip install 'fxshard[plot]')")
+    common.add_argument("--batch", type=_positive, default=None,
+                        help="batch size (default: the smallest multiple of dp x microbatches "
+                             "that is >= 4)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="; ".join(f"{k}: {v}" for k, v in _COMMANDS.items()))
+    for name, text in _COMMANDS.items():
+        p = sub.add_parser(name, parents=[common], help=text, description=text)
+        if name == "generate":
+            p.add_argument("--prompt-len", type=_positive, default=None,
+                           help="prompt tokens per sequence (default 8, or the smallest "
+                                "multiple of 2 x ring_cp x ulysses_cp above it)")
+            p.add_argument("--new-tokens", type=_positive, default=16,
+                           help="new tokens per sequence (default 16)")
+            p.add_argument("--seed", type=_integer, default=1,
+                           help="seed of the random prompt (default 1)")
+            continue
+        p.add_argument("--seq", type=_positive, default=None,
+                       help="sequence length (default 16, or the smallest multiple of "
+                            "2 x ring_cp x ulysses_cp above it)")
+        if name == "demo":
+            p.add_argument("--lines", type=_positive, default=60,
+                           help="at most this many lines of rank 0's layer excerpt "
+                                "(default 60)")
+        p.add_argument("--svg", metavar="FILE", type=_writable,
+                       help="also draw the plan to FILE (.svg/.png; needs matplotlib: "
+                            "pip install 'fxshard[plot]')")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
+    sizes = dict(zip(args.mesh[1], args.mesh[0]))
+    if args.batch is None:  # fit the mesh: every dp rank and microbatch gets a sequence
+        unit = sizes.get("dp", 1) * args.microbatches
+        args.batch = unit * -(-4 // unit)
+    unit = 2 * sizes.get("ring_cp", 1) * sizes.get("ulysses_cp", 1)  # zigzag: 2 chunks a rank
+    for name, default in (("seq", 16), ("prompt_len", 8)):
+        if getattr(args, name, 0) is None:
+            setattr(args, name, unit * -(-default // unit))
+    where = f"{parser.prog} {args.command}: error"
     try:
         return _run(args)
     except (ValueError, TypeError, NotImplementedError) as e:  # fxshard's errors say the fix
-        parser.exit(2, f"{parser.prog} {args.command}: error: {e}\n")
+        parser.exit(2, f"{where}: {_for_the_cli(str(e))}\n")
+    except MemoryError as e:
+        parser.exit(1, f"{where}: out of memory ({str(e) or 'MemoryError'}); use a smaller "
+                       f"--batch, --seq, --layers or mesh\n")
+    except OSError as e:
+        parser.exit(1, f"{where}: {e}\n")
+
+
+def _for_the_cli(message: str) -> str:
+    """fxshard's messages suggest API fixes; the CLI takes no ``plan=``: drop that advice and
+    say what the CLI can change instead."""
+    if "plan=" not in message:
+        return message
+    message = re.sub(r",? or [^.]*?plan=\{.*?\}\}?[^.]*", "", message)
+    message = re.sub(r"(^|(?<=\. ))[^.]*plan=\{.*?\}\}?[^.]*\.?", "", message).rstrip()
+    return (f"{message} From the CLI: change --mesh (sizes that divide the tiny Llama's 4 "
+            f"query heads, 2 KV heads and hidden size 64, e.g. --mesh tp=2); plan= is an argument "
+            f"of fxshard.parallelize in Python, not of the CLI")
 
 
 def _run(args) -> int:
@@ -122,9 +196,8 @@ def _run(args) -> int:
     import fxshard
     from fxshard.models.llama import LlamaConfig, LlamaForCausalLM
 
-    if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("gloo")
     shape, names = args.mesh
+    # under torchrun this starts the default (gloo) process group
     mesh = fxshard.init_device_mesh("cpu", shape, mesh_dim_names=names)
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(0)
@@ -196,6 +269,16 @@ def _generate(args, pm, model, ids: torch.Tensor, rank: int) -> int:
 
 def _show(args, pm, model, ids, rank: int) -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
+    ok = True
+    if args.command == "demo":  # the verdict first, then the (long) plan
+        with torch.no_grad():
+            want = model(ids)
+            got = pm(ids)
+        err = (got - want).abs().max().item()
+        ok = err < TOLERANCE
+        say(f"{_ran_on(pm)}")
+        say(f"max |parallel - single device| = {err:.3g} on mesh {pm.spec.describe()}: "
+            f"{'PASS' if ok else 'FAIL'} (tolerance {TOLERANCE:g}, fp32)\n")
     say(pm.explain())
     if args.svg and rank == 0:
         pm.explain().save(args.svg)
@@ -206,13 +289,7 @@ def _show(args, pm, model, ids, rank: int) -> int:
     say(f"\nOne layer of rank {rank}'s program ({len(excerpt)} lines"
         f"{f', first {args.lines}' if len(excerpt) > args.lines else ''}):")
     say("\n".join(excerpt[:args.lines]))
-    with torch.no_grad():
-        want = model(ids)
-        got = pm(ids)
-    err = (got - want).abs().max().item()
-    say(f"\n{_ran_on(pm)}")
-    say(f"max |parallel - single device| = {err:.3g} on mesh {pm.spec.describe()}")
-    return 0 if err < 1e-4 else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

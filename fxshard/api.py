@@ -25,7 +25,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from .checks import check_parallelize_args, inference_only, unmatched_plan_patterns
+from .checks import (check_parallelize_args, inference_only, out_of_vocabulary,
+                     unmatched_plan_patterns)
 from .mesh import MeshSpec, is_simulated, mesh_spec
 from .passes import PLAN_STYLES
 from .runtime.executor import Executor
@@ -69,12 +70,15 @@ class ParallelModule:
         materialize_buffers(model)
         self.unmatched_plan: list[str] = []
         self.weights = WeightStore(model, self.spec)
-        self.programs = ProgramCache(model, self.spec, self.options, self.weights)
+        self.programs = ProgramCache(model, mesh, self.spec, self.options, self.weights)
         self.executor = Executor(mesh, self.spec, self.options, self.weights)
 
     def __call__(self, *args, **kwargs):
         c, micro = self.programs.prepare(args, kwargs)
-        out = self.executor.run(c, micro)
+        try:
+            out = self.executor.run(c, micro)
+        except IndexError as e:  # name the token id and the vocabulary, not "out of range"
+            raise out_of_vocabulary(self.model, c.traced, args, kwargs, e, where=_WHERE)
         return pytree.tree_unflatten(inference_only(self.model, list(out)), c.traced.out_spec)
 
     def stage_of(self, rank: int) -> int:

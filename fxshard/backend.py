@@ -78,6 +78,27 @@ class _Region(torch.nn.Module):
         return self._graph(*args)
 
 
+def _scalars_as_numbers(gm: fx.GraphModule) -> set[int]:
+    """Positions (among the placeholders) of the Python numbers dynamo passes as 0-d tensors
+    (``dynamic=True`` does so for float attributes: ``config.rope_theta``, an RMSNorm's
+    epsilon, attention's ``scaling``) and reads back with ``.item()``. Each takes the number
+    itself instead (its ``.item()`` calls go): export specialises a number, so the program is
+    one per value (as per shape), where a traced ``.item()`` would be data-dependent."""
+    out = set()
+    for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        arg = node.meta.get("grapharg")
+        if not getattr(arg, "pass_arg_as_tensor", False) or not node.users or not all(
+                u.op == "call_method" and u.target == "item" for u in node.users):
+            continue
+        for use in list(node.users):
+            use.replace_all_uses_with(node)
+            gm.graph.erase_node(use)
+        out.add(i)
+    if out:
+        gm.recompile()
+    return out
+
+
 def _lift(gm: fx.GraphModule, example_inputs) -> tuple[_Region, list[int]]:
     """The region module and, per user input, its position among the graph's inputs."""
     if next(gm.parameters(), None) is not None:
@@ -126,6 +147,7 @@ def backend(mesh, **options):
         raise TypeError(f"{_WHERE}: example_inputs/example_kwargs come from torch.compile; "
                         f"do not pass them")
     options.setdefault("compile", True)
+    _check_options(options)
 
     def compile_fn(gm: fx.GraphModule, example_inputs):
         if spec.axis_size("pp") > 1:
@@ -133,16 +155,41 @@ def backend(mesh, **options):
                 f"{_WHERE}: mesh {spec.describe()} has a pp axis of size "
                 f"{spec.axis_size('pp')}; pipeline stages need the model's layer modules, which "
                 f"a torch.compile graph no longer has: use fxshard.parallelize(model, mesh)")
+        scalars = _scalars_as_numbers(gm)
         region, user = _lift(gm, list(example_inputs))
         example = [example_inputs[i] for i in user]
-        static = not any(_is_symbolic(x) for x in example)
+        static = not scalars and not any(_is_symbolic(x) for x in example)
         pm = parallelize(region, mesh, example_inputs=tuple(example) if static else None,
                          **options)
 
         def run(*args):
-            out = pm(*[args[i] for i in user])
+            out = pm(*[args[i].item() if i in scalars else args[i] for i in user])
             return out if isinstance(out, (tuple, list)) else (out,)
         run.parallel_module = pm
         return run
 
     return compile_fn
+
+
+def _check_options(options: dict) -> None:
+    """The options' names and values, now rather than at the first call inside dynamo."""
+    import inspect
+
+    from .api import parallelize
+    from .checks import check_parallelize_args
+    from .passes import PLAN_STYLES
+    params = inspect.signature(parallelize).parameters
+    valid = [n for n, p in params.items() if p.kind is p.KEYWORD_ONLY
+             and n not in ("example_inputs", "example_kwargs")]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise TypeError(f"{_WHERE}: unknown option{'s' if len(unknown) > 1 else ''} "
+                        f"{', '.join(unknown)}; the options are fxshard.parallelize's: "
+                        f"{', '.join(valid)}")
+    values = {n: params[n].default for n in valid} | options
+    if not isinstance(values["compile"], bool):
+        raise TypeError(f"{_WHERE}: compile={values['compile']!r}; pass True (Inductor-compiled "
+                        f"rank programs, the default here) or False")
+    check_parallelize_args(_WHERE, model=torch.nn.Module(), example_inputs=None,
+                           example_kwargs=None, styles=PLAN_STYLES,
+                           **{n: v for n, v in values.items() if n != "compile"})

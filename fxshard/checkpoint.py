@@ -1,7 +1,10 @@
 """Sharded loading from safetensors: each rank reads only the slices it keeps.
 
 ``load_safetensors(pm, path)`` takes one ``.safetensors`` file or a directory of shards
-(HuggingFace's ``model-00001-of-00004.safetensors`` layout, with or without its index JSON).
+(HuggingFace's ``model-00001-of-00004.safetensors`` layout). Where the directory has an index
+(``model.safetensors.index.json``), the files its ``weight_map`` lists are the checkpoint, as
+for ``from_pretrained``: a consolidated file shipped next to the shards is not read, and a
+listed file that is missing is an error naming it and a tensor it holds.
 Nothing is read until a rank's module is built; then ``safe_open(...).get_slice(name)[...]``
 reads that rank's block of every weight it holds, so a model built on ``meta`` never
 materialises a full weight and a rank's peak memory grows with its slice, not the model.
@@ -59,17 +62,60 @@ class SafetensorsSource:
         return t
 
 
-def _files(path: str) -> list[str]:
+_WHERE = "fxshard.load_safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def _files(path: str) -> tuple[list[str], dict[str, str] | None]:
+    """The files to read and, for a directory with an index, its ``weight_map`` (key -> file):
+    as ``from_pretrained`` does, the index decides which files are the checkpoint (a stray
+    consolidated file next to the shards is not read)."""
     if os.path.isdir(path):
+        index = _index_file(path)
+        if index is not None:
+            return _indexed_files(path, index)
         files = sorted(os.path.join(path, f) for f in os.listdir(path)
                        if f.endswith(".safetensors"))
         if not files:
-            raise ValueError(f"fxshard.load_safetensors: no .safetensors files in {path}")
-        return files
+            raise ValueError(f"{_WHERE}: no .safetensors files in {path}")
+        return files, None
     if not os.path.exists(path):
-        raise ValueError(f"fxshard.load_safetensors: {path} does not exist; pass a "
+        raise ValueError(f"{_WHERE}: {path} does not exist; pass a "
                          f".safetensors file or a directory of shards")
-    return [path]
+    if path.endswith(".index.json"):
+        return _indexed_files(os.path.dirname(path) or ".", path)
+    return [path], None
+
+
+def _index_file(directory: str) -> str | None:
+    names = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors.index.json"))
+    if INDEX in names:
+        return os.path.join(directory, INDEX)
+    if len(names) > 1:
+        raise ValueError(f"{_WHERE}: {directory} holds several indexes {names}; pass the one "
+                         f"to load (its path) instead of the directory")
+    return os.path.join(directory, names[0]) if names else None
+
+
+def _indexed_files(directory: str, index: str) -> tuple[list[str], dict[str, str]]:
+    try:
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"{_WHERE}: cannot read the index {index} ({e}); re-download it, or "
+                         f"delete it to load every .safetensors file in {directory}") from None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise ValueError(f"{_WHERE}: the index {index} has no \"weight_map\" of tensor name -> "
+                         f"file name; re-download it")
+    files = {k: os.path.join(directory, v) for k, v in weight_map.items()}
+    for file in sorted(set(files.values())):
+        if not os.path.isfile(file):
+            key = next(k for k, v in files.items() if v == file)
+            raise ValueError(f"{_WHERE}: {file} is listed in {index} (it holds {key!r} and "
+                             f"{sum(v == file for v in files.values()) - 1} more tensors) but "
+                             f"does not exist; download it (the checkpoint is incomplete)")
+    return sorted(set(files.values())), files
 
 
 def _header(file: str) -> dict:
@@ -131,14 +177,20 @@ def sources(path: str) -> dict[str, SafetensorsSource]:
     each is checked against its file's size, so a corrupt or truncated file fails here,
     naming the file and the tensor, not at the first forward)."""
     out: dict[str, SafetensorsSource] = {}
-    for file in _files(path):
+    files, weight_map = _files(path)
+    for file in files:
         for key, info in _header(file).items():
             if key == "__metadata__":
                 continue
             if key in out:
-                raise ValueError(f"fxshard.load_safetensors: {key!r} appears in both "
+                raise ValueError(f"{_WHERE}: {key!r} appears in both "
                                  f"{out[key].file} and {file}")
             out[key] = SafetensorsSource(file, key, tuple(info["shape"]), _DTYPES[info["dtype"]])
+    for key, file in (weight_map or {}).items():
+        if key not in out or out[key].file != file:
+            where = "that file does not hold it" if key not in out else f"it is in {out[key].file}"
+            raise ValueError(f"{_WHERE}: the index lists {key!r} in {file}, but {where}; the "
+                             f"index and the files disagree: re-download the checkpoint")
     return out
 
 

@@ -13,7 +13,17 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["check_parallelize_args", "unmatched_plan_patterns", "check_state_dict_values"]
+__all__ = ["check_parallelize_args", "unmatched_plan_patterns", "check_state_dict_values",
+           "token_ids"]
+
+
+def token_ids(value):
+    """A token id (or list of ids) given as a tensor, as HuggingFace accepts ``eos_token_id``
+    (``tensor(2)``, ``tensor([2, 7])``), as the int or list it holds; anything else as it is
+    (the caller checks it)."""
+    if isinstance(value, torch.Tensor) and value.dim() <= 1 and value.device.type != "meta":
+        return value.tolist()
+    return value
 
 
 def _int(where: str, name: str, value, *, low: int, example: int) -> None:
@@ -128,3 +138,38 @@ def inference_only(model: torch.nn.Module, outputs: list) -> list:
         return outputs
     return [_NoBackward.apply(x, anchor) if isinstance(x, torch.Tensor) and
             x.dtype.is_floating_point else x for x in outputs]
+
+
+def out_of_vocabulary(model: torch.nn.Module, traced, args: tuple, kwargs: dict,
+                      error: IndexError, *, where: str) -> IndexError:
+    """What to raise for ``error``, a rank's IndexError ("index out of range in self"): an
+    IndexError (caused by it) naming the token id, where it sits and the vocabulary size, for
+    an embedding of the traced graph whose ids come straight from an input of the forward;
+    ``error`` itself when no input holds an id outside its embedding."""
+    import inspect
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return error
+    for node in traced.gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.embedding.default:
+            continue
+        weight, ids = node.args[0], node.args[1]
+        while isinstance(ids, torch.fx.Node) and ids.op == "call_function" and ids.args:
+            ids = ids.args[0]   # through a view or a shard of the ids
+        value = bound.get(getattr(ids, "name", None))
+        rows = getattr(weight.meta.get("val"), "shape", (None,))[0]
+        if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point or rows is None:
+            continue
+        bad = ((value < 0) | (value >= rows)).nonzero()
+        if len(bad):
+            at = tuple(bad[0].tolist())
+            name = traced.param_names.get(weight.name, weight.name)
+            better = IndexError(
+                f"{where}: token id {int(value[at])} at {ids.name}{list(at)} is outside the "
+                f"vocabulary [0, {rows}) of the embedding {name!r} (the single-device model "
+                f"raises IndexError too); check that the input ids come from a tokenizer with "
+                f"at most {rows} tokens")
+            better.__cause__ = error
+            return better
+    return error

@@ -12,9 +12,10 @@ A mesh is a grid of ranks with one named axis per kind of parallelism::
 Ranks are laid out row-major over the mesh shape, as in ``torch.distributed.DeviceMesh``:
 on a ``(dp=2, tp=2)`` mesh rank 3 has coordinates ``(1, 1)``.
 
-``init_device_mesh`` returns a real ``DeviceMesh`` when torch.distributed is initialised
-(under ``torchrun``) and a :class:`SimulatedMesh` otherwise, where every rank runs as a thread
-of this process. Passes only need the geometry, which :func:`mesh_spec` extracts from either.
+``init_device_mesh`` returns a real ``DeviceMesh`` under a launcher (``torchrun``: it starts
+the default process group when the script has not) and a :class:`SimulatedMesh` otherwise,
+where every rank runs as a thread of this process. Passes only need the geometry, which
+:func:`mesh_spec` extracts from either.
 """
 from __future__ import annotations
 
@@ -144,14 +145,19 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
                      mesh_dim_names: Sequence[str]):
     """Mirror of ``torch.distributed.device_mesh.init_device_mesh`` with fxshard's axis names.
 
-    Under ``torchrun`` (torch.distributed initialised) this returns a real ``DeviceMesh`` and the
-    world size must equal the product of ``mesh_shape``. In a plain process it returns a
-    :class:`SimulatedMesh` whose ranks run as threads on ``device_type``.
+    Under ``torchrun`` this returns a real ``DeviceMesh`` and the world size must equal the
+    product of ``mesh_shape``; as torch's does, it starts the default process group itself when
+    the launcher's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``) is there and none is
+    started yet (gloo for cpu, nccl for cuda, whose device it sets from ``LOCAL_RANK``). In a
+    plain process it returns a :class:`SimulatedMesh` whose ranks run as threads on
+    ``device_type``.
     """
     where = "fxshard.init_device_mesh"
     shape, names = _validate(where, mesh_shape, mesh_dim_names)
     _check_device_type(where, device_type)
     import torch.distributed as dist
+    if dist.is_available() and not dist.is_initialized() and _launched():
+        _init_default_group(where, device_type, shape)
     if dist.is_available() and dist.is_initialized():
         world = dist.get_world_size()
         if world != math.prod(shape):
@@ -164,6 +170,36 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
         _bound_axis_timeouts(device_mesh, names)
         return device_mesh
     return SimulatedMesh(shape, names, device_type)
+
+
+_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
+
+
+def _launched() -> bool:
+    """The environment a launcher (``torchrun``, SLURM wrappers) gives each process."""
+    import os
+    return all(k in os.environ for k in _LAUNCH_ENV)
+
+
+def _init_default_group(where: str, device_type: str, shape: tuple[int, ...]) -> None:
+    """Under a launcher with no default process group yet: check that the launched world
+    matches the mesh, set this process's CUDA device from ``LOCAL_RANK`` (as torch's
+    ``init_device_mesh`` does), then start the group: gloo for cpu, nccl for cuda."""
+    import os
+
+    import torch.distributed as dist
+    text = os.environ["WORLD_SIZE"]
+    if not text.strip().isdigit():
+        raise ValueError(f"{where}: the launcher's WORLD_SIZE={text!r} is not a number")
+    world = int(text)
+    if world != math.prod(shape):
+        raise ValueError(
+            f"{where}: mesh_shape {shape} holds {math.prod(shape)} ranks but the launcher "
+            f"started WORLD_SIZE={world} processes; launch torchrun "
+            f"--nproc_per_node={math.prod(shape)} or change the mesh shape to hold {world}")
+    if device_type == "cuda" and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
 
 
 def _check_device_type(where: str, device_type) -> None:

@@ -132,8 +132,9 @@ def _without_cache(model: torch.nn.Module, kwargs: dict) -> dict:
     if kwargs.get("use_cache"):
         raise NotImplementedError(
             f"fxshard.parallelize: {type(model).__name__} was called with use_cache=True; "
-            f"fxshard parallelizes forward passes without a KV cache. Call the model without "
-            f"use_cache (fxshard passes use_cache=False) or with use_cache=False")
+            f"pm(...) runs forward passes without a KV cache. To generate text with a KV "
+            f"cache use pm.generate(input_ids, max_new_tokens=...) (a static cache per rank); "
+            f"otherwise call pm(...) without use_cache (fxshard passes use_cache=False)")
     kwargs.setdefault("use_cache", False)
     return kwargs
 

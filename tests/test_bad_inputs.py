@@ -31,6 +31,34 @@ def test_out_of_range_token_id_with_vocab_embedding_is_an_index_error(bad_id):
     pm.close()
 
 
+@pytest.mark.parametrize("mesh,embedding", [((2,), "embed_dim"), ((2,), "replicate"),
+                                            ((1,), "embed_dim")])
+@pytest.mark.parametrize("model_kind", ["ours", "hf"])
+def test_out_of_range_token_id_names_the_id_and_the_vocabulary(model_kind, mesh, embedding):
+    from tests.models import hf_llama
+    model = our_llama(num_hidden_layers=1) if model_kind == "ours" else \
+        hf_llama(layers=1, vocab=128)
+    ids = torch.randint(0, 128, (2, 8))
+    ids[1, 3] = 500
+    pm = fxshard.parallelize(model, fxshard.init_device_mesh("cpu", mesh,
+                                                             mesh_dim_names=("tp",)),
+                             embedding=embedding)
+    with pytest.raises(IndexError, match=r"token id 500 at input_ids\[1, 3\] is outside the "
+                                         r"vocabulary \[0, 128\) of the embedding "
+                                         r"'model.embed_tokens.weight'"):
+        pm(ids)
+    pm.close()
+
+
+def test_use_cache_points_to_generate():
+    from tests.models import hf_llama
+    model = hf_llama(layers=1, vocab=128)
+    pm = fxshard.parallelize(model, fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    with pytest.raises(NotImplementedError, match=r"use_cache=True.*use pm\.generate\(input_ids, "
+                                                  r"max_new_tokens=\.\.\.\)"):
+        pm(torch.randint(0, 128, (2, 8)), use_cache=True)
+
+
 @pytest.mark.parametrize("where", ["q_proj", "first_token"])
 @pytest.mark.parametrize("axis", ["ring_cp", "ulysses_cp", "tp"])
 def test_nan_weight_gives_nan_where_single_device_does(axis, where):
@@ -42,10 +70,51 @@ def test_nan_weight_gives_nan_where_single_device_does(axis, where):
         else:  # sample 1 is NaN from its first token on, sample 0 stays finite
             model.model.embed_tokens.weight[7, 5] = math.nan
             ids[1, 0] = 7
+    # what one device gives on this CPU: for the NaN query row of q_proj, torch's SDPA gives
+    # NaN on some CPUs and 0 on others (AVX-512); fxshard must give the same, NaN or not
     want = model(ids)
-    assert want.isnan().any() and (where == "q_proj" or not want[0].isnan().any())
+    if where == "first_token":
+        assert want[1].isnan().all() and not want[0].isnan().any()
     mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=(axis,))
     pm = fxshard.parallelize(model, mesh)
+    got = pm(ids)
+    assert torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, equal_nan=True)
+    pm.close()
+
+
+def _sdpa_like_other_cpu(monkeypatch, zeroes: bool) -> None:
+    """Make torch's CPU SDPA behave, for a query row of NaN, as on a CPU where it gives 0
+    (``zeroes``: AVX-512) or NaN (the plain definition), for the single-device model and for
+    fxshard's probe of it alike."""
+    import importlib
+    kernel = importlib.import_module("fxshard.kernels.attention")
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kw):
+        out = real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                   scale=scale, **kw)
+        nan_row = q.isnan().any(-1, keepdim=True)
+        return out.masked_fill(nan_row, 0.0 if zeroes else math.nan)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    kernel._sdpa_zeroes_nan_rows.cache_clear()
+    monkeypatch.setattr(kernel, "_sdpa_zeroes_nan_rows",
+                        kernel._sdpa_zeroes_nan_rows.__wrapped__)
+
+
+@pytest.mark.parametrize("zeroes", [True, False])
+def test_nan_query_row_agrees_with_one_device_on_either_kind_of_cpu(monkeypatch, zeroes):
+    """ring_cp runs fxshard's own attention kernel (tp and ulysses_cp run torch's SDPA op on
+    whole heads, so they follow this CPU by construction)."""
+    _sdpa_like_other_cpu(monkeypatch, zeroes)
+    model = our_llama(num_hidden_layers=1)
+    ids = torch.randint(8, 128, (2, 8))
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight[3, 5] = math.nan
+    want = model(ids)
+    assert want.isnan().any() != zeroes  # the simulated CPU's behaviour took effect
+    pm = fxshard.parallelize(model, fxshard.init_device_mesh("cpu", (2,),
+                                                             mesh_dim_names=("ring_cp",)))
     got = pm(ids)
     assert torch.equal(got.isnan(), want.isnan())
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, equal_nan=True)
@@ -61,14 +130,16 @@ def test_attention_fast_path_agrees_with_plain_path_on_nan(causal, nan_in):
         q[0, 1, 2, 3], k[0, 0, 4, 1] = math.inf, -math.inf
     else:
         dict(q=q, k=k, v=v)[nan_in][0, 1, 2, 3] = math.nan
-    # the reference in float64: torch's fused float32 CPU kernel gives 0 for a NaN query row
+    # the reference: torch's SDPA on this CPU in float64 (for a NaN query row it gives NaN on
+    # some CPUs, 0 on AVX-512 ones: fxshard follows this CPU's torch, NaN or not)
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.double(), k.double(), v.double(), is_causal=causal).float()
     out, lse = attention(q, k, v, causal=causal)
     # the mask argument forces the plain path
     out_plain, lse_plain = attention(q, k, v, causal=causal,
                                      mask=torch.ones(5, 5, dtype=torch.bool))
-    assert torch.equal(out.isnan(), ref.isnan()) and out.isnan().any()
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert out.isnan().any() or (nan_in == "q" and not ref.isnan().any())
     torch.testing.assert_close(out, ref, equal_nan=True)
     torch.testing.assert_close(out, out_plain, equal_nan=True)
     torch.testing.assert_close(lse, lse_plain, equal_nan=True)

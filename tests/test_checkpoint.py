@@ -118,3 +118,67 @@ def test_unknown_dtype_and_wrong_offsets_are_value_errors(tmp_path):
     with pytest.raises(ValueError, match=r"'model.norm.weight' .* takes 256 bytes but shape "
                                          r"\[65\] of F32 needs 260"):
         fxshard.load_safetensors(pm, str(path))
+
+
+def write_indexed(model, directory) -> dict:
+    """Two shards and ``model.safetensors.index.json`` as ``save_pretrained`` writes them."""
+    import json
+    write_shards(model, directory)
+    keys = sorted(model.state_dict())
+    half = len(keys) // 2
+    weight_map = {k: ("model-00001-of-00002.safetensors" if i < half
+                      else "model-00002-of-00002.safetensors") for i, k in enumerate(keys)}
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return weight_map
+
+
+def test_index_decides_the_files_a_stray_consolidated_file_is_ignored(tmp_path):
+    ref = our_llama(num_hidden_layers=1)
+    write_indexed(ref, tmp_path)
+    # a consolidated file with different (renamed, Mistral-style) keys next to the shards
+    save_file({"stray." + k: v.contiguous() for k, v in ref.state_dict().items()},
+              str(tmp_path / "consolidated.safetensors"))
+    with torch.device("meta"):
+        meta = our_llama(num_hidden_layers=1)
+    pm = fxshard.parallelize(meta, fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    fxshard.load_safetensors(pm, str(tmp_path))
+    ids = torch.randint(0, 128, (2, 8))
+    torch.testing.assert_close(pm(ids), ref(ids), rtol=1e-4, atol=1e-4)
+    assert {src.file for src in pm._values.values() if hasattr(src, "block")} == {
+        str(tmp_path / "model-00001-of-00002.safetensors"),
+        str(tmp_path / "model-00002-of-00002.safetensors")}
+    # the index's own path works too
+    pm2 = fxshard.parallelize(our_llama(num_hidden_layers=1),
+                              fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    fxshard.load_safetensors(pm2, str(tmp_path / "model.safetensors.index.json"))
+    torch.testing.assert_close(pm2(ids), ref(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_a_listed_file_that_is_missing_is_named_with_a_key_it_holds(tmp_path):
+    ref = our_llama(num_hidden_layers=1)
+    weight_map = write_indexed(ref, tmp_path)
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    key = next(k for k, v in weight_map.items() if v == "model-00002-of-00002.safetensors")
+    pm = fxshard.parallelize(our_llama(num_hidden_layers=1),
+                             fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    with pytest.raises(ValueError, match=r"model-00002-of-00002\.safetensors is listed in .*"
+                                         rf"index\.json \(it holds '{key}' and \d+ more"):
+        fxshard.load_safetensors(pm, str(tmp_path))
+
+
+def test_an_index_that_disagrees_with_its_files_is_an_error(tmp_path):
+    import json
+    ref = our_llama(num_hidden_layers=1)
+    weight_map = write_indexed(ref, tmp_path)
+    key = next(iter(weight_map))
+    weight_map[key] = "model-00002-of-00002.safetensors"  # the key is really in shard 1
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    pm = fxshard.parallelize(our_llama(num_hidden_layers=1),
+                             fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    with pytest.raises(ValueError, match=rf"the index lists '{key}' in .*00002.*but it is in "
+                                         r".*00001"):
+        fxshard.load_safetensors(pm, str(tmp_path))
+    (tmp_path / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"cannot read the index"):
+        fxshard.load_safetensors(pm, str(tmp_path))

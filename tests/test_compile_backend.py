@@ -196,3 +196,79 @@ def test_parallelize_compile_matches_eager_with_pipeline():
     assert sorted(pm.programs.last.compiled) == [0, 1]                   # one per stage
     for stage in pm.programs.last.compiled.values():
         assert "_scaled_dot_product_flash_attention_for_cpu.default(" in stage.module.code
+
+
+def _dynamic(model, mesh):
+    torch._dynamo.reset()
+    inner = fxshard.backend(mesh, compile=False)
+    regions = []
+
+    def record(gm, example_inputs):
+        run = inner(gm, example_inputs)
+        regions.append(run)
+        return run
+    return torch.compile(model, backend=record, dynamic=True), regions
+
+
+@pytest.mark.parametrize("make", [lambda: our_llama(num_hidden_layers=1),
+                                  lambda: hf_llama(layers=1)], ids=["ours", "hf"])
+def test_backend_dynamic_true_one_program_per_concrete_shape(make):
+    model = make()
+    mesh = fxshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    compiled, regions = _dynamic(model, mesh)
+    for shape in ((2, 8), (4, 6), (2, 8)):
+        ids = torch.randint(0, 128, shape)
+        torch.testing.assert_close(_logits(compiled(ids)), _logits(model(ids)), **TOL)
+    assert len(regions) == 1          # one symbolic graph: dynamo did not recompile
+    pm = regions[0].parallel_module
+    assert len(pm._compiled) == 2     # fxshard: one program per concrete shape
+    assert pm.explain().counts(0)[("all_reduce", "tp")] == 2
+
+
+def test_backend_dynamic_true_with_a_graph_break():
+    llama = our_llama(num_hidden_layers=1)
+    model = _BreakAfterDecoder(llama).eval()
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    compiled, regions = _dynamic(model, mesh)
+    for shape in ((2, 8), (2, 5)):
+        ids = torch.randint(0, 128, shape)
+        torch.testing.assert_close(compiled(ids), llama(ids), **TOL)
+    assert len(regions) == 2
+    assert regions[0].parallel_module.explain().counts(0)[("all_reduce", "tp")] == 2
+
+
+class _Branch(torch.nn.Module):  # a real data-dependent branch
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum() > 0:
+            return y * 2
+        return y
+
+
+def test_real_data_dependent_branch_keeps_its_message_and_compiles_around_it():
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    with pytest.raises(NotImplementedError, match=r"its forward branches on a tensor's value "
+                                                  r"\(data-dependent control flow\) at .*"
+                                                  r"`if y.sum\(\) > 0:`"):
+        fxshard.parallelize(_Branch(), mesh)(torch.randn(2, 8))
+    model = _Branch().eval()
+    compiled, regions = _dynamic(model, mesh)  # dynamo breaks the graph at the branch
+    for x in (torch.randn(2, 8), -torch.randn(3, 8).abs() - 10):
+        torch.testing.assert_close(compiled(x), model(x), **TOL)
+
+
+@pytest.mark.parametrize("options,error,message", [
+    (dict(bogus=1), TypeError, r"unknown option bogus; the options are fxshard.parallelize's: "
+                               r"plan, sequence_parallel, microbatches, strict, embedding"),
+    (dict(microbatches=0), ValueError, r"microbatches=0 must be >= 1"),
+    (dict(compile="yes"), TypeError, r"compile='yes'"),
+    (dict(embedding="rows"), ValueError, r"embedding='rows'"),
+])
+def test_backend_options_are_checked_when_the_backend_is_made(options, error, message):
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    with pytest.raises(error, match=rf"^fxshard.backend: {message}"):
+        fxshard.backend(mesh, **options)

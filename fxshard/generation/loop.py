@@ -35,7 +35,10 @@ import numbers
 
 import torch
 
+from ..checks import token_ids
 from ..mesh import is_simulated
+from ..runtime.agreement import agree
+from ..runtime.memory import check_kv_cache_fits
 from .cache import Caches, capacity, check_same_caches
 from .sampling import broadcast, choose, greedy_ids, last_logits
 
@@ -82,7 +85,7 @@ def _check(pm, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p,
             raise ValueError(f"{_WHERE}: {', '.join(given)} only apply to sampling, but "
                              f"do_sample=False (greedy); pass do_sample=True or drop them")
     eos = [] if eos_token_id is None else \
-        [eos_token_id] if isinstance(eos_token_id, numbers.Integral) else list(eos_token_id)
+        [eos_token_id] if isinstance(eos_token_id, numbers.Number) else list(eos_token_id)
     vocab = _vocab_size(pm.model)
     for t in eos + ([] if pad_token_id is None else [pad_token_id]):
         if isinstance(t, bool) or not isinstance(t, numbers.Integral) or \
@@ -168,8 +171,13 @@ def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: boo
         eos_token_id = getattr(config, "eos_token_id", None)
     if pad_token_id is None:
         pad_token_id = getattr(config, "pad_token_id", None)
+    eos_token_id, pad_token_id = token_ids(eos_token_id), token_ids(pad_token_id)  # tensors too
     eos = _check(pm, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p,
                  eos_token_id, pad_token_id, generator)
+    agree(pm.mesh, pm.programs.agreed, _WHERE,
+          dict(input_ids=input_ids, max_new_tokens=max_new_tokens, sample=do_sample,
+               temperature=temperature, top_k=top_k, top_p=top_p, eos=eos_token_id,
+               pad=pad_token_id))
     if max_new_tokens == 0:
         return input_ids.clone()
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else None)
@@ -180,6 +188,8 @@ def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: boo
                                 generation=("prefill", slots))
     prefill = c
     src = None if is_simulated(pm.mesh) else int(pm.mesh.mesh.flatten()[0])  # mesh rank 0
+    check_kv_cache_fits(pm, c, executor.ranks(), slots,
+                        lambda n: capacity(pm.spec, prompt, n), max_new_tokens)
     caches = executor.kv_caches = Caches(executor, c, prompt, slots)  # kept for inspection
     if not do_sample and pm.spec.axis_size("pp") > 1 and not _step_synchronous:
         return _pipelined(pm, input_ids, prefill, micro, caches, slots, max_new_tokens,

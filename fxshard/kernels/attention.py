@@ -227,6 +227,20 @@ def _all_finite(*tensors: torch.Tensor) -> bool:
     return math.isfinite(sum(t.sum().item() for t in tensors))
 
 
+@functools.lru_cache(maxsize=None)
+def _sdpa_zeroes_nan_rows(dtype: torch.dtype) -> bool:
+    """Whether torch's own CPU ``scaled_dot_product_attention`` gives 0, not NaN, for a query
+    row of NaN at ``dtype``: it does on AVX-512 CPUs (float32 and float64), and there the
+    single-device model does, so fxshard's plain path must too (a row whose every score is NaN
+    or masked is treated as seeing no key: ``out = 0``, ``lse = -inf``)."""
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return False
+    q = torch.full((1, 1, 2, 4), math.nan, dtype=dtype, device="cpu")
+    kv = torch.ones((1, 1, 2, 4), dtype=dtype, device="cpu")
+    out = torch.nn.functional.scaled_dot_product_attention(q, kv, kv)
+    return not bool(out.isnan().any())
+
+
 def cpu_flash(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_offset,
               softcap=0.0):
     """torch's fused CPU flash attention's ``(out, lse)`` (in its own layouts) where it has
@@ -259,6 +273,10 @@ def torch_attention(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_of
         return flash[0].contiguous(), flash[1].to(torch.float32).contiguous()
     s_BKGST = _masked_scores(q_BHSD, k_BHSD, mask, causal, _scale_of(q_BHSD, scale),
                              q_offset, kv_offset, softcap)
+    if q_BHSD.device.type == "cpu" and _sdpa_zeroes_nan_rows(q_BHSD.dtype) and \
+            not _all_finite(q_BHSD, k_BHSD):  # as torch's SDPA here: an all-NaN row sees no key
+        s_BKGST = s_BKGST.masked_fill(
+            (s_BKGST.isnan() | s_BKGST.isneginf()).all(-1, keepdim=True), -math.inf)
     row_max = s_BKGST.detach().amax(-1, keepdim=True)
     row_max = torch.where(torch.isneginf(row_max), 0.0, row_max)
     cdtype = s_BKGST.dtype

@@ -2,7 +2,8 @@
 
 Parameters and buffers stop being graph inputs and become attributes under their original
 FQNs, holding only the rank's slice, so ``rank_module(r).state_dict()`` reads like the model's
-own state dict with smaller tensors. Ranks of one stage share the graph; collectives name mesh
+own state dict with smaller tensors. Ranks of one stage share the graph and its generated code
+(generated and compiled once per stage, bound to each rank's weights); collectives name mesh
 axes, and each rank's coordinate comes from the runtime. The pass appends stage
 ``ctx.stage``'s :class:`Program` to ``ctx.programs`` and returns its input unchanged.
 
@@ -12,6 +13,7 @@ After::   forward(self, input_ids)
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -127,5 +129,58 @@ def build_rank_module(program: Program, rank: int, mesh: MeshSpec, values: dict,
             owner.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
         else:
             owner.register_buffer(leaf, t)
-    gm = fx.GraphModule(root, program.graph, class_name=f"Rank{rank}Stage{program.stage}")
-    return gm
+    return _RankModule(root, program.graph, class_name=f"Rank{rank}Stage{program.stage}")
+
+
+class _Code:
+    """The code generated for one stage's graph, bound to every rank's module of the stage."""
+
+    def __init__(self, gm: fx.GraphModule, python_code):
+        self.python_code = python_code
+        self.size = _size(gm.graph)
+        self.fields = {k: getattr(gm, k) for k in ("_code", "_lineno_map", "_prologue_start",
+                                                   "_in_spec", "_out_spec") if hasattr(gm, k)}
+        self.forward = type(gm).forward
+        self.call = type(gm).__call__ if "__call__" in vars(type(gm)) else None
+
+    def bind(self, gm: fx.GraphModule):
+        gm.__dict__.update(self.fields)
+        cls = type(gm)          # GraphModule makes one class per instance
+        cls.forward = self.forward
+        wrapped = getattr(fx.graph_module, "_WrappedCall", None)  # fx's error context
+        if self.call is not None and wrapped is not None:
+            cls._wrapped_call = wrapped(cls, None)
+            cls.__call__ = self.call
+        return self.python_code
+
+
+def _size(graph: fx.Graph) -> tuple:
+    """Catches nodes added or removed since the code was generated (a pass that rewires a
+    program's graph in place must call ``recompile()`` on the modules built, as for any
+    GraphModule)."""
+    nodes = graph.nodes
+    return len(nodes), id(next(iter(nodes), None)), id(next(reversed(nodes), None))
+
+
+# graph -> its generated code: the first rank of a stage generates it, the others reuse it
+_SHARED: "weakref.WeakKeyDictionary[fx.Graph, _Code]" = weakref.WeakKeyDictionary()
+
+
+class _RankModule(fx.GraphModule):
+    """A GraphModule that, while it is being built, takes the code an earlier rank of the same
+    stage generated for the same graph instead of generating and compiling it again (ranks of
+    one stage run one program, only their weights differ). An explicit ``recompile()`` later
+    (after editing the graph) generates fresh code, as for any GraphModule."""
+
+    def __init__(self, root: torch.nn.Module, graph: fx.Graph, class_name: str = "GraphModule"):
+        self.__dict__["_fxshard_building"] = True
+        super().__init__(root, graph, class_name=class_name)
+        self.__dict__["_fxshard_building"] = False
+
+    def recompile(self):
+        shared = _SHARED.get(self._graph) if self.__dict__.get("_fxshard_building") else None
+        if shared is not None and shared.size == _size(self._graph):
+            return shared.bind(self)
+        python_code = super().recompile()
+        _SHARED[self._graph] = _Code(self, python_code)
+        return python_code

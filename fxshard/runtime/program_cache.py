@@ -23,6 +23,7 @@ from ..passes import PassCtx
 from ..passes.emit import Program
 from ..passes.pipeline import build_programs
 from ..trace import Traced
+from .agreement import agree
 from .weight_store import WeightStore
 
 __all__ = ["Options", "Compiled", "ProgramCache", "compile_program", "signature"]
@@ -79,9 +80,11 @@ class ProgramCache:
     """``(generation, signature) -> Compiled`` for one model, mesh and options; ``last`` is the
     entry of the most recent :meth:`get` (what ``rank_module`` and ``explain`` show)."""
 
-    def __init__(self, model: torch.nn.Module, spec: MeshSpec, options: Options,
+    def __init__(self, model: torch.nn.Module, mesh, spec: MeshSpec, options: Options,
                  weights: WeightStore):
         self.model, self.spec, self.options, self.weights = model, spec, options, weights
+        self.mesh = mesh
+        self.agreed: set = set()   # call signatures the ranks agreed on (real mesh)
         self._entries: dict[tuple, Compiled] = {}
         self.last: Compiled | None = None
 
@@ -117,6 +120,7 @@ class ProgramCache:
         micro = self.split(args, kwargs)
         key = (generation, signature(micro[0]))
         if key not in self._entries:
+            agree(self.mesh, self.agreed, _WHERE, {"generation": generation, "inputs": micro[0]})
             _, spec = pytree.tree_flatten((args, kwargs))
             a, k = pytree.tree_unflatten(micro[0], spec)
             try:
