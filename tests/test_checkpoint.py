@@ -145,7 +145,7 @@ def test_index_decides_the_files_a_stray_consolidated_file_is_ignored(tmp_path):
     fxshard.load_safetensors(pm, str(tmp_path))
     ids = torch.randint(0, 128, (2, 8))
     torch.testing.assert_close(pm(ids), ref(ids), rtol=1e-4, atol=1e-4)
-    assert {src.file for src in pm._values.values() if hasattr(src, "block")} == {
+    assert {src.file for src in pm.weights.values.values() if hasattr(src, "block")} == {
         str(tmp_path / "model-00001-of-00002.safetensors"),
         str(tmp_path / "model-00002-of-00002.safetensors")}
     # the index's own path works too

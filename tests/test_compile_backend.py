@@ -221,7 +221,7 @@ def test_backend_dynamic_true_one_program_per_concrete_shape(make):
         torch.testing.assert_close(_logits(compiled(ids)), _logits(model(ids)), **TOL)
     assert len(regions) == 1          # one symbolic graph: dynamo did not recompile
     pm = regions[0].parallel_module
-    assert len(pm._compiled) == 2     # fxshard: one program per concrete shape
+    assert len(pm.programs) == 2     # fxshard: one program per concrete shape
     assert pm.explain().counts(0)[("all_reduce", "tp")] == 2
 
 

@@ -27,7 +27,7 @@ def test_a_cache_larger_than_memory_is_an_error_saying_what_fits():
                                          r"[\d.]+ [GM]B is available on cpu .*the largest "
                                          r"max_new_tokens that fits is \d+"):
         pm.generate(ids, max_new_tokens=10**9)
-    assert pm._kv_state is None  # nothing was allocated
+    assert pm.executor.kv_caches is None  # nothing was allocated
     pm.close()
 
 

@@ -34,7 +34,7 @@ def test_every_rank_module_built_with_one_code_generation_per_stage(monkeypatch)
     # each rank holds its own slices: tp coordinate 0 and 1 of stage 0's q_proj
     spec = pm.spec
     full = model.model.layers[0].self_attn.q_proj.weight
-    slot = pm._last.programs[0].slots["model.layers.0.self_attn.q_proj.weight"]
+    slot = pm.programs.last.programs[0].slots["model.layers.0.self_attn.q_proj.weight"]
     for r in (0, 2):
         got = mods[r].get_parameter("model.layers.0.self_attn.q_proj.weight")
         assert torch.equal(got, local_block(full, slot.spec, spec, r))

@@ -40,7 +40,7 @@ def main(out_dir: str) -> None:
     # agreeing calls work afterwards
     with torch.no_grad():
         report["max_err"] = (pm(ids) - model(ids)).abs().max().item()
-    report["built"] = sorted(pm._last.modules)
+    report["built"] = sorted(pm.programs.last.modules)
     report["after"] = pm.generate(ids, max_new_tokens=3).tolist()
     pm.close()
     dist.destroy_process_group()
