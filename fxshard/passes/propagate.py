@@ -39,14 +39,14 @@ from .rules import (UNDECIDED, Decision, RuleCtx, fallback, lookup, tensor_input
                     warn_fallback)
 from .rules.embedding import embedding_rule
 from .rules.experts import grouped_mm_rule
-from .rules.linear import addmm_rule, linear_rule
+from .rules.linear import addmm_rule, linear_rule, matmul_rule
 from .rules.views import _permutation
 
 __all__ = ["propagate_pass", "input_spec"]
 
-_OWNS_WEIGHTS = (linear_rule, embedding_rule, addmm_rule, grouped_mm_rule)
+_OWNS_WEIGHTS = (linear_rule, embedding_rule, addmm_rule, grouped_mm_rule, matmul_rule)
 _WEIGHT_VIEWS = (torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
-                 torch.ops.aten.t.default)
+                 torch.ops.aten.t.default, torch.ops.aten.numpy_T.default)
 _MAX_REFINEMENTS = 8
 
 
@@ -261,6 +261,8 @@ def _column_weight(rule_fn, k: int, p) -> bool:
         return shard_dim(p) == 0
     if rule_fn is grouped_mm_rule and k == 1:
         return shard_dim(p) == 2
+    if rule_fn is matmul_rule and k == 1:
+        return shard_dim(p) == 1
     return rule_fn is addmm_rule and k == 2 and shard_dim(p) == 1
 
 

@@ -6,9 +6,11 @@ gives ``x.shape[:a] + broadcast(idx shapes) + x.shape[b+1:]``::
     index(table: R [P, D], [pos: S(1) [B, S]])      -> S(1) [B, S, D]   (RoPE table by position)
     index(x: S(0) [B, S, D], [None, idx: R [K]])    -> S(0) [B, K, D]
 
-``gather(x, dim, idx)``, ``topk(x, k, dim)``, ``sort`` and ``repeat_interleave(x, n, dim)``
-keep a shard of any dim but ``dim``; the looked-up / sorted dim must be whole. A partial sum
-indexed by replicated indices stays partial (a Partial MoE output un-permuted by expert).
+``gather(x, dim, idx)``, ``topk(x, k, dim)`` and ``sort`` keep a shard of any dim but ``dim``;
+the looked-up / sorted dim must be whole. ``repeat_interleave(x, n, dim)`` keeps a shard of
+``dim`` too (each entry's copies stay next to it: a rank's KV heads become its query heads).
+A partial sum indexed by replicated indices stays partial (a Partial MoE output un-permuted
+by expert).
 
 The writing side (MoE routing, HF's eager experts) mirrors it: ``index_put``, ``index_add``,
 ``scatter``/``scatter_add`` keep a shard of a dim they do not write along; ``index_add`` and
@@ -113,9 +115,18 @@ def topk_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
 
 @rule(aten.repeat_interleave.self_int)
 def repeat_interleave_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``repeat_interleave(x, n, dim)`` repeats each entry of ``dim`` ``n`` times in place, so
+    a contiguous block of ``dim`` (a rank's KV heads) becomes the contiguous block of the output
+    that the same rank holds (its query heads): a shard of ``dim`` passes through too. (A
+    zigzag shard's two chunks map to the output's two chunks alike.) A shard of any other
+    dim passes; a given ``output_size`` is global and needs ``dim`` whole."""
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
     p = ins[0]
-    if dim is not None and isinstance(p, Shard) and p.dim != dim % ctx.ndim(node.args[0]):
+    if dim is None or not isinstance(p, Shard):
+        return Decision(ins=[R], out=R)
+    dim %= ctx.ndim(node.args[0])
+    sized = (node.args[3] if len(node.args) > 3 else node.kwargs.get("output_size")) is not None
+    if p.dim != dim or not sized and isinstance(node.args[1], int):
         return Decision(ins=[p], out=p)
     return Decision(ins=[R], out=R)
 

@@ -24,7 +24,11 @@ same projection with the weight transposed: column-parallel ``w S(1)``, ``bias S
 ``S(1)``; row-parallel ``x S(1)``, ``w S(0)``, ``bias P``.
 
 ``matmul``/``mm``/``bmm`` use dimension labels, einsum style: a shard on a batch or free dim
-passes through, a shard on the contracted dim of both operands gives a partial sum.
+passes through, a shard on the contracted dim of both operands gives a partial sum. A weight
+applied as ``x @ w.T`` (``w[N, K]`` transposed, then ``matmul``) is the linear again: the
+weight's placement is chosen through the transpose (``propagate``'s weight views)::
+
+    matmul(x[B, S, K], t(w[N, K]))   tp=2: w S(0), out S(2)   (x S(2): w S(1), out P)
 """
 from __future__ import annotations
 
@@ -232,10 +236,26 @@ def einsum_decision(node: fx.Node, ins: list, labels_in: list[list[str]],
 
 @rule(aten.matmul.default, aten.mm.default, aten.bmm.default)
 def matmul_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """A 2-D weight ``w[K, N]`` no earlier rule placed as the right operand (``x @ w`` or,
+    through a transpose of the parameter, ``x @ w.T``) is placed as ``linear`` places its
+    weight: on ``tp`` column-parallel ``w S(1)`` (fused parts strided), out ``S(-1)``, or
+    row-parallel ``w S(0)`` when ``x`` arrives sharded on K, out ``P``."""
     a, b = node.args[0], node.args[1]
     a_nd, b_nd, out_nd = ctx.ndim(a), ctx.ndim(b), ctx.ndim(node)
     if a_nd < 2 or b_nd < 2:
-        return Decision(ins=[R] * len(ins), out=R)
+        return Decision(ins=[R if q is UNDECIDED else q for q in ins], out=R)
+    x, w = ins
+    if w is UNDECIDED and b_nd == 2 and ctx.is_tp:
+        last = out_nd - 1
+        if isinstance(x, Shard) and x.dim == a_nd - 1:
+            return Decision(ins=[x, Shard(0)], out=P)
+        parts = fused_parts(node, last, ctx.size)
+        if parts:
+            return Decision(ins=[R, StridedShard(1, parts)], out=StridedShard(last, parts))
+        if ctx.shape(b)[1] % ctx.size == 0:
+            return Decision(ins=[R, Shard(1)], out=Shard(last))
+    if isinstance(w, StridedShard) and w.dim == b_nd - 1 and b_nd == 2:
+        return Decision(ins=[R, w], out=StridedShard(out_nd - 1, w.parts))
     la, lb, lo = _matmul_labels(a_nd, b_nd, out_nd)
     return einsum_decision(node, [R if q is UNDECIDED else q for q in ins], [la, lb], lo, ctx)
 

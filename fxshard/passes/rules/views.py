@@ -155,6 +155,8 @@ def _permutation(node: fx.Node, ndim: int) -> list[int]:
     """perm[out_dim] = in_dim."""
     if node.target is aten.permute.default:
         return [_norm(d, ndim) for d in node.args[1]]
+    if node.target is aten.numpy_T.default:     # ``x.T``: every dim reversed
+        return list(range(ndim))[::-1]
     perm = list(range(ndim))
     if node.target is aten.t.default:
         d0, d1 = 0, ndim - 1
@@ -164,7 +166,7 @@ def _permutation(node: fx.Node, ndim: int) -> list[int]:
     return perm
 
 
-@rule(aten.transpose.int, aten.permute.default, aten.t.default)
+@rule(aten.transpose.int, aten.permute.default, aten.t.default, aten.numpy_T.default)
 def permute_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     p = ins[0]
     if isinstance(p, Shard):

@@ -1,0 +1,277 @@
+"""Model code written the way litgpt, torchtune, torchtitan and Meta's reference Llama write it
+(our own tiny plain-PyTorch versions of their patterns), parallel on tp like a HuggingFace model:
+
+- GQA expanded with ``repeat_interleave`` over the head dim, or ``expand`` + ``reshape``;
+- a fused ``qkv`` projection split into (q, k, v) with fewer KV groups, and multi-query
+  attention (one KV head: its K/V part stays whole, the query part is split);
+- weights applied as ``x @ w.T`` (``t`` / ``transpose`` / ``permute`` of the weight);
+- complex RoPE (``view_as_complex``, complex multiply, ``view_as_real``, ``polar``);
+- a soft-capped eager attention written in another op order;
+- data-dependent sizes (``torch.where(mask)`` routing) under dp.
+
+Each model: equal to the single-device model, at most 0.55 of the layer matrices per rank at
+tp=2, the Megatron minimum of activation all-reduces per layer, no FallbackWarning."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxshard
+from fxshard.passes.rules import FallbackWarning
+from tests.families import layer_param_fraction
+
+VOCAB, DIM, HEADS, LAYERS = 64, 32, 4, 2
+
+
+def mesh(**axes):
+    return fxshard.init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_tables(seq: int, hd: int, base: float = 10000.0):
+    freqs = 1.0 / base ** (torch.arange(0, hd, 2).float() / hd)
+    ang = torch.outer(torch.arange(seq).float(), freqs)
+    ang = torch.cat((ang, ang), dim=-1)
+    return ang.cos(), ang.sin()
+
+
+def rotate_half(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class FusedQKVAttention(nn.Module):
+    """litgpt's way: one ``qkv`` Linear split into (q, k, v) of ``groups`` KV heads, heads
+    moved to dim 1, rotate-half RoPE, K/V expanded to every query head before SDPA."""
+
+    def __init__(self, dim=DIM, heads=HEADS, groups=2, expand="repeat_interleave"):
+        super().__init__()
+        self.h, self.g, self.d, self.expand = heads, groups, dim // heads, expand
+        self.qkv = nn.Linear(dim, (heads + 2 * groups) * self.d, bias=False)
+        self.proj = nn.Linear(heads * self.d, dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).split((self.h * self.d, self.g * self.d, self.g * self.d), -1)
+        q = q.view(b, t, self.h, self.d).transpose(1, 2)
+        k = k.view(b, t, self.g, self.d).transpose(1, 2)
+        v = v.view(b, t, self.g, self.d).transpose(1, 2)
+        q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+        n = self.h // self.g
+        if self.expand == "repeat_interleave":
+            k, v = k.repeat_interleave(n, dim=1), v.repeat_interleave(n, dim=1)
+        else:   # expand + reshape
+            k = k[:, :, None].expand(b, self.g, n, t, self.d).reshape(b, self.h, t, self.d)
+            v = v[:, :, None].expand(b, self.g, n, t, self.d).reshape(b, self.h, t, self.d)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, self.h * self.d))
+
+
+class TransposedWeightAttention(nn.Module):
+    """Weights held as bare ``[out, in]`` Parameters and applied as ``x @ w.T`` (also
+    ``.t()``, ``.transpose(0, 1)``, ``.permute(1, 0)``); K/V expanded by ``repeat_interleave``."""
+
+    def __init__(self, dim=DIM, heads=HEADS, groups=2):
+        super().__init__()
+        self.h, self.g, self.d = heads, groups, dim // heads
+        self.wq = nn.Parameter(torch.randn(heads * self.d, dim) / math.sqrt(dim))
+        self.wk = nn.Parameter(torch.randn(groups * self.d, dim) / math.sqrt(dim))
+        self.wv = nn.Parameter(torch.randn(groups * self.d, dim) / math.sqrt(dim))
+        self.wo = nn.Parameter(torch.randn(dim, heads * self.d) / math.sqrt(dim))
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q = (x @ self.wq.T).view(b, t, self.h, self.d).transpose(1, 2)
+        k = torch.matmul(x, self.wk.t()).view(b, t, self.g, self.d).transpose(1, 2)
+        v = (x @ self.wv.transpose(0, 1)).view(b, t, self.g, self.d).transpose(1, 2)
+        q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+        n = self.h // self.g
+        k, v = k.repeat_interleave(n, dim=1), v.repeat_interleave(n, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y.transpose(1, 2).reshape(b, t, -1) @ self.wo.permute(1, 0)
+
+
+def complex_rope(x, freqs_cis):
+    """Meta's reference / torchtitan's RoPE: pairs of the head dim as complex numbers."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    f = freqs_cis.view(1, xc.shape[1], 1, xc.shape[-1])
+    return torch.view_as_real(xc * f).flatten(3).type_as(x)
+
+
+class ComplexRopeAttention(nn.Module):
+    """torchtitan's layout: ``[B, S, H, D]`` heads, complex RoPE, ``repeat_kv`` by
+    ``expand`` + ``reshape`` on dim 3, then heads to dim 1 for SDPA."""
+
+    def __init__(self, dim=DIM, heads=HEADS, groups=2):
+        super().__init__()
+        self.h, self.g, self.d = heads, groups, dim // heads
+        self.wq = nn.Linear(dim, heads * self.d, bias=False)
+        self.wk = nn.Linear(dim, groups * self.d, bias=False)
+        self.wv = nn.Linear(dim, groups * self.d, bias=False)
+        self.wo = nn.Linear(heads * self.d, dim, bias=False)
+
+    def forward(self, x, freqs_cis):
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.h, self.d)
+        k = self.wk(x).view(b, t, self.g, self.d)
+        v = self.wv(x).view(b, t, self.g, self.d)
+        q, k = complex_rope(q, freqs_cis), complex_rope(k, freqs_cis)
+        n = self.h // self.g
+        k = k[:, :, :, None, :].expand(b, t, self.g, n, self.d).reshape(b, t, self.h, self.d)
+        v = v[:, :, :, None, :].expand(b, t, self.g, n, self.d).reshape(b, t, self.h, self.d)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class SoftcapAttention(nn.Module):
+    """Eager attention soft-capped as ``c * tanh(s * (1 / c))`` (the scale folded in later)."""
+
+    def __init__(self, dim=DIM, heads=HEADS, cap=5.0, order="mul_first"):
+        super().__init__()
+        self.h, self.d, self.cap, self.order = heads, dim // heads, cap, order
+        self.q, self.k, self.v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.o = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, self.h, self.d).transpose(1, 2)
+                   for p in (self.q, self.k, self.v))
+        q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+        s = q @ k.transpose(-2, -1)
+        if self.order == "mul_first":      # c * tanh(s * (1 / c)), then the scale
+            s = self.cap * torch.tanh(s * (1.0 / self.cap)) / math.sqrt(self.d) * 1.0
+            scale_after = True
+        else:                              # tanh((s * scale) / c) * c, the scale first
+            s = torch.tanh(s * self.d ** -0.5 / self.cap) * self.cap
+            scale_after = False
+        del scale_after
+        mask = torch.full((t, t), float("-inf"), device=x.device).triu(1)
+        p = torch.softmax(s + mask, dim=-1)
+        return self.o((p @ v).transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, attn: nn.Module, dim=DIM, hidden=64):
+        super().__init__()
+        self.attn_norm, self.mlp_norm = RMSNorm(dim), RMSNorm(dim)
+        self.attn = attn
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x, *rope):
+        x = x + self.attn(self.attn_norm(x), *rope)
+        h = self.mlp_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class TinyLM(nn.Module):
+    """Embedding, a ModuleList of blocks, final norm, lm_head; RoPE tables as buffers sliced to
+    the sequence (``rope='complex'``: one complex ``freqs_cis`` buffer; ``'polar'``: computed in
+    forward with ``torch.polar``)."""
+
+    def __init__(self, make_attn, layers=LAYERS, rope="real", seq=32):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block(make_attn()) for _ in range(layers))
+        self.norm = RMSNorm(DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+        self.rope, hd = rope, DIM // HEADS
+        if rope == "real":
+            cos, sin = rope_tables(seq, hd)
+            self.register_buffer("cos", cos, persistent=False)
+            self.register_buffer("sin", sin, persistent=False)
+        elif rope == "complex":
+            freqs = torch.outer(torch.arange(seq).float(),
+                                1.0 / 10000.0 ** (torch.arange(0, hd, 2).float() / hd))
+            self.register_buffer("freqs_cis", torch.polar(torch.ones_like(freqs), freqs),
+                                 persistent=False)
+        else:
+            self.register_buffer("inv_freq", 1.0 / 10000.0 ** (torch.arange(0, hd, 2).float()
+                                                                 / hd), persistent=False)
+
+    def forward(self, ids):
+        t = ids.shape[1]
+        if self.rope == "real":
+            rope = (self.cos[:t], self.sin[:t])
+        elif self.rope == "complex":
+            rope = (self.freqs_cis[:t],)
+        else:
+            ang = torch.outer(torch.arange(t, device=ids.device).float(), self.inv_freq)
+            rope = (torch.polar(torch.ones_like(ang), ang),)
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = layer(x, *rope)
+        return self.lm_head(self.norm(x))
+
+
+PATTERNS = {
+    "repeat_interleave": lambda: TinyLM(FusedQKVAttention),
+    "expand_reshape": lambda: TinyLM(lambda: FusedQKVAttention(expand="expand")),
+    "x_at_w_T": lambda: TinyLM(TransposedWeightAttention),
+    "complex_rope": lambda: TinyLM(ComplexRopeAttention, rope="complex"),
+    "polar_rope": lambda: TinyLM(ComplexRopeAttention, rope="polar"),
+}
+IDS = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def run(model, axes, ids=IDS, **options):
+    """The parallel logits (checked against the model's) with FallbackWarnings as errors."""
+    with torch.no_grad():
+        want = model(ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        pm = fxshard.parallelize(model, mesh(**axes), **options)
+        with torch.no_grad():
+            got = pm(ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert not pm.explain().fallbacks
+    return pm
+
+
+def all_reduces(pm) -> int:
+    return pm.rank_module(0).code.count("fxshard.all_reduce")
+
+
+@pytest.mark.parametrize("name", PATTERNS)
+def test_pattern_tp2_is_sharded_like_megatron(name):
+    torch.manual_seed(0)
+    model = PATTERNS[name]().eval()
+    pm = run(model, dict(tp=2))
+    e = pm.explain()
+    assert layer_param_fraction(pm, model) <= 0.55, e
+    assert not e.replicated, e.replicated
+    assert all_reduces(pm) == 2 * LAYERS, pm.rank_module(0).code   # attention + MLP
+    pm.close()
+
+
+@pytest.mark.parametrize("name", PATTERNS)
+@pytest.mark.parametrize("axes,sp", [(dict(dp=2, tp=2), False), (dict(tp=2), True)],
+                         ids=["dp2_tp2", "tp2_sp"])
+def test_pattern_on_bigger_meshes(name, axes, sp):
+    torch.manual_seed(0)
+    model = PATTERNS[name]().eval()
+    pm = run(model, axes, sequence_parallel=sp)
+    assert layer_param_fraction(pm, model) <= 0.55
+    if sp:
+        assert all_reduces(pm) == 0
+        code = pm.rank_module(0).code
+        assert code.count("fxshard.reduce_scatter") == 2 * LAYERS, code
+    else:
+        assert all_reduces(pm) == 2 * LAYERS
+    pm.close()
