@@ -139,7 +139,7 @@ class ComplexRopeAttention(nn.Module):
 
 
 class SoftcapAttention(nn.Module):
-    """Eager attention soft-capped as ``c * tanh(s * (1 / c))`` (the scale folded in later)."""
+    """Eager attention soft-capped in orders other than Gemma-2's ``tanh(s * scale / c) * c``."""
 
     def __init__(self, dim=DIM, heads=HEADS, cap=5.0, order="mul_first"):
         super().__init__()
@@ -154,12 +154,9 @@ class SoftcapAttention(nn.Module):
         q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
         s = q @ k.transpose(-2, -1)
         if self.order == "mul_first":      # c * tanh(s * (1 / c)), then the scale
-            s = self.cap * torch.tanh(s * (1.0 / self.cap)) / math.sqrt(self.d) * 1.0
-            scale_after = True
-        else:                              # tanh((s * scale) / c) * c, the scale first
+            s = self.cap * torch.tanh(s * (1.0 / self.cap)) / math.sqrt(self.d)
+        else:                              # tanh((s * scale) / c) * c: the scale first
             s = torch.tanh(s * self.d ** -0.5 / self.cap) * self.cap
-            scale_after = False
-        del scale_after
         mask = torch.full((t, t), float("-inf"), device=x.device).triu(1)
         p = torch.softmax(s + mask, dim=-1)
         return self.o((p @ v).transpose(1, 2).reshape(b, t, -1))
@@ -274,4 +271,21 @@ def test_pattern_on_bigger_meshes(name, axes, sp):
         assert code.count("fxshard.reduce_scatter") == 2 * LAYERS, code
     else:
         assert all_reduces(pm) == 2 * LAYERS
+    pm.close()
+
+
+@pytest.mark.parametrize("order", ["mul_first", "scale_first"])
+@pytest.mark.parametrize("axes", [dict(ring_cp=2), dict(ulysses_cp=2), dict(tp=2)],
+                         ids=["ring2", "ulysses2", "tp2"])
+def test_softcap_in_another_order_runs_ring_attention(order, axes):
+    torch.manual_seed(0)
+    model = TinyLM(lambda: SoftcapAttention(order=order)).eval()
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    pm = run(model, axes, ids=ids, strict=True)
+    code = pm.rank_module(0).code
+    assert not pm.explain().gathered, pm.explain().gathered
+    assert code.count("softcap") >= LAYERS or code.count("attention") >= LAYERS, code
+    if "ring_cp" in axes:
+        assert code.count("fxshard.ring_attention.default(") == LAYERS, code
+    assert "tanh" not in code
     pm.close()
