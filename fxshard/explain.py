@@ -95,6 +95,10 @@ class Explanation:
                 lines.append("    (none)")
             for (op, axis), (n, tb, wb) in sorted(agg.items()):
                 lines.append(f"    {op:15s} {axis:11s} {n:5d}  {tb:>14,d}  {wb:>14,d}")
+        dyn = sorted({f"{c.op} {c.axis} {tuple(c.shape)}" for cs in self.collectives.values()
+                      for c in cs if data_dependent(c.shape)})
+        if dyn:
+            lines.append(f"  data-dependent sizes (counted as 0 bytes above): {', '.join(dyn)}")
         lines += ["", f"Parameter bytes per rank (total unsharded {self.total_param_bytes:,d})"]
         by_bytes: dict[int, list] = {}
         for r, b in self.param_bytes.items():
@@ -145,6 +149,21 @@ def _wire(op: str, n: int, in_bytes: int) -> int:
     return 0
 
 
+def data_dependent(shape) -> bool:
+    """``shape`` has a size known only when the program runs (``torch.where(mask)``, ``nonzero``:
+    an unbacked symbol such as ``u0``)."""
+    return any(not isinstance(n, int) and getattr(n, "node", None) is not None and
+               not n.node.has_hint() for n in shape)
+
+
+def _numel(shape) -> int:
+    """Elements of ``shape``; 0 for a data-dependent shape (``explain()`` says so, see
+    :func:`data_dependent`), never a guard on an unbacked size."""
+    if data_dependent(shape):
+        return 0
+    return int(torch.Size([int(n) for n in shape]).numel())
+
+
 def collectives_of(graph, mesh) -> list[CollectiveInfo]:
     out = []
     for node in graph.nodes:
@@ -159,7 +178,7 @@ def collectives_of(graph, mesh) -> list[CollectiveInfo]:
             axis = node.args[5]
             size = mesh.axis_size(axis)
             shape = local_shape(tuple(k.meta["val"].shape), k.meta["fxshard_spec"], mesh)
-            nbytes = 2 * int(torch.Size(shape).numel()) * k.meta["val"].element_size()
+            nbytes = 2 * _numel(shape) * k.meta["val"].element_size()
             out.append(CollectiveInfo(node.name, op, axis, size, shape, nbytes,
                                       (size - 1) * nbytes, _module_of(node)))
             continue
@@ -168,7 +187,7 @@ def collectives_of(graph, mesh) -> list[CollectiveInfo]:
             size = mesh.axis_size(axis)
             rows = local_shape(tuple(x.meta["val"].shape), x.meta["fxshard_spec"], mesh)[:-1]
             shape = (2, *rows)
-            nbytes = int(torch.Size(shape).numel()) * torch.float64.itemsize
+            nbytes = _numel(shape) * torch.float64.itemsize
             out.append(CollectiveInfo(node.name, op, axis, size, shape, nbytes,
                                       (size - 1) * nbytes, _module_of(node)))
             continue
@@ -180,7 +199,7 @@ def collectives_of(graph, mesh) -> list[CollectiveInfo]:
             shape, dtype = local_shape(tuple(val.shape), spec, mesh), val.dtype
             axis = node.args[-2] if op != "send" else node.args[1]
             size = mesh.axis_size(axis)
-        nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
+        nbytes = _numel(shape) * dtype.itemsize
         out.append(CollectiveInfo(node.name, op, axis, size, shape, nbytes,
                                   _wire(op, size, nbytes), _module_of(node)))
     return out

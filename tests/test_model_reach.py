@@ -20,10 +20,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fxshard
 from fxshard.passes.rules import FallbackWarning
 from tests.families import layer_param_fraction
+from tests.test_rules import check, meshes, specs
 
 VOCAB, DIM, HEADS, LAYERS = 64, 32, 4, 2
 
@@ -289,3 +292,87 @@ def test_softcap_in_another_order_runs_ring_attention(order, axes):
         assert code.count("fxshard.ring_attention.default(") == LAYERS, code
     assert "tanh" not in code
     pm.close()
+
+
+class WhereRoutedMoE(nn.Module):
+    """Mistral's reference MoE loop: per expert, ``torch.where(ids == e)`` picks its tokens (a
+    data-dependent count) and their outputs are added back by index."""
+
+    def __init__(self, dim=DIM, experts=4, top=2, hidden=32):
+        super().__init__()
+        self.top = top
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.up = nn.ModuleList(nn.Linear(dim, hidden, bias=False) for _ in range(experts))
+        self.down = nn.ModuleList(nn.Linear(hidden, dim, bias=False) for _ in range(experts))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        x = x.reshape(-1, d)
+        weights, ids = torch.topk(self.gate(x), self.top, dim=-1)
+        weights = weights.softmax(-1)
+        out = torch.zeros_like(x)
+        for e, (up, down) in enumerate(zip(self.up, self.down)):
+            tok, nth = torch.where(ids == e)
+            out[tok] += weights[tok, nth, None] * down(F.silu(up(x[tok])))
+        return out.reshape(b, t, d)
+
+
+class WhereMoELM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.moe = WhereRoutedMoE()
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        return self.lm_head(x + self.moe(x))
+
+
+@pytest.mark.parametrize("op", ["slice_scatter", "select_scatter", "complex", "outer",
+                                "repeat_interleave_heads", "x_at_w_T"])
+@given(data=st.data())
+@settings(deadline=None, max_examples=15)
+def test_rules_give_each_rank_its_block(op, data):
+    m = data.draw(meshes())
+    b, s = (data.draw(st.sampled_from([1, 2, 3, 4])) for _ in range(2))
+    x = torch.randn(b, s, 6)
+    sx = specs(data.draw, m, 3, partial=True)
+    if op == "slice_scatter":
+        y = torch.randn(b, s, 2)
+        check(lambda a, c: a.slice_scatter(c, dim=2, start=2, end=4), (x, y), m,
+              [sx, specs(data.draw, m, 3, partial=True)])
+    elif op == "select_scatter":
+        y = torch.randn(b, 6)
+        check(lambda a, c: a.select_scatter(c, 1, s - 1), (x, y), m,
+              [sx, specs(data.draw, m, 2, partial=True)])
+    elif op == "complex":
+        f = torch.randn(s, 3, 2)
+        check(lambda a, c: torch.view_as_real(
+            torch.view_as_complex(a.reshape(b, s, 3, 2)) * torch.view_as_complex(c)).flatten(2),
+            (x, f), m, [sx, specs(data.draw, m, 3)])
+    elif op == "outer":
+        check(lambda a, c: torch.polar(torch.ones(a.shape[0], c.shape[0]), torch.outer(a, c)),
+              (torch.randn(2 * b), torch.randn(2 * s)), m,
+              [specs(data.draw, m, 1), specs(data.draw, m, 1)])
+    elif op == "repeat_interleave_heads":
+        h = torch.randn(b, 2 * s, 4, 3)
+        check(lambda a: a.repeat_interleave(3, dim=1) * 2, (h,), m,
+              [specs(data.draw, m, 4, partial=True)])
+    else:
+        w = torch.randn(4, 6)
+        check(lambda a, c: a @ c.T, (x, w), m, [sx, specs(data.draw, m, 2)])
+
+
+def test_where_routing_under_dp_and_tp_explains_data_dependent_sizes():
+    """``torch.where(ids == e)`` per expert: the positions need the whole mask (a rule says so,
+    no fallback), and ``explain()`` reports the collectives of data-dependent size instead of
+    failing on them."""
+    torch.manual_seed(0)
+    model = WhereMoELM().eval()
+    for axes in (dict(dp=2), dict(tp=2), dict(dp=2, tp=2)):
+        pm = run(model, axes)
+        text = str(pm.explain())
+        if "tp" in axes:
+            assert "data-dependent sizes" in text and "(u" in text, text
+        pm.close()

@@ -131,6 +131,15 @@ def repeat_interleave_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     return Decision(ins=[R], out=R)
 
 
+@rule(aten.where.default, aten.nonzero.default, aten.argwhere.default)
+def nonzero_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``torch.where(mask)`` / ``nonzero``: the positions of the true entries, a data-dependent
+    count of global indices. A rank's shard would give positions within its own block (and its
+    own count), so the mask is gathered first and every rank computes all the positions."""
+    n = len(node.meta["val"]) if isinstance(node.meta["val"], (list, tuple)) else None
+    return Decision(ins=[R], out=[R] * n if n is not None else R)
+
+
 def _written_dim(node: fx.Node, pos: int) -> int:
     return node.args[pos] % max(RuleCtx.ndim(node.args[0]), 1)
 

@@ -278,3 +278,37 @@ def stack_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     if ins and all(isinstance(p, Partial) for p in ins):
         return Decision(ins=[P] * len(ins), out=P)
     return Decision(ins=[R] * len(ins), out=R)
+
+
+@rule(aten.slice_scatter.default, aten.select_scatter.default)
+def slice_scatter_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``slice_scatter(self, src, dim, start, end, step)`` (a functionalised ``x[..., a:b] = y``:
+    HF DeepSeek-V3 writes the rotary part of its query heads so) and ``select_scatter(self,
+    src, dim, index)``: a shard of another dim of ``self`` and ``src`` (same size there)
+    passes through; two partial sums give a partial sum (the write is linear in both); the
+    written dim must be whole."""
+    from . import tensor_inputs
+    tensors = tensor_inputs(node)
+    if len(tensors) != 2:
+        return Decision(ins=[R] * len(ins), out=R)
+    self_shape, src_shape = ctx.shape(tensors[0]), ctx.shape(tensors[1])
+    dim = _norm(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0),
+                len(self_shape))
+    select = node.target is aten.select_scatter.default
+
+    def src_dim(d: int) -> int | None:   # the dim of src that dim d of self maps to
+        if d == dim:
+            return None
+        sd = d - (select and d > dim)
+        return sd if src_shape[sd] == self_shape[d] else None
+
+    for p, from_src in ((ins[0], False), (ins[1], True)):
+        if not isinstance(p, Shard):
+            continue
+        d = p.dim + (select and from_src and p.dim >= dim) if from_src else p.dim
+        sd = src_dim(d)
+        if sd is not None:
+            return Decision(ins=[Shard(d), Shard(sd)], out=Shard(d))
+    if all(isinstance(p, Partial) for p in ins):
+        return Decision(ins=[P, P], out=P)
+    return Decision(ins=[R, R], out=R)
