@@ -376,3 +376,27 @@ def test_where_routing_under_dp_and_tp_explains_data_dependent_sizes():
         if "tp" in axes:
             assert "data-dependent sizes" in text and "(u" in text, text
         pm.close()
+
+
+def test_whole_layer_weights_are_warned_once_with_the_real_reason():
+    from fxshard.passes.rules import WholeWeightWarning
+    from tests.models import hf_llama
+    model = hf_llama(layers=2, heads=4, kv_heads=2)
+    ids = torch.randint(0, 128, (2, 8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = fxshard.parallelize(model, mesh(tp=4), example_inputs=(ids,))
+        pm(ids)
+    whole = [str(w.message) for w in caught if w.category is WholeWeightWarning]
+    assert len(whole) == 1, whole
+    assert "4 weight matrices of repeated layers stay whole on mesh axis 'tp' of size 4" in \
+        whole[0] and "model.layers.*.self_attn.v_proj.weight (2 layers): tp=4 exceeds the 2 KV " \
+        "heads" in whole[0] and "plan={'model.layers.*.self_attn.k_proj': 'replicate'" in \
+        whole[0], whole[0]
+    pm.close()
+    plan = {"model.layers.*.self_attn.k_proj": "replicate",
+            "model.layers.*.self_attn.v_proj": "replicate"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", WholeWeightWarning)
+        fxshard.parallelize(model, mesh(tp=4), plan=plan, example_inputs=(ids,)).close()
+        fxshard.parallelize(model, mesh(tp=2), example_inputs=(ids,)).close()

@@ -27,7 +27,9 @@ After::          w_q: S(0) out S(2) -> S(2) -> S(1) ... w_o: S(1) out P -> add n
 """
 from __future__ import annotations
 
+import math
 import operator
+import warnings
 
 import torch
 import torch.fx as fx
@@ -35,8 +37,8 @@ import torch.fx as fx
 from ..placement import Partial, R, Replicate, Shard, StridedShard, shard_dim
 from . import PassCtx
 from .moe_routing import TAG, moe_routing_pass
-from .rules import (UNDECIDED, Decision, RuleCtx, fallback, lookup, tensor_inputs,
-                    warn_fallback)
+from .rules import (UNDECIDED, Decision, RuleCtx, WholeWeightWarning, _caller_level,
+                    fallback, lookup, tensor_inputs, warn_fallback)
 from .rules.embedding import embedding_rule
 from .rules.experts import grouped_mm_rule
 from .rules.linear import addmm_rule, linear_rule, matmul_rule
@@ -48,6 +50,8 @@ _OWNS_WEIGHTS = (linear_rule, embedding_rule, addmm_rule, grouped_mm_rule, matmu
 _WEIGHT_VIEWS = (torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
                  torch.ops.aten.t.default, torch.ops.aten.numpy_T.default)
 _MAX_REFINEMENTS = 8
+_RESHAPES = (torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+             torch.ops.aten._unsafe_view.default, torch.ops.aten.unflatten.int)
 
 
 def input_spec(val: torch.Tensor, ctx: PassCtx, main: torch.Tensor | None = None) -> tuple:
@@ -340,6 +344,50 @@ def _gathered_before_use(node: fx.Node, tp: int, budget: int = 64) -> fx.Node | 
     return None
 
 
+def _why_gathered(u: fx.Node, tp: int, size: int) -> str:
+    """Why a column-parallel output is gathered at ``u``: the real cause when ``u`` splits the
+    sharded dim into heads that ``tp`` does not divide (``tp=4 exceeds the 2 KV heads``), else
+    the consumer that needs it whole."""
+    plain = f"its column-parallel output would be gathered before use (by {u.name}: {u.target})"
+    x = u.args[0] if u.args else None
+    have = x.meta.get("fxshard_spec") if isinstance(x, fx.Node) else None
+    d = shard_dim(have[tp]) if isinstance(have, tuple) else None
+    if u.target not in _RESHAPES or d is None or not isinstance(u.meta.get("val"), torch.Tensor):
+        return plain
+    in_shape, out_shape = tuple(x.meta["val"].shape), tuple(u.meta["val"].shape)
+    before = math.prod(in_shape[:d])
+    heads = next((n for e, n in enumerate(out_shape) if math.prod(out_shape[:e]) == before
+                  and n != 1), None)
+    if heads is None or heads == in_shape[d] or heads % size == 0:
+        return plain
+    kind = _heads_kind(u)
+    split = f"({u.name} splits it into {heads} heads of {in_shape[d] // heads})"
+    if heads < size:
+        return f"tp={size} exceeds the {heads} {kind} {split}"
+    return f"the {heads} {kind} do not divide by tp={size} {split}"
+
+
+def _heads_kind(node: fx.Node, budget: int = 32) -> str:
+    """"KV heads" or "query heads" when ``node``'s value reaches attention as its key/value or
+    its query (through views and elementwise ops), else "heads"."""
+    from .rules.attention import sdpa_args
+    frontier, seen = [node], {node}
+    while frontier and budget > 0:
+        cur = frontier.pop(0)
+        budget -= 1
+        for u in cur.users:
+            if u.target is torch.ops.aten.scaled_dot_product_attention.default:
+                a = sdpa_args(u)
+                if cur is a["key"] or cur is a["value"]:
+                    return "KV heads"
+                if cur is a["query"]:
+                    return "query heads"
+            elif u not in seen and u.op == "call_function":
+                seen.add(u)
+                frontier.append(u)
+    return "heads"
+
+
 def _reduced_twice(gm: fx.GraphModule) -> dict[tuple[str, int], object]:
     """(node, axis index) -> placement, for Partial values that one consumer needs reduced
     (to that placement) while another keeps using the partial sum (which would then be
@@ -384,6 +432,7 @@ def _list_replicated(gm: fx.GraphModule, ctx: PassCtx, tp: int, why: dict) -> No
     """Every weight matrix left whole on ``tp``, with the reason (``explain()`` lists them);
     under ``strict=True`` each one the user's plan did not ask for is an error."""
     ctx.replicated.clear()
+    layered: list[tuple[str, str]] = []
     for node in gm.graph.nodes:
         fqn = node.meta.get("fxshard_param")
         val = node.meta.get("val")
@@ -405,6 +454,8 @@ def _list_replicated(gm: fx.GraphModule, ctx: PassCtx, tp: int, why: dict) -> No
                        "experts_implementation='batched_mm'; the default 'grouped_mm' shards "
                        "each expert's intermediate dim)")
         ctx.replicated.append((fqn, reason))
+        if _in_layer(fqn):
+            layered.append((fqn, reason))
         if ctx.strict:
             module = fqn.rpartition(".")[0]
             raise NotImplementedError(
@@ -412,6 +463,33 @@ def _list_replicated(gm: fx.GraphModule, ctx: PassCtx, tp: int, why: dict) -> No
                 f"on mesh axis 'tp' of size {ctx.mesh.axis_size('tp')} (mesh "
                 f"{ctx.mesh.describe()}): {reason}. Accept it with "
                 f"plan={{{module!r}: 'replicate'}} or drop strict=True.")
+    _warn_whole(layered, ctx, ctx.mesh.axis_size("tp"))
+
+
+def _in_layer(fqn: str) -> bool:
+    """``fqn`` is inside one of several repeated blocks (a numbered module: ``layers.3.``)."""
+    return any(part.isdigit() for part in fqn.split(".")[:-1])
+
+
+def _warn_whole(layered: list, ctx: PassCtx, size: int) -> None:
+    """One warning per program listing the repeated layers' weight matrices kept whole on tp
+    (grouped by layer pattern), each with its reason, and the fixes."""
+    if not layered:
+        return
+    groups: dict[str, list] = {}
+    for fqn, reason in layered:
+        pattern = ".".join("*" if p.isdigit() else p for p in fqn.split("."))
+        groups.setdefault(pattern, []).append(reason)
+    lines = [f"  {pat} ({len(rs)} layer{'s' * (len(rs) > 1)}): {rs[0]}"
+             for pat, rs in groups.items()]
+    modules = {pat.rpartition(".")[0]: "replicate" for pat in groups}
+    warnings.warn(
+        f"fxshard: {len(layered)} weight matrices of repeated layers stay whole on mesh axis "
+        f"'tp' of size {size} (mesh {ctx.mesh.describe()}): every tp rank holds and computes "
+        f"them in full.\n" + "\n".join(lines) + "\n"
+        f"Shard them with plan= or a sharding rule (fxshard.passes.rules.rule) for the op "
+        f"named; accept them with plan={modules!r} (silences this); strict=True makes it an "
+        f"error.", WholeWeightWarning, stacklevel=_caller_level())
 
 
 def _moved_inside_region(gm: fx.GraphModule, ctx: PassCtx) -> set[str]:
@@ -491,9 +569,7 @@ def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
         if not wasted - replicate and not twice and not once:
             break
         for fqn in sorted(wasted - replicate):
-            u = users[fqn]
-            why[fqn] = (f"its column-parallel output would be gathered before use "
-                        f"(by {u.name}: {u.target})")
+            why[fqn] = _why_gathered(users[fqn], tp, mesh.shape[tp])
             ctx.report("propagate_pass", f"replicate {fqn} on tp: {why[fqn]}")
         replicate |= wasted
     if tp is not None and mesh.shape[tp] > 1:

@@ -30,7 +30,7 @@ from ...mesh import MeshSpec
 from ...placement import R
 
 __all__ = ["rule", "lookup", "Decision", "RuleCtx", "UNDECIDED", "tensor_inputs", "fallback",
-           "FallbackWarning", "token_local"]
+           "FallbackWarning", "WholeWeightWarning", "token_local"]
 
 aten = torch.ops.aten
 
@@ -47,6 +47,10 @@ UNDECIDED = _Undecided()
 
 class FallbackWarning(UserWarning):
     """An op had no sharding rule and was computed replicated."""
+
+
+class WholeWeightWarning(UserWarning):
+    """Weight matrices of repeated layers stay whole on ``tp`` (every rank holds them)."""
 
 
 @dataclass
