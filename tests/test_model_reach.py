@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 import fxshard
 from fxshard.passes.rules import FallbackWarning
+from fxshard.placement import R
 from tests.families import layer_param_fraction
 from tests.test_rules import check, meshes, specs
 
@@ -223,6 +224,7 @@ class TinyLM(nn.Module):
 PATTERNS = {
     "repeat_interleave": lambda: TinyLM(FusedQKVAttention),
     "expand_reshape": lambda: TinyLM(lambda: FusedQKVAttention(expand="expand")),
+    "mqa_fused": lambda: TinyLM(lambda: FusedQKVAttention(groups=1)),
     "x_at_w_T": lambda: TinyLM(TransposedWeightAttention),
     "complex_rope": lambda: TinyLM(ComplexRopeAttention, rope="complex"),
     "polar_rope": lambda: TinyLM(ComplexRopeAttention, rope="polar"),
@@ -400,3 +402,33 @@ def test_whole_layer_weights_are_warned_once_with_the_real_reason():
         warnings.simplefilter("error", WholeWeightWarning)
         fxshard.parallelize(model, mesh(tp=4), plan=plan, example_inputs=(ids,)).close()
         fxshard.parallelize(model, mesh(tp=2), example_inputs=(ids,)).close()
+
+
+def test_multi_query_fused_projection_keeps_only_kv_whole(tmp_path):
+    """One K/V head cannot split: the fused qkv keeps that part whole on every rank (said in the
+    placement, ``R8``, and the pass log), its query part split; no gather of its output."""
+    torch.manual_seed(0)
+    model = PATTERNS["mqa_fused"]().eval()
+    pm = run(model, dict(tp=2))
+    e = pm.explain()
+    placed = {f: s for f, s, _, _ in e.placements}
+    assert placed["layers.0.attn.qkv.weight"] == "tp:S(0|32+R8+R8)", placed
+    notes = [m for p, m in e.edits if "kept whole on tp" in m]
+    assert len(notes) == LAYERS and "tp=2 exceeds the 1 KV head" in notes[0], notes
+    assert ("all_gather", "tp") not in {(c.op, c.axis) for c in e.collectives[0]
+                                        if "attn" in c.module}, e
+    pm.close()
+    # the block each rank loads: its query rows and every K/V row, from memory or safetensors
+    from safetensors.torch import save_file
+    from fxshard.checkpoint import SafetensorsSource
+    from fxshard.mesh import MeshSpec
+    from fxshard.placement import StridedShard, local_block
+    w = torch.arange(48.0)[:, None].expand(48, 3).contiguous()
+    save_file({"w": w}, str(tmp_path / "m.safetensors"))
+    src = SafetensorsSource(str(tmp_path / "m.safetensors"), "w", (48, 3), torch.float32)
+    m = MeshSpec((2, 2), ("dp", "tp"))
+    spec = (R, StridedShard(0, (32, 8, 8), frozenset({1, 2})))
+    for r in range(4):
+        want = torch.cat([w[16 * (r % 2):16 * (r % 2) + 16], w[32:]])
+        torch.testing.assert_close(local_block(w, spec, m, r), want)
+        torch.testing.assert_close(src.block(spec, m, r), want)

@@ -19,7 +19,7 @@ is warned about and listed by ``explain()``; ``strict=True`` turns the fallback 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -73,6 +73,7 @@ class RuleCtx:
     embedding_style: str = "embed_dim"
     user_plan: bool = False       # the user placed some weights with plan=
     zigzag: bool = False          # shards on this axis are zigzag: 2 * size chunks
+    whole_parts: dict = field(default_factory=dict)   # fused weight FQN -> parts kept whole
 
     @property
     def chunks(self) -> int:

@@ -36,7 +36,7 @@ def rows_like(p, n_from: int, n_to: int):
     ``[n_from]`` one (``x[T, H]`` vs the routing's ``[T * k]`` pairs), or None."""
     if isinstance(p, Shard) and p.dim == 0:
         return p
-    if isinstance(p, StridedShard) and p.dim == 0 and \
+    if isinstance(p, StridedShard) and p.dim == 0 and not p.whole and \
             all(k * n_to % n_from == 0 for k in p.parts):
         return StridedShard(0, tuple(k * n_to // n_from for k in p.parts))
     return None

@@ -33,6 +33,7 @@ weight's placement is chosen through the transpose (``propagate``'s weight views
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.fx as fx
@@ -108,10 +109,12 @@ def _carries(user: fx.Node, src: fx.Node, dim: int) -> int | None:
     return e
 
 
-def fused_parts(node: fx.Node, dim: int, size: int) -> tuple[int, ...] | None:
+def fused_parts(node: fx.Node, dim: int, size: int, whole=frozenset()
+                ) -> tuple[int, ...] | None:
     """Part sizes of a fused projection: when every use of ``node``'s dim ``dim`` ends, through
     reshapes and elementwise ops, in slices/splits that cut it into the same disjoint parts
-    (each a multiple of ``size``), those parts; else None (a plain projection)."""
+    (each a multiple of ``size``, but the parts numbered in ``whole``), those parts; else None
+    (a plain projection)."""
     total = node.meta["val"].shape[dim]
     pieces: set[tuple[int, int]] = set()
     stack, budget = [(node, dim)], 64
@@ -131,7 +134,8 @@ def fused_parts(node: fx.Node, dim: int, size: int) -> tuple[int, ...] | None:
             stack.append((u, e))
     bounds = sorted({b for iv in pieces for b in iv} | {0, total})
     parts = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    if len(parts) < 2 or any(k % size for k in parts) or \
+    if len(parts) < 2 or any(k % size for j, k in enumerate(parts) if j not in whole) or \
+            len(whole) >= len(parts) or \
             any(b - a not in parts or a not in bounds for a, b in pieces) or \
             any(sum(1 for x in bounds if a < x < b) for a, b in pieces):
         return None
@@ -146,8 +150,19 @@ def fused_out(p, start: int, end: int):
         bounds.append(bounds[-1] + k)
     if start not in bounds or end not in bounds or start >= end:
         return None
-    sub = tuple(p.parts[bounds.index(start):bounds.index(end)])
-    return Shard(p.dim) if len(sub) == 1 else StridedShard(p.dim, sub)
+    first, stop = bounds.index(start), bounds.index(end)
+    sub = tuple(p.parts[first:stop])
+    whole = frozenset(j - first for j in p.whole if first <= j < stop)
+    if len(whole) == len(sub):
+        return R           # parts every rank holds whole
+    return Shard(p.dim) if len(sub) == 1 else StridedShard(p.dim, sub, whole)
+
+
+def _weight_of(n: fx.Node) -> str | None:
+    """The parameter FQN of ``n`` or of the parameter ``n`` transposes (``w.T``)."""
+    if n.op == "call_function" and n.args and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n.meta.get("fxshard_param")
 
 
 def _is_param(n: fx.Node) -> bool:
@@ -169,13 +184,14 @@ def linear_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         elif isinstance(x, Shard) and x.dim == last:
             w = Shard(1)
         else:
-            parts = fused_parts(node, last, ctx.size) if not has_bias or bias_param and \
-                b is UNDECIDED else None
-            w = StridedShard(0, parts) if parts else Shard(0)
+            whole = ctx.whole_parts.get(tensors[1].meta.get("fxshard_param"), frozenset())
+            parts = fused_parts(node, last, ctx.size, whole) if not has_bias or bias_param \
+                and b is UNDECIDED else None
+            w = StridedShard(0, parts, whole) if parts else Shard(0)
 
     if isinstance(w, StridedShard) and w.dim == 0:     # fused column-parallel
-        need = [R, w] + ([StridedShard(0, w.parts)] if has_bias else [])
-        return Decision(ins=need, out=StridedShard(last, w.parts))
+        need = [R, w] + ([w] if has_bias else [])
+        return Decision(ins=need, out=replace(w, dim=last))
     if isinstance(w, Shard) and w.dim == 0:            # column-parallel
         need = [R, w] + ([Shard(0)] if has_bias else [])
         return Decision(ins=need, out=Shard(last))
@@ -249,13 +265,15 @@ def matmul_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         last = out_nd - 1
         if isinstance(x, Shard) and x.dim == a_nd - 1:
             return Decision(ins=[x, Shard(0)], out=P)
-        parts = fused_parts(node, last, ctx.size)
+        whole = ctx.whole_parts.get(_weight_of(b), frozenset())
+        parts = fused_parts(node, last, ctx.size, whole)
         if parts:
-            return Decision(ins=[R, StridedShard(1, parts)], out=StridedShard(last, parts))
+            return Decision(ins=[R, StridedShard(1, parts, whole)],
+                            out=StridedShard(last, parts, whole))
         if ctx.shape(b)[1] % ctx.size == 0:
             return Decision(ins=[R, Shard(1)], out=Shard(last))
     if isinstance(w, StridedShard) and w.dim == b_nd - 1 and b_nd == 2:
-        return Decision(ins=[R, w], out=StridedShard(out_nd - 1, w.parts))
+        return Decision(ins=[R, w], out=replace(w, dim=out_nd - 1))
     la, lb, lo = _matmul_labels(a_nd, b_nd, out_nd)
     return einsum_decision(node, [R if q is UNDECIDED else q for q in ins], [la, lb], lo, ctx)
 
@@ -300,10 +318,11 @@ def addmm_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         elif isinstance(x, Shard) and x.dim == 1:
             w = Shard(0)
         else:
-            parts = fused_parts(node, 1, ctx.size) if bias is UNDECIDED else None
-            w = StridedShard(1, parts) if parts else Shard(1)
+            whole = ctx.whole_parts.get(tensors[2].meta.get("fxshard_param"), frozenset())
+            parts = fused_parts(node, 1, ctx.size, whole) if bias is UNDECIDED else None
+            w = StridedShard(1, parts, whole) if parts else Shard(1)
     if isinstance(w, StridedShard) and w.dim == 1 and bias_1d:        # fused column-parallel
-        return Decision(ins=[StridedShard(0, w.parts), R, w], out=StridedShard(1, w.parts))
+        return Decision(ins=[replace(w, dim=0), R, w], out=w)
     if isinstance(w, Shard) and w.dim == 1 and bias_1d:               # column-parallel
         return Decision(ins=[Shard(0), R, w], out=Shard(1))
     if isinstance(w, Shard) and w.dim == 0 and bias_1d:               # row-parallel

@@ -18,6 +18,7 @@ or concatenating along a sharded dim needs it whole first. A fused projection's
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.fx as fx
@@ -59,11 +60,11 @@ def reshape_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         before = math.prod(in_shape[:p.dim])
         for e, n in enumerate(out_shape):
             if n == in_shape[p.dim] and math.prod(out_shape[:e]) == before:
-                return Decision(ins=[p], out=StridedShard(e, p.parts))
-        e = _unmerge_dim(in_shape, out_shape, p)
+                return Decision(ins=[p], out=replace(p, dim=e))
+        e = None if p.whole else _unmerge_dim(in_shape, out_shape, p)
         if e is not None:
             return Decision(ins=[p], out=Shard(e))
-        q = _rescale_rows(in_shape, out_shape, p)
+        q = None if p.whole else _rescale_rows(in_shape, out_shape, p)
         if q is not None:
             return Decision(ins=[p], out=q)
         return Decision(ins=[R], out=R)
@@ -174,7 +175,7 @@ def permute_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         return Decision(ins=[p], out=Shard(perm.index(p.dim)))
     if isinstance(p, StridedShard):
         perm = _permutation(node, ctx.ndim(node.args[0]))
-        return Decision(ins=[p], out=StridedShard(perm.index(p.dim), p.parts))
+        return Decision(ins=[p], out=replace(p, dim=perm.index(p.dim)))
     return Decision(ins=[p], out=p)
 
 
@@ -211,7 +212,7 @@ def select_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     if isinstance(p, StridedShard):
         if p.dim == dim:  # one index of a fused dim: gather the parts, then pick
             return Decision(ins=[R], out=R)
-        return Decision(ins=[p], out=StridedShard(p.dim - (p.dim > dim), p.parts))
+        return Decision(ins=[p], out=replace(p, dim=p.dim - (p.dim > dim)))
     return Decision(ins=[p], out=p)
 
 
