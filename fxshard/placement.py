@@ -105,7 +105,8 @@ def local_shape(shape: Sequence[int], spec: Spec, mesh: MeshSpec, *, what: str =
                     f"{p.parts} on dim {p.dim}, sharded part by part over mesh axis {axis!r} of "
                     f"size {n} (mesh {mesh.describe()}), but parts {bad} do not divide by {n}. "
                     f"Use a {axis} size that divides every part.")
-            out[p.dim] = sum(p.local_parts(n))
+            # (an earlier axis may have cut the dim already: equal parts, none whole)
+            out[p.dim] = sum(p.local_parts(n)) if p.whole else out[p.dim] // n
         elif n > 1 and isinstance(p, Shard):
             d = p.dim
             if out[d] % n:

@@ -432,3 +432,30 @@ def test_multi_query_fused_projection_keeps_only_kv_whole(tmp_path):
         want = torch.cat([w[16 * (r % 2):16 * (r % 2) + 16], w[32:]])
         torch.testing.assert_close(local_block(w, spec, m, r), want)
         torch.testing.assert_close(src.block(spec, m, r), want)
+
+
+def test_hf_deepseek_v3_tp2_writes_its_rotary_part_sharded():
+    """HF DeepSeek-V3 (MLA) writes the rotary part of its heads with a slice assignment
+    (``slice_scatter``): ``kv_b_proj`` splits by heads, two all-reduces a layer."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    cfg = DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=None,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16, n_group=1,
+        topk_group=1, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        pm = fxshard.parallelize(model, mesh(tp=2), example_inputs=(ids,))
+        with torch.no_grad():
+            torch.testing.assert_close(pm(ids).logits, want, rtol=1e-4, atol=1e-4)
+    placed = {f: s for f, s, _, _ in pm.explain().placements}
+    assert placed["model.layers.0.self_attn.kv_b_proj.weight"] == "tp:S(0)", placed
+    assert layer_param_fraction(pm, model) <= 0.55
+    assert all_reduces(pm) == 2 * 2
+    pm.close()

@@ -309,7 +309,7 @@ def _divides(shape, spec, ctx: PassCtx) -> bool:
             if p.dim >= len(sizes) or shape[p.dim] != sum(p.parts) or \
                     any(k % n for j, k in enumerate(p.parts) if j not in p.whole):
                 return False
-            sizes[p.dim] = sum(p.local_parts(n))
+            sizes[p.dim] = sum(p.local_parts(n)) if p.whole else sizes[p.dim] // n
         elif n > 1 and isinstance(p, Shard):
             chunks = 2 * n if a in ctx.zigzag_axes else n
             if p.dim >= len(sizes) or sizes[p.dim] % chunks:

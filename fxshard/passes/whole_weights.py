@@ -133,7 +133,8 @@ def _part_nodes(lin: fx.Node, tp: int) -> list[tuple[int, fx.Node]] | None:
 def _parts_to_keep_whole(lin: fx.Node, tp: int, size: int, have: frozenset
                          ) -> tuple[frozenset, str] | None:
     """The parts of the fused projection ``lin`` to hold whole on ``tp`` (``have`` and those
-    gathered before use), with the reason, when some part still splits; else None."""
+    gathered before use because their heads do not split), with the reason, when some part
+    still splits; else None (the whole weight is replicated)."""
     spec = lin.meta.get("fxshard_spec")
     if not isinstance(spec, tuple) or not isinstance(spec[tp], StridedShard):
         return None
@@ -145,8 +146,12 @@ def _parts_to_keep_whole(lin: fx.Node, tp: int, size: int, have: frozenset
         u = _gathered_before_use(g, tp)
         if u is not None and j not in have:
             views = [v for v in g.users if v.target in _RESHAPES]
-            gathered[j] = next((r for v in views if (r := _heads_reason(v, tp, size))),
-                               None) or _why_gathered(u, tp, size)
+            why = next((r for v in views if (r := _heads_reason(v, tp, size))), None)
+            if why is None:
+                # only heads that tp cannot split are kept whole: another gathered part (MLA's
+                # rotary key) would leave the rest of the part's path partly sharded
+                return None
+            gathered[j] = why
     whole = have | frozenset(gathered)
     if not gathered or len(whole) >= len(spec[tp].parts):
         return None
