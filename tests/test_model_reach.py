@@ -332,7 +332,7 @@ class WhereMoELM(nn.Module):
 
 
 @pytest.mark.parametrize("op", ["slice_scatter", "select_scatter", "complex", "outer",
-                                "repeat_interleave_heads", "x_at_w_T"])
+                                "repeat_interleave_heads", "x_at_w_T", "fill", "new_zeros"])
 @given(data=st.data())
 @settings(deadline=None, max_examples=15)
 def test_rules_give_each_rank_its_block(op, data):
@@ -361,6 +361,10 @@ def test_rules_give_each_rank_its_block(op, data):
         h = torch.randn(b, 2 * s, 4, 3)
         check(lambda a: a.repeat_interleave(3, dim=1) * 2, (h,), m,
               [specs(data.draw, m, 4, partial=True)])
+    elif op == "fill":
+        check(lambda a: torch.fill(a, 3.0) + a, (x,), m, [sx])
+    elif op == "new_zeros":
+        check(lambda a: a.new_zeros(b, s, 6) + 2 * a, (x,), m, [sx])
     else:
         w = torch.randn(4, 6)
         check(lambda a, c: a @ c.T, (x, w), m, [sx, specs(data.draw, m, 2)])

@@ -33,3 +33,12 @@ def like_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     p = ins[0]
     return Decision(ins=[p], out=p) if isinstance(p, (Shard, StridedShard)) \
         else Decision(ins=[R], out=R)
+
+
+@rule(aten.fill.Tensor, aten.fill.Scalar)
+def fill_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``fill(x, value)``: ``x``'s shape filled with one value; ``x`` lends only its shape, so
+    its shard passes (a functionalised ``mask.fill_(v)``); the 0-d value is whole."""
+    p = ins[0]
+    keep = p if isinstance(p, (Shard, StridedShard)) else R
+    return Decision(ins=[keep] + [R] * (len(ins) - 1), out=keep)
