@@ -17,6 +17,10 @@ share of every part and the split gives each part as a plain ``S(-1)``, with no 
     linear(x, w_qkv[128, 64]) -> slice [0:64], [64:96], [96:128]
     tp=2: w S(0|64+32+32) local [64, 64]; out S(2|64+32+32); slices local [0:32], [32:48], [48:64]
 
+Parts whose heads ``tp`` cannot split (multi-query K/V: one head) are held whole by every rank
+(``ctx.whole_parts``, decided by ``passes/whole_weights.py``): ``w S(0|64+R16+R16)`` local
+``[64, 64]``, the K/V slices come out ``R`` and the query slice ``S(-1)``.
+
 ``baddbmm(self, b1, b2)`` (ALiBi) is ``bmm`` plus ``self`` following the output's placement.
 
 ``addmm(bias[N], x[M, K], w[K, N])`` (GPT-2's ``Conv1D``, weight stored ``[in, out]``) is the
@@ -160,7 +164,8 @@ def fused_out(p, start: int, end: int):
 
 def _weight_of(n: fx.Node) -> str | None:
     """The parameter FQN of ``n`` or of the parameter ``n`` transposes (``w.T``)."""
-    if n.op == "call_function" and n.args and isinstance(n.args[0], fx.Node):
+    if n.op == "call_function" and n.target in (aten.t.default, aten.transpose.int,
+                                                aten.permute.default, aten.numpy_T.default):
         n = n.args[0]
     return n.meta.get("fxshard_param")
 
@@ -184,7 +189,7 @@ def linear_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         elif isinstance(x, Shard) and x.dim == last:
             w = Shard(1)
         else:
-            whole = ctx.whole_parts.get(tensors[1].meta.get("fxshard_param"), frozenset())
+            whole = ctx.whole_parts.get(_weight_of(tensors[1]), frozenset())
             parts = fused_parts(node, last, ctx.size, whole) if not has_bias or bias_param \
                 and b is UNDECIDED else None
             w = StridedShard(0, parts, whole) if parts else Shard(0)
@@ -318,7 +323,7 @@ def addmm_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         elif isinstance(x, Shard) and x.dim == 1:
             w = Shard(0)
         else:
-            whole = ctx.whole_parts.get(tensors[2].meta.get("fxshard_param"), frozenset())
+            whole = ctx.whole_parts.get(_weight_of(tensors[2]), frozenset())
             parts = fused_parts(node, 1, ctx.size, whole) if bias is UNDECIDED else None
             w = StridedShard(1, parts, whole) if parts else Shard(1)
     if isinstance(w, StridedShard) and w.dim == 1 and bias_1d:        # fused column-parallel
