@@ -463,3 +463,19 @@ def test_hf_deepseek_v3_tp2_writes_its_rotary_part_sharded():
     assert layer_param_fraction(pm, model) <= 0.55
     assert all_reduces(pm) == 2 * 2
     pm.close()
+
+
+@pytest.mark.parametrize("axes", [dict(ring_cp=2), dict(tp=2, ulysses_cp=2)],
+                         ids=["ring2", "tp2_ulysses2"])
+def test_repeat_interleave_kv_reaches_attention_unrepeated(axes):
+    """``repeat_interleave(k, G, dim=1)`` in front of SDPA is dropped (attention maps query
+    heads to KV heads itself): ring attention passes the KV heads once, not ``G`` times."""
+    torch.manual_seed(0)
+    model = PATTERNS["repeat_interleave"]().eval()
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    pm = run(model, axes, ids=ids, strict=True)
+    assert ("unrepeat_kv_pass", f"{LAYERS} attentions take their KV heads unrepeated") in \
+        pm.explain().edits
+    if "tp" not in axes:   # (Ulysses over tp's 1 KV head a rank repeats it for its own heads)
+        assert "repeat_interleave" not in pm.rank_module(0).code
+    pm.close()
