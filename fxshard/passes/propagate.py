@@ -447,7 +447,7 @@ def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
         if not wasted - replicate and not twice and not once and not grew:
             break
         for fqn in sorted(wasted - replicate):
-            why[fqn] = _why_gathered(users[fqn], tp, mesh.shape[tp])
+            why[fqn] = _why_gathered(users[fqn], tp, mesh.shape[tp], auto_colwise[fqn])
             ctx.report("propagate_pass", f"replicate {fqn} on tp: {why[fqn]}")
         replicate |= wasted
     if tp is not None and mesh.shape[tp] > 1:

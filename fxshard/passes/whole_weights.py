@@ -60,13 +60,23 @@ def _gathered_before_use(node: fx.Node, tp: int, budget: int = 64) -> fx.Node | 
 
 
 
-def _why_gathered(u: fx.Node, tp: int, size: int) -> str:
-    """Why a column-parallel output is gathered at ``u``: the real cause when ``u`` splits the
-    sharded dim into heads that ``tp`` does not divide (``tp=4 exceeds the 2 KV heads``), else
-    the consumer that needs it whole."""
-    plain = f"its column-parallel output would be gathered before use (by {u.name}: {u.target})"
-    return _heads_reason(u, tp, size) or plain
-
+def _why_gathered(u: fx.Node, tp: int, size: int, start: fx.Node | None = None) -> str:
+    """Why the column-parallel output of ``start`` is gathered at ``u``: the real cause where it
+    can be named (a reshape of the output, or ``u`` itself, splits it into heads that ``tp``
+    does not divide: ``tp=4 exceeds the 2 KV heads``; attention holds its KV heads whole),
+    else the consumer that needs it whole."""
+    for v in ([w for w in start.users if w.target in _RESHAPES] if start is not None else []):
+        if (why := _heads_reason(v, tp, size)) is not None:
+            return why
+    if (why := _heads_reason(u, tp, size)) is not None:
+        return why
+    if u.target is torch.ops.aten.scaled_dot_product_attention.default and \
+            "tp" in u.meta.get("fxshard_notes", {}).get("kv_heads_replicated", []):
+        from .rules.attention import sdpa_args
+        hkv = sdpa_args(u)["key"].meta["val"].shape[1]
+        return (f"attention {u.name} holds its {hkv} KV heads whole on tp (fewer KV heads per "
+                f"rank than the tp={size} ranks that split its query heads)")
+    return f"its column-parallel output would be gathered before use (by {u.name}: {u.target})"
 
 
 def _heads_reason(u: fx.Node, tp: int, size: int) -> str | None:
