@@ -65,6 +65,7 @@ class Explanation:
     placements: list = field(default_factory=list)      # (fqn, spec, local shape, stage)
     fallbacks: list = field(default_factory=list)
     replicated: list = field(default_factory=list)      # (weight FQN, why it stays whole on tp)
+    partly_whole: dict = field(default_factory=dict)    # fused weight FQN -> parts kept whole
     gathered: list = field(default_factory=list)        # (node, why a CP axis gathers there)
     passes: dict = field(default_factory=dict)          # pass -> {what: count} it changed
     microbatches: int = 1                               # runs of each program per forward
@@ -140,6 +141,10 @@ class Explanation:
                 lines.append("    (none)")
             for (op, axis), (n, tb, wb) in sorted(agg.items()):
                 lines.append(f"    {op:15s} {axis:11s} {n:5d}  {tb:>14,d}  {wb:>14,d}")
+        dyn = sorted({f"{c.op} {c.axis} {tuple(c.shape)}" for cs in self.collectives.values()
+                      for c in cs if data_dependent(c.shape)})
+        if dyn:
+            lines.append(f"  data-dependent sizes (counted as 0 bytes above): {', '.join(dyn)}")
         lines += ["", f"Parameter bytes per rank (total unsharded {self.total_param_bytes:,d})"]
         by_bytes: dict[int, list] = {}
         for r, b in self.param_bytes.items():
@@ -159,6 +164,9 @@ class Explanation:
             lines.append(f"  {fqn:50s} {stage:>5d}  {spec:20s} {shape}")
         lines += ["", f"Weights kept whole on tp: {len(self.replicated)}"]
         lines += [f"  {fqn}: {why}" for fqn, why in self.replicated]
+        if self.partly_whole:
+            lines += ["", f"Fused weights with parts kept whole on tp: {len(self.partly_whole)}"]
+            lines += [f"  {fqn}: {why}" for fqn, why in self.partly_whole.items()]
         if self.gathered:
             lines += ["", f"Attention not lowered on the CP axes (sequence gathered): "
                           f"{len(self.gathered)}"]
@@ -192,6 +200,21 @@ def _wire(op: str, n: int, in_bytes: int) -> int:
     return 0
 
 
+def data_dependent(shape) -> bool:
+    """``shape`` has a size known only when the program runs (``torch.where(mask)``, ``nonzero``:
+    an unbacked symbol such as ``u0``)."""
+    return any(not isinstance(n, int) and getattr(n, "node", None) is not None and
+               not n.node.has_hint() for n in shape)
+
+
+def _numel(shape) -> int:
+    """Elements of ``shape``; 0 for a data-dependent shape (``explain()`` says so, see
+    :func:`data_dependent`), never a guard on an unbacked size."""
+    if data_dependent(shape):
+        return 0
+    return int(torch.Size([int(n) for n in shape]).numel())
+
+
 def collectives_of(graph, mesh) -> list[CollectiveInfo]:
     out = []
     for node in graph.nodes:
@@ -206,7 +229,7 @@ def collectives_of(graph, mesh) -> list[CollectiveInfo]:
             axis = node.args[5]
             size = mesh.axis_size(axis)
             shape = local_shape(tuple(k.meta["val"].shape), k.meta["fxshard_spec"], mesh)
-            nbytes = 2 * int(torch.Size(shape).numel()) * k.meta["val"].element_size()
+            nbytes = 2 * _numel(shape) * k.meta["val"].element_size()
             out.append(CollectiveInfo(node.name, op, axis, size, shape, nbytes,
                                       (size - 1) * nbytes, _module_of(node)))
             continue
@@ -215,7 +238,7 @@ def collectives_of(graph, mesh) -> list[CollectiveInfo]:
             size = mesh.axis_size(axis)
             rows = local_shape(tuple(x.meta["val"].shape), x.meta["fxshard_spec"], mesh)[:-1]
             shape = (2, *rows)
-            nbytes = int(torch.Size(shape).numel()) * torch.float64.itemsize
+            nbytes = _numel(shape) * torch.float64.itemsize
             out.append(CollectiveInfo(node.name, op, axis, size, shape, nbytes,
                                       (size - 1) * nbytes, _module_of(node)))
             continue
@@ -229,7 +252,7 @@ def collectives_of(graph, mesh) -> list[CollectiveInfo]:
             axis = node.args[-2] if op != "send" else node.args[1]
             size = mesh.axis_size(axis)
             peer = node.args[2] if op == "send" else -1
-        nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
+        nbytes = _numel(shape) * dtype.itemsize
         # the gather of the model's output on dp or a CP axis belongs to no module ("")
         output_gather = (op in ("all_gather", "zigzag_gather") and axis != "tp"
                          and any(u.op == "output" for u in node.users))
@@ -269,6 +292,7 @@ def explain(pm, compiled) -> Explanation:
                      fallbacks=[f for f in compiled.ctx.fallbacks if f.split(":")[0] in alive],
                      passes={p: dict(c) for p, c in compiled.ctx.reports.items()},
                      replicated=list(getattr(compiled.ctx, "replicated", [])),
+                     partly_whole=dict(getattr(compiled.ctx, "partly_whole", {})),
                      gathered=list(getattr(compiled.ctx, "gathered", [])),
                      microbatches=getattr(pm, "microbatches", 1),
                      unmatched_plan=list(getattr(pm, "unmatched_plan", [])))

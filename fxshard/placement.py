@@ -12,7 +12,9 @@ a ``[2, 6, 4]`` block on every rank; rank 3 (dp=1, tp=1) holds ``x[2:4, :, 4:8]`
 of the given global sizes (q, k, v of a ``qkv_proj``) and each rank holds its contiguous share of
 every part, in part order. On ``tp=2`` a ``[.., 128]`` value with parts ``(64, 32, 32)`` holds
 ``x[.., 0:32] ++ x[.., 64:80] ++ x[.., 96:112]`` on rank 0, so a later split into the parts is
-local (DTensor's ``_StridedShard`` is the equal-parts case).
+local (DTensor's ``_StridedShard`` is the equal-parts case). Parts listed in ``whole`` are held
+whole by every rank (``S(0|64+R16+R16)``: a multi-query ``qkv`` whose K/V part is one head; rank
+0 holds ``x[.., 0:32] ++ x[.., 64:96]``), as vLLM's QKV layer keeps multi-query K/V replicated.
 """
 from __future__ import annotations
 
@@ -37,13 +39,26 @@ P = Partial()
 
 @dataclass(frozen=True)
 class StridedShard(Placement):
-    """Shard of a fused dim: every part (global sizes ``parts``) split evenly over the axis."""
+    """Shard of a fused dim: every part (global sizes ``parts``) split evenly over the axis,
+    except the parts numbered in ``whole``, which every rank holds whole (a multi-query
+    projection's one K/V head next to its split query heads)."""
 
     dim: int
     parts: tuple
+    whole: frozenset = frozenset()
 
     def local_parts(self, n: int) -> tuple:
-        return tuple(k // n for k in self.parts)
+        return tuple(k if j in self.whole else k // n for j, k in enumerate(self.parts))
+
+    def local_bound(self, b: int, n: int) -> int:
+        """The local offset of the global part boundary ``b``."""
+        out = acc = 0
+        for k, loc in zip(self.parts, self.local_parts(n)):
+            if acc >= b:
+                break
+            acc, out = acc + k, out + loc
+        assert acc == b, (self, b)
+        return out
 
 
 def shard_dim(p) -> int | None:
@@ -56,7 +71,8 @@ def short(p) -> str:
     if isinstance(p, Shard):
         return f"S({p.dim})"
     if isinstance(p, StridedShard):
-        return f"S({p.dim}|{'+'.join(map(str, p.parts))})"
+        parts = [("R" if j in p.whole else "") + str(k) for j, k in enumerate(p.parts)]
+        return f"S({p.dim}|{'+'.join(parts)})"
     if isinstance(p, Partial):
         return "P"
     if isinstance(p, Replicate):
@@ -82,14 +98,15 @@ def local_shape(shape: Sequence[int], spec: Spec, mesh: MeshSpec, *, what: str =
     for axis, n, p in zip(mesh.axis_names, mesh.shape, spec):
         if n > 1 and isinstance(p, StridedShard):
             assert sum(p.parts) == shape[p.dim], (what, tuple(shape), p)  # a rule's invariant
-            bad = [k for k in p.parts if k % n]
+            bad = [k for j, k in enumerate(p.parts) if k % n and j not in p.whole]
             if bad:
                 raise ValueError(
                     f"fxshard: {what} of global shape {tuple(shape)} is a fused tensor with parts "
                     f"{p.parts} on dim {p.dim}, sharded part by part over mesh axis {axis!r} of "
                     f"size {n} (mesh {mesh.describe()}), but parts {bad} do not divide by {n}. "
                     f"Use a {axis} size that divides every part.")
-            out[p.dim] //= n
+            # (an earlier axis may have cut the dim already: equal parts, none whole)
+            out[p.dim] = sum(p.local_parts(n)) if p.whole else out[p.dim] // n
         elif n > 1 and isinstance(p, Shard):
             d = p.dim
             if out[d] % n:
@@ -132,9 +149,10 @@ def block_pieces(shape: Sequence[int], spec: Spec, mesh: MeshSpec, rank: int
     base = list(shard_slices(shape, rest, mesh, rank))
     assert base[p.dim] == slice(0, shape[p.dim]), (spec, "a fused dim split by two axes")
     pieces, start = [], 0
-    for k in p.parts:
+    for j, k in enumerate(p.parts):
         piece = list(base)
-        piece[p.dim] = slice(start + c * (k // n), start + (c + 1) * (k // n))
+        piece[p.dim] = slice(start, start + k) if j in p.whole else \
+            slice(start + c * (k // n), start + (c + 1) * (k // n))
         pieces.append(tuple(piece))
         start += k
     return p.dim, pieces
@@ -158,10 +176,11 @@ def block_index(shape: Sequence[int], spec: Spec, mesh: MeshSpec, rank: int) -> 
             parts = p.parts if sum(p.parts) == len(cur) else \
                 (p.parts[0],) * (len(cur) // p.parts[0])
             assert sum(parts) == len(cur) and all(k == parts[0] for k in parts) \
-                or parts == p.parts, (spec, shape)
+                and not p.whole or parts == p.parts, (spec, shape)
             out, start = [], 0
-            for k in parts:
-                out += cur[start + c * (k // n):start + (c + 1) * (k // n)]
+            for j, k in enumerate(parts):
+                out += cur[start:start + k] if j in p.whole else \
+                    cur[start + c * (k // n):start + (c + 1) * (k // n)]
                 start += k
             index[p.dim] = out
     return index

@@ -239,12 +239,12 @@ def test_masked_attention_under_usp_runs_ring_attention(case):
 
 
 class _ScoresChanged(torch.nn.Module):
-    """Attention whose scores are capped by a tanh with two different constants: not the
-    soft-cap, so not attention fxshard can lower."""
+    """Attention whose scores go through a sine (not a tanh soft-cap, which any numbers
+    before and after it would be): not attention fxshard can lower."""
 
     def forward(self, x):
         q = x.view(2, 8, 2, 8).transpose(1, 2)
-        s = torch.tanh(q @ q.transpose(-1, -2) * 0.25 / 50.0) * 30.0
+        s = torch.sin(q @ q.transpose(-1, -2) * 0.25 / 50.0) * 30.0
         return (torch.softmax(s, dim=-1) @ q).transpose(1, 2).reshape(2, 8, 16)
 
 
@@ -255,11 +255,11 @@ def test_changed_scores_stay_correct_under_cp_listed_and_refused_by_strict():
     pm = fxshard.parallelize(model, mesh, example_inputs=(x,))
     torch.testing.assert_close(pm(x), model(x), rtol=1e-4, atol=1e-4)
     (node, why), = pm.explain().gathered   # not silent: listed with its reason
-    assert "(mul -> div -> tanh -> mul between q @ k^T and softmax)" in why, why
+    assert "(mul -> div -> sin -> mul between q @ k^T and softmax)" in why, why
     assert "all-gathered along the sequence on ring_cp" in why, why
     pm.close()
     with pytest.raises(NotImplementedError, match=r"strict=True\): attention at softmax on mesh "
-                                                  r"\(ring_cp=2\): scores change .*tanh"):
+                                                  r"\(ring_cp=2\): scores change .*sin"):
         fxshard.parallelize(model, mesh, strict=True, example_inputs=(x,))
 
 

@@ -229,11 +229,13 @@ def test_replicated_weights_are_listed_and_strict_refuses_them():
     reasons = dict(pm.explain().replicated)
     assert set(reasons) == {"model.layers.0.self_attn.k_proj.weight",
                             "model.layers.0.self_attn.v_proj.weight"}, reasons
-    assert "gathered before use" in reasons["model.layers.0.self_attn.k_proj.weight"]
+    assert reasons["model.layers.0.self_attn.k_proj.weight"].startswith(
+        "tp=4 exceeds the 2 KV heads (view_1 splits it into 2 heads of 16)")
     assert "Weights kept whole on tp: 2" in str(pm.explain())
     with pytest.raises(NotImplementedError, match=r"strict=True\): weight model\.layers\.0\."
                        r"self_attn\.k_proj\.weight \(32, 64\) stays whole on mesh axis 'tp' of "
-                       r"size 4 .* plan=\{'model\.layers\.0\.self_attn\.k_proj': 'replicate'\}"):
+                       r"size 4 .*: tp=4 exceeds the 2 KV heads .* "
+                       r"plan=\{'model\.layers\.0\.self_attn\.k_proj': 'replicate'\}"):
         fxshard.parallelize(model, mesh(tp=4), strict=True, example_inputs=(ids,))
     plan = {"model.layers.*.self_attn.k_proj": "replicate",
             "model.layers.*.self_attn.v_proj": "replicate"}

@@ -75,6 +75,7 @@ class PassCtx(PassReports):
     fallbacks: list = field(default_factory=list)
     replicated: list = field(default_factory=list)   # (weight FQN, why it stays whole on tp)
     gathered: list = field(default_factory=list)     # (node, why a CP axis gathers around it)
+    partly_whole: dict = field(default_factory=dict)  # fused weight FQN -> its parts kept whole
     # what the passes read beyond the graph (``fxshard.passes.pipeline.build_programs`` sets them)
     constants: dict = field(default_factory=dict)    # FQN -> value the mask folds evaluate
     out_spec: object = None                          # the traced output's pytree spec (greedy)

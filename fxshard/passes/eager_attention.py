@@ -7,7 +7,8 @@ of K and V gathered along the sequence. A constant additive causal mask (0 on an
 diagonal, a huge negative number above; evaluated from ``ctx.constants``) becomes
 ``is_causal=True``; any other mask is passed
 on as SDPA's additive ``attn_mask`` (same arithmetic). Gemma-2's tanh soft-cap of the scaled
-scores (``tanh(s / cap) * cap`` before the mask) is recognised too: SDPA has no argument for
+scores (``tanh(s / cap) * cap`` before the mask) is recognised by what the numbers compute, in
+any order (``cap * tanh(s * (1 / cap))``, the scale before or after): SDPA has no argument for
 it, so the cap rides in ``node.meta["fxshard_softcap"]`` and ``lower_attention`` hands it to
 the kernels (local, Ulysses and ring attention all apply it per score). BLOOM's form, heads
 merged into the batch of ``bmm``/``baddbmm`` (``[B*H, S, D]``) with an ALiBi bias
@@ -77,30 +78,41 @@ def _additive_causal(value: torch.Tensor, sq: int, skv: int) -> bool:
     return bool((value[..., below] == 0).all() and huge[..., ~below].all())
 
 
-def _scalar_arg(node: fx.Node, target) -> float | None:
-    """``c`` when ``node`` is ``target(x, c)`` with a Python number ``c`` and ``x`` used once."""
-    if node.target is not target or not isinstance(node.args[1], (int, float)) or \
-            isinstance(node.args[1], bool) or not _is_tensor(node.args[0]) or \
-            _only_user(node.args[0]) is not node:
+def _scalar_factor(node: fx.Node) -> tuple[fx.Node, float] | None:
+    """``(x, c)`` when ``node`` multiplies one tensor ``x`` (used only here) by a Python number:
+    ``x * c``, ``c * x`` or ``x / c`` (``c`` the factor, ``1 / c`` for a division)."""
+    if node.op != "call_function" or node.target not in (aten.mul.Tensor, aten.div.Tensor) \
+            or len(node.args) != 2 or node.kwargs:
         return None
-    return float(node.args[1])
+    x, c = node.args
+    if node.target is aten.mul.Tensor and not _is_tensor(x):
+        x, c = c, x
+    if not isinstance(c, (int, float)) or isinstance(c, bool) or not _is_tensor(x) or \
+            _only_user(x) is not node or c == 0:
+        return None
+    return x, float(c) if node.target is aten.mul.Tensor else 1.0 / float(c)
 
 
-def _softcap_of(scores: fx.Node) -> tuple[fx.Node, float] | None:
-    """(scaled scores, cap) when ``scores`` is ``tanh(s / cap) * cap`` (or ``tanh(s * (1 /
-    cap)) * cap``) with a positive cap."""
-    cap = _scalar_arg(scores, aten.mul.Tensor)
-    tanh = scores.args[0]
-    if cap is None or cap <= 0 or tanh.target is not aten.tanh.default:
-        return None
-    inner = tanh.args[0]
-    if not _is_tensor(inner) or _only_user(inner) is not tanh:
-        return None
-    by = _scalar_arg(inner, aten.div.Tensor)
-    times = _scalar_arg(inner, aten.mul.Tensor)
-    if by is not None and by == cap or times is not None and abs(times * cap - 1) < 1e-12:
-        return inner.args[0], cap
-    return None
+def _factors(node: fx.Node) -> tuple[fx.Node, float]:
+    """Walk back a chain of multiplications/divisions by numbers: ``(start, product)``."""
+    prod = 1.0
+    while (f := _scalar_factor(node)) is not None:
+        node, prod = f[0], prod * f[1]
+    return node, prod
+
+
+def _scores_of(scores: fx.Node) -> tuple[fx.Node, float, float]:
+    """``(m, scale, softcap)`` with ``scores == cap * tanh(scale * m / cap)`` (``softcap``
+    0.0: ``scores == scale * m``), recognised by what the ops compute, in any order: numbers
+    multiplying or dividing before and after one ``tanh`` (``tanh(s / c) * c``,
+    ``c * tanh(s * (1 / c))``, the scale before or after either) fold into ``post * tanh(pre *
+    m)``, which is the soft-cap ``post`` of the scores scaled by ``pre * post``."""
+    inner, post = _factors(scores)
+    if inner.target is aten.tanh.default and _is_tensor(inner.args[0]) and \
+            _only_user(inner.args[0]) is inner and post > 0:
+        m, pre = _factors(inner.args[0])
+        return m, pre * post, post
+    return inner, post, 0.0
 
 
 def _match(softmax: fx.Node):
@@ -113,15 +125,9 @@ def _match(softmax: fx.Node):
     if scores.target is aten.add.Tensor and all(_is_tensor(a) for a in scores.args[:2]) and \
             _only_user(scores) is softmax:
         scores, mask = scores.args[0], scores.args[1]
-    softcap = 0.0
-    capped = _softcap_of(scores) if _only_user(scores) is not None else None
-    if capped is not None:
-        scores, softcap = capped
-    scale = 1.0
-    if scores.target in (aten.mul.Tensor, aten.div.Tensor) and \
-            isinstance(scores.args[1], (int, float)) and _only_user(scores) is not None:
-        scale = scores.args[1] if scores.target is aten.mul.Tensor else 1.0 / scores.args[1]
-        scores = scores.args[0]
+    if _only_user(scores) is None:
+        return None
+    scores, scale, softcap = _scores_of(scores)
     if scores.target is not aten.matmul.default or _only_user(scores) is None:
         return None
     q, kt = scores.args[0], scores.args[1]

@@ -138,6 +138,37 @@ def _strided_ways(x: fx.Node, dim: int, ctx: PassCtx) -> int:
     return ways
 
 
+def _partly_whole(x: fx.Node, dim: int, ctx: PassCtx):
+    """``(placement, axis size)`` when ``x``'s fused dim ``dim`` keeps some parts whole."""
+    for n, p in zip(ctx.mesh.shape, x.meta.get("fxshard_spec") or ()):
+        if n > 1 and isinstance(p, StridedShard) and p.dim == dim and p.whole:
+            return p, n
+    return None
+
+
+def _split_partly_whole(node: fx.Node, dim: int, size: int, p: StridedShard, n: int) -> bool:
+    """The local bounds of a split of a fused dim whose parts are split or whole: each part
+    boundary moves to where the rank's local parts put it."""
+    if node.target is aten.slice.Tensor:
+        args = list(node.args) + [0, None, None, 1][len(node.args) - 1:]
+        start = args[2] or 0
+        end = size if args[3] is None else min(args[3], size)
+        start, end = (start + size if start < 0 else start), (end + size if end < 0 else end)
+        args[2], args[3] = p.local_bound(start, n), p.local_bound(end, n)
+        node.args = tuple(args)
+        return True
+    sizes = list(node.args[1]) if node.target is aten.split_with_sizes.default else \
+        [node.args[1]] * (size // node.args[1])
+    bounds = [0]
+    for k in sizes:
+        bounds.append(bounds[-1] + k)
+    local = [p.local_bound(b, n) for b in bounds]
+    node.target = aten.split_with_sizes.default
+    node.args = (node.args[0], [b - a for a, b in zip(local[:-1], local[1:])], dim)
+    node.kwargs = {}
+    return True
+
+
 def _fused_split(node: fx.Node, ctx: PassCtx) -> bool:
     """A slice/split of a fused projection's output into its parts: every bound is a part
     boundary, so the local bounds are the global ones divided by the axis size."""
@@ -154,6 +185,9 @@ def _fused_split(node: fx.Node, ctx: PassCtx) -> bool:
     if ways == 1:
         return False
     size = x.meta["val"].shape[dim]
+    whole = _partly_whole(x, dim, ctx)
+    if whole is not None:
+        return _split_partly_whole(node, dim, size, *whole)
     if node.target is aten.slice.Tensor:
         args = list(node.args) + [0, None, None, 1][len(node.args) - 1:]
         start = args[2] or 0

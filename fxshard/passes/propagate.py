@@ -14,7 +14,8 @@ gathered back to Replicate. Parameters get the placement their first consumer as
 
 Two refinements run until nothing changes, each propagating the graph again: a column-parallel
 weight whose output is gathered back before any row-parallel contraction uses the shard (e.g.
-K/V projections when ``tp`` exceeds the KV heads) is replicated instead; and a Partial value
+K/V projections when ``tp`` exceeds the KV heads) is replicated instead, or, in a fused
+projection, only the parts gathered are held whole (``whole_weights.py``); and a Partial value
 that one consumer needs reduced is handed reduced to all its consumers, so it is all-reduced
 once (a post-norm block: ``o = o_proj(a)`` feeds both the norm's ``pow`` and its ``mul``).
 A third does the same for a shard that an MoE routing region gathers while another consumer
@@ -28,25 +29,28 @@ After::          w_q: S(0) out S(2) -> S(2) -> S(1) ... w_o: S(1) out P -> add n
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 
 import torch
 import torch.fx as fx
 
-from ..placement import Partial, R, Replicate, Shard, StridedShard, shard_dim
+from ..placement import Partial, R, Replicate, Shard, StridedShard, shard_dim, short
 from . import PassCtx
 from .moe_routing import TAG
 from .rules import (UNDECIDED, Decision, RuleCtx, fallback, lookup, tensor_inputs,
                     warn_fallback)
 from .rules.embedding import embedding_rule
 from .rules.experts import grouped_mm_rule
-from .rules.linear import addmm_rule, linear_rule
+from .rules.linear import addmm_rule, linear_rule, matmul_rule
 from .rules.views import _permutation
+from .whole_weights import (_gathered_before_use, _list_replicated, _parts_to_keep_whole,
+                            _why_gathered)
 
 __all__ = ["propagate_pass", "input_spec"]
 
-_OWNS_WEIGHTS = (linear_rule, embedding_rule, addmm_rule, grouped_mm_rule)
+_OWNS_WEIGHTS = (linear_rule, embedding_rule, addmm_rule, grouped_mm_rule, matmul_rule)
 _WEIGHT_VIEWS = (torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
-                 torch.ops.aten.t.default)
+                 torch.ops.aten.t.default, torch.ops.aten.numpy_T.default)
 _MAX_REFINEMENTS = 8
 
 
@@ -97,7 +101,7 @@ def _weight_view(node: fx.Node, param_spec: dict) -> fx.Node | None:
 def _moved(p, dim_map):
     """``p`` with its sharded dim renamed by ``dim_map`` (a transpose/permute of the tensor)."""
     if isinstance(p, StridedShard):
-        return StridedShard(dim_map(p.dim), p.parts)
+        return replace(p, dim=dim_map(p.dim))
     if isinstance(p, Shard):
         return Shard(dim_map(p.dim))
     return p
@@ -120,12 +124,14 @@ def _place_through_views(gm: fx.GraphModule, views: dict, param_spec: dict) -> N
 
 
 def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
-              reduced: dict | None = None, gathered: dict | None = None) -> dict:
+              reduced: dict | None = None, gathered: dict | None = None,
+              whole_parts: dict | None = None) -> dict:
     mesh = ctx.mesh
     axes = [(i, a, n) for i, (a, n) in enumerate(zip(mesh.axis_names, mesh.shape)) if n > 1]
     rctx = {a: RuleCtx(axis=a, size=n, mesh=mesh, sequence_parallel=ctx.sequence_parallel,
                        embedding_style=ctx.embedding_style, user_plan=bool(ctx.plan),
-                       zigzag=a in ctx.zigzag_axes)
+                       zigzag=a in ctx.zigzag_axes,
+                       whole_parts=(whole_parts or {}) if a == "tp" else {})
             for _, a, n in axes}
     param_spec: dict[str, list] = {}
     views: dict[str, fx.Node] = {}   # weight view -> its parameter (see _weight_view)
@@ -261,6 +267,8 @@ def _column_weight(rule_fn, k: int, p) -> bool:
         return shard_dim(p) == 0
     if rule_fn is grouped_mm_rule and k == 1:
         return shard_dim(p) == 2
+    if rule_fn is matmul_rule and k == 1:
+        return shard_dim(p) == 1
     return rule_fn is addmm_rule and k == 2 and shard_dim(p) == 1
 
 
@@ -298,44 +306,16 @@ def _divides(shape, spec, ctx: PassCtx) -> bool:
     sizes = list(shape)
     for a, n, p in zip(ctx.mesh.axis_names, ctx.mesh.shape, spec):
         if n > 1 and isinstance(p, StridedShard):
-            if p.dim >= len(sizes) or shape[p.dim] != sum(p.parts) or any(k % n for k in p.parts):
+            if p.dim >= len(sizes) or shape[p.dim] != sum(p.parts) or \
+                    any(k % n for j, k in enumerate(p.parts) if j not in p.whole):
                 return False
-            sizes[p.dim] //= n
+            sizes[p.dim] = sum(p.local_parts(n)) if p.whole else sizes[p.dim] // n
         elif n > 1 and isinstance(p, Shard):
             chunks = 2 * n if a in ctx.zigzag_axes else n
             if p.dim >= len(sizes) or sizes[p.dim] % chunks:
                 return False
             sizes[p.dim] //= n
     return True
-
-
-def _gathered_before_use(node: fx.Node, tp: int, budget: int = 64) -> fx.Node | None:
-    """Some path along which ``node``'s shard on mesh axis index ``tp`` flows reaches a
-    consumer that gathers it back (needs Replicate) before a row-parallel contraction turns
-    it into a partial sum, or a fused (strided) shard reaches a consumer that wants it in any
-    other layout (no collective re-orders the parts). The model's output does not count: it is
-    gathered anyway (except a fused shard, which must not reach it)."""
-    frontier, seen = [node], {node}
-    while frontier and budget > 0:
-        cur = frontier.pop()
-        budget -= 1
-        have = cur.meta.get("fxshard_spec")
-        strided = isinstance(have, tuple) and isinstance(have[tp], StridedShard)
-        for u in cur.users:
-            if u.op == "output" and not strided:
-                continue
-            for t, nd in zip(tensor_inputs(u), u.meta.get("fxshard_need") or []):
-                if t is cur and (isinstance(nd[tp], Replicate) or strided and nd[tp] != have[tp]):
-                    return u
-            outs = u.meta.get("fxshard_spec")
-            outs = [outs] if isinstance(outs, tuple) else \
-                [g.meta.get("fxshard_spec") for g in u.users] if isinstance(outs, list) else []
-            nxt = [u] if isinstance(u.meta.get("fxshard_spec"), tuple) else list(u.users)
-            for v, out in zip(nxt, outs):
-                if isinstance(out, tuple) and shard_dim(out[tp]) is not None and v not in seen:
-                    seen.add(v)
-                    frontier.append(v)
-    return None
 
 
 def _reduced_twice(gm: fx.GraphModule) -> dict[tuple[str, int], object]:
@@ -376,40 +356,6 @@ def _gathered_for_routing(gm: fx.GraphModule, tp: int) -> set[tuple[str, int]]:
                 any(not isinstance(q, Replicate) for _, q in needs):
             out.add((node.name, tp))
     return out
-
-
-def _list_replicated(gm: fx.GraphModule, ctx: PassCtx, tp: int, why: dict) -> None:
-    """Every weight matrix left whole on ``tp``, with the reason (``explain()`` lists them);
-    under ``strict=True`` each one the user's plan did not ask for is an error."""
-    ctx.replicated.clear()
-    for node in gm.graph.nodes:
-        fqn = node.meta.get("fxshard_param")
-        val = node.meta.get("val")
-        if fqn is None or val is None or val.dim() < 2 or not node.users or \
-                not isinstance(node.meta["fxshard_spec"][tp], Replicate):
-            continue
-        if ctx.plan_for(fqn) is not None:
-            ctx.replicated.append((fqn, "plan= asks for it"))
-            continue
-        u = next(iter(node.users))
-        if ctx.embedding_style == "replicate" and all(
-                v.target is torch.ops.aten.embedding.default and v.args[0] is node
-                for v in node.users):
-            ctx.replicated.append((fqn, "embedding='replicate' asks for it"))
-            continue
-        reason = why.get(fqn, f"its consumer {u.name} ({u.target}) needs it whole")
-        if val.dim() == 3 and u.target is torch.ops.aten.index.Tensor and u.args[0] is node:
-            reason += (" (whole expert matrices picked per token, HuggingFace's "
-                       "experts_implementation='batched_mm'; the default 'grouped_mm' shards "
-                       "each expert's intermediate dim)")
-        ctx.replicated.append((fqn, reason))
-        if ctx.strict:
-            module = fqn.rpartition(".")[0]
-            raise NotImplementedError(
-                f"fxshard.parallelize(strict=True): weight {fqn} {tuple(val.shape)} stays whole "
-                f"on mesh axis 'tp' of size {ctx.mesh.axis_size('tp')} (mesh "
-                f"{ctx.mesh.describe()}): {reason}. Accept it with "
-                f"plan={{{module!r}: 'replicate'}} or drop strict=True.")
 
 
 def _moved_inside_region(gm: fx.GraphModule, ctx: PassCtx) -> set[str]:
@@ -454,12 +400,13 @@ def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     reduced: dict[tuple[str, int], object] = {}
     gathered: dict[tuple[str, int], object] = {}
     why: dict[str, str] = {}
+    whole_parts: dict[str, frozenset] = {}   # fused weight -> its parts kept whole on tp
     mesh = ctx.mesh
     tp = mesh.axis_names.index("tp") if "tp" in mesh.axis_names else None
     ctx.report("propagate_pass", changed=False, routing_regions_gathered=0, reduced_once=0,
                gathered_for_routing=0, replicated_on_tp=0, experts_split_on_tp=0)
     for _ in range(_MAX_REFINEMENTS):
-        auto_colwise = _run_once(gm, ctx, replicate, reduced, gathered)
+        auto_colwise = _run_once(gm, ctx, replicate, reduced, gathered, whole_parts)
         moved = _moved_inside_region(gm, ctx)
         if moved:
             for node in gm.graph.nodes:
@@ -483,12 +430,23 @@ def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
             gathered[name, i] = R
         users = {fqn: _gathered_before_use(lin, tp) for fqn, lin in auto_colwise.items()}
         wasted = {fqn for fqn, u in users.items() if u is not None}
-        if not wasted - replicate and not twice and not once:
+        grew = False
+        for fqn in sorted(wasted - replicate):
+            kept = _parts_to_keep_whole(auto_colwise[fqn], tp, mesh.shape[tp],
+                                        whole_parts.get(fqn, frozenset()))
+            if kept is not None:
+                whole_parts[fqn], reason = kept
+                wasted.discard(fqn)
+                grew = True
+                ctx.report("propagate_pass", changed=False, fused_parts_kept_whole=len(kept[0]))
+                ctx.partly_whole[fqn] = (
+                    f"parts {sorted(kept[0])} of "
+                    f"{short(auto_colwise[fqn].meta['fxshard_spec'][tp])} kept whole on tp, "
+                    f"the others split ({reason})")
+        if not wasted - replicate and not twice and not once and not grew:
             break
         for fqn in sorted(wasted - replicate):
-            u = users[fqn]
-            why[fqn] = (f"its column-parallel output would be gathered before use "
-                        f"(by {u.name}: {u.target})")
+            why[fqn] = _why_gathered(users[fqn], tp, mesh.shape[tp], auto_colwise[fqn])
             ctx.report("propagate_pass", changed=False, replicated_on_tp=1)
         replicate |= wasted
     if tp is not None and mesh.shape[tp] > 1:

@@ -86,6 +86,10 @@ def plan_redistribution(src: tuple, dst: tuple, mesh: MeshSpec,
     for i in sorted(undo, reverse=True):
         s, t = cur[i], dst[i]
         if isinstance(s, StridedShard):
+            if s.whole:
+                raise NotImplementedError(
+                    f"fxshard: no gather of a fused shard with parts kept whole, {src} -> {dst} "
+                    f"(propagation keeps such a projection's parts local)")
             # gather, then put the parts back in order (rank-major -> part-major); an inner
             # axis still sharding the dim is gathered first (undo runs innermost first)
             emit("fused_gather", i, (s.dim, s.parts), R)

@@ -19,7 +19,7 @@ is warned about and listed by ``explain()``; ``strict=True`` turns the fallback 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -30,7 +30,7 @@ from ...mesh import MeshSpec
 from ...placement import R
 
 __all__ = ["rule", "lookup", "Decision", "RuleCtx", "UNDECIDED", "tensor_inputs", "fallback",
-           "FallbackWarning", "token_local"]
+           "FallbackWarning", "WholeWeightWarning", "token_local"]
 
 aten = torch.ops.aten
 
@@ -47,6 +47,10 @@ UNDECIDED = _Undecided()
 
 class FallbackWarning(UserWarning):
     """An op had no sharding rule and was computed replicated."""
+
+
+class WholeWeightWarning(UserWarning):
+    """Weight matrices of repeated layers stay whole on ``tp`` (every rank holds them)."""
 
 
 @dataclass
@@ -69,6 +73,7 @@ class RuleCtx:
     embedding_style: str = "embed_dim"
     user_plan: bool = False       # the user placed some weights with plan=
     zigzag: bool = False          # shards on this axis are zigzag: 2 * size chunks
+    whole_parts: dict = field(default_factory=dict)   # fused weight FQN -> parts kept whole
 
     @property
     def chunks(self) -> int:
@@ -166,4 +171,4 @@ def _caller_level() -> int:
 
 # Import the rule families so that they register themselves.
 from . import (pointwise, views, reductions, linear, embedding, attention, factory,  # noqa: E402,F401
-               indexing, experts)
+               indexing, experts, complex)

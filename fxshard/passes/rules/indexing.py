@@ -6,9 +6,11 @@ gives ``x.shape[:a] + broadcast(idx shapes) + x.shape[b+1:]``::
     index(table: R [P, D], [pos: S(1) [B, S]])      -> S(1) [B, S, D]   (RoPE table by position)
     index(x: S(0) [B, S, D], [None, idx: R [K]])    -> S(0) [B, K, D]
 
-``gather(x, dim, idx)``, ``topk(x, k, dim)``, ``sort`` and ``repeat_interleave(x, n, dim)``
-keep a shard of any dim but ``dim``; the looked-up / sorted dim must be whole. A partial sum
-indexed by replicated indices stays partial (a Partial MoE output un-permuted by expert).
+``gather(x, dim, idx)``, ``topk(x, k, dim)`` and ``sort`` keep a shard of any dim but ``dim``;
+the looked-up / sorted dim must be whole. ``repeat_interleave(x, n, dim)`` keeps a shard of
+``dim`` too (each entry's copies stay next to it: a rank's KV heads become its query heads).
+A partial sum indexed by replicated indices stays partial (a Partial MoE output un-permuted
+by expert).
 
 The writing side (MoE routing, HF's eager experts) mirrors it: ``index_put``, ``index_add``,
 ``scatter``/``scatter_add`` keep a shard of a dim they do not write along; ``index_add`` and
@@ -34,7 +36,7 @@ def rows_like(p, n_from: int, n_to: int):
     ``[n_from]`` one (``x[T, H]`` vs the routing's ``[T * k]`` pairs), or None."""
     if isinstance(p, Shard) and p.dim == 0:
         return p
-    if isinstance(p, StridedShard) and p.dim == 0 and \
+    if isinstance(p, StridedShard) and p.dim == 0 and not p.whole and \
             all(k * n_to % n_from == 0 for k in p.parts):
         return StridedShard(0, tuple(k * n_to // n_from for k in p.parts))
     return None
@@ -113,11 +115,29 @@ def topk_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
 
 @rule(aten.repeat_interleave.self_int)
 def repeat_interleave_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``repeat_interleave(x, n, dim)`` repeats each entry of ``dim`` ``n`` times in place, so
+    a contiguous block of ``dim`` (a rank's KV heads) becomes the contiguous block of the output
+    that the same rank holds (its query heads): a shard of ``dim`` passes through too. (A
+    zigzag shard's two chunks map to the output's two chunks alike.) A shard of any other
+    dim passes; a given ``output_size`` is global and needs ``dim`` whole."""
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
     p = ins[0]
-    if dim is not None and isinstance(p, Shard) and p.dim != dim % ctx.ndim(node.args[0]):
+    if dim is None or not isinstance(p, Shard):
+        return Decision(ins=[R], out=R)
+    dim %= ctx.ndim(node.args[0])
+    sized = (node.args[3] if len(node.args) > 3 else node.kwargs.get("output_size")) is not None
+    if p.dim != dim or not sized and isinstance(node.args[1], int):
         return Decision(ins=[p], out=p)
     return Decision(ins=[R], out=R)
+
+
+@rule(aten.where.default, aten.nonzero.default, aten.argwhere.default)
+def nonzero_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``torch.where(mask)`` / ``nonzero``: the positions of the true entries, a data-dependent
+    count of global indices. A rank's shard would give positions within its own block (and its
+    own count), so the mask is gathered first and every rank computes all the positions."""
+    n = len(node.meta["val"]) if isinstance(node.meta["val"], (list, tuple)) else None
+    return Decision(ins=[R], out=[R] * n if n is not None else R)
 
 
 def _written_dim(node: fx.Node, pos: int) -> int:

@@ -17,6 +17,10 @@ share of every part and the split gives each part as a plain ``S(-1)``, with no 
     linear(x, w_qkv[128, 64]) -> slice [0:64], [64:96], [96:128]
     tp=2: w S(0|64+32+32) local [64, 64]; out S(2|64+32+32); slices local [0:32], [32:48], [48:64]
 
+Parts whose heads ``tp`` cannot split (multi-query K/V: one head) are held whole by every rank
+(``ctx.whole_parts``, decided by ``passes/whole_weights.py``): ``w S(0|64+R16+R16)`` local
+``[64, 64]``, the K/V slices come out ``R`` and the query slice ``S(-1)``.
+
 ``baddbmm(self, b1, b2)`` (ALiBi) is ``bmm`` plus ``self`` following the output's placement.
 
 ``addmm(bias[N], x[M, K], w[K, N])`` (GPT-2's ``Conv1D``, weight stored ``[in, out]``) is the
@@ -24,11 +28,16 @@ same projection with the weight transposed: column-parallel ``w S(1)``, ``bias S
 ``S(1)``; row-parallel ``x S(1)``, ``w S(0)``, ``bias P``.
 
 ``matmul``/``mm``/``bmm`` use dimension labels, einsum style: a shard on a batch or free dim
-passes through, a shard on the contracted dim of both operands gives a partial sum.
+passes through, a shard on the contracted dim of both operands gives a partial sum. A weight
+applied as ``x @ w.T`` (``w[N, K]`` transposed, then ``matmul``) is the linear again: the
+weight's placement is chosen through the transpose (``propagate``'s weight views)::
+
+    matmul(x[B, S, K], t(w[N, K]))   tp=2: w S(0), out S(2)   (x S(2): w S(1), out P)
 """
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.fx as fx
@@ -104,10 +113,12 @@ def _carries(user: fx.Node, src: fx.Node, dim: int) -> int | None:
     return e
 
 
-def fused_parts(node: fx.Node, dim: int, size: int) -> tuple[int, ...] | None:
+def fused_parts(node: fx.Node, dim: int, size: int, whole=frozenset()
+                ) -> tuple[int, ...] | None:
     """Part sizes of a fused projection: when every use of ``node``'s dim ``dim`` ends, through
     reshapes and elementwise ops, in slices/splits that cut it into the same disjoint parts
-    (each a multiple of ``size``), those parts; else None (a plain projection)."""
+    (each a multiple of ``size``, but the parts numbered in ``whole``), those parts; else None
+    (a plain projection)."""
     total = node.meta["val"].shape[dim]
     pieces: set[tuple[int, int]] = set()
     stack, budget = [(node, dim)], 64
@@ -127,7 +138,8 @@ def fused_parts(node: fx.Node, dim: int, size: int) -> tuple[int, ...] | None:
             stack.append((u, e))
     bounds = sorted({b for iv in pieces for b in iv} | {0, total})
     parts = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    if len(parts) < 2 or any(k % size for k in parts) or \
+    if len(parts) < 2 or any(k % size for j, k in enumerate(parts) if j not in whole) or \
+            len(whole) >= len(parts) or \
             any(b - a not in parts or a not in bounds for a, b in pieces) or \
             any(sum(1 for x in bounds if a < x < b) for a, b in pieces):
         return None
@@ -142,8 +154,20 @@ def fused_out(p, start: int, end: int):
         bounds.append(bounds[-1] + k)
     if start not in bounds or end not in bounds or start >= end:
         return None
-    sub = tuple(p.parts[bounds.index(start):bounds.index(end)])
-    return Shard(p.dim) if len(sub) == 1 else StridedShard(p.dim, sub)
+    first, stop = bounds.index(start), bounds.index(end)
+    sub = tuple(p.parts[first:stop])
+    whole = frozenset(j - first for j in p.whole if first <= j < stop)
+    if len(whole) == len(sub):
+        return R           # parts every rank holds whole
+    return Shard(p.dim) if len(sub) == 1 else StridedShard(p.dim, sub, whole)
+
+
+def _weight_of(n: fx.Node) -> str | None:
+    """The parameter FQN of ``n`` or of the parameter ``n`` transposes (``w.T``)."""
+    if n.op == "call_function" and n.target in (aten.t.default, aten.transpose.int,
+                                                aten.permute.default, aten.numpy_T.default):
+        n = n.args[0]
+    return n.meta.get("fxshard_param")
 
 
 def _is_param(n: fx.Node) -> bool:
@@ -165,13 +189,14 @@ def linear_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         elif isinstance(x, Shard) and x.dim == last:
             w = Shard(1)
         else:
-            parts = fused_parts(node, last, ctx.size) if not has_bias or bias_param and \
-                b is UNDECIDED else None
-            w = StridedShard(0, parts) if parts else Shard(0)
+            whole = ctx.whole_parts.get(_weight_of(tensors[1]), frozenset())
+            parts = fused_parts(node, last, ctx.size, whole) if not has_bias or bias_param \
+                and b is UNDECIDED else None
+            w = StridedShard(0, parts, whole) if parts else Shard(0)
 
     if isinstance(w, StridedShard) and w.dim == 0:     # fused column-parallel
-        need = [R, w] + ([StridedShard(0, w.parts)] if has_bias else [])
-        return Decision(ins=need, out=StridedShard(last, w.parts))
+        need = [R, w] + ([w] if has_bias else [])
+        return Decision(ins=need, out=replace(w, dim=last))
     if isinstance(w, Shard) and w.dim == 0:            # column-parallel
         need = [R, w] + ([Shard(0)] if has_bias else [])
         return Decision(ins=need, out=Shard(last))
@@ -232,10 +257,28 @@ def einsum_decision(node: fx.Node, ins: list, labels_in: list[list[str]],
 
 @rule(aten.matmul.default, aten.mm.default, aten.bmm.default)
 def matmul_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """A 2-D weight ``w[K, N]`` no earlier rule placed as the right operand (``x @ w`` or,
+    through a transpose of the parameter, ``x @ w.T``) is placed as ``linear`` places its
+    weight: on ``tp`` column-parallel ``w S(1)`` (fused parts strided), out ``S(-1)``, or
+    row-parallel ``w S(0)`` when ``x`` arrives sharded on K, out ``P``."""
     a, b = node.args[0], node.args[1]
     a_nd, b_nd, out_nd = ctx.ndim(a), ctx.ndim(b), ctx.ndim(node)
     if a_nd < 2 or b_nd < 2:
-        return Decision(ins=[R] * len(ins), out=R)
+        return Decision(ins=[R if q is UNDECIDED else q for q in ins], out=R)
+    x, w = ins
+    if w is UNDECIDED and b_nd == 2 and ctx.is_tp:
+        last = out_nd - 1
+        if isinstance(x, Shard) and x.dim == a_nd - 1:
+            return Decision(ins=[x, Shard(0)], out=P)
+        whole = ctx.whole_parts.get(_weight_of(b), frozenset())
+        parts = fused_parts(node, last, ctx.size, whole)
+        if parts:
+            return Decision(ins=[R, StridedShard(1, parts, whole)],
+                            out=StridedShard(last, parts, whole))
+        if ctx.shape(b)[1] % ctx.size == 0:
+            return Decision(ins=[R, Shard(1)], out=Shard(last))
+    if isinstance(w, StridedShard) and w.dim == b_nd - 1 and b_nd == 2:
+        return Decision(ins=[R, w], out=replace(w, dim=out_nd - 1))
     la, lb, lo = _matmul_labels(a_nd, b_nd, out_nd)
     return einsum_decision(node, [R if q is UNDECIDED else q for q in ins], [la, lb], lo, ctx)
 
@@ -280,10 +323,11 @@ def addmm_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         elif isinstance(x, Shard) and x.dim == 1:
             w = Shard(0)
         else:
-            parts = fused_parts(node, 1, ctx.size) if bias is UNDECIDED else None
-            w = StridedShard(1, parts) if parts else Shard(1)
+            whole = ctx.whole_parts.get(_weight_of(tensors[2]), frozenset())
+            parts = fused_parts(node, 1, ctx.size, whole) if bias is UNDECIDED else None
+            w = StridedShard(1, parts, whole) if parts else Shard(1)
     if isinstance(w, StridedShard) and w.dim == 1 and bias_1d:        # fused column-parallel
-        return Decision(ins=[StridedShard(0, w.parts), R, w], out=StridedShard(1, w.parts))
+        return Decision(ins=[replace(w, dim=0), R, w], out=w)
     if isinstance(w, Shard) and w.dim == 1 and bias_1d:               # column-parallel
         return Decision(ins=[Shard(0), R, w], out=Shard(1))
     if isinstance(w, Shard) and w.dim == 0 and bias_1d:               # row-parallel

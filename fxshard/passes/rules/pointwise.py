@@ -14,6 +14,8 @@ reduce-scattered to that shard (sequence parallelism's residual add).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.fx as fx
 
@@ -75,10 +77,10 @@ def pointwise_decision(node: fx.Node, ins: list, ctx: RuleCtx, tensors: list[fx.
         need = []
         for t, p in zip(tensors, ins):
             d = _aligned_dim(t, out_shape, od) if od is not None else None
-            need.append(R if d is None else StridedShard(d, strided.parts)
-                        if p in (strided, StridedShard(d, strided.parts)) else None)
+            need.append(R if d is None else replace(strided, dim=d)
+                        if p in (strided, replace(strided, dim=d)) else None)
         if od is not None and None not in need:
-            return Decision(ins=need, out=StridedShard(od, strided.parts))
+            return Decision(ins=need, out=replace(strided, dim=od))
         return Decision(ins=[R] * len(ins), out=R)
     target = None
     for t, p in zip(tensors, ins):

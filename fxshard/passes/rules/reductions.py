@@ -11,6 +11,8 @@ shard into a partial sum::
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.fx as fx
 
@@ -62,7 +64,7 @@ def reduction_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         return Decision(ins=[p], out=outs(Shard(out_dim)))
     if isinstance(p, StridedShard) and p.dim not in dims:   # flattened tokens: rows pass
         out_dim = p.dim if keep else p.dim - sum(d < p.dim for d in dims)
-        return Decision(ins=[p], out=outs(StridedShard(out_dim, p.parts)))
+        return Decision(ins=[p], out=outs(replace(p, dim=out_dim)))
     return Decision(ins=[R], out=outs(R))
 
 

@@ -18,6 +18,7 @@ or concatenating along a sharded dim needs it whole first. A fused projection's
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.fx as fx
@@ -59,11 +60,11 @@ def reshape_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         before = math.prod(in_shape[:p.dim])
         for e, n in enumerate(out_shape):
             if n == in_shape[p.dim] and math.prod(out_shape[:e]) == before:
-                return Decision(ins=[p], out=StridedShard(e, p.parts))
-        e = _unmerge_dim(in_shape, out_shape, p)
+                return Decision(ins=[p], out=replace(p, dim=e))
+        e = None if p.whole else _unmerge_dim(in_shape, out_shape, p)
         if e is not None:
             return Decision(ins=[p], out=Shard(e))
-        q = _rescale_rows(in_shape, out_shape, p)
+        q = None if p.whole else _rescale_rows(in_shape, out_shape, p)
         if q is not None:
             return Decision(ins=[p], out=q)
         return Decision(ins=[R], out=R)
@@ -155,6 +156,8 @@ def _permutation(node: fx.Node, ndim: int) -> list[int]:
     """perm[out_dim] = in_dim."""
     if node.target is aten.permute.default:
         return [_norm(d, ndim) for d in node.args[1]]
+    if node.target is aten.numpy_T.default:     # ``x.T``: every dim reversed
+        return list(range(ndim))[::-1]
     perm = list(range(ndim))
     if node.target is aten.t.default:
         d0, d1 = 0, ndim - 1
@@ -164,7 +167,7 @@ def _permutation(node: fx.Node, ndim: int) -> list[int]:
     return perm
 
 
-@rule(aten.transpose.int, aten.permute.default, aten.t.default)
+@rule(aten.transpose.int, aten.permute.default, aten.t.default, aten.numpy_T.default)
 def permute_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     p = ins[0]
     if isinstance(p, Shard):
@@ -172,7 +175,7 @@ def permute_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         return Decision(ins=[p], out=Shard(perm.index(p.dim)))
     if isinstance(p, StridedShard):
         perm = _permutation(node, ctx.ndim(node.args[0]))
-        return Decision(ins=[p], out=StridedShard(perm.index(p.dim), p.parts))
+        return Decision(ins=[p], out=replace(p, dim=perm.index(p.dim)))
     return Decision(ins=[p], out=p)
 
 
@@ -209,7 +212,7 @@ def select_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     if isinstance(p, StridedShard):
         if p.dim == dim:  # one index of a fused dim: gather the parts, then pick
             return Decision(ins=[R], out=R)
-        return Decision(ins=[p], out=StridedShard(p.dim - (p.dim > dim), p.parts))
+        return Decision(ins=[p], out=replace(p, dim=p.dim - (p.dim > dim)))
     return Decision(ins=[p], out=p)
 
 
@@ -276,3 +279,37 @@ def stack_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     if ins and all(isinstance(p, Partial) for p in ins):
         return Decision(ins=[P] * len(ins), out=P)
     return Decision(ins=[R] * len(ins), out=R)
+
+
+@rule(aten.slice_scatter.default, aten.select_scatter.default)
+def slice_scatter_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``slice_scatter(self, src, dim, start, end, step)`` (a functionalised ``x[..., a:b] = y``:
+    HF DeepSeek-V3 writes the rotary part of its query heads so) and ``select_scatter(self,
+    src, dim, index)``: a shard of another dim of ``self`` and ``src`` (same size there)
+    passes through; two partial sums give a partial sum (the write is linear in both); the
+    written dim must be whole."""
+    from . import tensor_inputs
+    tensors = tensor_inputs(node)
+    if len(tensors) != 2:
+        return Decision(ins=[R] * len(ins), out=R)
+    self_shape, src_shape = ctx.shape(tensors[0]), ctx.shape(tensors[1])
+    dim = _norm(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0),
+                len(self_shape))
+    select = node.target is aten.select_scatter.default
+
+    def src_dim(d: int) -> int | None:   # the dim of src that dim d of self maps to
+        if d == dim:
+            return None
+        sd = d - (select and d > dim)
+        return sd if src_shape[sd] == self_shape[d] else None
+
+    for p, from_src in ((ins[0], False), (ins[1], True)):
+        if not isinstance(p, Shard):
+            continue
+        d = p.dim + (select and from_src and p.dim >= dim) if from_src else p.dim
+        sd = src_dim(d)
+        if sd is not None:
+            return Decision(ins=[Shard(d), Shard(sd)], out=Shard(d))
+    if all(isinstance(p, Partial) for p in ins):
+        return Decision(ins=[P, P], out=P)
+    return Decision(ins=[R, R], out=R)
