@@ -74,8 +74,8 @@ class ParallelModule:
 
     def __call__(self, *args, **kwargs):
         c, micro = self.programs.prepare(args, kwargs)
-        out = self.executor.run(c, micro)
-        return pytree.tree_unflatten(inference_only(self.model, list(out)), c.traced.out_spec)
+        out = self.executor.run(c, micro)   # a fresh list of the flat outputs
+        return pytree.tree_unflatten(inference_only(self.model, out), c.traced.out_spec)
 
     def stage_of(self, rank: int) -> int:
         return self.spec.axis_index(rank, "pp")

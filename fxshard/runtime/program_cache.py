@@ -63,8 +63,8 @@ class Compiled:
 
 def signature(flat) -> tuple:
     """The cache key of flat inputs: each tensor's shape, dtype and device; other values' repr."""
-    return tuple((tuple(x.shape), x.dtype, x.device.type) if isinstance(x, torch.Tensor)
-                 else ("const", repr(x)) for x in flat)
+    return tuple([(tuple(x.shape), x.dtype, x.device.type) if isinstance(x, torch.Tensor)
+                  else ("const", repr(x)) for x in flat])
 
 
 def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx,
@@ -97,7 +97,9 @@ class ProgramCache:
                 ) -> tuple[Compiled, list[list]]:
         """What ``pm(*args, **kwargs)`` runs: weights synced, the signature's programs (built
         if new) with every weight loaded, and the flat inputs of each microbatch."""
-        self.sync_weights()
+        retrace = self.weights.sync()
+        if retrace is not None:
+            self.invalidate(retrace=retrace)
         c, micro = self.get(args, kwargs, generation)
         if not c.loaded:
             self.check_loaded(c)
@@ -116,20 +118,23 @@ class ProgramCache:
         inputs; no weight sync, no load check."""
         micro = self.split(args, kwargs)
         key = (generation, signature(micro[0]))
-        if key not in self._entries:
-            _, spec = pytree.tree_flatten((args, kwargs))
-            a, k = pytree.tree_unflatten(micro[0], spec)
-            try:
-                self._entries[key] = self._build(tuple(a), dict(k), generation)
-            except ValueError as e:
-                if len(micro) == 1:
-                    raise
-                raise ValueError(
-                    f"{e} [with microbatches={len(micro)} the program is traced on one "
-                    f"microbatch, 1/{len(micro)} of the batch: the shapes above are a "
-                    f"microbatch's; use fewer microbatches or a larger batch]") from e
-            if len(micro) > 1:
-                self._check_microbatch_outputs(self._entries[key], micro[0])
+        c = self._entries.get(key)
+        if c is not None:
+            self.last = c
+            return c, micro
+        _, spec = pytree.tree_flatten((args, kwargs))
+        a, k = pytree.tree_unflatten(micro[0], spec)
+        try:
+            self._entries[key] = self._build(tuple(a), dict(k), generation)
+        except ValueError as e:
+            if len(micro) == 1:
+                raise
+            raise ValueError(
+                f"{e} [with microbatches={len(micro)} the program is traced on one "
+                f"microbatch, 1/{len(micro)} of the batch: the shapes above are a "
+                f"microbatch's; use fewer microbatches or a larger batch]") from e
+        if len(micro) > 1:
+            self._check_microbatch_outputs(self._entries[key], micro[0])
         self.last = self._entries[key]
         return self.last, micro
 
