@@ -74,8 +74,8 @@ class ParallelModule:
 
     def __call__(self, *args, **kwargs):
         c, micro = self.programs.prepare(args, kwargs)
-        out = self.executor.run(c, micro)   # a fresh list of the flat outputs
-        return pytree.tree_unflatten(inference_only(self.model, out), c.traced.out_spec)
+        out = inference_only(self.model, self.executor.run(c, micro))  # a fresh flat list
+        return out[0] if c.out_leaf else pytree.tree_unflatten(out, c.traced.out_spec)
 
     def stage_of(self, rank: int) -> int:
         return self.spec.axis_index(rank, "pp")

@@ -123,8 +123,11 @@ class Executor:
         grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)  # inference only (per thread: simulated ranks are
         try:                               # threads); torch.no_grad() minus its frames
-            outs = [mod(*bind_inputs(flat, program, state or {}, i, len(micro)))
-                    for i, flat in enumerate(micro)]
+            if len(micro) == 1 and c.tensor_inputs and not program.state_inputs:
+                outs = [mod(*micro[0])]   # what bind_inputs gives here
+            else:
+                outs = [mod(*bind_inputs(flat, program, state or {}, i, len(micro)))
+                        for i, flat in enumerate(micro)]
         finally:
             torch._C._set_grad_enabled(grad)
         if stage != self.last_stage:
@@ -161,18 +164,17 @@ class Executor:
 
     def run(self, c, micro: list[list], state=None) -> list:
         """The last stage's flat outputs, on every rank; ``state(rank)`` -> that rank's state."""
-        def state_of(rank):
-            return state(rank) if state is not None else None
-
         if self.simulated:
             world = self.world if self.world is not None else self._world()
             for r in range(self.spec.world_size):
                 self.runner(c, r, micro[0])
-            results = world.run(lambda r: self.run_rank(c, r, micro, state_of(r)))
+            results = world.run(lambda r: self.run_rank(
+                c, r, micro, state(r) if state is not None else None))
             return next(r for r in results if r is not None)
         backend = self.backend()
         with use_backend(backend):
-            out = self.run_rank(c, backend.rank, micro, state_of(backend.rank))
+            out = self.run_rank(c, backend.rank, micro,
+                                state(backend.rank) if state is not None else None)
             if self.last_stage:
                 out = self.share_output(c, backend, out, len(micro))
             backend.flush()  # a failed send surfaces in this forward, not a later one

@@ -55,6 +55,9 @@ class Compiled:
     compiled: dict = field(default_factory=dict)    # stage -> CompiledStage (compile=True)
     runners: dict = field(default_factory=dict)     # rank -> (GraphModule, bound callable)
     loaded: bool = False                            # every weight slot has a value
+    # read on every call, set when the signature is built (defaults: the general path)
+    tensor_inputs: bool = False                     # every flat input is a tensor
+    out_leaf: bool = False                          # the output is one tensor, not a tree
 
     @property
     def program(self) -> Program:
@@ -133,10 +136,12 @@ class ProgramCache:
                 f"{e} [with microbatches={len(micro)} the program is traced on one "
                 f"microbatch, 1/{len(micro)} of the batch: the shapes above are a "
                 f"microbatch's; use fewer microbatches or a larger batch]") from e
+        c = self.last = self._entries[key]
         if len(micro) > 1:
-            self._check_microbatch_outputs(self._entries[key], micro[0])
-        self.last = self._entries[key]
-        return self.last, micro
+            self._check_microbatch_outputs(c, micro[0])
+        c.tensor_inputs = all(isinstance(x, torch.Tensor) for x in micro[0])
+        c.out_leaf = c.traced.out_spec.is_leaf()
+        return c, micro
 
     def check_loaded(self, c: Compiled) -> None:
         """Raise unless every weight ``c`` reads has a value; remembered once true."""
@@ -145,7 +150,8 @@ class ProgramCache:
 
     def split(self, args: tuple, kwargs: dict) -> list[list]:
         """The flat inputs of each microbatch (the batch is dim 0 of every tensor input)."""
-        if not kwargs and all(isinstance(x, torch.Tensor) for x in args):
+        if not kwargs and (len(args) == 1 and isinstance(args[0], torch.Tensor)
+                           or all(isinstance(x, torch.Tensor) for x in args)):
             flat = list(args)   # what tree_flatten gives, without its ~15 us per call
         else:
             flat, _ = pytree.tree_flatten((args, kwargs))
