@@ -160,7 +160,6 @@ def test_wrapper_python_calls_are_few_and_do_not_grow_with_the_model(tmp_path):
         assert big["tensors"] == 3 * small["tensors"]
         for case in (small, big):
             assert case["err"] < 1e-5, case
-            print(f"rank {rank}: {case}")
             assert case["wrapper"] <= WRAPPER_CALLS_BUDGET, (
                 f"rank {rank}: pm(x) makes {case['wrapper']:.0f} Python calls besides its "
                 f"rank program (budget {WRAPPER_CALLS_BUDGET}): {case}")
