@@ -22,16 +22,18 @@ Every variant's output is checked against the single-device model first (``max |
 ``--rounds`` rounds of ``--iters`` forwards each, variants interleaved round by round, a barrier
 before each block, under ``torch.no_grad()``, after ``--warmup``. A sample is the slower rank's
 wall time for that forward. Columns: ``median ms`` / ``p10`` / ``p90`` over all samples, ``vs
-megatron`` (ratio of the medians), ``rounds min / med / max`` (the spread of the per-round
+megatron`` (ratio of the medians), ``rounds p10 / med / p90`` (the spread of the per-round
 ratio: that round's median over Megatron's median of the same round), ``CPU ms`` (median
 thread CPU time of rank 0's main thread per forward: compute, Python and dispatch, not the time
-blocked on the peer).
+blocked on the peer). ``--profile N``: afterwards, N calls each of fxshard and Megatron under
+cProfile (CPU time) on rank 0: Python calls and CPU per call, the top entries by own time.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -41,7 +43,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (MegatronBlocks, add_model_args, dtensor_tp,  # noqa: E402
-                               environment, format_table, interleaved, launch, reproduce,
+                               environment, format_table, interleaved, launch, percentile,
+                               reproduce,
                                slowest_rank, stats_ms, tutorial_blocks, write_json)
 
 TP = 2
@@ -64,11 +67,42 @@ def worker(rank: int, args) -> dict:
         errors = {name: (fn() - want).abs().max().item() for name, fn in variants.items()}
         t = interleaved(variants, args.rounds, calls=args.iters, warmup=args.warmup,
                         before=dist.barrier)
+        profiles = {name: profile_calls(variants[name], args.profile, rank == 0,
+                                        args.profile_top)
+                    for name in ("fxshard", BASELINE)} if args.profile else {}
     pm.close()
     n = args.iters
     return {"rounds": {k: [v["wall"][i:i + n] for i in range(0, len(v["wall"]), n)]
                        for k, v in t.items()},
-            "cpu": {k: v["cpu"] for k, v in t.items()}, "errors": errors}
+            "cpu": {k: v["cpu"] for k, v in t.items()}, "errors": errors,
+            "profiles": profiles}
+
+
+def profile_calls(fn, calls: int, profiled: bool, top: int) -> str | None:
+    """``calls`` calls of ``fn`` after a barrier, under cProfile where ``profiled`` (rank 0;
+    the other ranks make the same calls unprofiled, so the collectives pair up): the Python
+    calls and CPU time per call, and the top ``top`` entries by own time."""
+    import cProfile
+    import io
+    import pstats
+    dist.barrier()
+    if not profiled:
+        for _ in range(calls):
+            fn()
+        return None
+    prof = cProfile.Profile(time.thread_time)   # CPU time: waits on the peer don't count
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    text = io.StringIO()
+    stats.stream = text
+    print(f"{stats.total_calls / calls:.0f} Python function calls and "
+          f"{stats.total_tt / calls * 1e6:.0f} us CPU per call (profiled, {calls} calls)",
+          file=text)
+    stats.sort_stats("tottime").print_stats(top)
+    return text.getvalue()
 
 
 def main() -> None:
@@ -79,6 +113,10 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10, help="forwards per variant per round")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--profile", type=int, default=0, metavar="CALLS",
+                    help="after the timing, profile CALLS calls of fxshard and of megatron on "
+                         "rank 0 (cProfile, CPU time) and print the top entries")
+    ap.add_argument("--profile-top", type=int, default=25, help="entries printed per profile")
     ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "per_call.json"))
     args = ap.parse_args()
     env = environment(ranks=TP, backend="gloo", dtype="float32")
@@ -97,8 +135,10 @@ def main() -> None:
     rows = []
     for name, r in results.items():
         q = r["round_ratios"]
+        r["round_ratio_p10_median_p90"] = [percentile(q, 0.1), statistics.median(q),
+                                           percentile(q, 0.9)]
         rows.append([name, r["median_ms"], r["p10_ms"], r["p90_ms"], r["median_ms"] / base,
-                     f"{min(q):.2f} / {statistics.median(q):.2f} / {max(q):.2f}",
+                     " / ".join(f"{v:.2f}" for v in r["round_ratio_p10_median_p90"]),
                      r["cpu_ms_rank0"], r["max_abs_err"]])
     print(__doc__.split("\n\n")[0])
     print()
@@ -112,11 +152,15 @@ def main() -> None:
     print()
     print(format_table([("variant", "<9"), ("median ms", ">9.3f"), ("p10", ">7.3f"),
                         ("p90", ">7.3f"), ("vs megatron", ">11.3f"),
-                        ("rounds min / med / max", ">22"), ("CPU ms", ">7.3f"),
+                        ("rounds p10 / med / p90", ">22"), ("CPU ms", ">7.3f"),
                         ("max |err|", ">9.2e")], rows))
     ratio = results["fxshard"]["median_ms"] / base
     print(f"\ntarget: fxshard / megatron = {ratio:.3f} (<= 1.05: "
           f"{'met' if ratio <= 1.05 else 'NOT met'})")
+    q = results["fxshard"]["round_ratio_p10_median_p90"]
+    print(f"per-round fxshard / megatron: p10 {q[0]:.3f}, median {q[1]:.3f}, p90 {q[2]:.3f}")
+    for name, text in gathered[0]["profiles"].items():
+        print(f"\nprofile of rank 0, {name}:\n{text}")
     bad = [n for n, r in results.items() if not r["max_abs_err"] < 1e-4]
     if bad:
         print(f"CORRECTNESS: max abs error >= 1e-4 for: {', '.join(bad)}")

@@ -76,10 +76,10 @@ class ParallelModule:
     def __call__(self, *args, **kwargs):
         c, micro = self.programs.prepare(args, kwargs)
         try:
-            out = self.executor.run(c, micro)
+            out = inference_only(self.model, self.executor.run(c, micro))  # a fresh flat list
         except IndexError as e:  # name the token id and the vocabulary, not "out of range"
             raise out_of_vocabulary(self.model, c.traced, args, kwargs, e, where=_WHERE)
-        return pytree.tree_unflatten(inference_only(self.model, list(out)), c.traced.out_spec)
+        return out[0] if c.out_leaf else pytree.tree_unflatten(out, c.traced.out_spec)
 
     def stage_of(self, rank: int) -> int:
         return self.spec.axis_index(rank, "pp")

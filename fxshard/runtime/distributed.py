@@ -63,6 +63,7 @@ class DistributedBackend:
         self.rank = self.mesh.rank_of(self.coords)
         self.global_rank = dist.get_rank()
         self._groups = {axis: device_mesh.get_group(axis) for axis in self.mesh.axis_names}
+        self._sizes = dict(zip(self.mesh.axis_names, self.mesh.shape))  # read by every op
         for axis, group in self._groups.items():
             self._check_group_order(axis, group)
         self._pending: list[tuple[dist.Work, torch.Tensor, str, int]] = []
@@ -96,7 +97,7 @@ class DistributedBackend:
         return self.coords[self.mesh.axis_names.index(axis)]
 
     def axis_size(self, axis: str) -> int:
-        return self.mesh.axis_size(axis)
+        return self._sizes.get(axis, 1)
 
     def _group(self, op: str, axis: str) -> dist.ProcessGroup:
         group = self._groups.get(axis)
@@ -115,13 +116,16 @@ class DistributedBackend:
         try:
             return fn()
         except Exception as exc:
-            raise RuntimeError(
-                f"torch.ops.fxshard.{op} on mesh axis {axis!r}{detail} failed on rank "
-                f"{self.rank} {self._where()}: {type(exc).__name__}: {exc}. A rank of the "
-                f"{axis!r} group probably exited, crashed, skipped this call or took longer "
-                f"than the timeout of the axis's process group ({self._timeout(axis)}); check "
-                f"that rank's log."
-            ) from exc
+            raise self._failed(op, axis, exc, detail) from exc
+
+    def _failed(self, op: str, axis: str, exc: Exception, detail: str = "") -> RuntimeError:
+        """The error for a failed torch.distributed call (raise it ``from exc``)."""
+        return RuntimeError(
+            f"torch.ops.fxshard.{op} on mesh axis {axis!r}{detail} failed on rank "
+            f"{self.rank} {self._where()}: {type(exc).__name__}: {exc}. A rank of the "
+            f"{axis!r} group probably exited, crashed, skipped this call or took longer "
+            f"than the timeout of the axis's process group ({self._timeout(axis)}); check "
+            f"that rank's log.")
 
     # --- collectives ------------------------------------------------------------------------
 
@@ -144,23 +148,20 @@ class DistributedBackend:
         return self._call("all_gather", axis, run)
 
     def all_reduce(self, x: torch.Tensor, axis: str) -> torch.Tensor:
-        group = self._group("all_reduce", axis)
-
-        def run() -> torch.Tensor:
-            out = x.contiguous().clone()
-            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-            return out
-        return self._call("all_reduce", axis, run)
+        return self.all_reduce_(x.contiguous().clone(), axis)
 
     def all_reduce_(self, x: torch.Tensor, axis: str) -> torch.Tensor:
         """Sum into ``x`` itself (contiguous, referenced by nobody else: see
-        ``fxshard.ops.collectives.all_reduce_consuming``) and return it."""
-        group = self._group("all_reduce", axis)
-
-        def run() -> torch.Tensor:
+        ``fxshard.ops.collectives.all_reduce_consuming``) and return it. The most frequent
+        op of a tensor-parallel step: no closure, no frame beyond torch's own."""
+        group = self._groups.get(axis)
+        if group is None:
+            self._group("all_reduce", axis)   # raises: not an axis of this mesh
+        try:
             dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
-            return x
-        return self._call("all_reduce", axis, run)
+        except Exception as exc:
+            raise self._failed("all_reduce", axis, exc) from exc
+        return x
 
     def reduce_scatter(self, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
         group = self._group("reduce_scatter", axis)

@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from ..mesh import MeshSpec, is_simulated
 from ..passes.emit import Program, build_rank_module
+from .context import use_backend
 from .weight_store import WeightStore
 
 __all__ = ["Executor", "bind_inputs"]
@@ -47,16 +48,31 @@ class Executor:
         self.device = torch.device(spec.device_type)
         self.world = None        # the simulated mesh's threads, started at the first run
         self.kv_caches = None    # the last generate's caches (fxshard.generation.cache.Caches)
+        # fixed by the mesh, read on every call: worked out once
+        self.simulated = is_simulated(mesh)
+        self.last_stage = spec.axis_size("pp") - 1
+        self._stages: dict[int, int] = {}
+        self._backend_for = None  # fxshard.runtime.distributed.backend_for, on a real mesh
 
     def stage_of(self, rank: int) -> int:
-        return self.spec.axis_index(rank, "pp")
+        stage = self._stages.get(rank)
+        if stage is None:
+            stage = self._stages[rank] = self.spec.axis_index(rank, "pp")
+        return stage
+
+    def backend(self):
+        """This process's :class:`~fxshard.runtime.distributed.DistributedBackend` (real mesh;
+        made again after ``close`` released it)."""
+        if self._backend_for is None:
+            from .distributed import backend_for   # torch.distributed only where it is used
+            self._backend_for = backend_for
+        return self._backend_for(self.mesh)
 
     def ranks(self) -> list[int]:
         """The ranks this process runs: every rank of a simulated mesh, else its own."""
-        if is_simulated(self.mesh):
+        if self.simulated:
             return list(range(self.spec.world_size))
-        from .distributed import backend_for
-        return [backend_for(self.mesh).rank]
+        return [self.backend().rank]
 
     # -- binding ---------------------------------------------------------------------
     def module(self, c, rank: int) -> fx.GraphModule:
@@ -70,6 +86,9 @@ class Executor:
         """What rank ``rank`` calls for ``c``: its stage's program bound to its weights (with
         ``compile=True`` compiled once per stage, here, in the calling thread, on the example
         inputs ``flat``: call it for every rank before the ranks run)."""
+        built = c.runners.get(rank)
+        if built is not None and c.modules.get(rank) is built[0]:
+            return built[1]    # every call after the first
         mod = self.module(c, rank)
         built = c.runners.get(rank)
         if built is None or built[0] is not mod:
@@ -86,7 +105,7 @@ class Executor:
                     c.compiled[stage] = compile_stage(
                         c.programs[stage], mod,
                         [x for x in flat if isinstance(x, torch.Tensor)] + state,
-                        groups=None if is_simulated(self.mesh) else {
+                        groups=None if self.simulated else {
                             axis: self.mesh.get_group(axis).group_name
                             for axis in self.mesh.mesh_dim_names})
                 fn = c.compiled[stage]
@@ -101,13 +120,20 @@ class Executor:
         mod = self.runner(c, rank, micro[0])
         stage = self.stage_of(rank)
         program = c.programs[stage]
-        with torch.no_grad():  # inference only (per thread: simulated ranks are threads)
-            outs = [mod(*bind_inputs(flat, program, state or {}, i, len(micro)))
-                    for i, flat in enumerate(micro)]
-        if stage != self.spec.axis_size("pp") - 1:
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # inference only (per thread: simulated ranks are
+        try:                               # threads); torch.no_grad() minus its frames
+            if len(micro) == 1 and c.tensor_inputs and not program.state_inputs:
+                outs = [mod(*micro[0])]   # what bind_inputs gives here
+            else:
+                outs = [mod(*bind_inputs(flat, program, state or {}, i, len(micro)))
+                        for i, flat in enumerate(micro)]
+        finally:
+            torch._C._set_grad_enabled(grad)
+        if stage != self.last_stage:
             return None
         if len(outs) == 1:
-            return list(outs[0])
+            return outs[0] if isinstance(outs[0], list) else list(outs[0])
         return [torch.cat(parts) if isinstance(parts[0], torch.Tensor) else parts[0]
                 for parts in zip(*outs)]
 
@@ -138,21 +164,19 @@ class Executor:
 
     def run(self, c, micro: list[list], state=None) -> list:
         """The last stage's flat outputs, on every rank; ``state(rank)`` -> that rank's state."""
-        def state_of(rank):
-            return state(rank) if state is not None else None
-
-        if is_simulated(self.mesh):
+        if self.simulated:
             world = self.world if self.world is not None else self._world()
             for r in range(self.spec.world_size):
                 self.runner(c, r, micro[0])
-            results = world.run(lambda r: self.run_rank(c, r, micro, state_of(r)))
+            results = world.run(lambda r: self.run_rank(
+                c, r, micro, state(r) if state is not None else None))
             return next(r for r in results if r is not None)
-        from .context import use_backend
-        from .distributed import backend_for
-        backend = backend_for(self.mesh)
+        backend = self.backend()
         with use_backend(backend):
-            out = self.run_rank(c, backend.rank, micro, state_of(backend.rank))
-            out = self.share_output(c, backend, out, len(micro))
+            out = self.run_rank(c, backend.rank, micro,
+                                state(backend.rank) if state is not None else None)
+            if self.last_stage:
+                out = self.share_output(c, backend, out, len(micro))
             backend.flush()  # a failed send surfaces in this forward, not a later one
         return out
 
@@ -164,11 +188,9 @@ class Executor:
         for c, flat in bind:
             for r in ranks:
                 self.runner(c, r, flat)
-        if is_simulated(self.mesh):
+        if self.simulated:
             return self._world().run(driver)
-        from .context import use_backend
-        from .distributed import backend_for
-        backend = backend_for(self.mesh)
+        backend = self.backend()
         with use_backend(backend):
             out = driver(backend.rank)
             backend.flush()   # a failed send surfaces here, not in a later forward

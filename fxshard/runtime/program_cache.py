@@ -56,6 +56,9 @@ class Compiled:
     compiled: dict = field(default_factory=dict)    # stage -> CompiledStage (compile=True)
     runners: dict = field(default_factory=dict)     # rank -> (GraphModule, bound callable)
     loaded: bool = False                            # every weight slot has a value
+    # read on every call, set when the signature is built (defaults: the general path)
+    tensor_inputs: bool = False                     # every flat input is a tensor
+    out_leaf: bool = False                          # the output is one tensor, not a tree
 
     @property
     def program(self) -> Program:
@@ -64,8 +67,8 @@ class Compiled:
 
 def signature(flat) -> tuple:
     """The cache key of flat inputs: each tensor's shape, dtype and device; other values' repr."""
-    return tuple((tuple(x.shape), x.dtype, x.device.type) if isinstance(x, torch.Tensor)
-                 else ("const", repr(x)) for x in flat)
+    return tuple([(tuple(x.shape), x.dtype, x.device.type) if isinstance(x, torch.Tensor)
+                  else ("const", repr(x)) for x in flat])
 
 
 def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx,
@@ -100,7 +103,9 @@ class ProgramCache:
                 ) -> tuple[Compiled, list[list]]:
         """What ``pm(*args, **kwargs)`` runs: weights synced, the signature's programs (built
         if new) with every weight loaded, and the flat inputs of each microbatch."""
-        self.sync_weights()
+        retrace = self.weights.sync()
+        if retrace is not None:
+            self.invalidate(retrace=retrace)
         c, micro = self.get(args, kwargs, generation)
         if not c.loaded:
             self.check_loaded(c)
@@ -119,23 +124,28 @@ class ProgramCache:
         inputs; no weight sync, no load check."""
         micro = self.split(args, kwargs)
         key = (generation, signature(micro[0]))
-        if key not in self._entries:
-            agree(self.mesh, self.agreed, _WHERE, {"generation": generation, "inputs": micro[0]})
-            _, spec = pytree.tree_flatten((args, kwargs))
-            a, k = pytree.tree_unflatten(micro[0], spec)
-            try:
-                self._entries[key] = self._build(tuple(a), dict(k), generation)
-            except ValueError as e:
-                if len(micro) == 1:
-                    raise
-                raise ValueError(
-                    f"{e} [with microbatches={len(micro)} the program is traced on one "
-                    f"microbatch, 1/{len(micro)} of the batch: the shapes above are a "
-                    f"microbatch's; use fewer microbatches or a larger batch]") from e
-            if len(micro) > 1:
-                self._check_microbatch_outputs(self._entries[key], micro[0])
-        self.last = self._entries[key]
-        return self.last, micro
+        c = self._entries.get(key)
+        if c is not None:
+            self.last = c
+            return c, micro
+        agree(self.mesh, self.agreed, _WHERE, {"generation": generation, "inputs": micro[0]})
+        _, spec = pytree.tree_flatten((args, kwargs))
+        a, k = pytree.tree_unflatten(micro[0], spec)
+        try:
+            self._entries[key] = self._build(tuple(a), dict(k), generation)
+        except ValueError as e:
+            if len(micro) == 1:
+                raise
+            raise ValueError(
+                f"{e} [with microbatches={len(micro)} the program is traced on one "
+                f"microbatch, 1/{len(micro)} of the batch: the shapes above are a "
+                f"microbatch's; use fewer microbatches or a larger batch]") from e
+        c = self.last = self._entries[key]
+        if len(micro) > 1:
+            self._check_microbatch_outputs(c, micro[0])
+        c.tensor_inputs = all(isinstance(x, torch.Tensor) for x in micro[0])
+        c.out_leaf = c.traced.out_spec.is_leaf()
+        return c, micro
 
     def check_loaded(self, c: Compiled) -> None:
         """Raise unless every weight ``c`` reads has a value; remembered once true."""
@@ -144,7 +154,8 @@ class ProgramCache:
 
     def split(self, args: tuple, kwargs: dict) -> list[list]:
         """The flat inputs of each microbatch (the batch is dim 0 of every tensor input)."""
-        if not kwargs and all(isinstance(x, torch.Tensor) for x in args):
+        if not kwargs and (len(args) == 1 and isinstance(args[0], torch.Tensor)
+                           or all(isinstance(x, torch.Tensor) for x in args)):
             flat = list(args)   # what tree_flatten gives, without its ~15 us per call
         else:
             flat, _ = pytree.tree_flatten((args, kwargs))

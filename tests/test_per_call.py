@@ -1,0 +1,166 @@
+"""What ``pm(x)`` costs besides the rank program: the weight watch and the wrapper (issue 22.7).
+
+1. ``WeightWatch.changed`` reports every kind of change the README promises (in place,
+   ``load_state_dict``, a new Parameter, ``p.data = t``, ``model.double()``, a buffer, a slot
+   set to None and back) and nothing when nothing changed.
+2. On a real 2-rank gloo mesh, the Python calls ``pm(x)`` makes besides its rank program
+   (counted by cProfile: deterministic, unlike timings) stay within a small fixed budget and do
+   not grow with the number of weight tensors (1 vs 3 blocks).
+"""
+import datetime
+import json
+import os
+import traceback
+
+import pytest
+import torch
+import torch.nn as nn
+
+from fxshard.runtime.weight_store import WeightWatch
+from tests.launch import launch
+from tests.models import TransformerBlock
+
+LAUNCH_TIMEOUT_S = 240
+WRAPPER_CALLS_BUDGET = 40   # 34 today, builtins included (95 before the per-call path was trimmed)
+
+
+class _WithBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("scale", torch.ones(3))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def _edit(model: _WithBuffer, kind: str) -> set:
+    """Apply one kind of change; return the FQNs the watch must report."""
+    lin = model.lin
+    if kind == "in_place":
+        with torch.no_grad():
+            lin.weight.add_(1.0)
+        return {"lin.weight"}
+    if kind == "load_state_dict":
+        sd = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+        model.load_state_dict(sd)
+        return {"lin.weight", "lin.bias", "scale"}
+    if kind == "new_parameter":
+        lin.bias = nn.Parameter(torch.randn(3))
+        return {"lin.bias"}
+    if kind == "data":
+        lin.weight.data = torch.randn(3, 4)
+        return {"lin.weight"}
+    if kind == "double":
+        model.double()
+        return {"lin.weight", "lin.bias", "scale"}
+    if kind == "buffer":
+        model.scale.mul_(2.0)
+        return {"scale"}
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["in_place", "load_state_dict", "new_parameter", "data",
+                                  "double", "buffer"])
+def test_weight_watch_reports_each_change_once(kind):
+    model = _WithBuffer()
+    watch = WeightWatch(model)
+    assert watch.changed() == {}
+    want = _edit(model, kind)
+    got = watch.changed()
+    assert set(got) == want
+    for fqn in want:
+        assert got[fqn] is model.get_parameter(fqn) if fqn.startswith("lin") else \
+            got[fqn] is model.get_buffer(fqn)
+    assert watch.changed() == {}          # seen: not reported again
+    _edit(model, "in_place")              # and the next change is still seen
+    assert set(watch.changed()) == {"lin.weight"}
+
+
+def test_weight_watch_slot_set_to_none_and_back():
+    model = _WithBuffer()
+    watch = WeightWatch(model)
+    model.lin.bias = None
+    assert watch.changed() == {"lin.bias": None}
+    assert watch.changed() == {}
+    with torch.no_grad():
+        model.lin.weight.mul_(3.0)        # the general path (a slot holds None) sees it too
+    assert set(watch.changed()) == {"lin.weight"}
+    model.lin.bias = nn.Parameter(torch.zeros(3))
+    assert set(watch.changed()) == {"lin.bias"}
+    assert watch.changed() == {}
+
+
+# --- the wrapper's Python calls on a real mesh --------------------------------------------
+
+def _calls_per_call(fn, n: int = 10) -> float:
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    return pstats.Stats(prof).total_calls / n
+
+
+def _cases(rank: int, report: dict) -> None:
+    import fxshard
+    from fxshard.runtime.context import use_backend
+    from fxshard.runtime.distributed import backend_for
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    for layers in (1, 3):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[TransformerBlock(32, 2) for _ in range(layers)])
+        x = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(1))
+        pm = fxshard.parallelize(model, mesh, example_inputs=(x,))
+        err = (pm(x) - model(x)).abs().max().item()
+        c = pm.programs.last
+        backend = backend_for(mesh)
+        direct = pm.executor.runner(c, backend.rank, [x])
+
+        def program_only():
+            with use_backend(backend):
+                direct(x)
+        total = _calls_per_call(lambda: pm(x))
+        inner = _calls_per_call(program_only)
+        report["cases"].append({"layers": layers, "tensors": len(pm.weights.watch),
+                                "err": err, "total": total, "program": inner,
+                                "wrapper": total - inner})
+        pm.close()
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    report = {"rank": rank, "cases": [], "errors": []}
+    log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    try:
+        import warnings
+        warnings.simplefilter("ignore")
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=2, timeout=datetime.timedelta(seconds=120))
+        with torch.no_grad():
+            _cases(rank, report)
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the test process
+        report["errors"].append(traceback.format_exc())
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    os._exit(0)
+
+
+def test_wrapper_python_calls_are_few_and_do_not_grow_with_the_model(tmp_path):
+    reports = launch(_worker, 2, str(tmp_path), timeout_s=LAUNCH_TIMEOUT_S)
+    for rank, report in reports.items():
+        assert not report["errors"], f"rank {rank}: {report['errors']}"
+        small, big = report["cases"]
+        assert big["tensors"] == 3 * small["tensors"]
+        for case in (small, big):
+            assert case["err"] < 1e-5, case
+            assert case["wrapper"] <= WRAPPER_CALLS_BUDGET, (
+                f"rank {rank}: pm(x) makes {case['wrapper']:.0f} Python calls besides its "
+                f"rank program (budget {WRAPPER_CALLS_BUDGET}): {case}")
+        assert big["wrapper"] == small["wrapper"], (small, big)
