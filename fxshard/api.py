@@ -72,14 +72,92 @@ class ParallelModule:
         self.weights = WeightStore(model, self.spec)
         self.programs = ProgramCache(model, mesh, self.spec, self.options, self.weights)
         self.executor = Executor(mesh, self.spec, self.options, self.weights)
+        self._trainer = None
+        self._example = None     # (args, kwargs) of parallelize(example_inputs=...)
 
     def __call__(self, *args, **kwargs):
+        if torch.is_grad_enabled() and self._requires_grad():
+            self.programs.sync_weights()    # a model change after training started: error
+            return self.trainer(*args, **kwargs)
         c, micro = self.programs.prepare(args, kwargs)
         try:
             out = self.executor.run(c, micro)
         except IndexError as e:  # name the token id and the vocabulary, not "out of range"
             raise out_of_vocabulary(self.model, c.traced, args, kwargs, e, where=_WHERE)
         return pytree.tree_unflatten(inference_only(self.model, list(out)), c.traced.out_spec)
+
+    def _requires_grad(self) -> bool:
+        return any(p.requires_grad for p in self.model.parameters())
+
+    # -- training ----------------------------------------------------------------------
+    @property
+    def trainer(self):
+        """The :class:`fxshard.training.TrainModule` behind ``pm(x)`` with grad enabled: its
+        programs live in ``pm.programs`` (keyed ``("train", signature)``), its ranks run on
+        ``pm.executor``, and its shards become ``pm.weights``' values once placed."""
+        if self._trainer is None:
+            from .training.module import TrainModule, check_trainable
+            check_trainable(_WHERE, self.spec, self.options)
+            o = self.options
+            self._trainer = TrainModule(self.model, self.mesh,
+                                        sequence_parallel=o.sequence_parallel, plan=o.plan,
+                                        embedding=o.embedding, strict=o.strict,
+                                        store=self.weights, executor=self.executor,
+                                        cache=self.programs)
+        return self._trainer
+
+    def _trained(self, what: str):
+        """The trainer, its shards placed (on ``example_inputs`` if no call placed them)."""
+        tm = self.trainer
+        if tm._last is None and self._example is not None:
+            self.programs.sync_weights()
+            tm._program(*self._example)
+        if tm._last is None:
+            raise ValueError(f"ParallelModule.{what}: no training program yet; call pm(x) "
+                             f"once with grad enabled, or pass example_inputs= to "
+                             f"fxshard.parallelize")
+        return tm
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The parameter shards ``loss.backward()`` fills and an optimizer steps: every rank's
+        (simulated mesh, rank-major) or this process's rank's (real mesh)."""
+        return self._trained("parameters").parameters()
+
+    def shards(self, rank: int) -> dict:
+        """Rank ``rank``'s parameter shards by the model's names."""
+        return self._trained("shards").shards(rank)
+
+    def gradients(self) -> dict:
+        """Full gradients by the model's parameter names, assembled from the shards."""
+        return self._trained("gradients").gradients()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.parameters():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def state_dict(self) -> dict:
+        """The full state dict by the model's names: the trained parameters once training
+        started (assembled from the shards), the model's (or loaded) weights before."""
+        from .placement import R
+        out = {}
+        for k in self.weights.expected:
+            v = self.weights.values.get(k)
+            out[k] = v.block((R,) * len(self.spec.shape), self.spec, 0) \
+                if hasattr(v, "block") and not hasattr(v, "stale") else v
+        if self.weights.trained is not None:
+            out.update({k: v for k, v in self.weights.trained.state_dict().items()
+                        if k in out})
+        return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+
+    def write_back(self) -> None:
+        """Copy the trained weights into the model object (which otherwise keeps its initial
+        ones): ``model.load_state_dict(pm.state_dict())``, seen as fxshard's own change."""
+        with torch.no_grad():
+            self.model.load_state_dict(self.state_dict())
+        self.weights.watch.changed()
 
     def stage_of(self, rank: int) -> int:
         return self.spec.axis_index(rank, "pp")
@@ -101,8 +179,11 @@ class ParallelModule:
                         generator=generator)
 
     # -- inspection --------------------------------------------------------------------
-    def rank_module(self, rank: int) -> fx.GraphModule:
-        """The GraphModule rank ``rank`` runs for the most recent input signature."""
+    def rank_module(self, rank: int, which: str | None = None) -> fx.GraphModule:
+        """The GraphModule rank ``rank`` runs for the most recent input signature; ``which``
+        ``"forward"`` or ``"backward"``: the training programs (``pm(x)`` with grad)."""
+        if which is not None or self.programs.last_mode == "train":
+            return self._trained("rank_module").rank_module(rank, which or "forward")
         c = self.programs.require_last("rank_module")
         self.spec.coords(rank)
         self.programs.sync_weights()
@@ -110,6 +191,9 @@ class ParallelModule:
 
     def explain(self):
         from .explain import explain
+        if self.programs.last_mode == "train":
+            from .explain import explain_training
+            return explain_training(self, self._trained("explain"))
         return explain(self, self.programs.require_last("explain"))
 
     # -- weights -----------------------------------------------------------------------
@@ -124,7 +208,8 @@ class ParallelModule:
         """Load the unsharded model's state dict; each rank keeps only its slices.
 
         Every key of ``model.state_dict()`` is required; the model's non-persistent buffers
-        (in no checkpoint) may be given too, by name."""
+        (in no checkpoint) may be given too, by name. Once training started it copies into
+        the trained shards in place (an optimizer over ``pm.parameters()`` keeps working)."""
         retrace = self.weights.load(state_dict)
         self.programs.invalidate(retrace=retrace)
 
@@ -187,5 +272,6 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
                         stages=stages, ring_zigzag=ring_zigzag, compile=compile)
     pm.unmatched_plan = unmatched    # globs that matched no module (warned; in explain())
     if example_inputs is not None or example_kwargs is not None:
+        pm._example = (tuple(example_inputs or ()), dict(example_kwargs or {}))
         pm.programs.get(tuple(example_inputs or ()), dict(example_kwargs or {}))
     return pm

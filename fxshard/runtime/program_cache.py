@@ -87,6 +87,9 @@ class ProgramCache:
         self.agreed: set = set()   # call signatures the ranks agreed on (real mesh)
         self._entries: dict[tuple, Compiled] = {}
         self.last: Compiled | None = None
+        # ("train", signature) -> fxshard.training.program.TrainProgram (grad enabled)
+        self.training: dict[tuple, object] = {}
+        self.last_mode = None      # "train" | "infer": what the latest call ran
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -135,7 +138,19 @@ class ProgramCache:
             if len(micro) > 1:
                 self._check_microbatch_outputs(self._entries[key], micro[0])
         self.last = self._entries[key]
+        self.last_mode = "infer"
         return self.last, micro
+
+    def train_program(self, args: tuple, kwargs: dict, build):
+        """The training program of this signature (``build(args, kwargs)`` on first use):
+        forward and backward rank programs (:mod:`fxshard.training`)."""
+        flat = pytree.tree_flatten((args, kwargs))[0]
+        key = ("train", signature(flat))
+        if key not in self.training:
+            agree(self.mesh, self.agreed, _WHERE, {"generation": "train", "inputs": flat})
+            self.training[key] = build(args, kwargs)
+        self.last_mode = "train"
+        return self.training[key]
 
     def check_loaded(self, c: Compiled) -> None:
         """Raise unless every weight ``c`` reads has a value; remembered once true."""
@@ -191,6 +206,7 @@ class ProgramCache:
         program (traced again at the next call; ``last`` shows the old one till then)."""
         if retrace:
             self._entries.clear()
+            self.training.clear()
         for c in self._entries.values():
             c.modules.clear()
             c.runners.clear()

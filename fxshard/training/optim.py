@@ -17,8 +17,10 @@ __all__ = ["clip_grad_norm_"]
 
 
 def clip_grad_norm_(tm, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip the gradients of ``tm`` (a :class:`~fxshard.training.TrainModule`) to the global
-    norm ``max_norm``; returns the norm before clipping (as ``torch.nn.utils``)."""
+    """Clip the gradients of ``tm`` (a :class:`fxshard.ParallelModule` or a
+    :class:`~fxshard.training.TrainModule`) to the global norm ``max_norm``; returns the norm
+    before clipping (as ``torch.nn.utils``)."""
+    tm = getattr(tm, "trainer", tm)
     grads = [g for g in tm.gradients().values() if g is not None]
     if not grads:
         return torch.zeros((), device=torch.device(tm.spec.device_type))
