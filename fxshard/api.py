@@ -97,7 +97,9 @@ class ParallelModule:
         ``pm.executor``, and its shards become ``pm.weights``' values once placed."""
         if self._trainer is None:
             from .training.module import TrainModule, check_trainable
+            from .training.shards import check_on_device
             check_trainable(_WHERE, self.spec, self.options)
+            check_on_device(self.weights, self.model)
             o = self.options
             self._trainer = TrainModule(self.model, self.mesh,
                                         sequence_parallel=o.sequence_parallel, plan=o.plan,

@@ -160,8 +160,12 @@ class Explanation:
         if self.train_memory:
             lines += ["", "Training memory per rank (bytes: parameters, gradients, AdamW state "
                           "= 2x parameters, activations saved for the backward)"]
+            same: dict[tuple, list] = {}
             for r, m in self.train_memory.items():
-                lines.append(f"  rank {r}: " + ", ".join(f"{k} {v:,d}" for k, v in m.items()))
+                same.setdefault(tuple(m.items()), []).append(r)
+            for m, ranks in same.items():
+                lines.append(f"  {self._group_label(ranks)}: " +
+                             ", ".join(f"{k} {v:,d}" for k, v in m))
         lines += ["", f"Parameter bytes per rank (total unsharded {self.total_param_bytes:,d})"]
         by_bytes: dict[int, list] = {}
         for r, b in self.param_bytes.items():

@@ -75,7 +75,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_dp2_tp2_gloo_gradients_and_steps(tmp_path):
-    reports = launch(_worker, WORLD, str(tmp_path), timeout_s=240)
+    reports = launch(_worker, WORLD, str(tmp_path), timeout_s=240, grad=True)
     for rank, r in reports.items():
         assert not r["errors"], r["errors"][0]
         assert r["ranks"] == [rank]

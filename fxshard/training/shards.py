@@ -23,7 +23,7 @@ import torch
 
 from ..placement import local_block
 
-__all__ = ["TrainedShard", "install", "load_into", "check_model_unchanged"]
+__all__ = ["TrainedShard", "install", "load_into", "check_model_unchanged", "check_on_device"]
 
 _WHERE = "fxshard.parallelize"
 
@@ -110,3 +110,18 @@ def check_model_unchanged(changed: dict) -> None:
             f"pm.load_state_dict(state_dict) (copies into the shards in place; the optimizer "
             f"keeps working); to copy the trained weights into the model, "
             f"model.load_state_dict(pm.state_dict()) and parallelize it again")
+
+
+def check_on_device(store, model) -> None:
+    """Training traces the model's own parameters: raise for a model built on the meta
+    device (its weights not loaded: what to load; loaded from a checkpoint: not built yet)."""
+    meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if not meta:
+        return
+    from types import SimpleNamespace
+    store.check_loaded([SimpleNamespace(slots=dict.fromkeys(store.expected))])
+    raise NotImplementedError(
+        f"{_WHERE}: pm(x) with grad enabled trains, and training a model built on the meta "
+        f"device ({meta[0]!r} and {len(meta) - 1} more; weights loaded into pm only) is not "
+        f"built yet; build the model with its weights (e.g. on the CPU) to train it, or call "
+        f"pm(x) under torch.no_grad() for inference")
