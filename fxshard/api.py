@@ -159,7 +159,7 @@ class ParallelModule:
         ones): ``model.load_state_dict(pm.state_dict())``, seen as fxshard's own change."""
         with torch.no_grad():
             self.model.load_state_dict(self.state_dict())
-        self.weights.watch.changed()
+        self.weights.seen()
 
     def stage_of(self, rank: int) -> int:
         return self.spec.axis_index(rank, "pp")

@@ -85,6 +85,7 @@ class WeightStore:
         # (fxshard.training.shards): the model object is no longer the truth then
         self.trained = None
         self.trained_sources: list = []
+        self.edited: dict = {}     # model tensors changed after training started (an error)
 
     def sync(self) -> bool | None:
         """Take the model's tensors that changed since the last call (in place, reloaded,
@@ -95,13 +96,19 @@ class WeightStore:
                    if v is not None and v.device.type != "meta"}
         if self.trained is not None:
             from ..training.shards import check_model_unchanged
-            check_model_unchanged(changed)
+            self.edited.update(changed)     # an error on every call till loaded or written
+            check_model_unchanged(self.edited)
             if self.stale_copies():
                 return False
         if not changed:
             return None
         self.values.update(changed)
         return self._needs_retrace(changed)
+
+    def seen(self) -> None:
+        """The model's own tensors as they are now count as seen (not a change)."""
+        self.watch.changed()
+        self.edited = {}
 
     def stale_copies(self) -> bool:
         """A trained parameter an inference program places unlike training holds a copy
@@ -188,5 +195,5 @@ class WeightStore:
             state_dict = {k: v for k, v in state_dict.items()
                           if not hasattr(self.values.get(k), "stale")}
         self.values.update(state_dict)
-        self.watch.changed()  # the model's own tensors as they are now count as seen
+        self.seen()
         return any(k in self.buffer_fqns for k in state_dict)
