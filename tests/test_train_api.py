@@ -187,3 +187,22 @@ def test_gradients_property_through_parallelize(mesh, intermediate, vocab, kv, s
     grads = pm.gradients()
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_tied_embedding_trains_once_and_infers_from_the_one_shard():
+    # one tensor, two names: clipped once in the global norm (as torch's clip_grad_norm_
+    # over model.parameters()), and the inference program reads the one trained shard
+    model = _llama(layers=1, tied=True)
+    ref = copy.deepcopy(model)
+    ids, labels = _data()
+    pm = fxshard.parallelize(model, _mesh(1, 2), example_inputs=(ids,))
+    _, ours = _train(pm, pm.parameters(), ids, labels, steps=2,
+                     clip=lambda: fxshard.clip_grad_norm_(pm, 0.5))
+    _, theirs = _train(ref, ref.parameters(), ids, labels, steps=2,
+                       clip=lambda: torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))
+    torch.testing.assert_close(torch.stack(ours), torch.stack(theirs), rtol=1e-5, atol=1e-6)
+    trained = pm.state_dict()
+    for name, p in ref.state_dict().items():
+        torch.testing.assert_close(trained[name], p, rtol=1e-5, atol=1e-5, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(pm(ids), ref(ids), rtol=1e-4, atol=1e-4)

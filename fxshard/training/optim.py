@@ -21,7 +21,8 @@ def clip_grad_norm_(tm, max_norm: float, norm_type: float = 2.0) -> torch.Tensor
     :class:`~fxshard.training.TrainModule`) to the global norm ``max_norm``; returns the norm
     before clipping (as ``torch.nn.utils``)."""
     tm = getattr(tm, "trainer", tm)
-    grads = [g for g in tm.gradients().values() if g is not None]
+    tied = tm._require("clip_grad_norm_").joint.tied    # other names of one tensor: once
+    grads = [g for k, g in tm.gradients().items() if g is not None and k not in tied]
     if not grads:
         return torch.zeros((), device=torch.device(tm.spec.device_type))
     norm_type = float(norm_type)
