@@ -5,6 +5,21 @@
     pm.rank_module(3)            # the GraphModule rank 3 runs
     print(pm.explain())          # placements, collectives, bytes, parameters per rank
 
+Training is the PyTorch contract: with grad enabled (and the model's parameters requiring
+grad) ``pm(x)`` runs the training forward (:mod:`fxshard.training`) and its output
+backpropagates into ``pm.parameters()``, each rank's parameter shards; under
+``torch.no_grad()`` it is the inference program. Both are cached per input signature::
+
+    opt = torch.optim.AdamW(pm.parameters())     # after a first call, or example_inputs=
+    loss_fn(pm(ids), labels).backward(); fxshard.clip_grad_norm_(pm, 1.0); opt.step()
+    pm.gradients(); pm.state_dict()              # whole, by the model's names
+    pm.rank_module(r, "backward")                # rank r's backward program
+
+Once the shards exist they are the weights: the inference program reads them (the same
+storages), the model object keeps its initial weights (``pm.write_back()`` copies the trained
+ones into it), a change to the model is an error, and ``pm.load_state_dict`` copies into the
+shards in place.
+
 On a simulated mesh ``pm(x)`` runs every rank as a thread of this process and returns the
 global output. Under ``torchrun`` (a real ``DeviceMesh``) each process builds and runs only its
 own rank; every rank passes the same global input and gets the full output back.
