@@ -94,6 +94,11 @@ class ParallelModule:
         if torch.is_grad_enabled() and self._requires_grad():
             self.programs.sync_weights()    # a model change after training started: error
             return self.trainer(*args, **kwargs)
+        return self.infer(*args, **kwargs)
+
+    def infer(self, *args, **kwargs):
+        """The inference program whatever the grad mode (``pm(x)`` under ``torch.no_grad()``);
+        with grad enabled a backward through its output is a clear error."""
         c, micro = self.programs.prepare(args, kwargs)
         try:
             out = self.executor.run(c, micro)

@@ -206,3 +206,13 @@ def test_tied_embedding_trains_once_and_infers_from_the_one_shard():
         torch.testing.assert_close(trained[name], p, rtol=1e-5, atol=1e-5, msg=name)
     with torch.no_grad():
         torch.testing.assert_close(pm(ids), ref(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_torch_compile_backend_runs_inference_with_grad_enabled():
+    # dynamo's graphs come through fxshard.backend as inference (pm.infer), grad or not
+    model = _llama(layers=1)
+    ids, _ = _data()
+    compiled = torch.compile(model, backend=fxshard.backend(_mesh(1, 2), compile=False))
+    torch._dynamo.reset()
+    torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()
