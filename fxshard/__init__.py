@@ -11,7 +11,8 @@ from .api import ParallelModule, parallelize
 from .backend import backend
 from .checkpoint import load_safetensors
 from .mesh import SimulatedMesh, init_device_mesh
+from .training.optim import clip_grad_norm_
 from .weights import init_empty_weights
 
 __all__ = ["init_device_mesh", "parallelize", "backend", "load_safetensors", "init_empty_weights",
-           "ParallelModule", "SimulatedMesh", "Shard", "Replicate", "Partial"]
+           "ParallelModule", "SimulatedMesh", "clip_grad_norm_", "Shard", "Replicate", "Partial"]

@@ -5,6 +5,21 @@
     pm.rank_module(3)            # the GraphModule rank 3 runs
     print(pm.explain())          # placements, collectives, bytes, parameters per rank
 
+Training is the PyTorch contract: with grad enabled (and the model's parameters requiring
+grad) ``pm(x)`` runs the training forward (:mod:`fxshard.training`) and its output
+backpropagates into ``pm.parameters()``, each rank's parameter shards; under
+``torch.no_grad()`` it is the inference program. Both are cached per input signature::
+
+    opt = torch.optim.AdamW(pm.parameters())     # after a first call, or example_inputs=
+    loss_fn(pm(ids), labels).backward(); fxshard.clip_grad_norm_(pm, 1.0); opt.step()
+    pm.gradients(); pm.state_dict()              # whole, by the model's names
+    pm.rank_module(r, "backward")                # rank r's backward program
+
+Once the shards exist they are the weights: the inference program reads them (the same
+storages), the model object keeps its initial weights (``pm.write_back()`` copies the trained
+ones into it), a change to the model is an error, and ``pm.load_state_dict`` copies into the
+shards in place.
+
 On a simulated mesh ``pm(x)`` runs every rank as a thread of this process and returns the
 global output. Under ``torchrun`` (a real ``DeviceMesh``) each process builds and runs only its
 own rank; every rank passes the same global input and gets the full output back.
@@ -72,14 +87,99 @@ class ParallelModule:
         self.weights = WeightStore(model, self.spec)
         self.programs = ProgramCache(model, mesh, self.spec, self.options, self.weights)
         self.executor = Executor(mesh, self.spec, self.options, self.weights)
+        self._trainer = None
+        self._example = None     # (args, kwargs) of parallelize(example_inputs=...)
 
     def __call__(self, *args, **kwargs):
+        if torch.is_grad_enabled() and self._requires_grad():
+            self.programs.sync_weights()    # a model change after training started: error
+            return self.trainer(*args, **kwargs)
+        return self.infer(*args, **kwargs)
+
+    def infer(self, *args, **kwargs):
+        """The inference program whatever the grad mode (``pm(x)`` under ``torch.no_grad()``);
+        with grad enabled a backward through its output is a clear error."""
         c, micro = self.programs.prepare(args, kwargs)
         try:
             out = inference_only(self.model, self.executor.run(c, micro))  # a fresh flat list
         except IndexError as e:  # name the token id and the vocabulary, not "out of range"
             raise out_of_vocabulary(self.model, c.traced, args, kwargs, e, where=_WHERE)
         return out[0] if c.out_leaf else pytree.tree_unflatten(out, c.traced.out_spec)
+
+    def _requires_grad(self) -> bool:
+        return any(p.requires_grad for p in self.model.parameters())
+
+    # -- training ----------------------------------------------------------------------
+    @property
+    def trainer(self):
+        """The :class:`fxshard.training.TrainModule` behind ``pm(x)`` with grad enabled: its
+        programs live in ``pm.programs`` (keyed ``("train", signature)``), its ranks run on
+        ``pm.executor``, and its shards become ``pm.weights``' values once placed."""
+        if self._trainer is None:
+            from .training.module import TrainModule, check_trainable
+            from .training.shards import check_on_device
+            check_trainable(_WHERE, self.spec, self.options)
+            check_on_device(self.weights, self.model)
+            o = self.options
+            self._trainer = TrainModule(self.model, self.mesh,
+                                        sequence_parallel=o.sequence_parallel, plan=o.plan,
+                                        embedding=o.embedding, strict=o.strict,
+                                        store=self.weights, executor=self.executor,
+                                        cache=self.programs)
+        return self._trainer
+
+    def _trained(self, what: str):
+        """The trainer, its shards placed (on ``example_inputs`` if no call placed them)."""
+        tm = self.trainer
+        if tm._last is None and self._example is not None:
+            self.programs.sync_weights()
+            tm._program(*self._example)
+        if tm._last is None:
+            raise ValueError(f"ParallelModule.{what}: no training program yet; call pm(x) "
+                             f"once with grad enabled, or pass example_inputs= to "
+                             f"fxshard.parallelize")
+        return tm
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The parameter shards ``loss.backward()`` fills and an optimizer steps: every rank's
+        (simulated mesh, rank-major) or this process's rank's (real mesh)."""
+        return self._trained("parameters").parameters()
+
+    def shards(self, rank: int) -> dict:
+        """Rank ``rank``'s parameter shards by the model's names."""
+        return self._trained("shards").shards(rank)
+
+    def gradients(self) -> dict:
+        """Full gradients by the model's parameter names, assembled from the shards."""
+        return self._trained("gradients").gradients()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.parameters():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def state_dict(self) -> dict:
+        """The full state dict by the model's names: the trained parameters once training
+        started (assembled from the shards), the model's (or loaded) weights before."""
+        from .placement import R
+        out = {}
+        for k in self.weights.expected:
+            v = self.weights.values.get(k)
+            out[k] = v.block((R,) * len(self.spec.shape), self.spec, 0) \
+                if hasattr(v, "block") and not hasattr(v, "stale") else v
+        if self.weights.trained is not None:
+            out.update({k: v for k, v in self.weights.trained.state_dict().items()
+                        if k in out})
+        return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+
+    def write_back(self) -> None:
+        """Copy the trained weights into the model object (which otherwise keeps its initial
+        ones): ``model.load_state_dict(pm.state_dict())``, seen as fxshard's own change."""
+        with torch.no_grad():
+            self.model.load_state_dict(self.state_dict())
+        self.weights.seen()
 
     def stage_of(self, rank: int) -> int:
         return self.spec.axis_index(rank, "pp")
@@ -101,8 +201,11 @@ class ParallelModule:
                         generator=generator)
 
     # -- inspection --------------------------------------------------------------------
-    def rank_module(self, rank: int) -> fx.GraphModule:
-        """The GraphModule rank ``rank`` runs for the most recent input signature."""
+    def rank_module(self, rank: int, which: str | None = None) -> fx.GraphModule:
+        """The GraphModule rank ``rank`` runs for the most recent input signature; ``which``
+        ``"forward"`` or ``"backward"``: the training programs (``pm(x)`` with grad)."""
+        if which is not None or self.programs.last_mode == "train":
+            return self._trained("rank_module").rank_module(rank, which or "forward")
         c = self.programs.require_last("rank_module")
         self.spec.coords(rank)
         self.programs.sync_weights()
@@ -110,6 +213,9 @@ class ParallelModule:
 
     def explain(self):
         from .explain import explain
+        if self.programs.last_mode == "train":
+            from .explain import explain_training
+            return explain_training(self, self._trained("explain"))
         return explain(self, self.programs.require_last("explain"))
 
     # -- weights -----------------------------------------------------------------------
@@ -124,7 +230,8 @@ class ParallelModule:
         """Load the unsharded model's state dict; each rank keeps only its slices.
 
         Every key of ``model.state_dict()`` is required; the model's non-persistent buffers
-        (in no checkpoint) may be given too, by name."""
+        (in no checkpoint) may be given too, by name. Once training started it copies into
+        the trained shards in place (an optimizer over ``pm.parameters()`` keeps working)."""
         retrace = self.weights.load(state_dict)
         self.programs.invalidate(retrace=retrace)
 
@@ -187,5 +294,6 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
                         stages=stages, ring_zigzag=ring_zigzag, compile=compile)
     pm.unmatched_plan = unmatched    # globs that matched no module (warned; in explain())
     if example_inputs is not None or example_kwargs is not None:
+        pm._example = (tuple(example_inputs or ()), dict(example_kwargs or {}))
         pm.programs.get(tuple(example_inputs or ()), dict(example_kwargs or {}))
     return pm

@@ -163,7 +163,8 @@ def backend(mesh, **options):
                          **options)
 
         def run(*args):
-            out = pm(*[args[i].item() if i in scalars else args[i] for i in user])
+            # inference: a dynamo graph's backward does not come through here
+            out = pm.infer(*[args[i].item() if i in scalars else args[i] for i in user])
             return out if isinstance(out, (tuple, list)) else (out,)
         run.parallel_module = pm
         return run

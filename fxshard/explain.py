@@ -17,7 +17,7 @@ import torch
 
 from .placement import Shard, local_shape, shard_slices, short_spec
 
-__all__ = ["Explanation", "explain", "COLLECTIVES", "LEGEND"]
+__all__ = ["Explanation", "explain", "explain_training", "COLLECTIVES", "LEGEND"]
 
 # printed under the title of every plan: what the placements and the two byte columns mean
 LEGEND = """\
@@ -79,6 +79,10 @@ class Explanation:
     axis_names: tuple = ()
     kv_cache_bytes: dict = field(default_factory=dict)  # rank -> KV-cache bytes per cached
     #                                                     position (a generate program only)
+    backward: dict = field(default_factory=dict)        # rank -> [CollectiveInfo] of the
+    #                                                     backward program (a training program)
+    train_memory: dict = field(default_factory=dict)    # rank -> {"parameters", "gradients",
+    #                                                     "adamw_state", "saved": bytes}
 
     def save(self, path: str) -> str:
         """Draw the plan to ``path`` (``.svg``, ``.png`` or ``.pdf``; needs matplotlib,
@@ -145,6 +149,28 @@ class Explanation:
                       for c in cs if data_dependent(c.shape)})
         if dyn:
             lines.append(f"  data-dependent sizes (counted as 0 bytes above): {', '.join(dyn)}")
+        if self.backward:
+            lines += ["", "Backward collectives per rank per step (op, axis: count, tensor "
+                          "bytes, wire bytes)"]
+            for r, cs in self.backward.items():
+                if r and cs == self.backward[0]:
+                    continue
+                lines.append(f"  {'every rank' if r == 0 else f'rank {r}'}:")
+                agg: dict[tuple, list] = {}
+                for c in cs:
+                    a = agg.setdefault((c.op, c.axis), [0, 0, 0])
+                    a[0], a[1], a[2] = a[0] + 1, a[1] + c.tensor_bytes, a[2] + c.wire_bytes
+                lines += [f"    {op:15s} {axis:11s} {n:5d}  {tb:>14,d}  {wb:>14,d}"
+                          for (op, axis), (n, tb, wb) in sorted(agg.items())] or ["    (none)"]
+        if self.train_memory:
+            lines += ["", "Training memory per rank (bytes: parameters, gradients, AdamW state "
+                          "= 2x parameters, activations saved for the backward)"]
+            same: dict[tuple, list] = {}
+            for r, m in self.train_memory.items():
+                same.setdefault(tuple(m.items()), []).append(r)
+            for m, ranks in same.items():
+                lines.append(f"  {self._group_label(ranks)}: " +
+                             ", ".join(f"{k} {v:,d}" for k, v in m))
         lines += ["", f"Parameter bytes per rank (total unsharded {self.total_param_bytes:,d})"]
         by_bytes: dict[int, list] = {}
         for r, b in self.param_bytes.items():
@@ -328,4 +354,40 @@ def explain(pm, compiled) -> Explanation:
                 ex.total_param_bytes += int(torch.Size(s.shape).numel()) * s.dtype.itemsize
             ex.placements.append((s.fqn, short_spec(s.spec, mesh),
                                   local_shape(s.shape, s.spec, mesh), prog.stage))
+    return ex
+
+
+def explain_training(pm, tm) -> Explanation:
+    """:func:`explain` of the training program ``pm(x)`` with grad runs (the forward rank
+    program's collectives and placements), plus the backward's collectives with their bytes
+    and the memory per rank a step holds: parameters, gradients, AdamW's two moments and
+    the saved activations (measured by the last forward, else from the program's shapes)."""
+    from types import SimpleNamespace
+    from .passes.emit import Program, Slot
+    program = tm._last
+    mesh = pm.spec
+    params = {n for n, _ in pm.model.named_parameters(remove_duplicate=False)}
+    dtypes = {n: t.dtype for n, t in tm._shards[tm.ranks[0]].items()}
+    slots = {f: Slot(f, "param" if f in params else "buffer", tuple(spec),
+                     program.shapes[f], dtypes[f]) for f, spec in program.specs.items()}
+    forward = Program(graph=program.split.forward.graph, slots=slots)
+    ctx = SimpleNamespace(fallbacks=list(program.ctx.fallbacks), reports=program.reports,
+                          replicated=list(getattr(program.ctx, "replicated", [])), gathered=[])
+    ex = explain(SimpleNamespace(spec=mesh, microbatches=1,
+                                 unmatched_plan=getattr(pm, "unmatched_plan", [])),
+                 SimpleNamespace(programs=[forward], ctx=ctx))
+    backward = collectives_of(program.split.backward.graph, mesh)
+    saved = 0
+    for n in program.split.backward.graph.nodes:
+        v = n.meta.get("val")
+        if n.op == "placeholder" and n.name.startswith("saved") and \
+                isinstance(v, torch.Tensor):
+            shape = local_shape(tuple(v.shape), n.meta["fxshard_spec"], mesh)
+            saved += int(torch.Size(shape).numel()) * v.element_size()
+    measured = getattr(tm, "_saved_bytes", None) or {}
+    for r in range(mesh.world_size):
+        ex.backward[r] = backward
+        p = ex.param_bytes[r]
+        ex.train_memory[r] = {"parameters": p, "gradients": p, "adamw_state": 2 * p,
+                              "saved": measured.get(r, saved)}
     return ex

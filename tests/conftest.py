@@ -5,6 +5,8 @@
 """
 import os
 
+import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -18,3 +20,21 @@ settings.register_profile(
                            HealthCheck.filter_too_much],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "grad: run with autograd enabled (pm(x) trains)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """``pm(x)`` with grad enabled trains (the PyTorch contract), so the inference tests run
+    under ``torch.no_grad()``, as inference is called; a training test (``test_train*``, or
+    marked ``grad``, or a module with ``GRAD = True``) runs with grad enabled."""
+    module = getattr(item, "module", None)
+    if item.get_closest_marker("grad") or getattr(module, "GRAD", False) or \
+            item.fspath.basename.startswith("test_train"):
+        yield
+        return
+    with torch.no_grad():
+        yield

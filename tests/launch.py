@@ -20,8 +20,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(worker, world: int, out_dir: str, *args, timeout_s: float) -> dict:
-    """Run ``worker`` on ``world`` spawned processes; return ``{rank: report}``."""
+def _run(worker, grad: bool, *args) -> None:
+    """``worker(*args)`` with autograd on only for a training test (``pm(x)`` with grad
+    enabled trains; the inference tests call it as inference)."""
+    import torch
+    torch.set_grad_enabled(grad)
+    worker(*args)
+
+
+def launch(worker, world: int, out_dir: str, *args, timeout_s: float,
+           grad: bool = False) -> dict:
+    """Run ``worker`` on ``world`` spawned processes; return ``{rank: report}``. The workers
+    run with grad disabled unless ``grad`` (``pm(x)`` with grad enabled trains)."""
     try:
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_gloo_available()):
@@ -32,7 +42,7 @@ def launch(worker, world: int, out_dir: str, *args, timeout_s: float) -> dict:
 
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, out_dir, *args), daemon=True)
+    procs = [ctx.Process(target=_run, args=(worker, grad, r, port, out_dir, *args), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

@@ -27,6 +27,8 @@ from hypothesis import strategies as st
 from tests.triton_interp import BF16_DOT_BUG, run_interpreter_tests
 from fxshard.kernels import attention, merge_attention
 
+GRAD = True   # the kernels' own backward is checked here (conftest: grad stays enabled)
+
 SCHEMA = ("fxshard::attention(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, "
           "float? scale, SymInt q_offset, SymInt kv_offset, float softcap=0.) -> (Tensor, Tensor)")
 

@@ -319,15 +319,19 @@ def test_data_dependent_control_flow_is_a_short_error_naming_the_line(capfd):
     assert "def forward" not in capfd.readouterr().err  # torch's partial graph held back
 
 
-def test_backward_through_the_output_says_inference_only():
+@pytest.mark.grad
+def test_backward_through_the_output_trains():
+    # pm(x) with grad enabled trains (fxshard.training); under no_grad it is inference
     model = our_llama(num_hidden_layers=1)
     mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     pm = fxshard.parallelize(model, mesh)
     ids = torch.randint(0, 128, (2, 8))
     out = pm(ids)
-    with pytest.raises(NotImplementedError, match=r"backward through a parallelized model is "
-                                                  r"not supported.*torch.no_grad\(\)"):
-        out.sum().backward()
+    out.sum().backward()
+    model(ids).sum().backward()
+    grads = pm.gradients()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
     with torch.no_grad():
         assert not pm(ids).requires_grad
     torch.testing.assert_close(out.detach(), model(ids).detach(), rtol=1e-4, atol=1e-4)

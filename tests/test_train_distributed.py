@@ -1,10 +1,12 @@
 """Training on real processes (gloo, 4 ranks, dp2·tp2): each rank's shard gradients and its
 shards after two AdamW steps equal its blocks of the single-device model's."""
+import copy
 import datetime
 import json
 import os
 import traceback
 
+import pytest
 import torch
 
 from tests.launch import launch
@@ -12,7 +14,7 @@ from tests.launch import launch
 WORLD = 4
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, port: int, out_dir: str, entry: str = "training") -> None:
     report = {"rank": rank, "errors": []}
     log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
     os.dup2(log.fileno(), 1)
@@ -42,15 +44,23 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         def loss_of(logits):
             return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
-        tm = parallelize_for_training(model, mesh, example_inputs=(ids,))
-        report["ranks"] = tm.ranks
+        initial = copy.deepcopy(model)
+        if entry == "parallelize":   # pm(x) with grad enabled trains
+            tm = fxshard.parallelize(model, mesh, example_inputs=(ids,))
+            report["ranks"] = tm.trainer.ranks
+        else:
+            tm = parallelize_for_training(model, mesh, example_inputs=(ids,))
+            report["ranks"] = tm.ranks
+        # the reference trains a copy: pm's model object is not to be edited after training
+        ref_model = copy.deepcopy(model) if entry == "parallelize" else model
         opt = torch.optim.AdamW(tm.parameters(), lr=1e-3)
         out = tm(ids)
-        report["forward"] = (out - model(ids)).abs().max().item()
+        report["forward"] = (out - ref_model(ids)).abs().max().item()
         loss_of(out).backward()
-        loss_of(model(ids)).backward()
-        spec, specs = mesh_spec(mesh), tm._specs
-        report["grad"] = max((p.grad - local_block(dict(model.named_parameters())[n].grad,
+        loss_of(ref_model(ids)).backward()
+        spec = mesh_spec(mesh)
+        specs = (tm.trainer if entry == "parallelize" else tm)._specs
+        report["grad"] = max((p.grad - local_block(dict(ref_model.named_parameters())[n].grad,
                                                    specs[n], spec, rank)).abs().max().item()
                              for n, p in tm.shards(rank).items())
         opt.step()
@@ -58,15 +68,20 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             opt.zero_grad()
             loss_of(tm(ids)).backward()
             opt.step()
-        ref = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3)
         ref.step()
         for _ in range(1):
             ref.zero_grad()
-            loss_of(model(ids)).backward()
+            loss_of(ref_model(ids)).backward()
             ref.step()
-        report["params"] = max((p.detach() - local_block(dict(model.named_parameters())[n]
+        report["params"] = max((p.detach() - local_block(dict(ref_model.named_parameters())[n]
                                                          .detach(), specs[n], spec, rank))
                                .abs().max().item() for n, p in tm.shards(rank).items())
+        if entry == "parallelize":   # inference on the trained shards: the trained model's
+            with torch.no_grad():
+                report["after"] = (tm(ids) - ref_model(ids)).abs().max().item()
+            report["kept"] = all(torch.equal(a, b) for a, b in zip(model.parameters(),
+                                                                  initial.parameters()))
     except BaseException:  # noqa: BLE001 - reported to the test process
         report["errors"].append(traceback.format_exc())
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -74,9 +89,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     os._exit(0)
 
 
-def test_dp2_tp2_gloo_gradients_and_steps(tmp_path):
-    reports = launch(_worker, WORLD, str(tmp_path), timeout_s=240)
+@pytest.mark.parametrize("entry", ["training", "parallelize"])
+def test_dp2_tp2_gloo_gradients_and_steps(tmp_path, entry):
+    reports = launch(_worker, WORLD, str(tmp_path), entry, timeout_s=240, grad=True)
     for rank, r in reports.items():
         assert not r["errors"], r["errors"][0]
         assert r["ranks"] == [rank]
         assert r["forward"] < 1e-4 and r["grad"] < 1e-5 and r["params"] < 1e-5, r
+        assert entry == "training" or (r["after"] < 1e-4 and r["kept"]), r

@@ -26,6 +26,7 @@ def error_of(fn) -> str | None:
 def main(out_dir: str) -> None:
     rank = int(os.environ["RANK"])
     report = {"initialized_before": dist.is_initialized()}
+    torch.set_grad_enabled(False)   # inference: pm(x) with grad enabled trains
     mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     report["mesh"] = type(mesh).__name__
     report["backend"] = dist.get_backend() if dist.is_initialized() else None

@@ -90,6 +90,9 @@ class ProgramCache:
         self.agreed: set = set()   # call signatures the ranks agreed on (real mesh)
         self._entries: dict[tuple, Compiled] = {}
         self.last: Compiled | None = None
+        # ("train", signature) -> fxshard.training.program.TrainProgram (grad enabled)
+        self.training: dict[tuple, object] = {}
+        self.last_mode = None      # "train" | "infer": what the latest call ran
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -126,7 +129,7 @@ class ProgramCache:
         key = (generation, signature(micro[0]))
         c = self._entries.get(key)
         if c is not None:
-            self.last = c
+            self.last, self.last_mode = c, "infer"
             return c, micro
         agree(self.mesh, self.agreed, _WHERE, {"generation": generation, "inputs": micro[0]})
         _, spec = pytree.tree_flatten((args, kwargs))
@@ -141,11 +144,23 @@ class ProgramCache:
                 f"microbatch, 1/{len(micro)} of the batch: the shapes above are a "
                 f"microbatch's; use fewer microbatches or a larger batch]") from e
         c = self.last = self._entries[key]
+        self.last_mode = "infer"
         if len(micro) > 1:
             self._check_microbatch_outputs(c, micro[0])
         c.tensor_inputs = all(isinstance(x, torch.Tensor) for x in micro[0])
         c.out_leaf = c.traced.out_spec.is_leaf()
         return c, micro
+
+    def train_program(self, args: tuple, kwargs: dict, build):
+        """The training program of this signature (``build(args, kwargs)`` on first use):
+        forward and backward rank programs (:mod:`fxshard.training`)."""
+        flat = pytree.tree_flatten((args, kwargs))[0]
+        key = ("train", signature(flat))
+        if key not in self.training:
+            agree(self.mesh, self.agreed, _WHERE, {"generation": "train", "inputs": flat})
+            self.training[key] = build(args, kwargs)
+        self.last_mode = "train"
+        return self.training[key]
 
     def check_loaded(self, c: Compiled) -> None:
         """Raise unless every weight ``c`` reads has a value; remembered once true."""
@@ -202,6 +217,7 @@ class ProgramCache:
         program (traced again at the next call; ``last`` shows the old one till then)."""
         if retrace:
             self._entries.clear()
+            self.training.clear()
         for c in self._entries.values():
             c.modules.clear()
             c.runners.clear()

@@ -103,6 +103,11 @@ class WeightStore:
         self.values.update(extra)
         self.buffer_fqns = {n for n, _ in model.named_buffers(remove_duplicate=False)}
         self.watch = WeightWatch(model)
+        # the TrainModule whose shards are the parameters' values once training started
+        # (fxshard.training.shards): the model object is no longer the truth then
+        self.trained = None
+        self.trained_sources: list = []
+        self.edited: dict = {}     # model tensors changed after training started (an error)
 
     def sync(self) -> bool | None:
         """Take the model's tensors that changed since the last call (in place, reloaded,
@@ -110,13 +115,29 @@ class WeightStore:
         (a new dtype or shape, or a changed buffer: a mask the trace may have folded) rather
         than only re-sliced."""
         changed = self.watch.changed()
-        if not changed:
+        if not changed and self.trained is None:
             return None
         changed = {k: v for k, v in changed.items() if v is not None and v.device.type != "meta"}
+        if self.trained is not None:
+            from ..training.shards import check_model_unchanged
+            self.edited.update(changed)     # an error on every call till loaded or written
+            check_model_unchanged(self.edited)
+            if self.stale_copies():
+                return False
         if not changed:
             return None
         self.values.update(changed)
         return self._needs_retrace(changed)
+
+    def seen(self) -> None:
+        """The model's own tensors as they are now count as seen (not a change)."""
+        self.watch.changed()
+        self.edited = {}
+
+    def stale_copies(self) -> bool:
+        """A trained parameter an inference program places unlike training holds a copy
+        (:class:`fxshard.training.shards.TrainedShard`) older than the shards."""
+        return any(v.copies and v.stale() for v in self.trained_sources)
 
     def _needs_retrace(self, values: dict) -> bool:
         """A changed buffer, dtype or shape needs a new trace; records the new dtypes/shapes."""
@@ -192,6 +213,11 @@ class WeightStore:
                 raise ValueError(
                     f"ParallelModule.load_state_dict: {k!r} has shape {got} but the model "
                     f"expects {shape}; load a checkpoint of the same configuration")
+        if self.trained is not None:   # the trained shards take the values, in place
+            from ..training.shards import load_into
+            load_into(self.trained, state_dict)
+            state_dict = {k: v for k, v in state_dict.items()
+                          if not hasattr(self.values.get(k), "stale")}
         self.values.update(state_dict)
-        self.watch.changed()  # the model's own tensors as they are now count as seen
+        self.seen()
         return any(k in self.buffer_fqns for k in state_dict)

@@ -33,7 +33,7 @@ from ..placement import Partial, block_index, local_block
 from ..trace import _without_cache
 from .program import TrainProgram, build_train_program
 
-__all__ = ["TrainModule", "parallelize_for_training", "assemble"]
+__all__ = ["TrainModule", "parallelize_for_training", "assemble", "check_trainable"]
 
 _WHERE = "fxshard.training"
 
@@ -65,6 +65,13 @@ def _bytes(tensors) -> int:
                 seen.add(key)
                 total += t.untyped_storage().nbytes()
     return total
+
+
+def _block(value, spec: tuple, mesh: MeshSpec, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s block of ``value`` (a tensor, or a checkpoint source), a new tensor."""
+    if hasattr(value, "block"):
+        return value.block(spec, mesh, rank).clone()
+    return local_block(value.detach(), spec, mesh, rank)     # a copy
 
 
 def shard_dim_of(p):
@@ -106,8 +113,12 @@ class TrainModule:
     """A model's training programs over a mesh; see :func:`parallelize_for_training`."""
 
     def __init__(self, model: torch.nn.Module, mesh, *, sequence_parallel: bool = False,
-                 plan: dict | None = None, embedding: str = "embed_dim", strict: bool = False):
+                 plan: dict | None = None, embedding: str = "embed_dim", strict: bool = False,
+                 store=None, executor=None, cache=None):
         self.model = model
+        # fxshard.parallelize's weight store (the shards are cut from its values, then become
+        # them: see fxshard.training.shards) and executor (its ranks run both programs)
+        self.store, self.executor, self.cache = store, executor, cache
         self.mesh = mesh
         self.spec: MeshSpec = mesh_spec(mesh, where=_WHERE)
         self._simulated = is_simulated(mesh)
@@ -123,17 +134,23 @@ class TrainModule:
 
     # -- building ------------------------------------------------------------------------
     def _program(self, args: tuple, kwargs: dict) -> TrainProgram:
+        if self.cache is not None:    # fxshard.parallelize's program cache
+            self._last = self.cache.train_program(args, kwargs, self._build)
+            return self._last
         flat, _ = pytree.tree_flatten((args, kwargs))
         key = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
                     for x in flat)
         if key not in self._programs:
-            ctx = PassCtx(mesh=self.spec, sequence_parallel=self.sequence_parallel,
-                          strict=self.strict, plan=self.plan, embedding_style=self.embedding)
-            program = build_train_program(self.model, args, kwargs, ctx)
-            self._place(program)
-            self._programs[key] = program
+            self._programs[key] = self._build(args, kwargs)
         self._last = self._programs[key]
         return self._last
+
+    def _build(self, args: tuple, kwargs: dict) -> TrainProgram:
+        ctx = PassCtx(mesh=self.spec, sequence_parallel=self.sequence_parallel,
+                      strict=self.strict, plan=self.plan, embedding_style=self.embedding)
+        program = build_train_program(self.model, args, kwargs, ctx)
+        self._place(program)
+        return program
 
     def _place(self, program: TrainProgram) -> None:
         """Each rank's shards, cut from the model once (the first program); a later program
@@ -141,15 +158,20 @@ class TrainModule:
         if self._shards is None:
             values = dict(self.model.named_parameters(remove_duplicate=False))
             values.update(program.joint.traced.constants)
+            if self.store is not None:    # what pm.load_state_dict loaded, or the model's
+                values.update(self.store.values)
             params = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
             self._specs = dict(program.specs)
             self._shards = {}
             for rank in self.ranks:
                 mine = {}
                 for fqn, spec in program.specs.items():
-                    block = local_block(values[fqn].detach(), spec, self.spec, rank)
+                    block = _block(values[fqn], spec, self.spec, rank)
                     mine[fqn] = torch.nn.Parameter(block) if fqn in params else block
                 self._shards[rank] = mine
+            if self.store is not None:
+                from .shards import install
+                install(self.store, self, program)
             return
         for fqn, spec in program.specs.items():
             if self._specs.get(fqn, spec) != spec:
@@ -182,6 +204,8 @@ class TrainModule:
 
     def _world_run(self, fn) -> dict:
         """``{rank: fn(rank)}`` for the ranks this process runs."""
+        if self.executor is not None:
+            return dict(zip(self.ranks, self.executor.on_ranks(fn)))
         if not self._simulated:
             from ..runtime.context import use_backend
             from ..runtime.distributed import backend_for
@@ -299,6 +323,23 @@ class TrainModule:
             raise ValueError(f"{_WHERE}.TrainModule.{what}: nothing is traced yet; call the "
                              f"module once (tm(x)) first")
         return self._last
+
+
+def check_trainable(where: str, mesh: MeshSpec, options) -> None:
+    """Raise for what ``pm(x)`` with grad enabled cannot train yet (never a wrong gradient):
+    pipeline and context-parallel axes, Inductor-compiled training programs."""
+    for axis in ("pp", "ulysses_cp", "ring_cp"):
+        if axis in mesh.axis_names and mesh.axis_size(axis) > 1:
+            raise NotImplementedError(
+                f"{where}: pm(x) with grad enabled trains, and training on mesh axis {axis!r} "
+                f"of size {mesh.axis_size(axis)} (mesh {mesh.describe()}) is not built yet "
+                f"(dp and tp are); call it under torch.no_grad() for inference on this mesh, "
+                f"or train on a mesh of dp and tp")
+    if getattr(options, "compile", False):
+        raise NotImplementedError(
+            f"{where}: pm(x) with grad enabled trains, and compile=True training programs are "
+            f"not built yet (mesh {mesh.describe()}); call it under torch.no_grad() for the "
+            f"compiled inference program, or parallelize with compile=False to train")
 
 
 def parallelize_for_training(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = None,

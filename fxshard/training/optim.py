@@ -17,9 +17,12 @@ __all__ = ["clip_grad_norm_"]
 
 
 def clip_grad_norm_(tm, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip the gradients of ``tm`` (a :class:`~fxshard.training.TrainModule`) to the global
-    norm ``max_norm``; returns the norm before clipping (as ``torch.nn.utils``)."""
-    grads = [g for g in tm.gradients().values() if g is not None]
+    """Clip the gradients of ``tm`` (a :class:`fxshard.ParallelModule` or a
+    :class:`~fxshard.training.TrainModule`) to the global norm ``max_norm``; returns the norm
+    before clipping (as ``torch.nn.utils``)."""
+    tm = getattr(tm, "trainer", tm)
+    tied = tm._require("clip_grad_norm_").joint.tied    # other names of one tensor: once
+    grads = [g for k, g in tm.gradients().items() if g is not None and k not in tied]
     if not grads:
         return torch.zeros((), device=torch.device(tm.spec.device_type))
     norm_type = float(norm_type)

@@ -1,0 +1,127 @@
+"""One weight store: once training shards exist, they are the weights every program reads.
+
+``fxshard.parallelize``'s inference programs slice their weights from the weight store's
+values (:mod:`fxshard.runtime.weight_store`). When the first training program places the
+shards, :func:`install` replaces each parameter's value by a :class:`TrainedShard`, a source
+whose ``block(spec, mesh, rank)`` is rank ``rank``'s shard itself (the same storage, detached)
+when the inference program places the parameter as training does::
+
+    store.values["model.layers.0.mlp.up_proj.weight"]      before: the model's tensor
+                                                            after:  TrainedShard(shards[r])
+    rank_module(r).model.layers[0].mlp.up_proj.weight       is shards[r] (a view, no copy)
+
+so an optimizer step (in place) is what the next ``torch.no_grad()`` call computes with, with
+nothing re-sliced. A program that places a parameter differently gets a copy assembled from
+the shards (simulated mesh), and :meth:`TrainedShard.stale` tells the program cache to cut it
+again after the shards changed. From then on the model object is not the truth: it keeps its
+initial weights; a change to it is an error naming ``pm.load_state_dict`` (see
+:func:`check_model_unchanged`), which copies into the shards in place (:func:`load_into`).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..placement import local_block
+
+__all__ = ["TrainedShard", "install", "load_into", "check_model_unchanged", "check_on_device"]
+
+_WHERE = "fxshard.parallelize"
+
+
+class TrainedShard:
+    """The trained value of one parameter: every held rank's shard under ``spec``."""
+
+    def __init__(self, tm, fqn: str, spec: tuple, shape: tuple):
+        self.tm, self.fqn, self.spec, self.shape = tm, fqn, spec, tuple(shape)
+        self.copies: dict = {}     # rank -> (shard versions, copy) cut under another spec
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.tm._shards.values()))[self.fqn].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(iter(self.tm._shards.values()))[self.fqn].dtype
+
+    def _versions(self) -> tuple:
+        return tuple(m[self.fqn]._version for m in self.tm._shards.values())
+
+    def block(self, spec: tuple, mesh, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s block under ``spec``: its shard itself when ``spec`` is the
+        training placement, else a copy cut from the assembled whole (simulated mesh)."""
+        if tuple(spec) == self.spec:
+            return self.tm._shards[rank][self.fqn].detach()
+        if not self.tm._simulated:
+            raise NotImplementedError(
+                f"{_WHERE}: {self.fqn} is placed {spec} by this inference program but "
+                f"{self.spec} by training (mesh {mesh.describe()}); re-placing trained shards "
+                f"across processes is not built. Run this input under grad (training "
+                f"programs) or write the weights back with pm.state_dict()")
+        from .module import assemble
+        whole = assemble([m[self.fqn].detach() for m in self.tm._shards.values()],
+                         self.shape, self.spec, self.tm.spec)
+        copy = local_block(whole, spec, mesh, rank)
+        self.copies[rank] = (self._versions(), copy)
+        return copy
+
+    def stale(self) -> bool:
+        """A copy cut under another placement is older than the shards (an optimizer step)."""
+        now = self._versions() if self.copies else None
+        return any(v != now for v, _ in self.copies.values())
+
+
+def install(store, tm, program) -> None:
+    """Make ``tm``'s parameter shards the values of ``store`` (tied names share one)."""
+    params = {n for n, _ in tm.model.named_parameters(remove_duplicate=False)}
+    for fqn, spec in program.specs.items():
+        if fqn in params:
+            store.values[fqn] = TrainedShard(tm, fqn, tuple(spec), program.shapes[fqn])
+    for other, kept in program.joint.tied.items():
+        if kept in program.specs and isinstance(store.values.get(kept), TrainedShard):
+            store.values[other] = store.values[kept]
+    store.trained = tm
+    store.trained_sources = list({id(v): v for v in store.values.values()
+                                  if isinstance(v, TrainedShard)}.values())
+
+
+def load_into(tm, state_dict: dict) -> None:
+    """Copy the whole tensors of ``state_dict`` into every held rank's shards, in place (the
+    optimizer's references to ``pm.parameters()`` stay valid)."""
+    with torch.no_grad():
+        for rank, mine in tm._shards.items():
+            for fqn, shard in mine.items():
+                if fqn in state_dict:
+                    value = state_dict[fqn]
+                    value = value.block(tm._specs[fqn], tm.spec, rank) \
+                        if hasattr(value, "block") else local_block(
+                            value.detach().to(shard.device), tm._specs[fqn], tm.spec, rank)
+                    shard.copy_(value)
+
+
+def check_model_unchanged(changed: dict) -> None:
+    """Raise for a change to the model object after training started (its weights are no
+    longer what the programs compute with: the trained shards are)."""
+    if changed:
+        names = sorted(changed)
+        raise ValueError(
+            f"{_WHERE}: the model's {names[:3]}{' ...' if len(names) > 3 else ''} changed "
+            f"after training started; the trained shards, not the model object, are the "
+            f"weights now (the model keeps its initial ones). To set new weights, call "
+            f"pm.load_state_dict(state_dict) (copies into the shards in place; the optimizer "
+            f"keeps working); to copy the trained weights into the model, "
+            f"model.load_state_dict(pm.state_dict()) and parallelize it again")
+
+
+def check_on_device(store, model) -> None:
+    """Training traces the model's own parameters: raise for a model built on the meta
+    device (its weights not loaded: what to load; loaded from a checkpoint: not built yet)."""
+    meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if not meta:
+        return
+    from types import SimpleNamespace
+    store.check_loaded([SimpleNamespace(slots=dict.fromkeys(store.expected))])
+    raise NotImplementedError(
+        f"{_WHERE}: pm(x) with grad enabled trains, and training a model built on the meta "
+        f"device ({meta[0]!r} and {len(meta) - 1} more; weights loaded into pm only) is not "
+        f"built yet; build the model with its weights (e.g. on the CPU) to train it, or call "
+        f"pm(x) under torch.no_grad() for inference")

@@ -1,0 +1,218 @@
+"""Training through ``fxshard.parallelize`` itself: ``pm(x)`` with grad enabled trains.
+
+Gradients, three AdamW steps with ``fxshard.clip_grad_norm_``, inference on the trained shards
+(the same storages), the model object keeping its initial weights, a model edited after
+training (an error), ``pm.load_state_dict`` into the shards in place, explain's training
+sections, and the axes that cannot train yet. Sizes uneven on purpose (hidden 48,
+intermediate 72, vocab 96, sequence 6); the reference is a copy of the model trained alone.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fxshard
+from fxshard.models.llama import LlamaConfig, LlamaForCausalLM
+from tests.test_train_grads import _data, _llama, _loss
+
+UP = "model.layers.0.mlp.up_proj.weight"
+
+
+def _mesh(dp, tp):
+    return fxshard.init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _train(step_model, params, ids, labels, steps=3, clip=None):
+    """``steps`` AdamW steps; returns the gradient norms before clipping."""
+    opt, norms = _adamw(params), []
+    for _ in range(steps):
+        opt.zero_grad()
+        _loss(step_model(ids), labels).backward()
+        norms.append(clip())
+        opt.step()
+    return opt, norms
+
+
+@pytest.mark.parametrize("dp,tp,sp", [(2, 1, False), (1, 2, False), (2, 2, False),
+                                      (1, 2, True)])
+def test_train_through_parallelize_equals_single_device(dp, tp, sp):
+    model = _llama(layers=1)
+    ref = copy.deepcopy(model)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    ids, labels = _data()
+    pm = fxshard.parallelize(model, _mesh(dp, tp), sequence_parallel=sp)
+    # one step's gradients, by the model's names
+    out = pm(ids)
+    assert out.requires_grad
+    _loss(out, labels).backward()
+    _loss(ref(ids), labels).backward()
+    grads = pm.gradients()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+    assert len(pm.parameters()) == dp * tp * len(list(model.parameters()))
+    pm.zero_grad()
+    ref.zero_grad()
+    assert all(p.grad is None for p in pm.parameters())
+    # three AdamW steps with the global-norm clipping, against the copy trained alone
+    _, ours = _train(pm, pm.parameters(), ids, labels,
+                     clip=lambda: fxshard.clip_grad_norm_(pm, 0.5))
+    _, theirs = _train(ref, ref.parameters(), ids, labels,
+                       clip=lambda: torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))
+    assert all(n > 0.5 for n in theirs), theirs     # every step clips
+    torch.testing.assert_close(torch.stack(ours), torch.stack(theirs), rtol=1e-5, atol=1e-6)
+    trained = pm.state_dict()
+    assert set(trained) == set(ref.state_dict())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-5, msg=name)
+    # the model object keeps its initial weights
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, initial[k]), k
+    # inference (no_grad) computes with the trained shards themselves: same storages
+    with torch.no_grad():
+        torch.testing.assert_close(pm(ids), ref(ids), rtol=1e-4, atol=1e-4)
+        assert not pm(ids).requires_grad
+    for r in range(dp * tp):
+        held = pm.rank_module(r).get_parameter(UP)
+        assert held.data_ptr() == pm.shards(r)[UP].data_ptr(), r
+    # both programs cached, one per mode
+    assert len(pm.programs.training) == 1 and len(pm.programs) == 1
+
+
+def test_model_edit_after_training_is_an_error_and_load_state_dict_resets_in_place():
+    model = _llama(layers=1)
+    ids, labels = _data()
+    pm = fxshard.parallelize(model, _mesh(2, 2), example_inputs=(ids,))
+    opt, _ = _train(pm, pm.parameters(), ids, labels, steps=1, clip=lambda: None)
+    with torch.no_grad():
+        model.get_parameter(UP).mul_(2.0)     # the stale model must not be re-sliced
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), \
+                pytest.raises(ValueError, match=r"changed after training.*pm\.load_state_dict"):
+            pm(ids)
+    # pm.load_state_dict copies into the shards in place: the optimizer's tensors stay
+    fresh = _llama(layers=1, kv=2)
+    torch.manual_seed(5)
+    for p in fresh.parameters():
+        p.data.normal_(0, 0.05)
+    before = [id(p) for p in pm.parameters()]
+    pm.load_state_dict(fresh.state_dict())
+    assert [id(p) for p in pm.parameters()] == before
+    assert opt.param_groups[0]["params"][0] is pm.parameters()[0]
+    for name, p in fresh.named_parameters():
+        torch.testing.assert_close(pm.state_dict()[name], p.detach(), rtol=0, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(pm(ids), fresh(ids), rtol=1e-4, atol=1e-4)
+    # the gradients are the loaded weights' (as the single-device model's)
+    ref = copy.deepcopy(fresh)
+    pm.zero_grad()
+    _loss(pm(ids), labels).backward()
+    _loss(ref(ids), labels).backward()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(pm.gradients()[name], p.grad, rtol=1e-5, atol=1e-5)
+    # an explicit write-back gives the model the trained weights, and is no error
+    pm.write_back()
+    torch.testing.assert_close(model.get_parameter(UP), fresh.get_parameter(UP))
+    with torch.no_grad():
+        torch.testing.assert_close(pm(ids), model(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_explain_and_rank_modules_of_a_training_program():
+    model = _llama(layers=1)
+    ids, labels = _data()
+    pm = fxshard.parallelize(model, _mesh(2, 2))
+    _loss(pm(ids), labels).backward()
+    bwd = pm.rank_module(1, "backward")
+    assert any(n.name.startswith("saved_") for n in bwd.graph.nodes if n.op == "placeholder")
+    assert pm.rank_module(1, "forward") is pm.trainer.rank_module(1, "forward")
+    ex = pm.explain()
+    mem = pm.trainer.memory(0)
+    assert ex.train_memory[0] == {"parameters": mem["parameters"],
+                                  "gradients": mem["gradients"],
+                                  "adamw_state": 2 * mem["parameters"], "saved": mem["saved"]}
+    # dp: one all-reduce per parameter gradient, moving the rank's parameter bytes
+    dp = [c for c in ex.backward[0] if c.op == "all_reduce" and c.axis == "dp"]
+    assert len(dp) == len(list(model.parameters()))
+    assert sum(c.tensor_bytes for c in dp) == mem["parameters"]
+    text = str(ex)
+    assert "Backward collectives per rank per step" in text and "adamw_state" in text
+    assert f"all_reduce      dp             {len(dp)}" in text
+
+
+@pytest.mark.parametrize("axis", ["pp", "ring_cp", "ulysses_cp"])
+def test_axes_that_cannot_train_yet_are_errors(axis):
+    model = _llama(layers=2)
+    ids, _ = _data()
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=(axis,))
+    pm = fxshard.parallelize(model, mesh)
+    with pytest.raises(NotImplementedError, match=rf"{axis!r} of size 2.*torch\.no_grad"):
+        pm(ids)
+    with pytest.raises(NotImplementedError, match=r"compile=True.*torch\.no_grad"):
+        fxshard.parallelize(model, _mesh(2, 1), compile=True)(ids)
+
+
+def test_a_model_that_does_not_require_grad_runs_inference():
+    model = _llama(layers=1).requires_grad_(False)
+    ids, _ = _data()
+    pm = fxshard.parallelize(model, _mesh(1, 2))
+    out = pm(ids)
+    assert not out.requires_grad and not pm.programs.training
+    torch.testing.assert_close(out, model(ids), rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=3)
+@given(mesh=st.sampled_from([(2, 1, False), (1, 2, True), (2, 2, False), (4, 2, False),
+                             (2, 4, True), (1, 4, False), (8, 1, False)]),
+       intermediate=st.sampled_from([40, 52, 68]), vocab=st.sampled_from([50, 70]),
+       kv=st.sampled_from([1, 2, 4]), seq=st.sampled_from([4, 8]), seed=st.integers(0, 3))
+def test_gradients_property_through_parallelize(mesh, intermediate, vocab, kv, seq, seed):
+    dp, tp, sp = mesh
+    torch.manual_seed(seed)
+    cfg = LlamaConfig.tiny(num_hidden_layers=1, vocab_size=vocab, hidden_size=32,
+                           intermediate_size=intermediate, num_attention_heads=4,
+                           num_key_value_heads=kv)
+    model = LlamaForCausalLM(cfg)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (dp * 2, seq), generator=g)
+    labels = torch.randint(0, vocab, (dp * 2, seq), generator=g)
+    pm = fxshard.parallelize(model, _mesh(dp, tp), sequence_parallel=sp)
+    _loss(pm(ids), labels).backward()
+    _loss(model(ids), labels).backward()
+    grads = pm.gradients()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_tied_embedding_trains_once_and_infers_from_the_one_shard():
+    # one tensor, two names: clipped once in the global norm (as torch's clip_grad_norm_
+    # over model.parameters()), and the inference program reads the one trained shard
+    model = _llama(layers=1, tied=True)
+    ref = copy.deepcopy(model)
+    ids, labels = _data()
+    pm = fxshard.parallelize(model, _mesh(1, 2), example_inputs=(ids,))
+    _, ours = _train(pm, pm.parameters(), ids, labels, steps=2,
+                     clip=lambda: fxshard.clip_grad_norm_(pm, 0.5))
+    _, theirs = _train(ref, ref.parameters(), ids, labels, steps=2,
+                       clip=lambda: torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5))
+    torch.testing.assert_close(torch.stack(ours), torch.stack(theirs), rtol=1e-5, atol=1e-6)
+    trained = pm.state_dict()
+    for name, p in ref.state_dict().items():
+        torch.testing.assert_close(trained[name], p, rtol=1e-5, atol=1e-5, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(pm(ids), ref(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_torch_compile_backend_runs_inference_with_grad_enabled():
+    # dynamo's graphs come through fxshard.backend as inference (pm.infer), grad or not
+    model = _llama(layers=1)
+    ids, _ = _data()
+    compiled = torch.compile(model, backend=fxshard.backend(_mesh(1, 2), compile=False))
+    torch._dynamo.reset()
+    torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()
