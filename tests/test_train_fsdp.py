@@ -16,6 +16,8 @@ import traceback
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fxshard
 from fxshard.models.llama import LlamaConfig, LlamaForCausalLM
@@ -34,10 +36,10 @@ def _llama(layers=2):
     return LlamaForCausalLM(cfg)
 
 
-def _data(seed=1, seq=S):
+def _data(seed=1, seq=S, batch=B):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, V, (B, seq), generator=g),
-            torch.randint(0, V, (B, seq), generator=g))
+    return (torch.randint(0, V, (batch, seq), generator=g),
+            torch.randint(0, V, (batch, seq), generator=g))
 
 
 def _loss(logits, labels):
@@ -126,6 +128,21 @@ def test_gradients_equal_single_device(axes, sp):
         assert q[names.index("tp")] == Shard(0)
         assert q[names.index("fsdp")] == (Shard(0) if names[0] == "tp" else Shard(1))
         assert tm.shards(0)["model.layers.0.self_attn.q_proj.weight"].numel() == 48 * 48 // 4
+
+
+MESHES = [{"fsdp": 4}, {"fsdp": 2, "dp": 2}, {"dp": 2, "fsdp": 2, "tp": 2},
+          {"tp": 2, "dp": 2, "fsdp": 2}, {"fsdp": 2, "tp": 4}]
+
+
+@settings(max_examples=3, deadline=None)
+@given(axes=st.sampled_from(MESHES), seq=st.integers(3, 6), seed=st.integers(0, 3))
+def test_gradients_property(axes, seq, seed):
+    """Meshes from {dp, fsdp, tp} (any order, up to 8 ranks; tp 4 > 2 KV heads)."""
+    model = _llama(layers=1)
+    ids, labels = _data(seed, seq=seq, batch=8)
+    tm = parallelize_for_training(model, _mesh(**axes))
+    _check_grads(model, tm, ids, labels)
+    _check_structure(tm, len(list(model.parameters())))
 
 
 def test_hf_llama_gradients_fsdp_tp():
