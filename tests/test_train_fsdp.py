@@ -263,11 +263,11 @@ def test_inference_forward_on_fsdp(axes):
     assert total / ways <= per_rank <= 1.02 * total / ways
 
 
-WORLD = 2
-
-
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, port: int, out_dir: str, axes: dict) -> None:
     report = {"rank": rank, "errors": []}
+    world = 1
+    for n in axes.values():
+        world *= n
     log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
@@ -279,8 +279,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         from fxshard.mesh import mesh_spec
         from fxshard.placement import local_block
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-        mesh = fxshard.init_device_mesh("cpu", (WORLD,), mesh_dim_names=("fsdp",))
+                                world_size=world, timeout=datetime.timedelta(seconds=60))
+        mesh = _mesh(**axes)
         model = _llama(layers=1)
         ids, labels = _data()
         tm = parallelize_for_training(model, mesh, example_inputs=(ids,))
@@ -294,7 +294,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         params = dict(model.named_parameters())
         report["grad"] = max((p.grad - local_block(params[n].grad, specs[n], spec, rank))
                              .abs().max().item() for n, p in tm.shards(rank).items())
-        report["sharded"] = all(p.numel() * WORLD == params[n].numel()
+        report["sharded"] = all(p.numel() * world == params[n].numel()
                                 for n, p in tm.shards(rank).items())
         opt.step()
         ref = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -310,7 +310,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_fsdp2_gloo_gradients_and_step(tmp_path):
-    reports = launch(_worker, WORLD, str(tmp_path), timeout_s=240)
+    reports = launch(_worker, 2, str(tmp_path), {"fsdp": 2}, timeout_s=240)
     for rank, r in reports.items():
         assert not r["errors"], r["errors"][0]
         assert r["ranks"] == [rank] and r["sharded"]

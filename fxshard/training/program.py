@@ -18,6 +18,14 @@ sequence-sharded data) is all-reduced, or reduce-scattered where the parameter i
 
     mm_8 = mm(t_8, view_11)            # dp: S(1) x S(0) -> P
     all_reduce = fxshard.all_reduce(mm_8, 'dp', 2)       # P -> R, the parameter's placement
+
+On ``fsdp`` a parameter enters the joint propagation as it is used (whole on the axis) and
+leaves it stored sharded (``passes/fsdp.py``): one all-gather before its first use, which the
+partition redoes in the backward (a weight-only value), and its gradient reduce-scattered::
+
+    all_gather = fxshard.all_gather(w_q, 1, 'fsdp', 2); t = t(all_gather); mm = mm(x, t)
+    mm_8 = mm(t_8, view_11)                                  # fsdp: P
+    reduce_scatter = fxshard.reduce_scatter(mm_8, 1, 'fsdp', 2)   # P -> S(1), w_q's shard
 """
 from __future__ import annotations
 
