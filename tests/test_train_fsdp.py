@@ -94,6 +94,8 @@ def _check_structure(tm, n_params: int):
         while chain[-1].meta.get("fxshard_collective") is not None:
             chain.append(chain[-1].args[0])
         assert sum(_is(n, "reduce_scatter", FSDP) for n in chain) == 1, g.name
+        # reduced as soon as it is made, not all at the end of the backward
+        assert all(c.prev is c.args[0] for c in chain[:-1]), g.name
     # each gather comes right before the first use of its result (not all at the start)
     for gm in (fwd, bwd):
         for n in gm.graph.nodes:

@@ -12,7 +12,8 @@ depend on the user's inputs (activations); a forward value that depends on weigh
 constants alone (a transposed weight, a gathered weight, the RoPE tables) is recomputed in the
 backward instead of kept alive between the two calls: an fsdp parameter's all-gather is done
 again in the backward (ZeRO-3), unless ``keep`` names it. In both programs such values are
-computed just before their first use. Before/after on one linear::
+computed just before their first use; a gradient's own collectives (dp's all-reduce, fsdp's
+reduce-scatter) run just after it is made. Before/after on one linear::
 
     joint:     t = t(w); mm = mm(x, t); ...; mm_8 = mm(t(tangent), x); t_10 = t(t); mm_9 = ...
     forward:   t = t(w); mm = mm(x, t)                      -> (out, x)        (x saved)
@@ -89,6 +90,27 @@ def _just_in_time(graph: fx.Graph) -> int:
     return moved
 
 
+def _reduce_early(graph: fx.Graph) -> int:
+    """Move the collectives that only carry a gradient to the output (all-reduce,
+    reduce-scatter) to just after the gradient is made: each full gradient is then freed at
+    once instead of every one living to the end of the backward."""
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    moved = 0
+    for g in out.all_input_nodes:
+        chain = []
+        while g.meta.get("fxshard_collective") is not None and len(g.users) == 1:
+            chain.append(g)
+            g = g.args[0]
+        if g.op == "placeholder":
+            continue
+        for c in reversed(chain):
+            if g.next is not c:
+                g.append(c)
+                moved += 1
+            g = c
+    return moved
+
+
 def partition(gm: fx.GraphModule, n_outputs: int, grad_fqns: list, keep: set = frozenset()
               ) -> Split:
     """``gm``: a joint graph whose placeholders carry ``fxshard_param`` / ``fxshard_buffer`` /
@@ -153,6 +175,8 @@ def partition(gm: fx.GraphModule, n_outputs: int, grad_fqns: list, keep: set = f
     for g in (fg, bg):
         g.eliminate_dead_code()
         _just_in_time(g)
+    _reduce_early(bg)
+    for g in (fg, bg):
         g.lint()
     root = torch.nn.Module()
     return Split(forward=fx.GraphModule(root, fg, class_name="TrainForward"),
