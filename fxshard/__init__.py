@@ -1,8 +1,8 @@
 """fxshard: run one unmodified PyTorch model in parallel over a device mesh.
 
 The model is traced with torch.export into an ATen FX graph; graph passes annotate every node
-with its placement on each mesh axis (dp, tp, pp, ulysses_cp, ring_cp), insert the collectives
-and emit one readable ``torch.fx.GraphModule`` per rank.
+with its placement on each mesh axis (dp, fsdp, tp, pp, ulysses_cp, ring_cp), insert the
+collectives and emit one readable ``torch.fx.GraphModule`` per rank.
 """
 from torch.distributed.tensor import Partial, Replicate, Shard
 

@@ -118,8 +118,8 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--mesh", default=((2, 2), ("dp", "tp")), type=_parse_mesh,
-                        help="axis sizes, e.g. dp=2,tp=2 (axes: dp, tp, pp, ulysses_cp, "
-                             "ring_cp; default dp=2,tp=2)")
+                        help="axis sizes, e.g. dp=2,tp=2 (axes: dp, fsdp, tp, pp, "
+                             "ulysses_cp, ring_cp; default dp=2,tp=2)")
     common.add_argument("--sp", action="store_true",
                         help="sequence parallelism on tp (generate: the prefill; a decode step "
                              "has one token)")
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sizes = dict(zip(args.mesh[1], args.mesh[0]))
     if args.batch is None:  # fit the mesh: every dp rank and microbatch gets a sequence
-        unit = sizes.get("dp", 1) * args.microbatches
+        unit = sizes.get("dp", 1) * sizes.get("fsdp", 1) * args.microbatches
         args.batch = unit * -(-4 // unit)
     unit = 2 * sizes.get("ring_cp", 1) * sizes.get("ulysses_cp", 1)  # zigzag: 2 chunks a rank
     for name, default in (("seq", 16), ("prompt_len", 8)):

@@ -4,6 +4,8 @@ A mesh is a grid of ranks with one named axis per kind of parallelism::
 
     axis name    role
     dp           data parallel: inputs sharded on the batch dim
+    fsdp         fully sharded data parallel: inputs sharded on the batch dim, weights (and
+                 so gradients and optimizer state) sharded, all-gathered before use
     tp           tensor parallel: Linear / Embedding weights sharded (Megatron)
     pp           pipeline parallel: layers in contiguous stages
     ulysses_cp   context parallel (Ulysses): sequence sharded, all-to-all around attention
@@ -29,7 +31,7 @@ import torch
 __all__ = ["AXIS_NAMES", "MeshSpec", "SimulatedMesh", "init_device_mesh", "mesh_spec",
            "canonical_axis"]
 
-AXIS_NAMES = ("dp", "tp", "pp", "ulysses_cp", "ring_cp")
+AXIS_NAMES = ("dp", "fsdp", "tp", "pp", "ulysses_cp", "ring_cp")
 _ALIASES = {"ulysess_cp": "ulysses_cp"}  # the seed article's spelling
 
 

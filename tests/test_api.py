@@ -13,7 +13,7 @@ from tests.models import hf_llama, our_llama
 
 
 def test_unknown_axis_name_lists_the_allowed_names():
-    with pytest.raises(ValueError, match=r"unknown mesh axis name 'model'.*dp, tp, pp, "
+    with pytest.raises(ValueError, match=r"unknown mesh axis name 'model'.*dp, fsdp, tp, pp, "
                                          r"ulysses_cp, ring_cp"):
         fxshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "model"))
 

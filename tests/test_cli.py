@@ -13,7 +13,7 @@ from fxshard.__main__ import layer_excerpt, main
     ("dp=x", r"argument --mesh: expected NAME=SIZE pairs.*got 'dp=x'"),
     ("dp2", r"argument --mesh: expected NAME=SIZE pairs.*got 'dp2'"),
     ("tp=0", r"argument --mesh: expected NAME=SIZE pairs with sizes >= 1"),
-    ("dp=2,tq=2", r"argument --mesh: unknown axis 'tq'; use dp, tp, pp, ulysses_cp, ring_cp"),
+    ("dp=2,tq=2", r"argument --mesh: unknown axis 'tq'; use dp, fsdp, tp, pp, ulysses_cp, ring_cp"),
     ("tp=2,tp=2", r"argument --mesh: 'tp=2,tp=2' names an axis twice"),
 ])
 def test_malformed_mesh_is_a_usage_error_without_traceback(mesh, message, capsys):

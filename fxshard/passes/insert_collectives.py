@@ -159,13 +159,17 @@ def _current(node: fx.Node):
 def insert_collectives_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     graph = gm.graph
     added = 0
-    # 1. values that move right after they are made (user inputs, embedding outputs)
+    # 1. values that move right after they are made (user inputs, embedding outputs, fsdp
+    #    parameters)
     for node in list(graph.nodes):
         then = node.meta.pop("fxshard_then", None)
         if then is None or then == node.meta.get("fxshard_spec"):
             continue
         users = list(node.users)
-        if node.op == "placeholder":  # keep the placeholders together at the top
+        if node.op == "placeholder" and node.meta.get("fxshard_param") is not None and users:
+            # an fsdp-sharded parameter: gathered right before its first use, not all at once
+            where = graph.inserting_before(next(n for n in graph.nodes if n in node.users))
+        elif node.op == "placeholder":  # keep the placeholders together at the top
             where = graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder"))
         else:
             where = graph.inserting_before(node.next)

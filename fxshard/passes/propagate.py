@@ -10,7 +10,8 @@ to ``node.meta``::
 User inputs arrive whole (every rank is given the global input) and are sharded right away:
 ``dp`` takes the batch (dim 0), the context-parallel axes the sequence (dim 1). Outputs are
 gathered back to Replicate. Parameters get the placement their first consumer asks for
-(a plan override wins); the rest stay Replicate.
+(a plan override wins); the rest stay Replicate. On ``fsdp`` a parameter is used Replicate
+and stored sharded (``passes/fsdp.py``: its placeholder's ``fxshard_then``).
 
 Two refinements run until nothing changes, each propagating the graph again: a column-parallel
 weight whose output is gathered back before any row-parallel contraction uses the shard (e.g.
@@ -36,6 +37,7 @@ import torch.fx as fx
 
 from ..placement import Partial, R, Replicate, Shard, StridedShard, shard_dim, short
 from . import PassCtx
+from .fsdp import fsdp_storage_pass
 from .moe_routing import TAG
 from .rules import (UNDECIDED, Decision, RuleCtx, fallback, lookup, tensor_inputs,
                     warn_fallback)
@@ -55,8 +57,8 @@ _MAX_REFINEMENTS = 8
 
 
 def input_spec(val: torch.Tensor, ctx: PassCtx, main: torch.Tensor | None = None) -> tuple:
-    """Where a user input goes: batch (dim 0) on ``dp``, sequence (dim 1) on the CP axes
-    (unless ``ctx.split_sequence`` is off: a decode step's one token), whole elsewhere.
+    """Where a user input goes: batch (dim 0) on ``dp`` and ``fsdp``, sequence (dim 1) on the
+    CP axes (unless ``ctx.split_sequence`` is off: a decode step's one token), whole elsewhere.
     ``main`` is the first tensor input (the ids): another input is split only
     on the dims it shares with it, so a ``[1]`` temperature or a ``[B, 5]`` feature input
     stays whole where it has no batch or no sequence."""
@@ -67,7 +69,7 @@ def input_spec(val: torch.Tensor, ctx: PassCtx, main: torch.Tensor | None = None
 
     out = []
     for axis, n in zip(ctx.mesh.axis_names, ctx.mesh.shape):
-        if n > 1 and axis == "dp" and shares(0):
+        if n > 1 and axis in ("dp", "fsdp") and shares(0):
             out.append(Shard(0))
         elif n > 1 and axis in ("ulysses_cp", "ring_cp") and ctx.split_sequence and shares(1):
             out.append(Shard(1))
@@ -152,7 +154,8 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
                         # weights are sliced contiguously when loaded: on a zigzag axis they
                         # stay whole and the graph slices them (zigzag_shard) where needed
                         spec.append(R)
-                    elif fqn in replicate:
+                    elif fqn in replicate or a == "fsdp":
+                        # fsdp: used whole, stored sharded (fsdp_storage_pass, passes/fsdp.py)
                         spec.append(R)
                     elif planned is not None:
                         spec.append(planned)
@@ -452,6 +455,7 @@ def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     if tp is not None and mesh.shape[tp] > 1:
         _list_replicated(gm, ctx, tp, why)
         _report_experts(gm, ctx, tp)
+    fsdp_storage_pass(gm, ctx=ctx)
     sharded = sum(1 for n in gm.graph.nodes
                   if isinstance(n.meta.get("fxshard_spec"), tuple)
                   and any(not isinstance(p, Replicate) for p in n.meta["fxshard_spec"]))

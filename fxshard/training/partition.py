@@ -10,7 +10,10 @@ collectives): the forward is what the model's outputs need; the backward is what
 gradients need besides. Values the backward reads from the forward are *saved* when they
 depend on the user's inputs (activations); a forward value that depends on weights and
 constants alone (a transposed weight, a gathered weight, the RoPE tables) is recomputed in the
-backward instead of kept alive between the two calls. Before/after on one linear::
+backward instead of kept alive between the two calls: an fsdp parameter's all-gather is done
+again in the backward (ZeRO-3), unless ``keep`` names it. In both programs such values are
+computed just before their first use; a gradient's own collectives (dp's all-reduce, fsdp's
+reduce-scatter) run just after it is made. Before/after on one linear::
 
     joint:     t = t(w); mm = mm(x, t); ...; mm_8 = mm(t(tangent), x); t_10 = t(t); mm_9 = ...
     forward:   t = t(w); mm = mm(x, t)                      -> (out, x)        (x saved)
@@ -62,10 +65,59 @@ def _ancestors(roots, stop=lambda n: False) -> set:
     return seen
 
 
-def partition(gm: fx.GraphModule, n_outputs: int, grad_fqns: list) -> Split:
+def _just_in_time(graph: fx.Graph) -> int:
+    """Move each value made from weights alone (an fsdp parameter's all-gather, a transposed
+    weight) to just before its first use, so a recomputed gather in the backward is not done
+    for every parameter at the start (which would hold the whole model at once)."""
+    weights = {n for n in graph.nodes if n.op == "placeholder" and _weight(n)}
+    derived = set(weights)
+    for n in graph.nodes:
+        if n.op == "call_function" and n.all_input_nodes and \
+                all(a in derived for a in n.all_input_nodes):
+            derived.add(n)
+    order = {n: float(i) for i, n in enumerate(graph.nodes)}
+    moved = 0
+    for n in reversed(list(graph.nodes)):
+        if n in weights or n not in derived or not n.users:
+            continue
+        first = min(n.users, key=order.__getitem__)
+        if first is n.next:
+            continue
+        before = first.prev
+        first.prepend(n)
+        order[n] = (order[before] + order[first]) / 2
+        moved += 1
+    return moved
+
+
+def _reduce_early(graph: fx.Graph) -> int:
+    """Move the collectives that only carry a gradient to the output (all-reduce,
+    reduce-scatter) to just after the gradient is made: each full gradient is then freed at
+    once instead of every one living to the end of the backward."""
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    moved = 0
+    for g in out.all_input_nodes:
+        chain = []
+        while g.meta.get("fxshard_collective") is not None and len(g.users) == 1:
+            chain.append(g)
+            g = g.args[0]
+        if g.op == "placeholder":
+            continue
+        for c in reversed(chain):
+            if g.next is not c:
+                g.append(c)
+                moved += 1
+            g = c
+    return moved
+
+
+def partition(gm: fx.GraphModule, n_outputs: int, grad_fqns: list, keep: set = frozenset()
+              ) -> Split:
     """``gm``: a joint graph whose placeholders carry ``fxshard_param`` / ``fxshard_buffer`` /
     ``fxshard_input`` / ``fxshard_tangent`` and whose output is the model's ``n_outputs``
-    outputs followed by one gradient per entry of ``grad_fqns`` (None: not a parameter's)."""
+    outputs followed by one gradient per entry of ``grad_fqns`` (None: not a parameter's).
+    ``keep``: weight-only forward values to save all the same (an fsdp parameter's gather
+    when it is not to be redone)."""
     nodes = list(gm.graph.nodes)
     out = nodes[-1]
     outs = list(out.args[0])
@@ -86,9 +138,10 @@ def partition(gm: fx.GraphModule, n_outputs: int, grad_fqns: list) -> Split:
     assert not any(t in forward for t in tangents), "a model output depends on a tangent"
     grads = [(fqn, g) for fqn, g in zip(grad_fqns, grad_outs) if fqn is not None]
     # the backward: what the gradients need, stopping at saved forward activations
+    savable = from_input | set(keep)
     backward = _ancestors([g for _, g in grads],
-                          stop=lambda n: n in forward and n in from_input)
-    saved = [n for n in nodes if n in backward and n in forward and n in from_input
+                          stop=lambda n: n in forward and n in savable)
+    saved = [n for n in nodes if n in backward and n in forward and n in savable
              and n.op != "output"]
     backward = [n for n in nodes if n in backward and n.op == "call_function"
                 and n not in saved]
@@ -121,6 +174,9 @@ def partition(gm: fx.GraphModule, n_outputs: int, grad_fqns: list) -> Split:
     bg.output(tuple(benv[g] if isinstance(g, fx.Node) else g for _, g in grads))
     for g in (fg, bg):
         g.eliminate_dead_code()
+        _just_in_time(g)
+    _reduce_early(bg)
+    for g in (fg, bg):
         g.lint()
     root = torch.nn.Module()
     return Split(forward=fx.GraphModule(root, fg, class_name="TrainForward"),

@@ -18,6 +18,14 @@ sequence-sharded data) is all-reduced, or reduce-scattered where the parameter i
 
     mm_8 = mm(t_8, view_11)            # dp: S(1) x S(0) -> P
     all_reduce = fxshard.all_reduce(mm_8, 'dp', 2)       # P -> R, the parameter's placement
+
+On ``fsdp`` a parameter enters the joint propagation as it is used (whole on the axis) and
+leaves it stored sharded (``passes/fsdp.py``): one all-gather before its first use, which the
+partition redoes in the backward (a weight-only value), and its gradient reduce-scattered::
+
+    all_gather = fxshard.all_gather(w_q, 1, 'fsdp', 2); t = t(all_gather); mm = mm(x, t)
+    mm_8 = mm(t_8, view_11)                                  # fsdp: P
+    reduce_scatter = fxshard.reduce_scatter(mm_8, 1, 'fsdp', 2)   # P -> S(1), w_q's shard
 """
 from __future__ import annotations
 
@@ -32,6 +40,7 @@ from ..mesh import MeshSpec
 from ..passes import PassCtx
 from ..passes.eager_attention import eager_attention_pass
 from ..passes.fold_mask import fold_causal_mask_pass
+from ..passes.fsdp import AXIS as FSDP, used_spec
 from ..passes.gqa import unrepeat_kv_pass
 from ..passes.insert_collectives import insert_collectives_pass
 from ..passes.localize import localize_pass
@@ -70,8 +79,9 @@ def _check_mesh(mesh: MeshSpec) -> None:
         if axis in mesh.axis_names and mesh.axis_size(axis) > 1:
             raise NotImplementedError(
                 f"{_WHERE}: training on mesh axis {axis!r} of size {mesh.axis_size(axis)} "
-                f"(mesh {mesh.describe()}) is not built yet (dp and tp are); run the forward "
-                f"under torch.no_grad() for inference on this mesh, or train on dp and tp")
+                f"(mesh {mesh.describe()}) is not built yet (dp, fsdp and tp are); run the "
+                f"forward under torch.no_grad() for inference on this mesh, or train on dp, "
+                f"fsdp and tp")
 
 
 def forward_placements(joint: Joint, ctx: PassCtx) -> dict:
@@ -122,7 +132,8 @@ def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint
         if key == "fxshard_tangent":
             tangents[fresh] = tags[node][1]
         node.meta["fxshard_input"] = fresh
-        given[fresh] = specs.get(fqn, whole) if fqn is not None else whole
+        # a parameter enters as it is used (fsdp: whole on that axis, gathered from its shard)
+        given[fresh] = used_spec(specs.get(fqn, whole), ctx.mesh) if fqn is not None else whole
         fresh += 1
     out = next(n for n in gm.graph.nodes if n.op == "output")
     for fqn, g in zip(joint.grads, out.args[0][joint.n_outputs:]):
@@ -160,6 +171,10 @@ def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint
         node.meta[key] = value
         if key != "fxshard_tangent":   # a tangent arrives whole and is sliced (then)
             node.meta["fxshard_spec"] = node.meta.pop("fxshard_then", node.meta["fxshard_spec"])
+            stored = specs.get(value, whole)
+            if stored != node.meta["fxshard_spec"]:   # fsdp: stored sharded, gathered for use
+                node.meta["fxshard_then"] = node.meta["fxshard_spec"]
+                node.meta["fxshard_spec"] = stored
 
 
 def _gradient_targets(gm: fx.GraphModule, joint: Joint, specs: dict, ctx: PassCtx) -> None:
@@ -216,10 +231,23 @@ def _vocab_backward(node: fx.Node, ctx: PassCtx) -> int:
     return 1
 
 
-def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx
-                        ) -> TrainProgram:
+def _fsdp_gathers(gm: fx.GraphModule) -> set:
+    """The all-gathers of fsdp-sharded parameters (to save rather than redo in backward)."""
+    out = set()
+    for node in gm.graph.nodes:
+        step = node.meta.get("fxshard_collective")
+        if step is not None and step.axis == FSDP and step.op == "all_gather" and \
+                node.args[0].meta.get("fxshard_param") is not None:
+            out.add(node)
+    return out
+
+
+def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx,
+                        *, reshard_after_forward: bool = True) -> TrainProgram:
     """The forward and backward rank programs of ``model`` on ``args``/``kwargs`` under
-    ``ctx`` (its mesh, plan, sequence parallelism)."""
+    ``ctx`` (its mesh, plan, sequence parallelism). ``reshard_after_forward``: an fsdp
+    parameter's all-gather is done again in the backward (True, FSDP2's default) or its result
+    saved by the forward (False: more memory, one all-gather less per parameter)."""
     _check_mesh(ctx.mesh)
     joint = joint_graph(model, args, kwargs)
     shapes = {n.meta.get("fxshard_param") or n.meta.get("fxshard_buffer"):
@@ -235,7 +263,8 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
     _gradient_targets(gm, joint, specs, jctx)
     gm = run_passes(gm, [insert_collectives_pass, localize_pass], jctx)
     _localize_backward(gm, jctx)
-    split = partition(gm, joint.n_outputs, joint.grads)
+    split = partition(gm, joint.n_outputs, joint.grads,
+                      keep=set() if reshard_after_forward else _fsdp_gathers(gm))
     return TrainProgram(split=split, specs={f: specs.get(f, tuple(R for _ in ctx.mesh.shape))
                                             for f in split.weights},
                         shapes=shapes, joint=joint, ctx=jctx,

@@ -1,0 +1,319 @@
+"""The ``fsdp`` mesh axis (ZeRO-3 / FSDP2): the batch split as on ``dp``, every parameter stored
+as a shard over the axis, all-gathered before use (again in the backward), its gradient
+reduce-scattered to the shard. Gradients, AdamW steps and inference equal one device; the rank
+programs hold one gather per parameter in each direction and one reduce-scatter; a rank holds
+1/(fsdp·tp) of the parameters, gradients and optimizer state.
+
+Sizes: hidden 48, intermediate 72, vocab 96 (every dim a shard can take divides), sequence 5
+(odd), batch 4; a tiny MLP whose dim 0 does not divide shards its dim 1.
+"""
+import collections
+import datetime
+import json
+import os
+import traceback
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fxshard
+from fxshard.models.llama import LlamaConfig, LlamaForCausalLM
+from fxshard.placement import Shard
+from fxshard.training import clip_grad_norm_, parallelize_for_training
+from tests.launch import launch
+
+V, B, S = 96, 4, 5
+FSDP = "fsdp"
+
+
+def _llama(layers=2):
+    torch.manual_seed(0)
+    cfg = LlamaConfig.tiny(num_hidden_layers=layers, vocab_size=V, hidden_size=48,
+                           intermediate_size=72, num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(cfg)
+
+
+def _data(seed=1, seq=S, batch=B):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, V, (batch, seq), generator=g),
+            torch.randint(0, V, (batch, seq), generator=g))
+
+
+def _loss(logits, labels):
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _mesh(**axes):
+    return fxshard.init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
+
+
+def _check_grads(model, tm, ids, labels, logits_of=lambda o: o):
+    out = tm(ids)
+    ref = model(ids)
+    torch.testing.assert_close(logits_of(out), logits_of(ref), rtol=1e-4, atol=1e-4)
+    _loss(logits_of(out), labels).backward()
+    _loss(logits_of(ref), labels).backward()
+    grads = tm.gradients()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def _is(node, op: str, axis: str) -> bool:
+    return node.op == "call_function" and node.target is getattr(torch.ops.fxshard, op).default \
+        and axis in node.args
+
+
+def _gathers_per_parameter(gm) -> dict:
+    """Parameter (a training program's placeholder, an inference program's attribute) -> how
+    many fsdp all-gathers read it."""
+    return {p.name: sum(_is(u, "all_gather", FSDP) for u in p.users)
+            for p in gm.graph.nodes if p.op == "get_attr" or
+            p.op == "placeholder" and p.meta.get("fxshard_param")}
+
+
+def _check_structure(tm, n_params: int):
+    fwd, bwd = tm.rank_module(0, "forward"), tm.rank_module(0, "backward")
+    assert set(_gathers_per_parameter(fwd).values()) == {1}
+    back = _gathers_per_parameter(bwd)
+    # the embedding's gradient does not read the table: nothing to gather for it
+    assert back.pop("model_embed_tokens_weight") == 0
+    assert set(back.values()) == {1}, back
+    # gathered weights are redone in the backward, never saved
+    saved = [n for n in bwd.graph.nodes if n.op == "placeholder" and n.name.startswith("saved_")]
+    assert not any(n.meta.get("fxshard_collective") is not None and
+                   n.meta["fxshard_collective"].op == "all_gather" and
+                   n.meta["fxshard_collective"].axis == FSDP for n in saved)
+    # one reduce-scatter per gradient, and it is what the backward returns
+    outs = next(n for n in bwd.graph.nodes if n.op == "output").args[0]
+    assert sum(_is(n, "reduce_scatter", FSDP) for n in bwd.graph.nodes) == n_params
+    for g in outs:   # (reduced on other axes before or after: the smaller way round)
+        chain = [g]
+        while chain[-1].meta.get("fxshard_collective") is not None:
+            chain.append(chain[-1].args[0])
+        assert sum(_is(n, "reduce_scatter", FSDP) for n in chain) == 1, g.name
+        # reduced as soon as it is made, not all at the end of the backward
+        assert all(c.prev is c.args[0] for c in chain[:-1]), g.name
+    # each gather comes right before the first use of its result (not all at the start)
+    for gm in (fwd, bwd):
+        for n in gm.graph.nodes:
+            if _is(n, "all_gather", FSDP) and n.args[0].op == "placeholder":
+                first = next(u for u in gm.graph.nodes if u in n.users)
+                assert n.next is first, (n.name, first.name)
+
+
+@pytest.mark.parametrize("axes,sp", [
+    ({"fsdp": 2}, False),
+    ({"fsdp": 2, "tp": 2}, False),
+    ({"tp": 2, "fsdp": 2}, False),     # tp outer: fsdp nests inside tp's shard of dim 0
+    ({"dp": 2, "fsdp": 2}, False),     # HSDP
+    ({"fsdp": 2, "tp": 2}, True),      # 2-D with sequence parallelism
+])
+def test_gradients_equal_single_device(axes, sp):
+    model = _llama(layers=1)
+    ids, labels = _data(seq=6 if sp else S)
+    tm = parallelize_for_training(model, _mesh(**axes), sequence_parallel=sp)
+    _check_grads(model, tm, ids, labels)
+    n_params = len(list(model.parameters()))
+    _check_structure(tm, n_params)
+    if "dp" in axes:   # HSDP: the shard's gradient all-reduced over the replicas too
+        c = collections.Counter(str(n.target) for n in tm.rank_module(0, "backward").graph.nodes
+                                if _is(n, "all_reduce", "dp"))
+        assert sum(c.values()) == n_params
+    if "tp" in axes:
+        # the column-parallel q_proj: tp shards its dim 0; fsdp dim 1 (fsdp outer) or, when
+        # tp is the outer axis, dim 0 again inside tp's shard
+        q = tm._specs["model.layers.0.self_attn.q_proj.weight"]
+        names = list(axes)
+        assert q[names.index("tp")] == Shard(0)
+        assert q[names.index("fsdp")] == (Shard(0) if names[0] == "tp" else Shard(1))
+        assert tm.shards(0)["model.layers.0.self_attn.q_proj.weight"].numel() == 48 * 48 // 4
+
+
+MESHES = [{"fsdp": 4}, {"fsdp": 2, "dp": 2}, {"dp": 2, "fsdp": 2, "tp": 2},
+          {"tp": 2, "dp": 2, "fsdp": 2}, {"fsdp": 2, "tp": 4}]
+
+
+@settings(max_examples=3, deadline=None)
+@given(axes=st.sampled_from(MESHES), seq=st.integers(3, 6), seed=st.integers(0, 3))
+def test_gradients_property(axes, seq, seed):
+    """Meshes from {dp, fsdp, tp} (any order, up to 8 ranks; tp 4 > 2 KV heads)."""
+    model = _llama(layers=1)
+    ids, labels = _data(seed, seq=seq, batch=8)
+    tm = parallelize_for_training(model, _mesh(**axes))
+    _check_grads(model, tm, ids, labels)
+    _check_structure(tm, len(list(model.parameters())))
+
+
+def test_hf_llama_gradients_fsdp_tp():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=48, intermediate_size=72,
+                                   num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids, labels = _data()
+    tm = parallelize_for_training(model, _mesh(fsdp=2, tp=2))
+    _check_grads(model, tm, ids, labels, logits_of=lambda o: o.logits)
+    _check_structure(tm, len(list(model.parameters())))
+
+
+def _adam_state_bytes(opt, params) -> int:
+    return sum(t.numel() * t.element_size() for p in params for t in opt.state[p].values()
+               if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+
+def test_adamw_steps_and_memory_per_rank():
+    model = _llama(layers=1)
+    ids, labels = _data()
+    mesh = _mesh(fsdp=2, tp=2)
+    tm = parallelize_for_training(model, mesh, example_inputs=(ids,))
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    ours = make(tm.parameters())
+    norms = []
+    for _ in range(3):
+        ours.zero_grad()
+        _loss(tm(ids), labels).backward()
+        norms.append(clip_grad_norm_(tm, 0.5))
+        ours.step()
+    trained = tm.state_dict()
+    theirs = make(model.parameters())
+    for step in range(3):
+        theirs.zero_grad()
+        _loss(model(ids), labels).backward()
+        torch.testing.assert_close(norms[step],
+                                   torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5),
+                                   rtol=1e-5, atol=1e-6)
+        theirs.step()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-5, msg=name)
+    # memory: parameters + gradients + AdamW's two moments, measured from the shard tensors
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total += sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    total += _adam_state_bytes(theirs, list(model.parameters()))
+    for rank in range(4):
+        mine = list(tm.shards(rank).values())
+        held = sum(p.numel() * p.element_size() for p in mine)
+        held += sum(p.grad.numel() * p.grad.element_size() for p in mine)
+        held += _adam_state_bytes(ours, mine)
+        # the norms are split on fsdp only (replicated on tp): a little above a quarter
+        assert total / 4 <= held <= 1.02 * total / 4, (rank, held, total)
+        assert tm.memory(rank)["parameters"] == sum(p.numel() * 4 for p in mine)
+
+
+def test_reshard_after_forward_false_keeps_the_gathered_weights():
+    model = _llama(layers=1)
+    ids, labels = _data()
+    tm = parallelize_for_training(model, _mesh(fsdp=2), fsdp_reshard_after_forward=False)
+    _check_grads(model, tm, ids, labels)
+    bwd = tm.rank_module(0, "backward")
+    assert set(_gathers_per_parameter(bwd).values()) == {0}
+    saved = [n for n in bwd.graph.nodes if n.op == "placeholder" and n.name.startswith("saved_")
+             and n.meta.get("fxshard_collective") is not None
+             and n.meta["fxshard_collective"].op == "all_gather"]
+    # every weight but the embedding's (its gradient does not read it) comes saved, whole
+    assert len(saved) == len(list(model.parameters())) - 1
+    assert sum(_is(n, "reduce_scatter", FSDP) for n in bwd.graph.nodes) == \
+        len(list(model.parameters()))
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, dims=(6, 5, 4), bias=False):
+        super().__init__()
+        self.a = torch.nn.Linear(dims[0], dims[1], bias=bias)
+        self.b = torch.nn.Linear(dims[1], dims[2], bias=bias)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_the_dim_that_divides_and_the_error_when_none_does():
+    torch.manual_seed(0)
+    model = _MLP()
+    x = torch.randn(4, 6)
+    tm = parallelize_for_training(model, _mesh(fsdp=2))
+    out = tm(x)
+    torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-4)
+    out.square().sum().backward()
+    model(x).square().sum().backward()
+    for name, g in tm.gradients().items():
+        torch.testing.assert_close(g, dict(model.named_parameters())[name].grad, rtol=1e-5,
+                                   atol=1e-5)
+    assert tm.shards(1)["a.weight"].shape == (5, 3)     # [5, 6]: dim 0 is odd, dim 1 split
+    assert tm.shards(1)["b.weight"].shape == (2, 5)     # [4, 5]: dim 0
+    with pytest.raises(ValueError, match=r"a\.bias of shape \(5,\).*'fsdp' of size 2"):
+        parallelize_for_training(_MLP(bias=True), _mesh(fsdp=2), example_inputs=(x,))
+    with pytest.raises(ValueError, match=r"a\.bias of shape \(5,\).*'fsdp' of size 2"):
+        with torch.no_grad():
+            fxshard.parallelize(_MLP(bias=True), _mesh(fsdp=2))(x)
+
+
+@pytest.mark.parametrize("axes", [{"fsdp": 2}, {"fsdp": 2, "tp": 2}])
+def test_inference_forward_on_fsdp(axes):
+    model = _llama()
+    ids, _ = _data()
+    pm = fxshard.parallelize(model, _mesh(**axes))
+    with torch.no_grad():
+        torch.testing.assert_close(pm(ids), model(ids), rtol=1e-4, atol=1e-4)
+    gm = pm.rank_module(0)
+    assert set(_gathers_per_parameter(gm).values()) == {1}
+    per_rank = sum(p.numel() for p in gm.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    ways = axes["fsdp"] * axes.get("tp", 1)
+    assert total / ways <= per_rank <= 1.02 * total / ways
+
+
+def _worker(rank: int, port: int, out_dir: str, axes: dict) -> None:
+    report = {"rank": rank, "errors": []}
+    world = 1
+    for n in axes.values():
+        world *= n
+    log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    try:
+        import warnings
+        warnings.simplefilter("ignore")
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+        from fxshard.mesh import mesh_spec
+        from fxshard.placement import local_block
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=60))
+        mesh = _mesh(**axes)
+        model = _llama(layers=1)
+        ids, labels = _data()
+        tm = parallelize_for_training(model, mesh, example_inputs=(ids,))
+        report["ranks"] = tm.ranks
+        opt = torch.optim.AdamW(tm.parameters(), lr=1e-3)
+        out = tm(ids)
+        report["forward"] = (out - model(ids)).abs().max().item()
+        _loss(out, labels).backward()
+        _loss(model(ids), labels).backward()
+        spec, specs = mesh_spec(mesh), tm._specs
+        params = dict(model.named_parameters())
+        report["grad"] = max((p.grad - local_block(params[n].grad, specs[n], spec, rank))
+                             .abs().max().item() for n, p in tm.shards(rank).items())
+        report["sharded"] = all(p.numel() * world == params[n].numel()
+                                for n, p in tm.shards(rank).items())
+        opt.step()
+        ref = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ref.step()
+        report["params"] = max((p.detach() - local_block(params[n].detach(), specs[n], spec,
+                                                         rank)).abs().max().item()
+                               for n, p in tm.shards(rank).items())
+    except BaseException:  # noqa: BLE001 - reported to the test process
+        report["errors"].append(traceback.format_exc())
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    os._exit(0)
+
+
+def test_fsdp2_gloo_gradients_and_step(tmp_path):
+    reports = launch(_worker, 2, str(tmp_path), {"fsdp": 2}, timeout_s=240)
+    for rank, r in reports.items():
+        assert not r["errors"], r["errors"][0]
+        assert r["ranks"] == [rank] and r["sharded"]
+        assert r["forward"] < 1e-4 and r["grad"] < 1e-5 and r["params"] < 1e-5, r
