@@ -166,4 +166,4 @@ def _caller_level() -> int:
 
 # Import the rule families so that they register themselves.
 from . import (pointwise, views, reductions, linear, embedding, attention, factory,  # noqa: E402,F401
-               indexing, experts)
+               indexing, experts, loss)
