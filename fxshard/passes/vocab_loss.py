@@ -95,7 +95,7 @@ def split_loss_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
                 node.args[2] is None and node.args[0].meta["val"].dim() == 2:
             users = [u for u in node.users if u.args[1] == 0]
             node.update_arg(3, 2)
-            with graph.inserting_after(node):
+            with graph.inserting_before(node.next):
                 loss = _mean_of(graph, node, node, after=True)
             for u in users:
                 u.replace_all_uses_with(loss)
