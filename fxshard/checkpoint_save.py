@@ -20,7 +20,9 @@ Design (memory): every file holds whole tensors (HF's format: one tensor per nam
 which tensor goes to which file, follows from names, shapes and dtypes alone, so every rank
 computes the same plan without talking. File ``k`` is written by rank ``k mod world``; that rank
 writes the header first (offsets from shapes), then each tensor's bytes in turn, so it holds
-one whole tensor at a time. A training module's tensor is assembled one at a time by its
+one whole tensor at a time. A ParallelModule's weights as loaded are whole values on every
+process (the model's tensors, or checkpoint sources read whole one tensor at a time), so its
+writers need no messages. A training module's tensor is assembled one at a time by its
 file's writer: on a simulated mesh from every rank's shard in this process; on a real mesh
 (``torchrun``) the owners of its blocks (the coordinate-0 replica of each slice) send them to
 the writer, which assembles and writes it, so a rank's peak is its own shards plus one whole
