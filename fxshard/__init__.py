@@ -10,9 +10,11 @@ from . import ops  # noqa: F401  (registers every torch.ops.fxshard op)
 from .api import ParallelModule, parallelize
 from .backend import backend
 from .checkpoint import load_safetensors
+from .checkpoint_save import save_safetensors
 from .mesh import SimulatedMesh, init_device_mesh
 from .training.optim import clip_grad_norm_
 from .weights import init_empty_weights
 
-__all__ = ["init_device_mesh", "parallelize", "backend", "load_safetensors", "init_empty_weights",
-           "ParallelModule", "SimulatedMesh", "clip_grad_norm_", "Shard", "Replicate", "Partial"]
+__all__ = ["init_device_mesh", "parallelize", "backend", "load_safetensors", "save_safetensors",
+           "init_empty_weights", "ParallelModule", "SimulatedMesh", "clip_grad_norm_", "Shard",
+           "Replicate", "Partial"]

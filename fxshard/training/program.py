@@ -49,6 +49,7 @@ from ..passes.pipeline import run_passes
 from ..passes.propagate import _run_once, input_spec, propagate_pass
 from ..passes.rules import FallbackWarning
 from ..placement import Partial, R
+from ..passes.vocab_loss import split_loss_pass, vocab_parallel_loss_pass
 from .gqa import repeat_kv_pass
 from .joint import Joint, joint_graph
 from .refine import dedupe_views_pass, gathered_many_times, reduced_many_times
@@ -91,7 +92,8 @@ def forward_placements(joint: Joint, ctx: PassCtx) -> dict:
     with warnings.catch_warnings():   # the joint graph's propagation warns about its own ops
         warnings.simplefilter("ignore", FallbackWarning)
         gm = run_passes(joint.traced.gm, [eager_attention_pass, fold_causal_mask_pass,
-                                          unrepeat_kv_pass, moe_routing_pass, propagate_pass],
+                                          unrepeat_kv_pass, moe_routing_pass, split_loss_pass,
+                                          propagate_pass],
                         ctx)
     out = {}
     for node in gm.graph.nodes:
@@ -259,9 +261,10 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
                    plan=ctx.plan, embedding_style=ctx.embedding_style)
     gm = repeat_kv_pass(joint.gm, ctx=jctx)
     gm = dedupe_views_pass(gm, ctx=jctx)
+    gm = run_passes(gm, [split_loss_pass], jctx)
     _joint_propagate(gm, jctx, specs, joint)
     _gradient_targets(gm, joint, specs, jctx)
-    gm = run_passes(gm, [insert_collectives_pass, localize_pass], jctx)
+    gm = run_passes(gm, [vocab_parallel_loss_pass, insert_collectives_pass, localize_pass], jctx)
     _localize_backward(gm, jctx)
     split = partition(gm, joint.n_outputs, joint.grads,
                       keep=set() if reshard_after_forward else _fsdp_gathers(gm))

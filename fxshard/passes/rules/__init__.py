@@ -171,4 +171,4 @@ def _caller_level() -> int:
 
 # Import the rule families so that they register themselves.
 from . import (pointwise, views, reductions, linear, embedding, attention, factory,  # noqa: E402,F401
-               indexing, experts, complex)
+               indexing, experts, complex, loss)

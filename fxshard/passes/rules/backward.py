@@ -149,7 +149,7 @@ def select_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     return Decision(ins=[R], out=R)
 
 
-@rule(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
+@rule(aten._softmax_backward_data.default)   # _log_softmax_backward_data: rules/loss.py
 def softmax_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     """``_softmax_backward_data(grad, out, dim, dtype)``: the softmax dim whole."""
     nd = ctx.ndim(node)

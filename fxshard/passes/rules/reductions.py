@@ -82,8 +82,7 @@ def cumsum_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     return softmax_rule(node, ins, ctx)
 
 
-@rule(aten._softmax.default, aten.softmax.int, aten._log_softmax.default,
-      aten.log_softmax.int)
+@rule(aten._softmax.default, aten.softmax.int)   # log_softmax: rules/loss.py
 def softmax_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     p = ins[0]
     dim = node.args[1] % ctx.ndim(node.args[0])

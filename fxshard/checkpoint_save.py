@@ -1,0 +1,280 @@
+"""Saving an HF-layout safetensors checkpoint from a parallelized or training module.
+
+``save_safetensors(module, directory, max_shard_size="5GB")`` writes::
+
+    directory/model.safetensors.index.json        {"metadata": {"total_size": ...},
+                                                   "weight_map": {name: file}}
+    directory/model-00001-of-00003.safetensors    whole tensors, HF's names and layout
+    ...
+
+which ``transformers.AutoModelForCausalLM.from_pretrained(directory)`` and
+``fxshard.load_safetensors(pm, directory)`` (any mesh) read. Tied weights are written once, under
+the first name the model gives them (``model.embed_tokens.weight``; ``lm_head.weight`` is left
+out), as HuggingFace saves them.
+
+What is written: for a :class:`fxshard.ParallelModule`, its weights as loaded (the values its
+rank programs are sliced from); for a :class:`fxshard.training.TrainModule`, the trained shards,
+assembled (the model's persistent buffers as they are).
+
+Design (memory): every file holds whole tensors (HF's format: one tensor per name). The plan,
+which tensor goes to which file, follows from names, shapes and dtypes alone, so every rank
+computes the same plan without talking. File ``k`` is written by rank ``k mod world``; that rank
+writes the header first (offsets from shapes), then each tensor's bytes in turn, so it holds
+one whole tensor at a time. A ParallelModule's weights as loaded are whole values on every
+process (the model's tensors, or checkpoint sources read whole one tensor at a time), so its
+writers need no messages. A training module's tensor is assembled one at a time by its
+file's writer: on a simulated mesh from every rank's shard in this process; on a real mesh
+(``torchrun``) the owners of its blocks (the coordinate-0 replica of each slice) send them to
+the writer, which assembles and writes it, so a rank's peak is its own shards plus one whole
+tensor. Rank 0 writes the index last, after a barrier.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+
+import torch
+
+from .mesh import is_simulated
+from .placement import Replicate, block_index
+
+__all__ = ["save_safetensors"]
+
+_WHERE = "fxshard.save_safetensors"
+INDEX = "model.safetensors.index.json"
+_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+          torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+          torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+          torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12,
+          "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
+
+
+def shard_size_bytes(size) -> int:
+    """``max_shard_size`` in bytes: an int, or ``"5GB"`` / ``"500MiB"`` as HF spells it."""
+    if isinstance(size, int) and size > 0:
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(size).upper())
+    if not m or m.group(2) not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError(f"{_WHERE}: max_shard_size={size!r}; give bytes (an int > 0) or a "
+                         f"string such as '5GB', '200MB' or '512MiB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+class _Entry:
+    """One tensor of the checkpoint: its name, global shape and dtype, and how to get it."""
+
+    def __init__(self, name, shape, dtype, whole=None, shards=None):
+        self.name, self.shape, self.dtype = name, tuple(shape), dtype
+        self.whole = whole        # () -> the whole tensor (a weight as loaded)
+        self.shards = shards      # (spec, {rank: block getter}) of a trained parameter
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _entries(module) -> list[_Entry]:
+    from .training import TrainModule
+    if isinstance(module, TrainModule):
+        return _train_entries(module)
+    if not hasattr(module, "weights") or not hasattr(module, "tied_names"):
+        raise TypeError(f"{_WHERE}: expected a ParallelModule (fxshard.parallelize) or a "
+                        f"TrainModule (fxshard.training.parallelize_for_training), got "
+                        f"{type(module).__name__}")
+    module.programs.sync_weights()   # the model's own changes since the last call
+    store, out = module.weights, []
+    dropped = _tied_duplicates(module.model)
+    for name, (shape, dtype) in store.expected.items():
+        if name in dropped:
+            continue
+        value = store.values[name]
+        if getattr(value, "device", None) is not None and value.device.type == "meta" \
+                and not hasattr(value, "block"):
+            raise ValueError(f"{_WHERE}: {name!r} has no value (the model was built on the "
+                             f"meta device and nothing is loaded); load weights first")
+        out.append(_Entry(name, shape, dtype, whole=lambda v=value, s=shape: _read_whole(v, s)))
+    return out
+
+
+def _read_whole(value, shape) -> torch.Tensor:
+    if hasattr(value, "block"):   # a checkpoint source: read the tensor whole
+        from safetensors import safe_open
+        with safe_open(value.file, framework="pt") as f:
+            return f.get_tensor(value.key)
+    return value.detach()
+
+
+def _tied_duplicates(model: torch.nn.Module) -> set[str]:
+    """Every name of a tied parameter but the first (HF saves a tied weight once)."""
+    seen, dropped = set(), set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        (dropped.add(name) if id(p) in seen else seen.add(id(p)))
+    return dropped
+
+
+def _train_entries(tm) -> list[_Entry]:
+    program = tm._require("save_safetensors")
+    dropped = _tied_duplicates(tm.model)
+    out = []
+    for name, value in tm.model.state_dict(keep_vars=True).items():
+        if name in dropped:
+            continue
+        spec = tm._specs.get(name)
+        held = {r: tm._shards[r][name] for r in tm.ranks if name in tm._shards[r]}
+        if spec is None or not held or not isinstance(held[tm.ranks[0]], torch.nn.Parameter):
+            out.append(_Entry(name, value.shape, value.dtype,
+                              whole=lambda v=value: v.detach()))
+            continue
+        out.append(_Entry(name, program.shapes[name], value.dtype,
+                          shards=(spec, {r: (lambda b=b: b.detach()) for r, b in held.items()})))
+    return out
+
+
+def _plan(entries: list[_Entry], limit: int) -> list[list[_Entry]]:
+    """Entries in order, cut into files of at most ``limit`` bytes (a larger tensor alone)."""
+    files, size = [[]], 0
+    for e in entries:
+        if files[-1] and size + e.nbytes > limit:
+            files.append([])
+            size = 0
+        files[-1].append(e)
+        size += e.nbytes
+    return files
+
+
+def _owners(spec: tuple, mesh) -> list[int]:
+    """The ranks whose blocks make up the whole tensor: coordinate 0 of every axis the spec
+    replicates (a Partial axis: every coordinate, their blocks summed)."""
+    return [r for r in range(mesh.world_size)
+            if all(c == 0 or n == 1 or not isinstance(p, Replicate)
+                   for n, c, p in zip(mesh.shape, mesh.coords(r), spec))]
+
+
+def _place(out: torch.Tensor, block: torch.Tensor, spec: tuple, mesh, rank: int) -> None:
+    index = block_index(tuple(out.shape), spec, mesh, rank)
+    if not out.dim():
+        out.add_(block)
+        return
+    grid = torch.meshgrid(*[torch.tensor(ix, dtype=torch.long, device=out.device)
+                            for ix in index], indexing="ij")
+    out.index_put_(grid, block.to(out.device), accumulate=True)
+
+
+def _assemble_local(e: _Entry, mesh) -> torch.Tensor:
+    spec, getters = e.shards
+    out = torch.zeros(e.shape, dtype=e.dtype, device=torch.device("cpu"))
+    for r in _owners(spec, mesh):
+        _place(out, getters[r](), spec, mesh, r)
+    return out
+
+
+def _header(entries: list[_Entry]) -> bytes:
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for e in entries:
+        if e.dtype not in _CODES:
+            raise ValueError(f"{_WHERE}: {e.name!r} has dtype {e.dtype}, which safetensors "
+                             f"cannot hold (supported: {sorted(map(str, _CODES))})")
+        header[e.name] = {"dtype": _CODES[e.dtype], "shape": list(e.shape),
+                          "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)   # safetensors aligns the data section to 8 bytes
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def _write_bytes(fh, t: torch.Tensor, e: _Entry) -> None:
+    if tuple(t.shape) != e.shape or t.dtype != e.dtype:
+        raise AssertionError(f"{_WHERE}: {e.name} came out {tuple(t.shape)} {t.dtype}, "
+                             f"expected {e.shape} {e.dtype}")
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    if flat.numel():
+        fh.write(flat.view(torch.uint8).numpy().tobytes())
+
+
+def save_safetensors(module, directory: str, *, max_shard_size="5GB") -> list[str]:
+    """Write ``module``'s weights to ``directory`` as an HF checkpoint (see the module
+    docstring); returns the files this process wrote. ``max_shard_size``: bytes per file
+    (an int or ``"5GB"``-style string; a larger tensor gets a file to itself)."""
+    limit = shard_size_bytes(max_shard_size)
+    entries = _entries(module)
+    files = _plan(entries, limit)
+    n = len(files)
+    names = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    mesh = module.spec
+    simulated = is_simulated(module.mesh)
+    comm = None if simulated else _Comm(module.mesh)
+    me = 0 if simulated else comm.rank
+    world = 1 if simulated else mesh.world_size
+    os.makedirs(directory, exist_ok=True)
+    written = []
+    for k, part in enumerate(files):
+        writer = k % world
+        if me != writer:
+            if comm is not None:
+                for e in part:
+                    if e.shards is not None:
+                        comm.send_blocks(e, writer)
+            continue
+        path = os.path.join(directory, names[k])
+        with open(path, "wb") as fh:
+            fh.write(_header(part))
+            for e in part:
+                if e.whole is not None:
+                    t = e.whole()
+                elif comm is None:
+                    t = _assemble_local(e, mesh)
+                else:
+                    t = comm.gather_whole(e)
+                _write_bytes(fh, t, e)
+                del t
+        written.append(path)
+    if comm is not None:
+        comm.barrier()
+    if me == 0:
+        index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
+                 "weight_map": {e.name: names[k] for k, part in enumerate(files) for e in part}}
+        with open(os.path.join(directory, INDEX), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+        written.append(os.path.join(directory, INDEX))
+    if comm is not None:
+        comm.barrier()
+    return written
+
+
+class _Comm:
+    """A real mesh: this process's mesh rank, and blocks sent to a tensor's writer."""
+
+    def __init__(self, device_mesh):
+        import torch.distributed as dist
+        self.dist = dist
+        from .mesh import mesh_spec
+        self.spec = mesh_spec(device_mesh, where=_WHERE)
+        self.globals = [int(g) for g in device_mesh.mesh.flatten().tolist()]
+        self.rank = self.globals.index(dist.get_rank())
+
+    def send_blocks(self, e: _Entry, writer: int) -> None:
+        spec, getters = e.shards
+        if self.rank in _owners(spec, self.spec):
+            block = getters[self.rank]().contiguous()
+            self.dist.send(block, dst=self.globals[writer])
+
+    def gather_whole(self, e: _Entry) -> torch.Tensor:
+        from .placement import local_shape
+        spec, getters = e.shards
+        out = torch.zeros(e.shape, dtype=e.dtype, device=torch.device("cpu"))
+        for r in _owners(spec, self.spec):
+            if r == self.rank:
+                block = getters[r]()
+            else:
+                block = torch.empty(local_shape(e.shape, spec, self.spec), dtype=e.dtype,
+                                    device=torch.device("cpu"))
+                self.dist.recv(block, src=self.globals[r])
+            _place(out, block, spec, self.spec, r)
+        return out
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+

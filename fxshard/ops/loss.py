@@ -1,0 +1,78 @@
+"""Local ops of the vocab-parallel loss (they read the rank's coordinate, move no data).
+
+The rank holds classes ``[start, start + C)`` of log-probabilities ``[N, C]`` (its vocab shard:
+``start`` from its coordinates on the sharding ``axes``, nested in mesh order). A target it
+holds is picked here; the others add zero, so the ranks' results are partial sums that the
+following all-reduce adds (Megatron's vocab-parallel cross-entropy)::
+
+    before: nll_loss_forward(logp, target, None, 2, -100)        # logp S(1) [N, V]
+    after:  vocab_nll_loss_forward(logp, target, 2, -100, ['tp'], [2])   # -> (P, total R)
+
+``total_weight`` counts every non-ignored target (all ranks agree: the targets are
+replicated over the vocab axes). ``vocab_nll_loss_backward`` writes ``-grad`` (``/ total``
+for ``reduction=mean``) at the rank's own targets and zero elsewhere: its shard of
+``nll_loss_backward``.
+"""
+from __future__ import annotations
+
+import torch
+
+from fxshard.ops.library import define_op
+from fxshard.runtime.context import current_backend
+
+__all__ = ["vocab_nll_loss_forward", "vocab_nll_loss_backward"]
+
+
+def _start(axes, sizes, classes: int) -> int:
+    backend, flat = current_backend(), 0
+    for axis, n in zip(axes, sizes):
+        flat = flat * n + backend.axis_index(axis)
+    return flat * classes
+
+
+def _local_targets(target, ignore_index: int, start: int, classes: int):
+    local = target - start
+    mine = (local >= 0) & (local < classes) & (target != ignore_index)
+    return local.clamp(0, classes - 1), mine
+
+
+@define_op("fxshard::vocab_nll_loss_forward",
+           "(Tensor logp, Tensor target, int reduction, int ignore_index, str[] axes, "
+           "int[] sizes) -> (Tensor, Tensor)")
+def vocab_nll_loss_forward(logp, target, reduction: int, ignore_index: int, axes, sizes):
+    classes = logp.shape[1]
+    local, mine = _local_targets(target, ignore_index, _start(axes, sizes, classes), classes)
+    picked = logp.gather(1, local.unsqueeze(1)).squeeze(1)
+    losses = torch.where(mine, -picked, torch.zeros_like(picked))
+    valid = (target != ignore_index).to(logp.dtype)
+    if reduction == 0:
+        return losses, logp.new_zeros(())
+    total = valid.sum()
+    out = losses.sum()
+    return (out / total if reduction == 1 else out), total
+
+
+@vocab_nll_loss_forward.register_fake
+def _(logp, target, reduction, ignore_index, axes, sizes):
+    shape = (logp.shape[0],) if reduction == 0 else ()
+    return logp.new_empty(shape), logp.new_empty(())
+
+
+@define_op("fxshard::vocab_nll_loss_backward",
+           "(Tensor grad, Tensor logp, Tensor target, int reduction, int ignore_index, "
+           "Tensor total_weight, str[] axes, int[] sizes) -> Tensor")
+def vocab_nll_loss_backward(grad, logp, target, reduction: int, ignore_index: int,
+                            total_weight, axes, sizes):
+    classes = logp.shape[1]
+    local, mine = _local_targets(target, ignore_index, _start(axes, sizes, classes), classes)
+    g = grad if reduction == 0 else grad.expand(target.shape)
+    if reduction == 1:
+        g = g / total_weight
+    value = torch.where(mine, -g, torch.zeros_like(g)).to(logp.dtype)
+    out = torch.zeros_like(logp)
+    return out.scatter_(1, local.unsqueeze(1), value.unsqueeze(1))
+
+
+@vocab_nll_loss_backward.register_fake
+def _(grad, logp, target, reduction, ignore_index, total_weight, axes, sizes):
+    return torch.empty_like(logp)

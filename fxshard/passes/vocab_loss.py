@@ -1,0 +1,222 @@
+"""The vocab-parallel loss: cross-entropy over vocab-sharded logits without gathering them.
+
+Two passes around ``propagate``. ``split_loss_pass`` (before) spells the loss in the ops the
+rules of ``rules/loss.py`` place, and a mean as sum / count (so rows sharded on ``dp`` sum
+locally and only two scalars are all-reduced)::
+
+    before: loss = cross_entropy_loss(logits, target)                        # [N, V], mean
+    after:  logp = _log_softmax(logits, 1, False)
+            nll = nll_loss_forward(logp, target, None, 2, -100)              # sum, count
+            loss = div(nll[0], nll[1])
+
+``vocab_parallel_loss_pass`` (after) rewrites what the rules kept sharded over the class dim
+into local ops whose placements say which collectives ``insert_collectives`` adds: the row
+max is gathered from the ranks (``[N, tp]``, a scalar per row and rank), the sum of
+exponentials all-reduced (``[N, 1]``); the target's log-probability is picked by the rank
+that holds it (``fxshard::vocab_nll_loss_forward``) and the partial sums all-reduced::
+
+    before: logp = _log_softmax(logits, 1, False)                            # S(1) -> S(1)
+    after:  m_r = amax(logits, [1], True)       # S(1) of [N, tp]: each rank's max
+            m = amax(m_r, [1], True)            # R: all_gather(m_r) first
+            z = sub(logits, m); s = sum(exp(z), [1], True)                   # s: P
+            logp = sub(z, log(s))               # all_reduce(s) first
+
+    _log_softmax_backward_data(g, logp, 1):  g - exp(logp) * all_reduce(sum(g, [1], True))
+    nll_loss_backward(..):                   fxshard::vocab_nll_loss_backward (own targets)
+
+Nothing ``[N, V]``-sized moves: per row ``tp`` maxima and one sum (forward), one sum
+(backward), and the scalar loss.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from ..placement import P, R, Shard
+from . import PassCtx
+from .rules.loss import LOG_SOFTMAX, log_softmax_dim, sharded_dim_ok
+
+aten = torch.ops.aten
+
+__all__ = ["split_loss_pass", "vocab_parallel_loss_pass"]
+
+_KEEP = ("fxshard_spec", "fxshard_need", "fxshard_then", "val")
+
+
+def _fake(fn, *vals):
+    from torch._guards import detect_fake_mode
+    mode = detect_fake_mode(vals)
+    if mode is None:
+        return fn(*vals)
+    with mode:
+        return fn(*vals)
+
+
+def _node(graph: fx.Graph, like: fx.Node, target, args, val, spec=None, need=None):
+    n = graph.call_function(target, tuple(args))
+    n.meta.update({k: v for k, v in like.meta.items() if k not in _KEEP})
+    n.meta["val"] = val
+    if spec is not None:
+        n.meta["fxshard_spec"], n.meta["fxshard_need"] = spec, need
+    return n
+
+
+def _ce_args(node: fx.Node):
+    names = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+    defaults = (None, None, None, 1, -100, 0.0)
+    args = list(node.args) + [node.kwargs.get(k, d) for k, d in
+                              zip(names[len(node.args):], defaults[len(node.args):])]
+    return args
+
+
+def split_loss_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
+    graph, changed = gm.graph, 0
+    for node in list(graph.nodes):
+        if node.target is aten.cross_entropy_loss.default:
+            x, t, weight, reduction, ignore, smoothing = _ce_args(node)
+            xv, tv = x.meta["val"], t.meta["val"]
+            if weight is not None or smoothing or xv.dim() != 2 or tv.dim() != 1 or \
+                    tv.is_floating_point():
+                continue
+            with graph.inserting_before(node):
+                logp = _node(graph, node, aten._log_softmax.default, (x, 1, False),
+                             _fake(lambda a: aten._log_softmax(a, 1, False), xv))
+                nll = _node(graph, node, aten.nll_loss_forward.default,
+                            (logp, t, None, reduction, ignore),
+                            _fake(lambda a, b: aten.nll_loss_forward(a, b, None, reduction,
+                                                                     ignore), logp.meta["val"], tv))
+                loss = _mean_of(graph, node, nll)
+            node.replace_all_uses_with(loss)
+            graph.erase_node(node)
+            changed += 1
+        elif node.target is aten.nll_loss_forward.default and node.args[3] == 1 and \
+                node.args[2] is None and node.args[0].meta["val"].dim() == 2:
+            users = [u for u in node.users if u.args[1] == 0]
+            node.update_arg(3, 2)
+            with graph.inserting_before(node.next):
+                loss = _mean_of(graph, node, node, after=True)
+            for u in users:
+                u.replace_all_uses_with(loss)
+                graph.erase_node(u)
+            changed += 1
+    ctx.report("split_loss_pass", losses=changed)
+    return gm
+
+
+def _mean_of(graph: fx.Graph, like: fx.Node, nll: fx.Node, after: bool = False) -> fx.Node:
+    """``nll[0] / nll[1]`` (sum over count) for a node that was a mean (or reduces so)."""
+    import operator
+    reduction = nll.args[3]
+    if after:
+        reduction = 1
+    else:
+        nll.update_arg(3, 2 if reduction == 1 else reduction)
+    vals = nll.meta["val"] = _fake(lambda a, b: aten.nll_loss_forward(a, b, None, nll.args[3],
+                                                                      nll.args[4]),
+                                   nll.args[0].meta["val"], nll.args[1].meta["val"])
+    total = _node(graph, like, operator.getitem, (nll, 0), vals[0])
+    if reduction != 1:
+        return total
+    count = _node(graph, like, operator.getitem, (nll, 1), vals[1])
+    return _node(graph, like, aten.div.Tensor, (total, count),
+                 _fake(lambda a, b: a / b, vals[0], vals[1]))
+
+
+def _axes(spec, dim: int, ctx: PassCtx) -> list[int]:
+    return [i for i, (n, p) in enumerate(zip(ctx.mesh.shape, spec))
+            if n > 1 and p == Shard(dim)]
+
+
+def _with(spec, axes, q) -> tuple:
+    return tuple(q if i in axes else p for i, p in enumerate(spec))
+
+
+def _empty(val, dim: int, size: int):
+    shape = list(val.shape)
+    shape[dim] = size
+    return _fake(lambda v: v.new_empty(shape), val)
+
+
+def _log_softmax(graph: fx.Graph, node: fx.Node, ctx: PassCtx) -> bool:
+    dim, spec = log_softmax_dim(node), node.meta.get("fxshard_spec")
+    axes = _axes(spec, dim, ctx) if isinstance(spec, tuple) else []
+    if not axes or not sharded_dim_ok(node):
+        return False
+    x, xv = node.args[0], node.args[0].meta["val"]
+    k = math.prod(ctx.mesh.shape[i] for i in axes)
+    s, sr, sp = spec, _with(spec, axes, R), _with(spec, axes, P)
+    one = _empty(xv, dim, 1)
+    with graph.inserting_before(node):
+        m_r = _node(graph, node, aten.amax.default, (x, [dim], True), _empty(xv, dim, k), s, [s])
+        m = _node(graph, node, aten.amax.default, (m_r, [dim], True), one, sr, [sr])
+        z = _node(graph, node, aten.sub.Tensor, (x, m), _empty(xv, dim, xv.shape[dim]), s,
+                  [s, sr])
+        e = _node(graph, node, aten.exp.default, (z,), z.meta["val"], s, [s])
+        se = _node(graph, node, aten.sum.dim_IntList, (e, [dim], True), one, sp, [s])
+        lse = _node(graph, node, aten.log.default, (se,), one, sr, [sr])
+        out = _node(graph, node, aten.sub.Tensor, (z, lse), node.meta["val"], s, [s, sr])
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    return True
+
+
+def _log_softmax_backward(graph: fx.Graph, node: fx.Node, ctx: PassCtx) -> bool:
+    g, y, dim, dtype = node.args
+    spec = node.meta.get("fxshard_spec")
+    dim %= node.meta["val"].dim()
+    axes = _axes(spec, dim, ctx) if isinstance(spec, tuple) else []
+    if not axes:
+        return False
+    if dtype != node.meta["val"].dtype or g.meta["val"].dtype != dtype:
+        raise NotImplementedError(
+            f"fxshard: {node.name} (_log_softmax_backward_data over the sharded dim {dim}, "
+            f"mesh {ctx.mesh.describe()}) casts {g.meta['val'].dtype} to {dtype}; compute "
+            f"the loss in one dtype (logits.float() before it)")
+    s, sr, sp = spec, _with(spec, axes, R), _with(spec, axes, P)
+    one = _empty(node.meta["val"], dim, 1)
+    with graph.inserting_before(node):
+        sg = _node(graph, node, aten.sum.dim_IntList, (g, [dim], True), one, sp, [s])
+        ey = _node(graph, node, aten.exp.default, (y,), node.meta["val"], s, [s])
+        prod = _node(graph, node, aten.mul.Tensor, (ey, sg), node.meta["val"], s, [s, sr])
+        out = _node(graph, node, aten.sub.Tensor, (g, prod), node.meta["val"], s, [s, s])
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    return True
+
+
+def _nll(node: fx.Node, ctx: PassCtx) -> bool:
+    from ..ops.loss import vocab_nll_loss_backward, vocab_nll_loss_forward
+    forward = node.target is aten.nll_loss_forward.default
+    needs = node.meta.get("fxshard_need") or []
+    logp_need = needs[0 if forward else 1] if len(needs) > 1 else None
+    axes = _axes(logp_need, 1, ctx) if isinstance(logp_need, tuple) else []
+    if not axes:
+        return False
+    names = [ctx.mesh.axis_names[i] for i in axes]
+    sizes = [ctx.mesh.shape[i] for i in axes]
+    if forward:
+        logp, t, _, reduction, ignore = node.args
+        node.target, node.args = vocab_nll_loss_forward.default, (logp, t, reduction, ignore,
+                                                                  names, sizes)
+    else:
+        g, logp, t, _, reduction, ignore, total = node.args
+        node.target = vocab_nll_loss_backward.default
+        node.args = (g, logp, t, reduction, ignore, total, names, sizes)
+    return True
+
+
+def vocab_parallel_loss_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
+    graph, counts = gm.graph, {"log_softmax": 0, "log_softmax_backward": 0, "nll": 0}
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in LOG_SOFTMAX:
+            counts["log_softmax"] += _log_softmax(graph, node, ctx)
+        elif node.target is aten._log_softmax_backward_data.default:
+            counts["log_softmax_backward"] += _log_softmax_backward(graph, node, ctx)
+        elif node.target in (aten.nll_loss_forward.default, aten.nll_loss_backward.default):
+            counts["nll"] += _nll(node, ctx)
+    ctx.report("vocab_parallel_loss_pass", **counts)
+    return gm

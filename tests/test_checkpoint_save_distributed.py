@@ -1,0 +1,83 @@
+"""save_safetensors on real processes (gloo, tp2): each rank writes only its files, the
+owners' shards sent to each tensor's writer; the index is complete and the checkpoint equals
+the single-device model trained the same way."""
+import datetime
+import json
+import os
+import traceback
+
+import torch
+
+from tests.launch import launch
+
+WORLD = 2
+
+
+def _model():
+    from fxshard.models.llama import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig.tiny(num_hidden_layers=1, vocab_size=96, hidden_size=48,
+                           intermediate_size=72, num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(cfg)
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 96, (2, 6), generator=g), torch.randint(0, 96, (2, 6), generator=g)
+
+
+def _step(params, forward, labels):
+    import torch.nn.functional as F
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    F.cross_entropy(forward().flatten(0, 1), labels.flatten()).backward()
+    opt.step()
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    report = {"rank": rank, "errors": []}
+    log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    try:
+        import warnings
+        warnings.simplefilter("ignore")
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+        import fxshard
+        from fxshard.training import parallelize_for_training
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+        mesh = fxshard.init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+        ids, labels = _data()
+        tm = parallelize_for_training(_model(), mesh, example_inputs=(ids,))
+        _step(tm.parameters(), lambda: tm(ids), labels)
+        written = fxshard.save_safetensors(tm, os.path.join(out_dir, "ckpt"),
+                                           max_shard_size="20KB")
+        report["written"] = sorted(os.path.basename(f) for f in written)
+    except BaseException:  # noqa: BLE001 - reported to the test process
+        report["errors"].append(traceback.format_exc())
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    os._exit(0)
+
+
+def test_tp2_gloo_each_rank_writes_its_files_index_complete(tmp_path):
+    from safetensors.torch import load_file
+    reports = launch(_worker, WORLD, str(tmp_path), timeout_s=240)
+    for rank, r in reports.items():
+        assert not r["errors"], r["errors"][0]
+    ckpt = tmp_path / "ckpt"
+    index = json.load(open(ckpt / "model.safetensors.index.json"))
+    files = sorted(set(index["weight_map"].values()))
+    data = [f for r in reports.values() for f in r["written"] if f.endswith(".safetensors")]
+    assert sorted(data) == files and len(files) >= WORLD      # each file by one rank
+    assert all(r["written"] for r in reports.values())         # every rank wrote some
+    assert "model.safetensors.index.json" in reports[0]["written"]
+    ref = _model()
+    ids, labels = _data()
+    _step(ref.parameters(), lambda: ref(ids), labels)
+    want = ref.state_dict()
+    assert set(index["weight_map"]) == set(want)
+    got = {k: v for f in files for k, v in load_file(str(ckpt / f)).items()}
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-5, msg=k)
