@@ -69,6 +69,7 @@ def _train(model, mesh, ids, labels, steps=2):
     return tm
 
 
+@pytest.mark.grad   # trains: grad enabled
 def test_trained_shards_saved_equal_single_device_training(tmp_path):
     import transformers
     model = hf_llama(hidden=48, intermediate=72, vocab=96)

@@ -1,3 +1,4 @@
+import pytest
 """save_safetensors on real processes (gloo, tp2): each rank writes only its files, the
 owners' shards sent to each tensor's writer; the index is complete and the checkpoint equals
 the single-device model trained the same way."""
@@ -61,9 +62,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.grad   # the single-device reference trains
 def test_tp2_gloo_each_rank_writes_its_files_index_complete(tmp_path):
     from safetensors.torch import load_file
-    reports = launch(_worker, WORLD, str(tmp_path), timeout_s=240)
+    reports = launch(_worker, WORLD, str(tmp_path), timeout_s=240, grad=True)
     for rank, r in reports.items():
         assert not r["errors"], r["errors"][0]
     ckpt = tmp_path / "ckpt"

@@ -312,7 +312,7 @@ def _worker(rank: int, port: int, out_dir: str, axes: dict) -> None:
 
 
 def test_fsdp2_gloo_gradients_and_step(tmp_path):
-    reports = launch(_worker, 2, str(tmp_path), {"fsdp": 2}, timeout_s=240)
+    reports = launch(_worker, 2, str(tmp_path), {"fsdp": 2}, timeout_s=240, grad=True)
     for rank, r in reports.items():
         assert not r["errors"], r["errors"][0]
         assert r["ranks"] == [rank] and r["sharded"]

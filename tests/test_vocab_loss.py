@@ -93,6 +93,7 @@ def test_loss_only_module_moves_nothing_vocab_sized_forward():
     assert _vocab_sized(pm.rank_module(0), pm.spec) == []
 
 
+@pytest.mark.grad   # trains: grad enabled
 @pytest.mark.parametrize("shape", [(2,), (2, 2)])
 def test_training_with_the_loss_inside_gradients_equal_one_device(shape):
     model = LossOnly(hf_llama(hidden=48, intermediate=72, vocab=V))
@@ -127,6 +128,7 @@ class _Head(torch.nn.Module):
         return loss.sum() if self.reduction == "none" else loss
 
 
+@pytest.mark.grad   # trains: grad enabled
 @settings(max_examples=5, deadline=None, phases=[Phase.explicit, Phase.generate])
 @given(shape=st.sampled_from([(2,), (4,), (2, 2)]), reduction=st.sampled_from(["mean", "sum",
                                                                                "none"]),
