@@ -111,10 +111,12 @@ def run_passes(gm: fx.GraphModule, passes: list[GraphPass], ctx: PassReports
     return gm
 
 
-def _layer_stages(model: torch.nn.Module, n_stages: int, stages) -> tuple[str, list[int]]:
-    stack, n_layers = find_layer_stack(model)
+def _layer_stages(model: torch.nn.Module, n_stages: int, stages
+                  ) -> tuple[str, tuple[str, ...], list[int]]:
+    stack, names = find_layer_stack(model)
+    n_layers = len(names)
     if stages is None:
-        return stack, assign_layers_to_stages(n_layers, n_stages)
+        return stack, names, assign_layers_to_stages(n_layers, n_stages)
     stages = list(stages)
     if len(stages) != n_layers or any(not 0 <= s < n_stages for s in stages) or \
             stages != sorted(stages) or set(stages) != set(range(n_stages)):
@@ -122,7 +124,7 @@ def _layer_stages(model: torch.nn.Module, n_stages: int, stages) -> tuple[str, l
             f"fxshard.parallelize: stages={stages} must give each of the {n_layers} layers of "
             f"{stack} a stage in 0..{n_stages - 1}, in non-decreasing order, using every stage, "
             f"e.g. {assign_layers_to_stages(n_layers, n_stages) if n_layers >= n_stages else '-'}")
-    return stack, stages
+    return stack, names, stages
 
 
 def build_programs(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx, *,
@@ -139,7 +141,7 @@ def build_programs(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassC
     passes = passes_for(generation)
     n_stages = ctx.mesh.axis_size("pp")
     if n_stages > 1:  # validate before the (slower) trace
-        ctx.layer_stack, ctx.layer_stages = _layer_stages(model, n_stages, stages)
+        ctx.layer_stack, ctx.layer_names, ctx.layer_stages = _layer_stages(model, n_stages, stages)
     if traced is None:
         traced = trace(model, args, kwargs, real_inputs=generation is not None
                        and generation[0] == "decode")
