@@ -19,7 +19,8 @@ same ending first). ``emit_pass`` appends the stage's :class:`fxshard.passes.emi
     FORWARD  = [cleanup, eager_attention, fold_causal_mask, unrepeat_kv, moe_routing, propagate,
                 insert_collectives, lower_attention, localize, split_stages, emit]
     PREFILL  = FORWARD + prefill_cache after lower_attention
-    DECODE   = FORWARD + decode_attention before lower_attention
+    DECODE   = FORWARD + decode_positions after moe_routing, decode_attention before
+               lower_attention
     DECODE_GREEDY = DECODE + greedy_tokens after insert_collectives (the program returns ids)
 
 The rewrites applied after emit for the runners are :mod:`fxshard.passes.post_emit`'s lists,
@@ -34,6 +35,7 @@ import torch.fx as fx
 
 from ..trace import Traced, cleanup_pass, trace
 from . import PassCtx, PassReports
+from .decode_positions import decode_positions_pass
 from .eager_attention import eager_attention_pass
 from .emit import Program, emit_pass
 from .fold_mask import fold_causal_mask_pass
@@ -63,7 +65,8 @@ FORWARD: list[GraphPass] = [
     moe_routing_pass, propagate_pass, insert_collectives_pass, lower_attention_pass,
     localize_pass, split_stages_pass, emit_pass]
 PREFILL = _with(FORWARD, prefill_cache_pass, after=lower_attention_pass)
-DECODE = _with(FORWARD, decode_attention_pass, before=lower_attention_pass)
+DECODE = _with(_with(FORWARD, decode_attention_pass, before=lower_attention_pass),
+               decode_positions_pass, after=moe_routing_pass)
 DECODE_GREEDY = _with(DECODE, greedy_tokens_pass, after=insert_collectives_pass)
 
 
