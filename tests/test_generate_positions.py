@@ -81,3 +81,16 @@ def test_a_position_source_that_cannot_move_is_a_clear_error():
                                                   r"constant table from 3.*position_ids"):
         pm.generate(prompt(), max_new_tokens=2)
     pm.close()
+
+
+@pytest.mark.parametrize("source", ["table", "input_pos"])
+def test_pipelined_generate_on_a_module_dict_stack(source):
+    """pp=2 with microbatches=2 on a ModuleDict stack (torchtitan's layout): the derived
+    positions reach the stage that uses them."""
+    model = TinyLM(layers=4, container="dict", positions=source).eval()
+    ids = prompt(batch=4)
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    pm = fxshard.parallelize(model, mesh, microbatches=2)
+    got = pm.generate(ids, max_new_tokens=4)
+    pm.close()
+    torch.testing.assert_close(got, greedy_reference(model, ids, 4), rtol=0, atol=0)

@@ -55,6 +55,11 @@ def _constants(graph: fx.Graph) -> set[fx.Node]:
     return const
 
 
+def _describe(node: fx.Node) -> str:
+    args = ", ".join(a.name if isinstance(a, fx.Node) else repr(a) for a in node.args)
+    return f"{node.name} = {node.target}({args})"
+
+
 def _arange_start(node: fx.Node):
     if node.target is aten.arange.default:
         return 0
@@ -71,7 +76,7 @@ def _sources(graph: fx.Graph) -> list[tuple[str, fx.Node]]:
         if n.target in _ARANGE and tuple(val.shape) == (1,):
             if _arange_start(n) != 0:
                 raise NotImplementedError(
-                    f"fxshard.generate: the decode step's positions come from {n.format_node()}"
+                    f"fxshard.generate: the decode step's positions come from {_describe(n)}"
                     f", an arange that starts at {_arange_start(n)}, not at the sequence's "
                     f"start, so fxshard cannot move it to the cache position; give the "
                     f"forward a positions argument (position_ids [B, S]) instead")
@@ -85,7 +90,7 @@ def _sources(graph: fx.Graph) -> list[tuple[str, fx.Node]]:
                 continue
             if start not in (0, None):
                 raise NotImplementedError(
-                    f"fxshard.generate: the decode step's positions come from {n.format_node()}"
+                    f"fxshard.generate: the decode step's positions come from {_describe(n)}"
                     f", a slice of a constant table from {start}, not from the sequence's "
                     f"start, so fxshard cannot move it to the cache position; give the "
                     f"forward a positions argument (position_ids [B, S]) instead")
