@@ -327,7 +327,8 @@ def test_triton_kernel_compiles_for_hopper(dtype, head_dim, causal, softcap):
     kernel = triton_attention._attn_fwd
     block_m, block_n, num_warps, num_stages = triton_attention._GPU_CONFIGS[
         4 if dtype == "fp32" else 2][head_dim]
-    constexprs = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n,
+    constexprs = {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "BLOCK_M": block_m,
+                  "BLOCK_N": block_n,
                   "CAUSAL": causal, "SOFTCAP": softcap,
                   "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
                   "stride_qk": 1, "stride_kk": 1, "stride_vk": 1, "stride_ok": 1, "stride_lm": 1}

@@ -415,7 +415,8 @@ def test_triton_decode_compiles_for_hopper():
     from fxshard.kernels import triton_decode
 
     block_n, num_warps, num_stages = triton_decode._GPU_CONFIGS[2][128]
-    constexprs = {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 16, "BLOCK_N": block_n,
+    constexprs = {"HEAD_DIM": 128, "BLOCK_D": 128, "HEAD_DIM_V": 128, "BLOCK_DV": 128,
+                  "BLOCK_M": 16, "BLOCK_N": block_n,
                   "CAUSAL": True, "INPUT_PRECISION": "tf32", "stride_qk": 1, "stride_kk": 1,
                   "stride_vk": 1, "stride_pk": 1, "stride_ls": 1}
     kernel = triton_decode._decode_split

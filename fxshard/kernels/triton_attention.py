@@ -170,7 +170,7 @@ def attention_fwd(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tens
         if d not in HEAD_DIMS:
             raise ValueError(
                 f"fxshard.kernels.attention: {what} is {d}, but backend='triton' supports "
-                f"head sizes in {{16, 32, 64, 128, 256}}; pad q, k and v to the next supported "
+                f"head_dim in {{16, 32, 64, 128, 256}}; pad q, k and v to the next supported "
                 f"size (and pass scale=1/sqrt({head_dim_k})) or use backend='torch'.")
     if q_BHSD.dtype not in _DTYPES:
         raise ValueError(

@@ -238,11 +238,12 @@ def decode_fwd(q_BHSD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor,
     (``_INTERPRETER_CONFIG`` in the interpreter); they are exposed for tests and benchmarks.
     """
     head_dim, head_dim_v = q_BHSD.shape[-1], v_BKLD.shape[-1]
-    if max(head_dim, head_dim_v) > MAX_HEAD_DIM:
-        raise ValueError(
-            f"{_NAME}: head_dim is {head_dim} (v's {head_dim_v}), but backend='triton' supports "
-            f"head sizes up to {MAX_HEAD_DIM} (one program holds a row's whole output); use "
-            f"backend='torch'.")
+    for what, d in (("head_dim", head_dim), ("v's head_dim", head_dim_v)):
+        if d > MAX_HEAD_DIM:
+            raise ValueError(
+                f"{_NAME}: {what} is {d}, but backend='triton' supports head_dim up to "
+                f"{MAX_HEAD_DIM} (one program holds a row's whole output); use "
+                f"backend='torch'.")
     if q_BHSD.dtype not in _DTYPES:
         raise ValueError(
             f"{_NAME}: q has dtype {q_BHSD.dtype}, but backend='triton' supports torch.float16, "
