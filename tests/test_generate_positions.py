@@ -94,3 +94,23 @@ def test_pipelined_generate_on_a_module_dict_stack(source):
     got = pm.generate(ids, max_new_tokens=4)
     pm.close()
     torch.testing.assert_close(got, greedy_reference(model, ids, 4), rtol=0, atol=0)
+
+
+def test_prompt_positions_without_a_decode_source_are_refused():
+    """The prompt's forward derives positions from its length but the one-token step takes
+    them some other way fxshard cannot see (here: a constant): refused, not decoded at 0."""
+    class OneTokenSpecialCase(TinyLM):
+        def forward(self, idx):
+            t = idx.shape[1]
+            pos = torch.arange(t) if t > 1 else torch.zeros(1, dtype=torch.long)
+            cos, sin = self.cos[pos], self.sin[pos]
+            x = self.wte(idx)
+            for block in self.layers:
+                x = block(x, cos, sin)
+            return self.head(self.norm(x))
+
+    pm = parallel(OneTokenSpecialCase().eval(), dict(tp=2))
+    with pytest.raises(NotImplementedError, match=r"derives positions from the prompt's length "
+                                                  r"\(arange.*would sit at position 0"):
+        pm.generate(prompt(), max_new_tokens=2)
+    pm.close()

@@ -197,7 +197,8 @@ def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: boo
         if t == max_new_tokens - 1 or (eos and not bool(unfinished.any())):
             break
         if way is None:   # the first step finds how the model takes its position
-            c, micro, way = decode_program(pm, nxt[:, None], prompt + t, decode, {})
+            c, micro, way = decode_program(pm, nxt[:, None], prompt + t, decode, {},
+                                           prefill)
         else:
             c, micro = programs.get((nxt[:, None],), way.kwargs(batch, prompt + t,
                                                                 input_ids.device),
@@ -221,7 +222,7 @@ def _pipelined(pm, input_ids, prefill, micro, caches, slots, new, eos, pad, hook
     decode = way = None
     if new > 1:
         decode, _, way = decode_program(pm, input_ids[:, :1], input_ids.shape[1],
-                                        ("decode", slots, "greedy"), {})
+                                        ("decode", slots, "greedy"), {}, prefill)
         if not decode.loaded:
             check_same_caches(prefill, decode)
             pm.programs.check_loaded(decode)

@@ -66,11 +66,13 @@ class DecodePositions:
         return f"DecodePositions({self.name!r}, batched={self.batched})"
 
 
-def decode_program(pm, tokens: torch.Tensor, position: int, generation: tuple, extra: dict
-                   ) -> tuple[object, list, DecodePositions]:
+def decode_program(pm, tokens: torch.Tensor, position: int, generation: tuple, extra: dict,
+                   prefill=None) -> tuple[object, list, DecodePositions]:
     """The decode program of ``generation`` for ``tokens`` ``[B, 1]`` at ``position``, the
     microbatches' flat inputs, and how its position is passed (tried as the module doc says).
-    ``extra``: keyword arguments every call passes."""
+    ``extra``: keyword arguments every call passes. ``prefill`` (the prompt's ``Compiled``,
+    the prompt ``position`` tokens long): where it derives positions from the prompt's length
+    and the decode step takes none, the decode step would sit at position 0: an error."""
     failures = []
     ways = [DecodePositions(n, b) for n in position_candidates(pm.model) for b in (True, False)]
     for way in ways + [DecodePositions(None)]:
@@ -85,6 +87,8 @@ def decode_program(pm, tokens: torch.Tensor, position: int, generation: tuple, e
         if name is not None and not found.get("position_inputs"):
             failures.append((way, "the model does not use it"))
             continue
+        if name is None and not found.get("rewritten") and prefill is not None:
+            _check_prompt_positions(pm, prefill, position)
         return c, micro, way
     tried = "; ".join(f"{w.describe()}: {type(e).__name__ + ': ' if isinstance(e, Exception) else ''}"
                       f"{str(e)[:400]}" for w, e in failures)
@@ -96,3 +100,16 @@ def decode_program(pm, tokens: torch.Tensor, position: int, generation: tuple, e
         f"that indexes its RoPE table or position embedding, or derive positions from "
         f"torch.arange(T) / table[:T] inside") from (last if isinstance(last, Exception)
                                                      else None)
+
+
+def _check_prompt_positions(pm, prefill, prompt: int) -> None:
+    from ..passes.decode_positions import position_sources
+    found = position_sources(prefill.traced.gm.graph, prompt, check=False)
+    if found:
+        names = ", ".join(n.name for _, n in found[:3])
+        raise NotImplementedError(
+            f"{_WHERE}: {type(pm.model).__name__}'s forward derives positions from the prompt's "
+            f"length ({names}: {found[0][0]} of {prompt}), but fxshard found no such source in "
+            f"the one-token decode step to move to the cache position, so the new tokens would "
+            f"sit at position 0. Give the forward an optional positions argument (e.g. "
+            f"position_ids, [B, S] int64) that indexes its RoPE table or position embedding")

@@ -31,7 +31,7 @@ from . import PassCtx
 
 aten = torch.ops.aten
 
-__all__ = ["decode_positions_pass", "POSITION"]
+__all__ = ["decode_positions_pass", "position_sources", "POSITION"]
 
 POSITION = "cache_position"
 _ARANGE = (aten.arange.default, aten.arange.start, aten.arange.start_step)
@@ -66,15 +66,19 @@ def _arange_start(node: fx.Node):
     return node.args[0]
 
 
-def _sources(graph: fx.Graph) -> list[tuple[str, fx.Node]]:
+def position_sources(graph: fx.Graph, length: int = 1, *, check: bool = True
+                     ) -> list[tuple[str, fx.Node]]:
+    """The graph's positions derived from a sequence of ``length``: ``("arange", node)`` for
+    ``arange(length)``, ``("slice", node)`` for a constant table sliced to ``length`` on a
+    longer dim. ``check``: a source that starts elsewhere than 0 is a NotImplementedError."""
     const = _constants(graph)
     found = []
     for n in graph.nodes:
         val = n.meta.get("val")
         if n.op != "call_function" or not isinstance(val, torch.Tensor):
             continue
-        if n.target in _ARANGE and tuple(val.shape) == (1,):
-            if _arange_start(n) != 0:
+        if n.target in _ARANGE and tuple(val.shape) == (length,):
+            if _arange_start(n) != 0 and check:
                 raise NotImplementedError(
                     f"fxshard.generate: the decode step's positions come from {_describe(n)}"
                     f", an arange that starts at {_arange_start(n)}, not at the sequence's "
@@ -86,9 +90,9 @@ def _sources(graph: fx.Graph) -> list[tuple[str, fx.Node]]:
             dim = n.args[1] if len(n.args) > 1 else 0
             dim = dim % table.dim()
             start = n.args[2] if len(n.args) > 2 else None
-            if val.shape[dim] != 1 or table.shape[dim] <= 1:
+            if val.shape[dim] != length or table.shape[dim] <= length:
                 continue
-            if start not in (0, None):
+            if start not in (0, None) and check:
                 raise NotImplementedError(
                     f"fxshard.generate: the decode step's positions come from {_describe(n)}"
                     f", a slice of a constant table from {start}, not from the sequence's "
@@ -114,7 +118,7 @@ def decode_positions_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule
         ctx.report("decode_positions_pass", position_inputs=len(given), rewritten=0,
                    changed=False)
         return gm
-    sources = _sources(graph)
+    sources = position_sources(graph)
     if not sources:
         ctx.report("decode_positions_pass", position_inputs=0, rewritten=0)
         return gm
