@@ -5,8 +5,9 @@ A program says which caches it reads (``Program.kv_caches``: key, the rank's sha
 set per rank this process runs (on a real mesh: its own), with the batch of every microbatch
 (``microbatches=m``: ``m`` times the program's), and before each decode step fills the write
 position, read lengths and the new token's position (``cache_position``, for a model that
-derives positions from the sequence length) in place from :func:`fxshard.passes.kv_cache.decode_slots` (the one
-place the ring's write-owner rule is written).
+derives positions from the sequence length) in place from
+:func:`fxshard.passes.kv_cache.decode_slots` (the one place the ring's write-owner rule is
+written).
 
 The capacity per rank is the prompt plus ``max_new_tokens`` (on ``ring_cp``: the most any ring
 rank holds), rounded up to a multiple of :data:`CAPACITY_STEP` so prompts of similar length

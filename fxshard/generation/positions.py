@@ -7,17 +7,20 @@ of two ways, tried in this order when the first decode program is built:
    litgpt / torchtune ``input_pos``, torchtitan ``positions``. The candidates are the forward's
    parameters (after the token ids) whose name speaks of positions; each is passed as a
    ``[B, 1]`` int64 tensor of ``S + t`` (HuggingFace, torchtune, torchtitan) or, where the
-   model cannot be traced with that, as ``[1]`` (litgpt's ``input_pos`` of the sequence). Whether the model really uses it is read from the
-   traced graph (:func:`fxshard.passes.decode_positions.decode_positions_pass`: an integer
-   input the graph uses); a candidate the model cannot be traced with (litgpt's ``input_pos``
-   needs litgpt's own KV cache) or leaves unused is dropped.
+   model cannot be traced with that, as ``[1]`` (positions of the sequence, shared by the
+   batch). Whether the model really uses it is read from the traced graph
+   (:func:`fxshard.passes.decode_positions.decode_positions_pass`: an integer input the graph
+   uses); a candidate the model cannot be traced with (litgpt's ``input_pos`` asks for
+   litgpt's own KV cache) or leaves unused is dropped.
 2. **Positions derived from the sequence length** inside the model (``torch.arange(T)``, a RoPE
    table sliced ``[:T]``, a learned position embedding of ``arange(T)``): the decode program is
    traced with the token ids alone and its position sources are rewritten to start at the
    cache position (the state input ``cache_position``, ``S + t``, that
    :class:`fxshard.generation.cache.Caches` fills each step).
 
-A model neither way fits gets an error naming what was tried and why it failed.
+A model neither way fits gets an error naming what was tried and why it failed; so does one
+whose prompt's forward derives positions from its length while its decode step shows no
+source to move (it would decode every new token at position 0).
 """
 from __future__ import annotations
 
@@ -90,8 +93,9 @@ def decode_program(pm, tokens: torch.Tensor, position: int, generation: tuple, e
         if name is None and not found.get("rewritten") and prefill is not None:
             _check_prompt_positions(pm, prefill, position)
         return c, micro, way
-    tried = "; ".join(f"{w.describe()}: {type(e).__name__ + ': ' if isinstance(e, Exception) else ''}"
-                      f"{str(e)[:400]}" for w, e in failures)
+    tried = "; ".join(
+        f"{w.describe()}: {type(e).__name__ + ': ' if isinstance(e, Exception) else ''}"
+        f"{str(e)[:400]}" for w, e in failures)
     last = failures[-1][1]
     raise NotImplementedError(
         f"{_WHERE}: cannot build the one-token decode step of {type(pm.model).__name__} at "

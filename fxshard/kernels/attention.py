@@ -27,8 +27,8 @@ This module is the math only: the op's schema, fake impl and autograd registrati
 Shape legend: B batch, Hq query heads, Hkv key/value heads, G = Hq // Hkv query heads per KV
 head, Sq query length, Skv key/value length, D head dim; in suffixes K is Hkv, T the key axis
 (Skv) and M = G * Sq. ``q_BHSD`` is ``[B, Hq, Sq, D]``; ``k_BHSD``/``v_BHSD`` are
-``[B, Hkv, Skv, D]`` (v's head size may be Dv != D, as in MLA; out then has Dv); ``q_BKGSD`` is q viewed as ``[B, Hkv, G, Sq, D]`` and ``q_BKMD`` as
-``[B, Hkv, G * Sq, D]``; ``s_BKGST`` holds scores ``[B, Hkv, G, Sq, Skv]``; ``lse_BHS`` is
+``[B, Hkv, Skv, D]`` (v's head size may be Dv != D, as in MLA; out then has Dv); ``q_BKGSD``
+is q viewed as ``[B, Hkv, G, Sq, D]`` and ``q_BKMD`` as ``[B, Hkv, G * Sq, D]``; ``s_BKGST`` holds scores ``[B, Hkv, G, Sq, Skv]``; ``lse_BHS`` is
 ``[B, Hq, Sq]``.
 """
 import functools
@@ -65,7 +65,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
 
     Returns:
-        ``out`` ``[B, Hq, Sq, Dv]`` of q's dtype, ``lse`` ``[B, Hq, Sq]`` float32 (natural log). Rows that
+        ``out`` ``[B, Hq, Sq, Dv]`` of q's dtype, ``lse`` ``[B, Hq, Sq]`` float32 (natural
+        log). Rows that
         see no key give ``out = 0`` and ``lse = -inf``.
     """
     if backend not in _BACKENDS:

@@ -58,14 +58,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
 
     Returns:
-        ``out`` ``[B, Hq, Sq, Dv]`` of q's dtype, ``lse`` ``[B, Hq, Sq]`` float32; a row with no key: 0 and ``-inf``.
+        ``out`` ``[B, Hq, Sq, Dv]`` of q's dtype, ``lse`` ``[B, Hq, Sq]`` float32; a row with
+        no key: 0 and ``-inf``.
     """
     if backend not in _BACKENDS:
         raise ValueError(f"{_NAME}: backend={backend!r}; choose one of {_BACKENDS}.")
     check_decode_inputs(q, k_cache, v_cache, lengths, scale)
     if backend == "auto":
         fits = q.dtype in (torch.float16, torch.bfloat16, torch.float32) and \
-            q.shape[-1] <= 256 and not (torch.is_grad_enabled() and any(
+            max(q.shape[-1], v_cache.shape[-1]) <= 256 and not (torch.is_grad_enabled() and any(
                 t.requires_grad for t in (q, k_cache, v_cache)))
         backend = "triton" if q.device.type == "cuda" and fits and \
             _triton_module() is not None else "torch"
@@ -84,7 +85,8 @@ def decode_attention_unchecked(q, k_cache, v_cache, lengths, scale, causal):
     whose inputs are right by construction (the decode programs of ``pm.generate``: their
     caches are allocated from the shapes the program declares, ``lengths`` by the runner)."""
     if q.device.type == "cuda" and _triton_module() is not None and \
-            q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.shape[-1] <= 256:
+            q.dtype in (torch.float16, torch.bfloat16, torch.float32) and \
+            max(q.shape[-1], v_cache.shape[-1]) <= 256:
         return _triton_module().decode_fwd(q, k_cache, v_cache, lengths,
                                            scale=_scale_of(q, scale), causal=bool(causal))
     return _torch_decode(q, k_cache, v_cache, lengths, scale, causal)

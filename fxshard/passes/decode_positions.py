@@ -16,7 +16,8 @@ as position 0; the pass rewrites each such source to read the ``cache_position``
 Before / after (a RoPE table sliced ``[:T]``)::
 
     slice = aten.slice(cos, 0, 0, 1);               mul = aten.mul(q, slice)
-    index_select = aten.index_select(cos, 0, unsqueeze(cache_position, 0)); mul = aten.mul(q, index_select)
+    index = aten.unsqueeze(cache_position, 0)
+    index_select = aten.index_select(cos, 0, index);  mul = aten.mul(q, index_select)
 
 A source that starts elsewhere (``arange(p, p + 1)``, ``table[p:p + 1]`` with a Python ``p``)
 cannot be moved to the cache position: ``NotImplementedError`` naming it. Runs after
