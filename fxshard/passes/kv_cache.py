@@ -2,7 +2,7 @@
 
 Generation runs two programs per input signature (``fxshard.generation``): *prefill* (the
 prompt, the forward as ``parallelize`` builds it) and *decode* (one new token per sequence, at
-``position_ids``). Both read and write one cache per attention, state of the ParallelModule
+its position: :mod:`fxshard.generation.positions`). Both read and write one cache per attention, state of the ParallelModule
 that each rank holds in the layout of the K/V it stores: batch on ``dp``, KV heads on ``tp`` /
 ``ulysses_cp`` (the head each rank's queries use, where an axis exceeds the KV heads), the
 sequence on ``ring_cp``; a layer's cache lives on the ``pp`` stage of the layer. The caches are
