@@ -193,7 +193,9 @@ class ParallelModule:
         top-k, top-p, ``generator``); a sequence that emits ``eos_token_id`` (an id or a list)
         is padded with ``pad_token_id`` (default: the eos id) and generation stops when all
         have. A static KV cache per rank, sharded like the K/V it holds (see
-        :mod:`fxshard.generation`); the model's forward must take ``position_ids``."""
+        :mod:`fxshard.generation`); the decode step's positions go to the forward's positions
+        argument (any name) or, derived inside it, start at the cache position
+        (:mod:`fxshard.generation.positions`)."""
         from .generation import generate
         return generate(self, input_ids, max_new_tokens=max_new_tokens, do_sample=do_sample,
                         temperature=temperature, top_k=top_k, top_p=top_p,

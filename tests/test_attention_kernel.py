@@ -156,6 +156,34 @@ def test_torch_backend_matches_reference(dtype, case):
     assert_matches(out, lse, ref_out, ref_lse, tol=1e-4 if dtype == torch.float32 else 1e-6)
 
 
+@pytest.mark.parametrize("head_dim_v, causal, q_offset, kv_offset, softcap, masked", [
+    (16, True, 0, 0, None, False), (5, True, 7, 2, None, False), (40, False, 0, 0, 30.0, True)])
+def test_torch_backend_value_head_size_differs(head_dim_v, causal, q_offset, kv_offset,
+                                               softcap, masked):
+    """MLA (DeepSeek-V3): v's head size differs from q/k's (24); out has v's. The forward and
+    the backward (against autograd through the float64 reference) on the torch path."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 6, 24, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 9, 24, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 9, head_dim_v, generator=gen, dtype=torch.float64,
+                    requires_grad=True)
+    mask = torch.rand(1, 1, 6, 9, generator=gen) > 0.3 if masked else None
+    kw = dict(causal=causal, q_offset=q_offset, kv_offset=kv_offset, softcap=softcap,
+              mask=mask)
+    out, lse = attention(q, k, v, **kw)
+    assert out.shape == (2, 4, 6, head_dim_v)
+    ref_out, ref_lse = reference_attention(q, k, v, **kw)
+    assert_matches(out.detach(), lse.detach(), ref_out.detach(), ref_lse.detach(), tol=1e-6)
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad((out * g).sum(), (q, k, v))
+    want = torch.autograd.grad((torch.nan_to_num(ref_out) * g).sum(), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)   # lse is saved as float32
+    fake = torch.ops.fxshard.attention(q.detach().to("meta"), k.detach().to("meta"),
+                                       v.detach().to("meta"), None, causal, None, 0, 0)
+    assert fake[0].shape == out.shape
+
+
 def test_torch_backend_edge_cases():
     q = torch.randn(1, 2, 3, 8)
     k = v = torch.randn(1, 1, 0, 8)
@@ -193,6 +221,22 @@ def test_triton_interp_matches_reference(triton_interpret, case, block_m, block_
                              q_offset=case["q_offset"], kv_offset=case["kv_offset"],
                              softcap=case["softcap"] or 0.0, block_m=block_m, block_n=block_n)
     ref_out, ref_lse = reference_attention(q, k, v, **options(case))
+    assert_matches(out, lse, ref_out, ref_lse, tol=1e-4)
+
+
+@pytest.mark.parametrize("head_dim, head_dim_v", [(32, 16), (16, 32)])
+def test_triton_interp_value_head_size_differs(triton_interpret, head_dim, head_dim_v):
+    """MLA: v's head size differs from q/k's; causal with offsets, GQA."""
+    from fxshard.kernels.triton_attention import attention_fwd
+
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 20, head_dim, generator=gen)
+    k = torch.randn(1, 2, 27, head_dim, generator=gen)
+    v = torch.randn(1, 2, 27, head_dim_v, generator=gen)
+    out, lse = attention_fwd(q, k, v, causal=True, scale=0.2, q_offset=9, kv_offset=2)
+    assert out.shape == (1, 4, 20, head_dim_v)
+    ref_out, ref_lse = reference_attention(q, k, v, causal=True, scale=0.2, q_offset=9,
+                                           kv_offset=2)
     assert_matches(out, lse, ref_out, ref_lse, tol=1e-4)
 
 
@@ -285,7 +329,8 @@ def test_triton_kernel_compiles_for_hopper(dtype, head_dim, causal, softcap):
     kernel = triton_attention._attn_fwd
     block_m, block_n, num_warps, num_stages = triton_attention._GPU_CONFIGS[
         4 if dtype == "fp32" else 2][head_dim]
-    constexprs = {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n,
+    constexprs = {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "BLOCK_M": block_m,
+                  "BLOCK_N": block_n,
                   "CAUSAL": causal, "SOFTCAP": softcap,
                   "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
                   "stride_qk": 1, "stride_kk": 1, "stride_vk": 1, "stride_ok": 1, "stride_lm": 1}

@@ -34,7 +34,7 @@ def reference_decode(q, k, v, lengths, *, causal, scale=None):
     batch, heads_q, seq_q, head_dim = q.shape
     group = heads_q // k.shape[1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    out = torch.zeros(q.shape, dtype=torch.float64)
+    out = torch.zeros((*q.shape[:3], v.shape[3]), dtype=torch.float64)   # v's head size
     lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float64)
     for b in range(batch):
         length = int(lengths[b])
@@ -125,6 +125,23 @@ def test_eager_program_entries_match_reference(case, one_slot):
     torch.ops.fxshard.cache_write(checked, new, pos)
     assert torch.equal(direct, checked)
     assert torch.equal(direct[:, :, pos.item():pos.item() + new.shape[2]], new)
+
+
+@pytest.mark.parametrize("head_dim_v, causal, lengths", [(16, True, [9, 4]), (5, False, [9, 0]),
+                                                        (40, True, [9, 9])])
+def test_torch_path_value_head_size_differs(head_dim_v, causal, lengths):
+    """MLA: v's head size (and so out's) differs from q/k's (24); the fused CPU path (equal
+    lengths) is not taken where it cannot be."""
+    q, k, _ = make_inputs(2, 4, 2, 1, 9, 24, seed=2)
+    v = torch.randn(2, 2, 9, head_dim_v, generator=torch.Generator().manual_seed(4))
+    lengths = torch.tensor(lengths)
+    out, lse = decode_attention(q, k, v, lengths, causal=causal, backend="torch")
+    assert out.shape == (2, 4, 1, head_dim_v)
+    ref_out, ref_lse = reference_decode(q, k, v, lengths, causal=causal)
+    assert_matches(out, lse, ref_out, ref_lse, tol=1e-5)
+    fake = torch.ops.fxshard.decode_attention(q.to("meta"), k.to("meta"), v.to("meta"),
+                                              lengths.to("meta"), None, causal)
+    assert fake[0].shape == out.shape
 
 
 def test_torch_path_rows_without_keys():
@@ -304,6 +321,27 @@ def test_triton_interp_matches_reference(triton_interpret, batch, heads_q, heads
     assert_matches(out, lse, ref_out, ref_lse, tol=1e-4)
 
 
+# MLA-style caches: v's head size differs from q/k's (both padded in the kernel)
+MLA_CASES = [(2, 4, 2, 1, 37, 24, 16, [37, 5], True, 3), (1, 4, 1, 3, 20, 16, 40, [20], True, 1)]
+
+
+@pytest.mark.parametrize("batch, heads_q, heads_kv, seq_q, capacity, head_dim, head_dim_v, "
+                         "lengths, causal, n_splits", MLA_CASES)
+def test_triton_interp_value_head_size_differs(triton_interpret, batch, heads_q, heads_kv,
+                                               seq_q, capacity, head_dim, head_dim_v, lengths,
+                                               causal, n_splits):
+    from fxshard.kernels.triton_decode import decode_fwd
+
+    q, k, _ = make_inputs(batch, heads_q, heads_kv, seq_q, capacity, head_dim, seed=capacity)
+    v = torch.randn(batch, heads_kv, capacity, head_dim_v, generator=torch.Generator()
+                    .manual_seed(1))
+    lengths = torch.tensor(lengths)
+    out, lse = decode_fwd(q, k, v, lengths, scale=0.3, causal=causal, n_splits=n_splits)
+    assert out.shape == (batch, heads_q, seq_q, head_dim_v)
+    ref_out, ref_lse = reference_decode(q, k, v, lengths, causal=causal, scale=0.3)
+    assert_matches(out, lse, ref_out, ref_lse, tol=1e-4)
+
+
 def test_triton_interp_every_length(triton_interpret):
     """One sequence per length 0..L (L = 24, 16-key blocks, two splits of 16 keys), causal with
     3 queries: the mask-free loop's end, the causal corner and the split edge are exact to the
@@ -377,7 +415,8 @@ def test_triton_decode_compiles_for_hopper():
     from fxshard.kernels import triton_decode
 
     block_n, num_warps, num_stages = triton_decode._GPU_CONFIGS[2][128]
-    constexprs = {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": 16, "BLOCK_N": block_n,
+    constexprs = {"HEAD_DIM": 128, "BLOCK_D": 128, "HEAD_DIM_V": 128, "BLOCK_DV": 128,
+                  "BLOCK_M": 16, "BLOCK_N": block_n,
                   "CAUSAL": True, "INPUT_PRECISION": "tf32", "stride_qk": 1, "stride_kk": 1,
                   "stride_vk": 1, "stride_pk": 1, "stride_ls": 1}
     kernel = triton_decode._decode_split

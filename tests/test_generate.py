@@ -384,7 +384,8 @@ def test_sliding_window_longer_than_the_cache_is_refused():
         pm.generate(prompt(2, 30), max_new_tokens=6)
 
 
-def test_forward_without_position_ids_is_refused():
+def test_forward_without_position_ids_derives_them():
+    """No positions argument: the decode step's positions come from the cache position."""
     class NoPositions(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -393,9 +394,13 @@ def test_forward_without_position_ids_is_refused():
         def forward(self, input_ids):
             return self.inner(input_ids)
 
-    pm = parallel(NoPositions().eval(), {"tp": 2})
-    with pytest.raises(NotImplementedError, match=r"NoPositions.forward takes no position_ids"):
-        pm.generate(prompt(2, 8), max_new_tokens=2)
+    model = NoPositions().eval()
+    pm = parallel(model, {"tp": 2})
+    ids = prompt(2, 8)
+    got = pm.generate(ids, max_new_tokens=3)
+    assert pm.programs.last.ctx.reports["decode_positions_pass"]["rewritten"] >= 1
+    pm.close()
+    torch.testing.assert_close(got, reference(model, ids, 3), rtol=0, atol=0)
 
 
 def test_state_inputs_are_bound_per_rank():

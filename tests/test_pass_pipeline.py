@@ -9,9 +9,11 @@ import fxshard
 from fxshard.runtime.program_cache import compile_program
 from fxshard.mesh import mesh_spec
 from fxshard.passes import PassCtx, PassReports
+from fxshard.passes.decode_positions import decode_positions_pass
 from fxshard.passes.kv_cache import (decode_attention_pass, greedy_tokens_pass,
                                      prefill_cache_pass)
 from fxshard.passes.lower_attention import lower_attention_pass
+from fxshard.passes.moe_routing import moe_routing_pass
 from fxshard.passes.pipeline import (DECODE, DECODE_GREEDY, FORWARD, PREFILL, passes_for,
                                      run_passes)
 
@@ -127,8 +129,10 @@ def test_split_stages_hands_the_rest_of_the_list_to_each_stage():
 def test_generation_lists_add_their_passes_to_forward():
     def rest(passes, *new):
         return [p for p in passes if p not in new] == FORWARD
-    assert rest(PREFILL, prefill_cache_pass) and rest(DECODE, decode_attention_pass)
-    assert rest(DECODE_GREEDY, decode_attention_pass, greedy_tokens_pass)
+    assert rest(PREFILL, prefill_cache_pass)
+    assert rest(DECODE, decode_attention_pass, decode_positions_pass)
+    assert rest(DECODE_GREEDY, decode_attention_pass, greedy_tokens_pass, decode_positions_pass)
+    assert DECODE.index(decode_positions_pass) == DECODE.index(moe_routing_pass) + 1
     assert PREFILL.index(prefill_cache_pass) == PREFILL.index(lower_attention_pass) + 1
     assert DECODE_GREEDY.index(greedy_tokens_pass) + 1 == \
         DECODE_GREEDY.index(decode_attention_pass) == \

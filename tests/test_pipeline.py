@@ -203,3 +203,27 @@ def test_explain_counts_per_forward_with_microbatches():
         line = next(ln for ln in str(ex).splitlines() if ln.strip().startswith("all_reduce"))
         rows[ex.microbatches] = [int(v.replace(",", "")) for v in line.split()[2:]]
     assert rows[4][0] == 4 * rows[1][0] and rows[4][1:] == rows[1][1:]
+
+
+@pytest.mark.parametrize("container,mb", [("dict", 1), ("dict", 2), ("seq", 1), ("seq", 2)])
+def test_layer_stack_in_any_container(container, mb):
+    """A ModuleDict (torchtitan's ``layers``) or Sequential stack splits as a ModuleList does:
+    equal to one device, each stage holding its own layers' parameters only."""
+    from tests.plain_lms import TinyLM
+    model = TinyLM(layers=4, container=container,
+                   positions="wpe" if container == "seq" else "table").eval()
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    pm = fxshard.parallelize(model, mesh(pp=2), microbatches=mb)
+    torch.testing.assert_close(pm(ids), model(ids), **TOL)
+    first, last = pm.rank_module(0).state_dict(), pm.rank_module(1).state_dict()
+    layers = {s: {k.split(".")[1] for k in sd if k.startswith("layers.")}
+              for s, sd in ((0, first), (1, last))}
+    assert layers == {0: {"0", "1"}, 1: {"2", "3"}}
+    assert "wte.weight" in first and "wte.weight" not in last
+    assert "head.weight" in last and "head.weight" not in first
+
+
+def test_no_layer_container_is_a_clear_error():
+    from tests.models import SimpleMLP
+    with pytest.raises(ValueError, match="found no stack of repeated layers.*ModuleDict"):
+        fxshard.parallelize(SimpleMLP(8), mesh(pp=2), example_inputs=(torch.randn(2, 8),))

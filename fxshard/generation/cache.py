@@ -4,8 +4,10 @@ A program says which caches it reads (``Program.kv_caches``: key, the rank's sha
 :mod:`fxshard.passes.kv_cache`). :class:`Caches` allocates them once per ``generate`` call, one
 set per rank this process runs (on a real mesh: its own), with the batch of every microbatch
 (``microbatches=m``: ``m`` times the program's), and before each decode step fills the write
-position and read lengths in place from :func:`fxshard.passes.kv_cache.decode_slots` (the one
-place the ring's write-owner rule is written).
+position, read lengths and the new token's position (``cache_position``, for a model that
+derives positions from the sequence length) in place from
+:func:`fxshard.passes.kv_cache.decode_slots` (the one place the ring's write-owner rule is
+written).
 
 The capacity per rank is the prompt plus ``max_new_tokens`` (on ``ring_cp``: the most any ring
 rank holds), rounded up to a multiple of :data:`CAPACITY_STEP` so prompts of similar length
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..passes.decode_positions import POSITION
 from ..passes.kv_cache import READ_LEN, WRITE_POS, decode_slots
 
 __all__ = ["Caches", "capacity", "check_same_caches", "CAPACITY_STEP"]
@@ -39,6 +42,7 @@ class Caches:
         self.ring = self.spec.axis_size("ring_cp")
         self.capacity = capacity
         self.base = prompt // self.ring           # prompt positions each ring rank holds
+        self.prompt = prompt
         self.device = device = executor.device
         m = executor.options.microbatches
         self.state: dict[int, dict] = {}
@@ -48,6 +52,7 @@ class Caches:
             for key, shape, dtype in program.kv_caches:
                 st[key] = torch.zeros((shape[0] * m, *shape[1:]), dtype=dtype, device=device)
             st[WRITE_POS] = torch.zeros(1, dtype=torch.int64, device=device)
+            st[POSITION] = torch.zeros((), dtype=torch.int64, device=device)
             self.state[rank] = st
         self.batch = {r: next((t.shape[0] for k, t in st.items() if k.startswith("kv.")), 1)
                       for r, st in self.state.items()}
@@ -59,6 +64,7 @@ class Caches:
             st = self.state[rank]
             write, read = decode_slots(t, self.coord[rank], self.ring, self.base, self.capacity)
             st[WRITE_POS].fill_(write)     # in place: no new tensors per step
+            st[POSITION].fill_(self.prompt + t)   # the new token's position
             if READ_LEN in st:
                 st[READ_LEN].fill_(read)
             else:

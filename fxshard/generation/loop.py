@@ -5,7 +5,8 @@
 
 Two programs per prompt shape (:mod:`fxshard.passes.kv_cache`): *prefill* runs the prompt's
 forward with every CP machinery of ``parallelize`` and writes each rank's K/V into its cache;
-*decode* takes one token per sequence at ``position_ids = S + t`` and attends the cache. Both
+*decode* takes one token per sequence at position ``S + t`` (passed as the model's positions
+argument, or derived inside it: :mod:`fxshard.generation.positions`) and attends the cache. Both
 come from ``pm.programs`` (a generation key in the signature) and run on ``pm.executor`` with
 the caches of :mod:`fxshard.generation.cache` bound as their state inputs; what a program
 reads and returns beyond the model's own (its caches, whether it returns token ids) is data on
@@ -40,6 +41,7 @@ from ..mesh import is_simulated
 from ..runtime.agreement import agree
 from ..runtime.memory import check_kv_cache_fits
 from .cache import Caches, capacity, check_same_caches
+from .positions import decode_program
 from .sampling import broadcast, choose, greedy_ids, last_logits
 
 __all__ = ["generate"]
@@ -112,15 +114,6 @@ def _check(pm, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p,
             f"{_WHERE}: the model attends a sliding window of {window} tokens, and the prompt "
             f"plus max_new_tokens needs {total}; fxshard's KV cache keeps every position, so it "
             f"would attend tokens the model would not. Keep prompt + new tokens <= {window}")
-    try:
-        params = inspect.signature(pm.model.forward).parameters
-    except (TypeError, ValueError):
-        params = {}
-    if "position_ids" not in params:
-        raise NotImplementedError(
-            f"{_WHERE}: {type(pm.model).__name__}.forward takes no position_ids, which a "
-            f"decode step needs (the new token sits at position S + t, not 0). Give the "
-            f"forward a position_ids argument, as HuggingFace models have")
     if not is_simulated(pm.mesh):
         import torch.distributed as dist
         if dist.get_world_size() != pm.spec.world_size:
@@ -199,6 +192,7 @@ def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: boo
                  generator)
     decode = ("decode", slots) if do_sample else ("decode", slots, "greedy")
     pick = None   # where the decode program's flat outputs hold the logits or ids
+    way = None    # how the decode program takes its position (fxshard.generation.positions)
     tokens = [input_ids]
     unfinished = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
     eos_t = torch.tensor(eos, dtype=input_ids.dtype, device=input_ids.device)
@@ -212,9 +206,13 @@ def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: boo
         tokens.append(nxt[:, None])
         if t == max_new_tokens - 1 or (eos and not bool(unfinished.any())):
             break
-        positions = torch.full((batch, 1), prompt + t, dtype=torch.int64,
-                               device=input_ids.device)
-        c, micro = programs.get((nxt[:, None],), {"position_ids": positions}, generation=decode)
+        if way is None:   # the first step finds how the model takes its position
+            c, micro, way = decode_program(pm, nxt[:, None], prompt + t, decode, {},
+                                           prefill)
+        else:
+            c, micro = programs.get((nxt[:, None],), way.kwargs(batch, prompt + t,
+                                                                input_ids.device),
+                                    generation=decode)
         if not c.loaded:
             check_same_caches(prefill, c)
             programs.check_loaded(c)
@@ -230,15 +228,15 @@ def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: boo
 
 def _pipelined(pm, input_ids, prefill, micro, caches, slots, new, eos, pad, hook):
     """Greedy on ``pp``: the groups flow through the stages across steps."""
-    from .pipelined import decode_example, pipelined_greedy
-    decode = None
+    from .pipelined import pipelined_greedy
+    decode = way = None
     if new > 1:
-        args, kwargs = decode_example(input_ids, input_ids.shape[1])
-        decode, _ = pm.programs.get(args, kwargs, generation=("decode", slots, "greedy"))
+        decode, _, way = decode_program(pm, input_ids[:, :1], input_ids.shape[1],
+                                        ("decode", slots, "greedy"), {}, prefill)
         if not decode.loaded:
             check_same_caches(prefill, decode)
             pm.programs.check_loaded(decode)
     tokens = pipelined_greedy(pm, input_ids, prefill, micro, decode, caches,
                               greedy=lambda c, out: greedy_ids(pm.model, c, out)[0], new=new,
-                              eos=eos, pad=pad, hook=hook)
+                              eos=eos, pad=pad, hook=hook, positions=way)
     return torch.cat([input_ids, tokens], dim=1)

@@ -62,24 +62,19 @@ def schedule(stages: int, groups: int, steps: int) -> list[list[tuple[int, int] 
     return ticks
 
 
-def _flat(tokens: torch.Tensor, position: int) -> list:
-    """The decode program's flat inputs for ``tokens`` ``[b]`` at ``position``."""
-    positions = torch.full((tokens.shape[0], 1), position, dtype=torch.int64,
-                           device=tokens.device)
-    return pytree.tree_flatten(((tokens[:, None],), {"position_ids": positions}))[0]
-
-
-def decode_example(input_ids: torch.Tensor, prompt: int) -> tuple[tuple, dict]:
-    """Arguments of the decode program's signature: one token per sequence at ``prompt``."""
-    return (input_ids[:, :1],), {"position_ids": torch.full(
-        (input_ids.shape[0], 1), prompt, dtype=torch.int64, device=input_ids.device)}
+def _flat(tokens: torch.Tensor, position: int, way) -> list:
+    """The decode program's flat inputs for ``tokens`` ``[b]`` at ``position``, the position
+    passed as ``way`` (:class:`fxshard.generation.positions.DecodePositions`) says."""
+    kwargs = way.kwargs(tokens.shape[0], position, tokens.device)
+    return pytree.tree_flatten(((tokens[:, None],), kwargs))[0]
 
 
 class _Rank:
     """One rank's walk through the units; ``hook(rank, stage, step, group)`` runs before each."""
 
     def __init__(self, pm, rank, prefill, pre_micro, decode, caches, *, greedy, new, eos, pad,
-                 input_ids, hook):
+                 input_ids, hook, positions):
+        self.positions = positions
         self.executor, self.rank, self.caches = pm.executor, rank, caches
         self.stage, self.last = pm.stage_of(rank), pm.spec.axis_size("pp") - 1
         self.m, self.new, self.pad, self.hook = pm.microbatches, new, pad, hook
@@ -106,7 +101,8 @@ class _Rank:
 
     def _run(self, t: int, j: int, backend) -> None:
         c, program = self.programs[t < 0]
-        flat = self.pre_micro[j] if t < 0 else _flat(self.tokens[j][t], self.prompt + t)
+        flat = self.pre_micro[j] if t < 0 else _flat(self.tokens[j][t], self.prompt + t,
+                                                           self.positions)
         mod = self.executor.runner(c, self.rank, flat)
         if self.hook is not None:
             self.hook(self.rank, self.stage, t, j)
@@ -148,16 +144,19 @@ class _Rank:
 
 def pipelined_greedy(pm, input_ids: torch.Tensor, prefill, pre_micro: list[list], decode,
                      caches, *, greedy, new: int, eos: list[int], pad: int | None,
-                     hook=None) -> torch.Tensor:
+                     hook=None, positions=None) -> torch.Tensor:
     """The new tokens ``[B, n <= new]``, the same on every rank (see the module docstring).
     ``decode`` is the decode program's Compiled (None when ``new == 1``); ``greedy(c, out)``
-    turns the last stage's flat outputs into the ``[b]`` argmax ids of the last position."""
+    turns the last stage's flat outputs into the ``[b]`` argmax ids of the last position;
+    ``positions``: how the decode program takes its position (``DecodePositions``)."""
     eos_t = torch.tensor(eos, dtype=input_ids.dtype, device=input_ids.device) if eos else None
-    decode_flat = _flat(input_ids[:input_ids.shape[0] // pm.microbatches, 0], 0)
+    decode_flat = None if decode is None else \
+        _flat(input_ids[:input_ids.shape[0] // pm.microbatches, 0], 0, positions)
 
     def driver(rank: int) -> torch.Tensor:
         return _Rank(pm, rank, prefill, pre_micro, decode, caches, greedy=greedy, new=new,
-                     eos=eos_t, pad=pad, input_ids=input_ids, hook=hook)()
+                     eos=eos_t, pad=pad, input_ids=input_ids, hook=hook,
+                     positions=positions)()
 
     bind = [(prefill, pre_micro[0])] + ([(decode, decode_flat)] if decode is not None else [])
     results = pm.executor.on_ranks(driver, bind)   # built (or compiled) here, not in threads

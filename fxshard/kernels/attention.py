@@ -27,8 +27,8 @@ This module is the math only: the op's schema, fake impl and autograd registrati
 Shape legend: B batch, Hq query heads, Hkv key/value heads, G = Hq // Hkv query heads per KV
 head, Sq query length, Skv key/value length, D head dim; in suffixes K is Hkv, T the key axis
 (Skv) and M = G * Sq. ``q_BHSD`` is ``[B, Hq, Sq, D]``; ``k_BHSD``/``v_BHSD`` are
-``[B, Hkv, Skv, D]``; ``q_BKGSD`` is q viewed as ``[B, Hkv, G, Sq, D]`` and ``q_BKMD`` as
-``[B, Hkv, G * Sq, D]``; ``s_BKGST`` holds scores ``[B, Hkv, G, Sq, Skv]``; ``lse_BHS`` is
+``[B, Hkv, Skv, D]`` (v's head size may be Dv != D, as in MLA; out then has Dv); ``q_BKGSD``
+is q viewed as ``[B, Hkv, G, Sq, D]`` and ``q_BKMD`` as ``[B, Hkv, G * Sq, D]``; ``s_BKGST`` holds scores ``[B, Hkv, G, Sq, Skv]``; ``lse_BHS`` is
 ``[B, Hq, Sq]``.
 """
 import functools
@@ -52,8 +52,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     """Scaled dot-product attention returning ``(out, lse)``.
 
     Args:
-        q: ``[B, Hq, Sq, D]``; k, v: ``[B, Hkv, Skv, D]`` with ``Hq % Hkv == 0`` (query head
-            ``h`` uses KV head ``h // (Hq // Hkv)``), all of one floating dtype and device.
+        q: ``[B, Hq, Sq, D]``; k: ``[B, Hkv, Skv, D]``; v: ``[B, Hkv, Skv, Dv]`` (``Dv`` may
+            differ from ``D``, as in MLA) with ``Hq % Hkv == 0`` (query head ``h`` uses KV
+            head ``h // (Hq // Hkv)``), all of one floating dtype and device.
         causal: query ``i`` sees key ``j`` iff ``kv_offset + j <= q_offset + i``.
         scale: multiplies ``q @ k^T``; defaults to ``1 / sqrt(D)``.
         q_offset, kv_offset: absolute positions of the first query and the first key.
@@ -64,7 +65,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
 
     Returns:
-        ``out`` with q's shape and dtype, ``lse`` ``[B, Hq, Sq]`` float32 (natural log). Rows that
+        ``out`` ``[B, Hq, Sq, Dv]`` of q's dtype, ``lse`` ``[B, Hq, Sq]`` float32 (natural
+        log). Rows that
         see no key give ``out = 0`` and ``lse = -inf``.
     """
     if backend not in _BACKENDS:
@@ -130,15 +132,16 @@ def check_inputs(q, k, v, mask, scale, q_offset, kv_offset, softcap=0.0) -> None
                              f"with .transpose(1, 2)).")
         if not t.dtype.is_floating_point:
             raise ValueError(f"{_NAME}: {arg} has dtype {t.dtype}; expected a floating dtype.")
-    if k.shape != v.shape:
+    if k.shape[:3] != v.shape[:3]:
         raise ValueError(f"{_NAME}: k has shape {tuple(k.shape)}, v has shape "
-                         f"{tuple(v.shape)}; k and v must both be [B, Hkv, Skv, D].")
+                         f"{tuple(v.shape)}; k and v must be [B, Hkv, Skv, D] and "
+                         f"[B, Hkv, Skv, Dv] (v's head size may differ, as MLA's).")
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"{_NAME}: q has batch size {q.shape[0]}, k has {k.shape[0]}; "
                          f"pass q, k and v of the same batch.")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"{_NAME}: q has head_dim {q.shape[-1]}, k has {k.shape[-1]}; "
-                         f"q, k and v must share the head dim.")
+                         f"q and k must share the head dim (v's may differ).")
     heads_q, heads_kv = q.shape[1], k.shape[1]
     if heads_kv == 0 or heads_q % heads_kv != 0:
         raise ValueError(f"{_NAME}: q has {heads_q} heads, k has {heads_kv}; Hq must be a "
@@ -249,7 +252,7 @@ def cpu_flash(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_offset,
     plain ops' speed. Not for zero queries (it dies of SIGFPE) nor non-finite inputs (it gives
     out = 0, lse = 0 for a NaN row where the plain ops give NaN)."""
     if (mask is None and not softcap and q_BHSD.device.type == "cpu"
-            and (not causal or q_offset == kv_offset)
+            and (not causal or q_offset == kv_offset) and v_BHSD.shape[-1] == q_BHSD.shape[-1]
             and q_BHSD.dtype in (torch.float32, torch.float64) and q_BHSD.shape[2] > 0
             and k_BHSD.shape[2] > 0 and _all_finite(q_BHSD, k_BHSD, v_BHSD)):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -260,10 +263,11 @@ def cpu_flash(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_offset,
 def torch_attention(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_offset,
                     softcap=0.0):
     """The torch backend: plain ops, NaN-free (also in autograd) for rows that see no key."""
-    batch, heads_q, seq_q, head_dim = q_BHSD.shape
-    heads_kv, seq_kv = k_BHSD.shape[1], k_BHSD.shape[2]
+    batch, heads_q, seq_q, _ = q_BHSD.shape
+    heads_kv, seq_kv, head_dim = k_BHSD.shape[1], k_BHSD.shape[2], v_BHSD.shape[3]
     if seq_q == 0 or seq_kv == 0:
-        out = torch.zeros(q_BHSD.shape, dtype=q_BHSD.dtype, device=q_BHSD.device)
+        out = torch.zeros((batch, heads_q, seq_q, head_dim), dtype=q_BHSD.dtype,
+                          device=q_BHSD.device)
         lse = torch.full(q_BHSD.shape[:3], -math.inf, dtype=torch.float32,
                          device=q_BHSD.device)
         return out, lse
@@ -334,6 +338,7 @@ def attention_backward(q_BHSD, k_BHSD, v_BHSD, mask, out_BHSD, lse_BHS, dout_BHS
     ``ds`` is first multiplied by the cap's derivative ``1 - tanh^2``. No mask gradient;
     ``dlse_BHS`` may be None."""
     batch, heads_q, seq_q, head_dim = q_BHSD.shape
+    head_dim_v = v_BHSD.shape[3]
     group = heads_q // k_BHSD.shape[1]
     cdtype = _compute_dtype(q_BHSD.dtype)
     scale = _scale_of(q_BHSD, scale)
@@ -342,8 +347,8 @@ def attention_backward(q_BHSD, k_BHSD, v_BHSD, mask, out_BHSD, lse_BHS, dout_BHS
     lse_BKGS = lse_BHS.to(cdtype).view(shape_5d)
     p_BKGST = torch.exp(s_BKGST - torch.where(torch.isneginf(lse_BKGS), 0.0,
                                               lse_BKGS).unsqueeze(-1))
-    do_BKGSD = dout_BHSD.to(cdtype).reshape(*shape_5d, head_dim)
-    o_BKGSD = out_BHSD.to(cdtype).reshape(*shape_5d, head_dim)
+    do_BKGSD = dout_BHSD.to(cdtype).reshape(*shape_5d, head_dim_v)
+    o_BKGSD = out_BHSD.to(cdtype).reshape(*shape_5d, head_dim_v)
     k_c, v_c = k_BHSD.to(cdtype), v_BHSD.to(cdtype)
     q_BKGSD = q_BHSD.to(cdtype).reshape(*shape_5d, head_dim)
     dv_BHSD = torch.einsum("bhgqk,bhgqd->bhkd", p_BKGST, do_BKGSD)

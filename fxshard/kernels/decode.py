@@ -47,8 +47,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Attention of ``q`` to the valid part of a KV cache, returning ``(out, lse)``.
 
     Args:
-        q: ``[B, Hq, Sq, D]``; k_cache, v_cache: ``[B, Hkv, L, D]``, ``Hq % Hkv == 0`` (query
-            head ``h`` uses KV head ``h // (Hq // Hkv)``), one floating dtype and device.
+        q: ``[B, Hq, Sq, D]``; k_cache ``[B, Hkv, L, D]``, v_cache ``[B, Hkv, L, Dv]`` (``Dv``
+            may differ, as in MLA), ``Hq % Hkv == 0`` (query head ``h`` uses KV head
+            ``h // (Hq // Hkv)``), one floating dtype and device.
         lengths: ``[B]`` integer tensor on q's device, ``0 <= lengths[b] <= L``: how many cache
             slots of sequence ``b`` hold keys.
         scale: multiplies ``q @ k^T``; defaults to ``1 / sqrt(D)``.
@@ -57,14 +58,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
 
     Returns:
-        ``out`` like ``q``, ``lse`` ``[B, Hq, Sq]`` float32; a row with no key: 0 and ``-inf``.
+        ``out`` ``[B, Hq, Sq, Dv]`` of q's dtype, ``lse`` ``[B, Hq, Sq]`` float32; a row with
+        no key: 0 and ``-inf``.
     """
     if backend not in _BACKENDS:
         raise ValueError(f"{_NAME}: backend={backend!r}; choose one of {_BACKENDS}.")
     check_decode_inputs(q, k_cache, v_cache, lengths, scale)
     if backend == "auto":
         fits = q.dtype in (torch.float16, torch.bfloat16, torch.float32) and \
-            q.shape[-1] <= 256 and not (torch.is_grad_enabled() and any(
+            max(q.shape[-1], v_cache.shape[-1]) <= 256 and not (torch.is_grad_enabled() and any(
                 t.requires_grad for t in (q, k_cache, v_cache)))
         backend = "triton" if q.device.type == "cuda" and fits and \
             _triton_module() is not None else "torch"
@@ -83,7 +85,8 @@ def decode_attention_unchecked(q, k_cache, v_cache, lengths, scale, causal):
     whose inputs are right by construction (the decode programs of ``pm.generate``: their
     caches are allocated from the shapes the program declares, ``lengths`` by the runner)."""
     if q.device.type == "cuda" and _triton_module() is not None and \
-            q.dtype in (torch.float16, torch.bfloat16, torch.float32) and q.shape[-1] <= 256:
+            q.dtype in (torch.float16, torch.bfloat16, torch.float32) and \
+            max(q.shape[-1], v_cache.shape[-1]) <= 256:
         return _triton_module().decode_fwd(q, k_cache, v_cache, lengths,
                                            scale=_scale_of(q, scale), causal=bool(causal))
     return _torch_decode(q, k_cache, v_cache, lengths, scale, causal)
@@ -97,9 +100,10 @@ def check_decode_inputs(q, k_cache, v_cache, lengths, scale) -> None:
                 f"{_NAME}: {arg} must be a 4-dim floating tensor [batch, heads, seq, head_dim], "
                 f"got {getattr(t, 'dtype', type(t).__name__)} of shape "
                 f"{tuple(getattr(t, 'shape', ()))}.")
-    if k_cache.shape != v_cache.shape:
+    if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"{_NAME}: k_cache has shape {tuple(k_cache.shape)}, v_cache "
-                         f"{tuple(v_cache.shape)}; both must be [B, Hkv, L, D].")
+                         f"{tuple(v_cache.shape)}; they must be [B, Hkv, L, D] and "
+                         f"[B, Hkv, L, Dv] (v's head size may differ, as MLA's).")
     if q.shape[0] != k_cache.shape[0] or q.shape[-1] != k_cache.shape[-1]:
         raise ValueError(f"{_NAME}: q has shape {tuple(q.shape)} and the cache "
                          f"{tuple(k_cache.shape)}; batch (dim 0) and head_dim (dim 3) must "
@@ -129,17 +133,18 @@ def _scale_of(q: torch.Tensor, scale: Optional[float]) -> float:
 
 def _torch_decode(q_BHSD, k_BKLD, v_BKLD, lengths_B, scale, causal):
     batch, heads_q, seq_q, head_dim = q_BHSD.shape
-    heads_kv = k_BKLD.shape[1]
+    heads_kv, head_dim_v = k_BKLD.shape[1], v_BKLD.shape[3]
     group = heads_q // heads_kv
     cdtype = torch.float64 if q_BHSD.dtype == torch.float64 else torch.float32
     lens = lengths_B.tolist()                 # one read of the lengths (not max + min)
     n_keys = min(max(lens), k_BKLD.shape[2]) if batch else 0
     if n_keys <= 0 or seq_q == 0:
-        return (torch.zeros(q_BHSD.shape, dtype=q_BHSD.dtype, device=q_BHSD.device),
+        return (torch.zeros((batch, heads_q, seq_q, head_dim_v), dtype=q_BHSD.dtype,
+                            device=q_BHSD.device),
                 torch.full(q_BHSD.shape[:3], -math.inf, dtype=torch.float32,
                            device=q_BHSD.device))
     if q_BHSD.device.type == "cpu" and q_BHSD.dtype in (torch.float32, torch.float64) and \
-            (seq_q == 1 or not causal) and min(lens) == n_keys:
+            (seq_q == 1 or not causal) and min(lens) == n_keys and head_dim_v == head_dim:
         # every sequence sees the same n_keys keys: torch's fused CPU flash attention on the
         # valid prefix, the G query heads of each KV head (times Sq) as its query rows
         q_BKMD = q_BHSD.reshape(batch, heads_kv, group * seq_q, head_dim)
@@ -168,8 +173,8 @@ def _torch_decode(q_BHSD, k_BKLD, v_BKLD, lengths_B, scale, causal):
     empty = denom == 0
     denom = torch.where(empty, 1.0, denom)
     o_BKMD = torch.matmul(e_BKGST.view(batch, heads_kv, group * seq_q, n_keys), v_c)
-    out = (o_BKMD.view(batch, heads_kv, group, seq_q, head_dim) / denom).reshape(
-        batch, heads_q, seq_q, head_dim)
+    out = (o_BKMD.view(batch, heads_kv, group, seq_q, head_dim_v) / denom).reshape(
+        batch, heads_q, seq_q, head_dim_v)
     lse = torch.where(empty, -math.inf, row_max + torch.log(denom)).reshape(
         batch, heads_q, seq_q)
     return out.to(q_BHSD.dtype), lse.to(torch.float32)

@@ -27,8 +27,9 @@ and ``tl.max`` included, interpreted or compiled at import time); the launcher c
 says so instead of failing inside Triton.
 
 Shape legend: B batch, Hq query heads, Hkv key/value heads, Sq query length, Skv key/value
-length, D head dim; ``q_BHSD`` is ``[B, Hq, Sq, D]``, ``k_BHSD``/``v_BHSD`` are
-``[B, Hkv, Skv, D]``, ``lse_BHS`` is ``[B, Hq, Sq]``.
+length, D head dim (Dv v's, which may differ: MLA); ``q_BHSD`` is ``[B, Hq, Sq, D]``,
+``k_BHSD`` ``[B, Hkv, Skv, D]``, ``v_BHSD`` ``[B, Hkv, Skv, Dv]``, the output
+``[B, Hq, Sq, Dv]``, ``lse_BHS`` ``[B, Hq, Sq]``.
 """
 
 import torch
@@ -53,7 +54,8 @@ def _attn_fwd(Q, K, V, Out, Lse,
               stride_oz, stride_oh, stride_om, stride_ok,
               stride_lz, stride_lh, stride_lm,
               H, GROUP, SEQ_Q, SEQ_KV, Q_OFFSET, KV_OFFSET, qk_scale, cap_log2,
-              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     start_m = tl.program_id(0)
     off_hz = tl.program_id(1)
@@ -70,15 +72,16 @@ def _attn_fwd(Q, K, V, Out, Lse,
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DIM_V)
     row_ok = offs_m < SEQ_Q
     q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qk,
                 mask=row_ok[:, None], other=0.0)
     k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kk
-    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vk
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vk
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
 
     # Key j is visible from query row r iff j <= r + delta (and j < SEQ_KV).
     # hi: end of the keys any row of this block sees; full_end: end of the key blocks that
@@ -116,7 +119,7 @@ def _attn_fwd(Q, K, V, Out, Lse,
                 INPUT_PRECISION=INPUT_PRECISION)
 
     out, lse = online_softmax_finish(m_i, l_i, acc)
-    tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_ok,
+    tl.store(o_base + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_ok,
              out.to(Out.dtype.element_ty), mask=row_ok[:, None])
     tl.store(l_base + offs_m * stride_lm, lse, mask=row_ok)
 
@@ -162,12 +165,13 @@ def attention_fwd(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tens
     Launch options default to ``_GPU_CONFIGS`` (``_INTERPRETER_CONFIG`` in the interpreter).
     """
     head_dim_q, head_dim_k, head_dim_v = q_BHSD.shape[-1], k_BHSD.shape[-1], v_BHSD.shape[-1]
-    assert head_dim_q == head_dim_k == head_dim_v
-    if head_dim_k not in HEAD_DIMS:
-        raise ValueError(
-            f"fxshard.kernels.attention: head_dim is {head_dim_k}, but backend='triton' supports "
-            f"head_dim in {{16, 32, 64, 128, 256}}; pad q, k and v to the next supported size "
-            f"(and pass scale=1/sqrt({head_dim_k})) or use backend='torch'.")
+    assert head_dim_q == head_dim_k
+    for what, d in (("head_dim", head_dim_k), ("v's head_dim", head_dim_v)):
+        if d not in HEAD_DIMS:
+            raise ValueError(
+                f"fxshard.kernels.attention: {what} is {d}, but backend='triton' supports "
+                f"head_dim in {{16, 32, 64, 128, 256}}; pad q, k and v to the next supported "
+                f"size (and pass scale=1/sqrt({head_dim_k})) or use backend='torch'.")
     if q_BHSD.dtype not in _DTYPES:
         raise ValueError(
             f"fxshard.kernels.attention: q has dtype {q_BHSD.dtype}, but backend='triton' supports "
@@ -187,7 +191,7 @@ def attention_fwd(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tens
             "in the environment before the process first imports triton, or use "
             "backend='torch'.")
     config = (_INTERPRETER_CONFIG if interpret
-              else _GPU_CONFIGS[q_BHSD.element_size()][head_dim_k])
+              else _GPU_CONFIGS[q_BHSD.element_size()][max(head_dim_k, head_dim_v)])
     block_m = config[0] if block_m is None else block_m
     block_n = config[1] if block_n is None else block_n
     num_warps = config[2] if num_warps is None else num_warps
@@ -197,7 +201,8 @@ def attention_fwd(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tens
 
     batch, heads_q, seq_q, _ = q_BHSD.shape
     heads_kv, seq_kv = k_BHSD.shape[1], k_BHSD.shape[2]
-    out_BHSD = torch.empty(q_BHSD.shape, dtype=q_BHSD.dtype, device=q_BHSD.device)
+    out_BHSD = torch.empty((batch, heads_q, seq_q, head_dim_v), dtype=q_BHSD.dtype,
+                           device=q_BHSD.device)
     lse_BHS = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=q_BHSD.device)
     if out_BHSD.numel() == 0:
         return out_BHSD, lse_BHS
@@ -209,7 +214,8 @@ def attention_fwd(q_BHSD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tens
         *lse_BHS.stride(),
         heads_q, heads_q // heads_kv, seq_q, seq_kv, int(q_offset), int(kv_offset),
         float(scale) * _LOG2E, float(softcap) * _LOG2E if softcap else 1.0,
-        HEAD_DIM=head_dim_k, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal),
+        HEAD_DIM=head_dim_k, HEAD_DIM_V=head_dim_v, BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=bool(causal),
         SOFTCAP=bool(softcap),
         INPUT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
     return out_BHSD, lse_BHS

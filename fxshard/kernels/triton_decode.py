@@ -28,8 +28,9 @@ On CPU tensors the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` s
 is first imported), as :mod:`fxshard.kernels.triton_attention` explains.
 
 Shape legend: B batch, Hq query heads, Hkv KV heads, G = Hq // Hkv, Sq queries, L cache
-capacity, D head dim, P number of key splits. ``q_BHSD`` ``[B, Hq, Sq, D]``; ``k_BKLD``/
-``v_BKLD`` ``[B, Hkv, L, D]``; ``lengths_B`` ``[B]``; partials ``o_BHSPD`` ``[B, Hq, Sq, P, D]``
+capacity, D head dim (Dv v's, which may differ: MLA), P number of key splits. ``q_BHSD``
+``[B, Hq, Sq, D]``; ``k_BKLD`` ``[B, Hkv, L, D]``, ``v_BKLD`` ``[B, Hkv, L, Dv]``; ``lengths_B``
+``[B]``; partials ``o_BHSPD`` ``[B, Hq, Sq, P, Dv]``
 and ``lse_BHSP`` ``[B, Hq, Sq, P]`` (float32); ``lse_BHS`` ``[B, Hq, Sq]``.
 """
 import functools
@@ -57,7 +58,8 @@ def _decode_split(Q, K, V, Lengths, OutPart, LsePart,
                   stride_pz, stride_ph, stride_pm, stride_ps, stride_pk,
                   stride_lz, stride_lh, stride_lm, stride_ls,
                   H_KV, GROUP, SEQ_Q, CAPACITY, SPLIT_KEYS, qk_scale,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     off_zk = tl.program_id(0)
     split = tl.program_id(1)
@@ -73,6 +75,8 @@ def _decode_split(Q, K, V, Lengths, OutPart, LsePart,
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)      # head dim padded to a power of two >= 16
     d_ok = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, BLOCK_DV)    # v's head dim (MLA: may differ), padded likewise
+    dv_ok = offs_dv < HEAD_DIM_V
 
     q_rows = off_z.to(tl.int64) * stride_qz + head.to(tl.int64) * stride_qh + query * stride_qm
     q = tl.load(Q + q_rows[:, None] + offs_d[None, :] * stride_qk,
@@ -80,7 +84,7 @@ def _decode_split(Q, K, V, Lengths, OutPart, LsePart,
     k_base = K + off_z.to(tl.int64) * stride_kz + off_kvh.to(tl.int64) * stride_kh
     v_base = V + off_z.to(tl.int64) * stride_vz + off_kvh.to(tl.int64) * stride_vh
     k_cols = k_base + offs_d[None, :] * stride_kk
-    v_cols = v_base + offs_d[None, :] * stride_vk
+    v_cols = v_base + offs_dv[None, :] * stride_vk
 
     # keys of sequence off_z: [0, hi); row r sees key j iff j <= last[r]
     length = tl.load(Lengths + off_z).to(tl.int32)
@@ -98,7 +102,7 @@ def _decode_split(Q, K, V, Lengths, OutPart, LsePart,
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for phase in tl.static_range(2):
         if phase == 0:
             start = lo
@@ -110,16 +114,16 @@ def _decode_split(Q, K, V, Lengths, OutPart, LsePart,
             offs_kv = start_n + offs_n
             k_ptrs = k_cols + offs_kv.to(tl.int64)[:, None] * stride_kn
             v_ptrs = v_cols + offs_kv.to(tl.int64)[:, None] * stride_vn
-            if phase == 0 and BLOCK_D == HEAD_DIM:
+            if phase == 0 and BLOCK_D == HEAD_DIM and BLOCK_DV == HEAD_DIM_V:
                 k = tl.load(k_ptrs)
                 v = tl.load(v_ptrs)
             elif phase == 0:
                 k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-                v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+                v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
             else:
-                kv_ok = (offs_kv < stop)[:, None] & d_ok[None, :]
-                k = tl.load(k_ptrs, mask=kv_ok, other=0.0)
-                v = tl.load(v_ptrs, mask=kv_ok, other=0.0)
+                key_ok = (offs_kv < stop)[:, None]
+                k = tl.load(k_ptrs, mask=key_ok & d_ok[None, :], other=0.0)
+                v = tl.load(v_ptrs, mask=key_ok & dv_ok[None, :], other=0.0)
             # non-causal rows need no "<= last" check: key < stop <= length already says it
             m_i, l_i, acc = online_softmax_step(
                 q, k, v, m_i, l_i, acc, qk_scale, 1.0, offs_kv, stop, last,
@@ -129,8 +133,8 @@ def _decode_split(Q, K, V, Lengths, OutPart, LsePart,
     out, lse = online_softmax_finish(m_i, l_i, acc)
     p_rows = (off_z.to(tl.int64) * stride_pz + head.to(tl.int64) * stride_ph
               + query * stride_pm + split * stride_ps)
-    tl.store(OutPart + p_rows[:, None] + offs_d[None, :] * stride_pk, out,
-             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(OutPart + p_rows[:, None] + offs_dv[None, :] * stride_pk, out,
+             mask=row_ok[:, None] & dv_ok[None, :])
     l_rows = (off_z.to(tl.int64) * stride_lz + head.to(tl.int64) * stride_lh
               + query * stride_lm + split * stride_ls)
     tl.store(LsePart + l_rows, lse, mask=row_ok)
@@ -157,7 +161,7 @@ def _decode_merge(OutPart, LsePart, Out, Lse,
     total_safe = tl.where(empty, 1.0, total)
 
     offs_c = tl.arange(0, CHUNK_S)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.arange(0, BLOCK_D)      # here HEAD_DIM / BLOCK_D are v's (the output's)
     d_ok = offs_d < HEAD_DIM
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for start in range(0, N_SPLITS, CHUNK_S):
@@ -233,11 +237,13 @@ def decode_fwd(q_BHSD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor,
     ``n_splits`` and the launch options default to :func:`num_splits` and ``_GPU_CONFIGS``
     (``_INTERPRETER_CONFIG`` in the interpreter); they are exposed for tests and benchmarks.
     """
-    head_dim = q_BHSD.shape[-1]
-    if head_dim > MAX_HEAD_DIM:
-        raise ValueError(
-            f"{_NAME}: head_dim is {head_dim}, but backend='triton' supports head_dim up to "
-            f"{MAX_HEAD_DIM} (one program holds a row's whole output); use backend='torch'.")
+    head_dim, head_dim_v = q_BHSD.shape[-1], v_BKLD.shape[-1]
+    for what, d in (("head_dim", head_dim), ("v's head_dim", head_dim_v)):
+        if d > MAX_HEAD_DIM:
+            raise ValueError(
+                f"{_NAME}: {what} is {d}, but backend='triton' supports head_dim up to "
+                f"{MAX_HEAD_DIM} (one program holds a row's whole output); use "
+                f"backend='torch'.")
     if q_BHSD.dtype not in _DTYPES:
         raise ValueError(
             f"{_NAME}: q has dtype {q_BHSD.dtype}, but backend='triton' supports torch.float16, "
@@ -252,6 +258,7 @@ def decode_fwd(q_BHSD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor,
             f"{_NAME}: backend='triton' (what 'auto' picks on CUDA) is forward-only and its "
             f"inputs require grad; run decoding under torch.no_grad() or use backend='torch'.")
     block_d = max(16, triton.next_power_of_2(head_dim))
+    block_dv = max(16, triton.next_power_of_2(head_dim_v))
     interpret = interpreting()
     if q_BHSD.device.type != "cuda" and not triton.knobs.runtime.interpret:
         raise ValueError(
@@ -265,7 +272,7 @@ def decode_fwd(q_BHSD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor,
             f"Triton built its functions for the GPU; set TRITON_INTERPRET=1 in the environment "
             f"before the process first imports triton, or use backend='torch'.")
     config = (_INTERPRETER_CONFIG if interpret
-              else _GPU_CONFIGS[q_BHSD.element_size()][block_d])
+              else _GPU_CONFIGS[q_BHSD.element_size()][max(block_d, block_dv)])
     block_n = config[0] if block_n is None else block_n
     num_warps = config[1] if num_warps is None else num_warps
     num_stages = config[2] if num_stages is None else num_stages
@@ -273,7 +280,8 @@ def decode_fwd(q_BHSD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor,
     batch, heads_q, seq_q, _ = q_BHSD.shape
     heads_kv, capacity = k_BKLD.shape[1], k_BKLD.shape[2]
     rows = heads_q // heads_kv * seq_q
-    out_BHSD = torch.empty(q_BHSD.shape, dtype=q_BHSD.dtype, device=q_BHSD.device)
+    out_BHSD = torch.empty((batch, heads_q, seq_q, head_dim_v), dtype=q_BHSD.dtype,
+                           device=q_BHSD.device)
     lse_BHS = torch.empty((batch, heads_q, seq_q), dtype=torch.float32, device=q_BHSD.device)
     if out_BHSD.numel() == 0:
         return out_BHSD, lse_BHS
@@ -287,7 +295,7 @@ def decode_fwd(q_BHSD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor,
     split_keys = triton.cdiv(triton.cdiv(capacity, n_splits), block_n) * block_n
     n_splits = triton.cdiv(capacity, split_keys)   # no split left without keys of the cache
 
-    o_BHSPD = torch.empty((batch, heads_q, seq_q, n_splits, head_dim), dtype=torch.float32,
+    o_BHSPD = torch.empty((batch, heads_q, seq_q, n_splits, head_dim_v), dtype=torch.float32,
                           device=q_BHSD.device)
     lse_BHSP = torch.empty((batch, heads_q, seq_q, n_splits), dtype=torch.float32,
                            device=q_BHSD.device)
@@ -297,15 +305,15 @@ def decode_fwd(q_BHSD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor,
         *q_BHSD.stride(), *k_BKLD.stride(), *v_BKLD.stride(), *o_BHSPD.stride(),
         *lse_BHSP.stride(),
         heads_kv, heads_q // heads_kv, seq_q, capacity, split_keys, float(scale) * _LOG2E,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=bool(causal),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv,
+        BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal),
         INPUT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
-    o_RPD = o_BHSPD.view(-1, n_splits, head_dim)
+    o_RPD = o_BHSPD.view(-1, n_splits, head_dim_v)
     lse_RP = lse_BHSP.view(-1, n_splits)
     _decode_merge[(batch * heads_q * seq_q,)](
         o_RPD, lse_RP, out_BHSD, lse_BHS, *o_RPD.stride(), *lse_RP.stride(),
         *out_BHSD.stride(), heads_q, seq_q, n_splits,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(16, triton.next_power_of_2(n_splits)),
+        HEAD_DIM=head_dim_v, BLOCK_D=block_dv, BLOCK_S=max(16, triton.next_power_of_2(n_splits)),
         CHUNK_S=min(_MERGE_CHUNK, max(16, triton.next_power_of_2(n_splits))),
         num_warps=1 if interpret else 4)
     return out_BHSD, lse_BHS

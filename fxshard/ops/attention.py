@@ -2,7 +2,8 @@
 
 ``fxshard::attention(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float? scale,
 SymInt q_offset, SymInt kv_offset, float softcap=0.0) -> (Tensor, Tensor)``
-    ``(out, lse)`` of :func:`fxshard.kernels.attention` with ``backend="auto"``: the inputs
+    ``(out, lse)`` of :func:`fxshard.kernels.attention` with ``backend="auto"`` (``out``
+    ``[B, Hq, Sq, Dv]``: v's head size, which may differ from q/k's as in MLA): the inputs
     checked (:func:`fxshard.kernels.attention.check_inputs`, in the fake impl too), then
     :func:`fxshard.kernels.attention.auto_attention` (Triton on CUDA without a mask, torch
     otherwise). SymInt offsets let them be symbolic under ``torch.export`` (Python ints are
@@ -45,7 +46,7 @@ attention.register_direct(auto_attention)
 @attention.register_fake
 def _attention_fake(q, k, v, mask, causal, scale, q_offset, kv_offset, softcap=0.0):
     check_inputs(q, k, v, mask, scale, q_offset, kv_offset, softcap)
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 class _AttentionFunction(torch.autograd.Function):
@@ -84,4 +85,4 @@ attention_out = define_op("fxshard::attention_out", _ARGS + " -> Tensor")(attent
 
 @attention_out.register_fake
 def _(q, k, v, mask, causal, scale, q_offset, kv_offset, softcap=0.0):
-    return q.new_empty((q.shape[0], q.shape[2], q.shape[1], q.shape[3])).transpose(1, 2)
+    return q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[3])).transpose(1, 2)

@@ -49,8 +49,9 @@ decode_attention.register_direct(decode_attention_unchecked)
 
 
 @decode_attention.register_fake
-def _(q, k_cache, v_cache, lengths, scale, causal):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+def _(q, k_cache, v_cache, lengths, scale, causal):   # out has v's head size (MLA)
+    return q.new_empty((*q.shape[:3], v_cache.shape[3])), \
+        q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @define_op("fxshard::merge_pieces", "(Tensor outs, Tensor lses) -> Tensor")

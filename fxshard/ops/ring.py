@@ -141,4 +141,5 @@ def _check_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor, segments: 
 @ring_attention.register_fake
 def _(q, k, v, causal, scale, axis, size, segments=1, stride=0, zigzag=False, kv_stride=-1,
       softcap=0.0, mask=None):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    # out has v's head size (MLA: it may differ from q/k's)
+    return q.new_empty((*q.shape[:3], v.shape[3])), q.new_empty(q.shape[:3], dtype=torch.float32)

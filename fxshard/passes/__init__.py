@@ -80,7 +80,8 @@ class PassCtx(PassReports):
     constants: dict = field(default_factory=dict)    # FQN -> value the mask folds evaluate
     out_spec: object = None                          # the traced output's pytree spec (greedy)
     cache_capacity: int = 0                          # KV-cache slots per rank (generation)
-    layer_stack: str | None = None                   # FQN of the layer ModuleList (pp > 1)
+    layer_stack: str | None = None                   # FQN of the layer container (pp > 1)
+    layer_names: tuple | None = None                 # its blocks' names, in order (pp > 1)
     layer_stages: list | None = None                 # the stage of each layer (pp > 1)
     # what the last passes leave (split_stages: one graph per stage; emit: their programs)
     stage: int = 0                                   # the stage emit is emitting

@@ -2,7 +2,7 @@
 
 Generation runs two programs per input signature (``fxshard.generation``): *prefill* (the
 prompt, the forward as ``parallelize`` builds it) and *decode* (one new token per sequence, at
-``position_ids``). Both read and write one cache per attention, state of the ParallelModule
+its position: :mod:`fxshard.generation.positions`). Both read and write one cache per attention, state of the ParallelModule
 that each rank holds in the layout of the K/V it stores: batch on ``dp``, KV heads on ``tp`` /
 ``ulysses_cp`` (the head each rank's queries use, where an axis exceeds the KV heads), the
 sequence on ``ring_cp``; a layer's cache lives on the ``pp`` stage of the layer. The caches are
@@ -34,7 +34,8 @@ written; the runtime fills ``cache_write_pos`` and ``cache_read_len`` from it)::
             pieces = fxshard.all_gather(unsqueeze(attention[0], 0), 0, 'ring_cp', 2)
             out = fxshard.merge_pieces(pieces, fxshard.all_gather(unsqueeze(attention[1], 0), ...))
 
-Cache shapes are the rank's: ``[B, H, capacity + 1, D]`` (the last slot is the scratch slot);
+Cache shapes are the rank's: ``[B, H, capacity + 1, D]`` (the last slot is the scratch slot;
+the V cache has v's head size, which may differ from k's as in MLA);
 ``capacity`` is ``ctx.cache_capacity``. The pass lists: ``PREFILL`` and ``DECODE`` (greedy:
 ``DECODE_GREEDY``) of :mod:`fxshard.passes.pipeline`.
 
@@ -147,11 +148,11 @@ def prefill_cache_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
 
 
 def _write(graph, state, before, k, v, layer, capacity, ctx) -> tuple[fx.Node, fx.Node]:
-    shape = _local(k, ctx)
-    cache_shape = (shape[0], shape[1], capacity + 1, shape[3])
     pos = state.get(WRITE_POS, (1,), torch.int64)
     caches = []
-    for name, t in (("k", k), ("v", v)):
+    for name, t in (("k", k), ("v", v)):   # v's head size may differ from k's (MLA)
+        shape = _local(t, ctx)
+        cache_shape = (shape[0], shape[1], capacity + 1, shape[3])
         cache = state.get(f"kv.{layer}.{name}", cache_shape, t.meta["val"].dtype)
         with graph.inserting_before(before):
             w = graph.call_function(torch.ops.fxshard.cache_write.default, (cache, t, pos))
@@ -224,7 +225,7 @@ def decode_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule
             n_r = mesh.axis_size("ring_cp")
             att = _call(graph, torch.ops.fxshard.decode_attention.default,
                         (q, k_cache, v_cache, lengths, a["scale"], n_r == 1),
-                        (q.meta["val"], None), None, node)
+                        (node.meta["val"], None), None, node)
             out_spec = q.meta["fxshard_spec"]
             out = _call(graph, operator.getitem, (att, 0), node.meta["val"], out_spec, node)
             if n_r > 1:

@@ -20,7 +20,8 @@ same ending first). ``emit_pass`` appends the stage's :class:`fxshard.passes.emi
                 propagate, vocab_parallel_loss, insert_collectives, lower_attention, localize,
                 split_stages, emit]
     PREFILL  = FORWARD + prefill_cache after lower_attention
-    DECODE   = FORWARD + decode_attention before lower_attention
+    DECODE   = FORWARD + decode_positions after moe_routing, decode_attention before
+               lower_attention
     DECODE_GREEDY = DECODE + greedy_tokens after insert_collectives (the program returns ids)
 
 The rewrites applied after emit for the runners are :mod:`fxshard.passes.post_emit`'s lists,
@@ -35,6 +36,7 @@ import torch.fx as fx
 
 from ..trace import Traced, cleanup_pass, trace
 from . import PassCtx, PassReports
+from .decode_positions import decode_positions_pass
 from .eager_attention import eager_attention_pass
 from .emit import Program, emit_pass
 from .fold_mask import fold_causal_mask_pass
@@ -65,7 +67,8 @@ FORWARD: list[GraphPass] = [
     moe_routing_pass, split_loss_pass, propagate_pass, vocab_parallel_loss_pass,
     insert_collectives_pass, lower_attention_pass, localize_pass, split_stages_pass, emit_pass]
 PREFILL = _with(FORWARD, prefill_cache_pass, after=lower_attention_pass)
-DECODE = _with(FORWARD, decode_attention_pass, before=lower_attention_pass)
+DECODE = _with(_with(FORWARD, decode_attention_pass, before=lower_attention_pass),
+               decode_positions_pass, after=moe_routing_pass)
 DECODE_GREEDY = _with(DECODE, greedy_tokens_pass, after=insert_collectives_pass)
 
 
@@ -113,10 +116,12 @@ def run_passes(gm: fx.GraphModule, passes: list[GraphPass], ctx: PassReports
     return gm
 
 
-def _layer_stages(model: torch.nn.Module, n_stages: int, stages) -> tuple[str, list[int]]:
-    stack, n_layers = find_layer_stack(model)
+def _layer_stages(model: torch.nn.Module, n_stages: int, stages
+                  ) -> tuple[str, tuple[str, ...], list[int]]:
+    stack, names = find_layer_stack(model)
+    n_layers = len(names)
     if stages is None:
-        return stack, assign_layers_to_stages(n_layers, n_stages)
+        return stack, names, assign_layers_to_stages(n_layers, n_stages)
     stages = list(stages)
     if len(stages) != n_layers or any(not 0 <= s < n_stages for s in stages) or \
             stages != sorted(stages) or set(stages) != set(range(n_stages)):
@@ -124,7 +129,7 @@ def _layer_stages(model: torch.nn.Module, n_stages: int, stages) -> tuple[str, l
             f"fxshard.parallelize: stages={stages} must give each of the {n_layers} layers of "
             f"{stack} a stage in 0..{n_stages - 1}, in non-decreasing order, using every stage, "
             f"e.g. {assign_layers_to_stages(n_layers, n_stages) if n_layers >= n_stages else '-'}")
-    return stack, stages
+    return stack, names, stages
 
 
 def build_programs(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx, *,
@@ -141,7 +146,7 @@ def build_programs(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassC
     passes = passes_for(generation)
     n_stages = ctx.mesh.axis_size("pp")
     if n_stages > 1:  # validate before the (slower) trace
-        ctx.layer_stack, ctx.layer_stages = _layer_stages(model, n_stages, stages)
+        ctx.layer_stack, ctx.layer_names, ctx.layer_stages = _layer_stages(model, n_stages, stages)
     if traced is None:
         traced = trace(model, args, kwargs, real_inputs=generation is not None
                        and generation[0] == "decode")

@@ -217,7 +217,8 @@ def _flash_call(node: fx.Node) -> tuple[tuple, dict] | None:
     ``q_offset``/``kv_offset`` (aten's causal diagonal is the top-left one, i.e. equal
     offsets), a bool mask or one of another dtype (aten's CPU kernel takes an additive mask of
     q's dtype), dtypes other than float32/64 (fxshard computes those in float32), an empty
-    query or key length (aten's kernel dies of SIGFPE), non-CPU tensors."""
+    query or key length (aten's kernel dies of SIGFPE), non-CPU tensors, a value head size
+    other than the query's (MLA; aten's kernel wants one head size)."""
     from torch.fx.operator_schemas import normalize_function
     args = normalize_function(node.target, node.args, node.kwargs,
                               normalize_to_only_use_kwargs=True)
@@ -227,8 +228,9 @@ def _flash_call(node: fx.Node) -> tuple[tuple, dict] | None:
     q, k, v, mask = a["q"], a["k"], a["v"], a["mask"]
     if not all(isinstance(t, fx.Node) for t in (q, k, v)):
         return None
-    q_val, k_val = q.meta.get("val"), k.meta.get("val")
+    q_val, k_val, v_val = q.meta.get("val"), k.meta.get("val"), v.meta.get("val")
     if not (isinstance(q_val, torch.Tensor) and isinstance(k_val, torch.Tensor)
+            and isinstance(v_val, torch.Tensor) and v_val.shape[-1] == q_val.shape[-1]
             and q_val.device.type == "cpu" and q_val.dtype in (torch.float32, torch.float64)
             and isinstance(q_val.shape[2], int) and isinstance(k_val.shape[2], int)
             and q_val.shape[2] > 0 and k_val.shape[2] > 0):

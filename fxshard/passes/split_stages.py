@@ -1,7 +1,10 @@
 """Pipeline stages: split the annotated graph into one graph per ``pp`` stage.
 
-The model's stack of decoder layers is the ``ModuleList`` of same-typed blocks holding the most
-parameters (``model.layers`` in a Llama, whatever its name elsewhere). Layers go to stages with
+The model's stack of decoder layers is the container of same-typed blocks holding the most
+parameters: a ``ModuleList`` (``model.layers`` in a Llama, whatever its name elsewhere), a
+``ModuleDict`` (torchtitan's ``layers``, keyed ``"0"``, ``"1"``, ...; any keys, in the dict's
+order) or a ``Sequential``. A node belongs to the layer whose path (``stack.key``) its
+``nn_module_stack`` names. Layers go to stages with
 :func:`assign_layers_to_stages`; a node outside every layer belongs to the stage of the last
 layer before it in execution order, so the embedding lands on the first stage and the final
 norm and lm_head on the last. Values that cross stages become point-to-point messages along
@@ -28,8 +31,6 @@ driver runs the passes after it (emit) on each stage graph.
 """
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.fx as fx
 
@@ -54,17 +55,23 @@ def assign_layers_to_stages(num_layers: int, num_stages: int) -> list[int]:
     return out
 
 
-def find_layer_stack(model: torch.nn.Module) -> tuple[str, int]:
-    """(FQN, length) of the ModuleList of repeated same-typed blocks with the most parameters."""
-    best, best_params = None, -1
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
+
+
+def find_layer_stack(model: torch.nn.Module) -> tuple[str, tuple[str, ...]]:
+    """(FQN, the blocks' names in order) of the container (ModuleList, ModuleDict or
+    Sequential) of repeated same-typed blocks with the most parameters."""
+    best, best_params = None, 0
     for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.ModuleList) and len(mod) > 0:
-            types = {type(m) for m in mod}
-            if len(types) != 1:
-                continue
-            n = sum(p.numel() for p in mod.parameters())
-            if n > best_params:
-                best, best_params = (name, len(mod)), n
+        if not isinstance(mod, _CONTAINERS):
+            continue
+        children = list(mod.named_children())
+        if not children or len({type(m) for _, m in children}) != 1 or \
+                len(children) != len(mod._modules):
+            continue
+        n = sum(p.numel() for p in mod.parameters())
+        if n > best_params:
+            best, best_params = (name, tuple(k for k, _ in children)), n
     if best is None and isinstance(model, torch.fx.GraphModule):
         raise NotImplementedError(
             "fxshard.backend: torch.compile hands fxshard a flattened graph without the "
@@ -73,17 +80,20 @@ def find_layer_stack(model: torch.nn.Module) -> tuple[str, int]:
             "handles dp, tp and the context-parallel axes)")
     if best is None:
         raise ValueError(
-            f"fxshard.parallelize: found no stack of repeated layers (a ModuleList of blocks of "
-            f"one type) in {type(model).__name__} to split over the pp axis; pass stages= "
-            f"with a stage for every layer, or drop the pp axis")
+            f"fxshard.parallelize: found no stack of repeated layers (a ModuleList, ModuleDict "
+            f"or Sequential of blocks of one type, holding parameters) in "
+            f"{type(model).__name__} to split over the pp axis; keep the layers in such a "
+            f"container, or drop the pp axis")
     return best
 
 
-def _layer_of(node: fx.Node, pattern: re.Pattern) -> int | None:
+def _layer_of(node: fx.Node, prefix: str, index: dict[str, int]) -> int | None:
+    """Index of the layer of ``stack`` (``prefix`` = ``"stack."``) that ``node`` runs in."""
     for path, _ in (node.meta.get("nn_module_stack") or {}).values():
-        m = pattern.match(path)
-        if m:
-            return int(m.group(1))
+        if path.startswith(prefix):
+            layer = index.get(path[len(prefix):].split(".", 1)[0])
+            if layer is not None:
+                return layer
     return None
 
 
@@ -106,14 +116,15 @@ def split_stages_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
         ctx.report("split_stages_pass", stages=1, sends=0, receives=0, changed=False)
         return gm
     stack, layer_stages = ctx.layer_stack, ctx.layer_stages
-    pattern = re.compile(rf"^{re.escape(stack)}\.(\d+)(?:\.|$)")
+    names = ctx.layer_names or tuple(str(i) for i in range(len(layer_stages)))
+    prefix, index = f"{stack}." if stack else "", {k: i for i, k in enumerate(names)}
     nodes = list(gm.graph.nodes)
     const: dict[fx.Node, bool] = {}
     stage: dict[fx.Node, int] = {}
     current = 0
     for n in nodes:
         const[n] = _is_constant(n, const)
-        layer = _layer_of(n, pattern)
+        layer = _layer_of(n, prefix, index)
         if layer is not None:
             current = layer_stages[layer]
         if n.op == "call_function":
