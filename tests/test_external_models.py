@@ -1,0 +1,144 @@
+"""Models from litgpt, torchtune and torchtitan — their own model code, unmodified, tiny random
+configs (tests/external_models.py) — parallel on every axis.
+
+For each model: the forward equals one device (1e-4) on tp2, dp2·tp2, tp2+SP, pp2, ring2 and
+ulysses2; at tp=2 a rank holds at most 0.55 of the layer matrices (multi-query attention's
+single K/V head may stay whole: its share is added to the bound); tp communicates the Megatron
+minimum per layer; no op falls back; the CP programs run ring / Ulysses attention; and
+``pm.generate`` equals greedy single-device decoding on tp2 and tp2·ring2.
+
+A library that is not installed skips its tests (CI installs all three, ``.ci/run``). The
+targets the library code does not meet yet are ``xfail(strict=True)`` with the missing piece:
+each flips to a failure once that piece lands, and its mark is then removed.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.external_models import EXTERNAL, MESHES, greedy, installed, measure, token_ids
+
+
+def _needs(name: str):
+    lib = EXTERNAL[name][0]
+    if not installed(lib):
+        pytest.skip(f"{lib} is not installed (pip install --no-deps {lib}; see .ci/run)")
+
+
+_RUNS: dict = {}
+
+
+def _run(name: str, mesh: str, layers: int = 2) -> dict:
+    """measure() once per (model, mesh, layers) for all the tests here; a failure is kept and
+    raised again for every test that needs that run."""
+    key = (name, mesh, layers)
+    if key not in _RUNS:
+        axes, sp = MESHES[mesh]
+        try:
+            _RUNS[key] = measure(name, axes, sp, layers)
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            _RUNS[key] = e
+    if isinstance(_RUNS[key], Exception):
+        raise _RUNS[key]
+    return _RUNS[key]
+
+
+def _xfail(reason: str):
+    return pytest.mark.xfail(strict=True, reason=reason)
+
+
+# the pieces still missing, named once (issue 21); the marks below use them
+GQA_REPEAT = ("GQA by repeat_interleave of K/V heads: the rule demands a replicated input, so "
+              "the attention stays whole on tp (rules, h6)")
+GQA_REPEAT_SP = GQA_REPEAT + "; with sequence parallelism it gathers instead of reduce-scatter"
+MQA_FUSED = ("multi-query attention in one fused qkv projection: the single K/V head cannot "
+             "split, so the whole projection stays whole (per-part placement, h6)")
+COMPLEX_ROPE = "complex RoPE (view_as_complex / complex mul): no rule, q/k kept whole (h6)"
+MODULEDICT_PP = ("pp: a layer stack in an nn.ModuleDict is not found as repeated layers "
+                 "(split_stages, h7)")
+MLA = ("MLA: the q/k head size (24) differs from the value head size (16): kernels and the "
+       "eager runner refuse it (h7)")
+GENERATE = ("pm.generate needs an argument named position_ids; this model takes input_pos / "
+            "positions or derives positions itself (generation, h7)")
+MOE_LOOP = ("MoE as a per-expert loop with torch.where(mask): data-dependent sizes, no `where` "
+            "rule (h6)")
+SOFTCAP = "soft-capped attention in this op order is not recognised as attention (h6)"
+
+
+# name -> {test: reason} of the targets that fail today (see the table in the report)
+XFAIL: dict[str, dict[str, str]] = {}
+
+
+def _mark(test: str, name: str, mesh: str | None = None):
+    reason = XFAIL.get(name, {}).get(test if mesh is None else f"{test}:{mesh}")
+    return pytest.param(name, mesh, marks=_xfail(reason)) if reason else pytest.param(name, mesh)
+
+
+def _params(test: str, meshes):
+    return [_mark(test, n, m) for n in EXTERNAL for m in meshes]
+
+
+@pytest.mark.parametrize("name,mesh", _params("forward", list(MESHES)))
+def test_forward_matches_single_device(name, mesh):
+    _needs(name)
+    r = _run(name, mesh)
+    assert r["err"] <= 1e-4, (name, mesh, r["err"])
+
+
+@pytest.mark.parametrize("name,mesh", _params("params", [None]))
+def test_tp2_params_per_rank(name, mesh):
+    _needs(name)
+    r = _run(name, "tp2")
+    # multi-query attention keeps its one K/V head whole: allowed, and added to the bound
+    bound = 0.55 + r["kv_share"] / 2
+    assert r["frac"] <= bound, (name, r["frac"], bound, r["explain"].replicated)
+
+
+@pytest.mark.parametrize("name,mesh", _params("collectives", [None]))
+def test_tp2_collectives_per_layer_are_the_megatron_minimum(name, mesh):
+    """Two activation all-reduces per layer (attention, MLP); one for a parallel block."""
+    _needs(name)
+    one, two = _run(name, "tp2", 1)["collectives"], _run(name, "tp2")["collectives"]
+    grown = {k: two[k] - one[k] for k in two | one if two[k] - one[k]}
+    parallel = _run(name, "tp2")["parallel_block"]
+    assert grown == {("all_reduce", "full"): 1 if parallel else 2}, (name, grown)
+
+
+@pytest.mark.parametrize("name,mesh", _params("fallbacks", ["tp2", "dp2_tp2"]))
+def test_no_fallback(name, mesh):
+    _needs(name)
+    r = _run(name, mesh)
+    assert not r["fallbacks"] and not r["explain"].fallbacks, (name, mesh, r["fallbacks"])
+
+
+@pytest.mark.parametrize("name,mesh", _params("cp", ["ring2", "ulysses2"]))
+def test_cp_programs_run_ring_or_ulysses_attention(name, mesh):
+    """One ring attention per layer (ring2); one local attention between four all-to-alls
+    per layer (ulysses2); no eager softmax, no K/V gathered along the sequence."""
+    _needs(name)
+    r = _run(name, mesh)
+    code = r["code"]
+    assert "aten.softmax" not in code and "aten._softmax" not in code, code
+    assert not r["explain"].gathered, r["explain"].gathered
+    if mesh == "ring2":
+        assert code.count("fxshard.ring_attention") == 2, code
+    else:
+        calls = [line for line in code.splitlines() if "attention.default(" in line]
+        assert len(calls) == 2 and code.count("fxshard.all_to_all") == 8, code
+
+
+@pytest.mark.parametrize("name,mesh", _params("generate", ["tp2", "tp2_ring2"]))
+def test_generate_equals_greedy_single_device(name, mesh):
+    _needs(name)
+    import fxshard
+    axes = dict(tp=2) if mesh == "tp2" else dict(tp=2, ring_cp=2)
+    model = EXTERNAL[name][2](2)
+    ids = token_ids(2, 8)
+    want = greedy(model, ids, 4)
+    pm = fxshard.parallelize(model, fxshard.init_device_mesh(
+        "cpu", tuple(axes.values()), mesh_dim_names=tuple(axes)))
+    try:
+        got = pm.generate(ids, max_new_tokens=4)
+    finally:
+        pm.close()
+    assert torch.equal(got, want), (got, want)
