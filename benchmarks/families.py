@@ -86,15 +86,16 @@ def mask_exchanges(pm) -> tuple[int, int]:
     return len(masks), moved
 
 
-def attention_lowering(code: str) -> str:
-    """How rank 0's program attends: ring / Ulysses (all-to-all) / local attention / eager."""
+def attention_lowering(code: str, gathered: int) -> str:
+    """How rank 0's program attends: ring / Ulysses (all-to-all around a local attention) /
+    attentions whose sequence a CP axis gathered."""
     ring = code.count("fxshard.ring_attention")
     calls = sum("attention.default(" in line for line in code.splitlines()) - ring
     a2a = code.count("fxshard.all_to_all")
     parts = [f"ring {ring}"] * bool(ring) + [f"attention {calls}"] * bool(calls) + \
         [f"all_to_all {a2a}"] * bool(a2a)
-    if "aten.softmax" in code or "aten._softmax" in code:
-        parts.append("eager softmax")
+    if gathered:
+        parts.append(f"gathered {gathered}")
     return ", ".join(parts) or "none"
 
 
@@ -126,7 +127,7 @@ def external(args: list) -> None:
                         for (op, kind), n in sorted(grown.items()) if n) or "none"
                 except Exception as e:  # noqa: BLE001
                     per_layer = f"1 layer: {type(e).__name__}"
-            lowering = attention_lowering(r["code"]) if "cp" in mesh_name or \
+            lowering = attention_lowering(r["code"], len(r["explain"].gathered)) if "cp" in mesh_name or \
                 mesh_name in ("ring2", "ulysses2") else "-"
             rows.append((name, mesh_name, f"{r['err']:.1e}", frac, per_layer,
                          str(len(r["fallbacks"])), lowering))
