@@ -16,13 +16,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.external_models import EXTERNAL, MESHES, greedy, installed, measure, token_ids
+from tests.external_models import EXTERNAL, MESHES, greedy, measure, token_ids
 
 
 def _needs(name: str):
     lib = EXTERNAL[name][0]
-    if not installed(lib):
-        pytest.skip(f"{lib} is not installed (pip install --no-deps {lib}; see .ci/run)")
+    pytest.importorskip(lib, reason=f"{lib} is not installed (.ci/run installs it with "
+                                    f"--no-deps)")
 
 
 _RUNS: dict = {}
