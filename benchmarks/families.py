@@ -127,8 +127,8 @@ def external(args: list) -> None:
                         for (op, kind), n in sorted(grown.items()) if n) or "none"
                 except Exception as e:  # noqa: BLE001
                     per_layer = f"1 layer: {type(e).__name__}"
-            lowering = attention_lowering(r["code"], len(r["explain"].gathered)) if "cp" in mesh_name or \
-                mesh_name in ("ring2", "ulysses2") else "-"
+            lowering = attention_lowering(r["code"], len(r["explain"].gathered)) \
+                if mesh_name in ("ring2", "ulysses2") else "-"
             rows.append((name, mesh_name, f"{r['err']:.1e}", frac, per_layer,
                          str(len(r["fallbacks"])), lowering))
             print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
