@@ -14,6 +14,13 @@ dp=2*tp=2, tp=2 with sequence parallelism and tp=2*ring_cp=2, print:
     python benchmarks/families.py            # ~5 minutes on 2 CPU cores
     python benchmarks/families.py gpt2 olmo2 # only these families
     python benchmarks/families.py --usp mistral gemma2 bloom   # USP meshes instead
+    python benchmarks/families.py --external              # litgpt / torchtune / torchtitan
+    python benchmarks/families.py --external litgpt_falcon # only this one
+
+``--external`` runs the models of other libraries' own model code (``tests/external_models.py``;
+a library that is not installed is left out and said) on tp2, dp2·tp2, tp2+SP, pp2, ring2 and
+ulysses2: max error, layer params per rank at tp=2, tp collectives per layer (1 vs 2 layers),
+fallbacks and how attention was lowered on the CP axes.
 
 ``--usp`` runs the meshes with both context-parallel axes (ulysses2·ring2, tp2·ulysses2·ring2)
 instead; for those the collectives column also counts the distinct masks ring attention takes
@@ -79,7 +86,70 @@ def mask_exchanges(pm) -> tuple[int, int]:
     return len(masks), moved
 
 
+def attention_lowering(code: str, gathered: int) -> str:
+    """How rank 0's program attends: ring / Ulysses (all-to-all around a local attention) /
+    attentions whose sequence a CP axis gathered."""
+    ring = code.count("fxshard.ring_attention")
+    calls = sum("attention.default(" in line for line in code.splitlines()) - ring
+    a2a = code.count("fxshard.all_to_all")
+    parts = [f"ring {ring}"] * bool(ring) + [f"attention {calls}"] * bool(calls) + \
+        [f"all_to_all {a2a}"] * bool(a2a)
+    if gathered:
+        parts.append(f"gathered {gathered}")
+    return ", ".join(parts) or "none"
+
+
+def external(args: list) -> None:
+    from tests.external_models import EXTERNAL, MESHES as EXT_MESHES, installed, measure
+    names = [n for n in EXTERNAL if not args or n in args or EXTERNAL[n][0] in args]
+    missing = sorted({EXTERNAL[n][0] for n in names if not installed(EXTERNAL[n][0])})
+    rows = []
+    for name in names:
+        if not installed(EXTERNAL[name][0]):
+            continue
+        for mesh_name, (axes, sp) in EXT_MESHES.items():
+            try:
+                r = measure(name, axes, sp)
+            except Exception as e:  # noqa: BLE001 - a row says what failed
+                rows.append((name, mesh_name, f"error: {type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:120]}", "", "", "", ""))
+                print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+                continue
+            frac = per_layer = "-"
+            if mesh_name in ("tp2", "tp2_sp"):
+                frac = f"{r['frac']:.3f}" if mesh_name == "tp2" else "-"
+                try:
+                    one = measure(name, axes, sp, layers=1)["collectives"]
+                    two = r["collectives"]
+                    grown = {k: two[k] - one[k] for k in two | one}
+                    per_layer = ", ".join(
+                        f"{op}{'' if kind == 'full' else '(stat)'} {n}"
+                        for (op, kind), n in sorted(grown.items()) if n) or "none"
+                except Exception as e:  # noqa: BLE001
+                    per_layer = f"1 layer: {type(e).__name__}"
+            lowering = attention_lowering(r["code"], len(r["explain"].gathered)) \
+                if mesh_name in ("ring2", "ulysses2") else "-"
+            rows.append((name, mesh_name, f"{r['err']:.1e}", frac, per_layer,
+                         f"{len(r['explain'].fallbacks)} ({len(r['fallbacks'])} warned)", lowering))
+            print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+    head = ("model", "mesh", "max abs err", "layer params/rank", "tp collectives per layer",
+            "ops run replicated", "attention (rank 0)")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join("---" for _ in head) + "|")
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+    print()
+    for name in names:
+        lib, pattern, _ = EXTERNAL[name]
+        if installed(lib):
+            print(f"- {name}: {pattern}")
+    if missing:
+        print(f"\nNot installed (left out): {', '.join(missing)}")
+
+
 def main() -> None:
+    if "--external" in sys.argv[1:]:
+        return external([a for a in sys.argv[1:] if a != "--external"])
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     rows = []
     families = {k: v[:2] for k, v in FAMILIES.items()} | EXTRA

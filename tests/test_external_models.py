@@ -1,69 +1,179 @@
-"""Model code of other libraries, unmodified, tiny random configs: litgpt's model builders
-(Llama-3, Mistral, Gemma-2, Falcon's multi-query attention, Phi-2, Qwen2.5) on tp=2, dp2·tp2 and
-tp2 with sequence parallelism. Skipped where the library is not installed (it is not a
-dependency; ``pip install --no-deps litgpt lightning lightning-utilities torchmetrics psutil``
-installs it without touching torch).
+"""Models from litgpt, torchtune and torchtitan — their own model code, unmodified, tiny random
+configs (tests/external_models.py) — parallel on every axis.
 
-Each: equal to the single-device model, at most 0.55 of the layer matrices per rank at tp=2,
-two activation all-reduces per layer (attention and MLP), no FallbackWarning."""
+For each model: the forward equals one device (1e-4) on tp2, dp2·tp2, tp2+SP, pp2, ring2 and
+ulysses2; at tp=2 a rank holds at most 0.55 of the layer matrices (multi-query attention's
+single K/V head may stay whole: its share is added to the bound); tp communicates the Megatron
+minimum per layer; no op falls back; the CP programs run ring / Ulysses attention; and
+``pm.generate`` equals greedy single-device decoding on tp2 and tp2·ring2.
+
+A library that is not installed skips its tests (CI installs all three, ``.ci/run``). The
+targets the library code does not meet yet are ``xfail(strict=True)`` with the missing piece:
+each flips to a failure once that piece lands, and its mark is then removed.
+"""
 from __future__ import annotations
 
-import warnings
+import os
 
 import pytest
 import torch
 
-import fxshard
-from fxshard.passes.rules import FallbackWarning
-from tests.families import layer_param_fraction
-
-litgpt = pytest.importorskip("litgpt", reason="litgpt is not installed")
-
-LAYERS = 2
-LITGPT = {"llama3": ("Llama-3.2-1B", 2), "mistral": ("Mistral-7B-v0.1", 2),
-          "gemma2": ("gemma-2-2b", 2), "falcon_mqa": ("falcon-7b", 1), "phi2": ("phi-2", 4),
-          "qwen2_5": ("Qwen2.5-0.5B", 2)}
+from tests.external_models import EXTERNAL, MESHES, greedy, measure, token_ids
 
 
-def litgpt_model(key: str):
-    from litgpt import Config
-    from litgpt.model import GPT
-    name, groups = LITGPT[key]
-    cfg = Config.from_name(name, n_layer=LAYERS, n_embd=64, n_head=4, n_query_groups=groups,
-                           head_size=16, intermediate_size=128, padded_vocab_size=128,
-                           vocab_size=128, block_size=64)
-    torch.manual_seed(0)
-    return GPT(cfg).eval()
+# models whose library code is another's here with a different config: on the meshes beyond
+# tp2 they run only with FXSHARD_EXTERNAL=all (CI's time: the file takes minutes)
+SAME_CODE = {"litgpt_mistral": "litgpt_llama3", "litgpt_qwen2_5": "litgpt_llama3",
+             "torchtune_mistral": "torchtune_llama3", "torchtune_qwen2": "torchtune_llama3"}
 
 
-def mesh(**axes):
-    return fxshard.init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
+def _needs(name: str, mesh: str | None = None):
+    lib = EXTERNAL[name][0]
+    pytest.importorskip(lib, reason=f"{lib} is not installed (.ci/run installs it with "
+                                    f"--no-deps)")
+    if mesh not in (None, "tp2") and name in SAME_CODE and \
+            os.environ.get("FXSHARD_EXTERNAL") != "all":
+        pytest.skip(f"{name} runs {SAME_CODE[name]}'s code; on {mesh} with FXSHARD_EXTERNAL=all")
 
 
-@pytest.mark.parametrize("axes,sp", [(dict(tp=2), False), (dict(dp=2, tp=2), False),
-                                     (dict(tp=2), True)], ids=["tp2", "dp2_tp2", "tp2_sp"])
-@pytest.mark.parametrize("key", LITGPT)
-def test_litgpt_models_shard_like_megatron(key, axes, sp):
-    model = litgpt_model(key)
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        want = model(ids)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FallbackWarning)
-        pm = fxshard.parallelize(model, mesh(**axes), sequence_parallel=sp,
-                                 example_inputs=(ids,))
-        with torch.no_grad():
-            got = pm(ids)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    e = pm.explain()
-    assert not e.fallbacks and not e.replicated, (e.fallbacks, e.replicated)
-    assert layer_param_fraction(pm, model) <= 0.55, e
-    code = pm.rank_module(0).code
-    if sp:
-        assert code.count("fxshard.reduce_scatter") == 2 * LAYERS, code
+_RUNS: dict = {}
+
+
+def _run(name: str, mesh: str, layers: int = 2) -> dict:
+    """measure() once per (model, mesh, layers) for all the tests here; a failure is kept and
+    raised again for every test that needs that run."""
+    key = (name, mesh, layers)
+    if key not in _RUNS:
+        axes, sp = MESHES[mesh]
+        try:
+            _RUNS[key] = measure(name, axes, sp, layers)
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            _RUNS[key] = e
+    if isinstance(_RUNS[key], Exception):
+        raise _RUNS[key]
+    return _RUNS[key]
+
+
+def _xfail(reason: str):
+    return pytest.mark.xfail(strict=True, reason=reason)
+
+
+# the pieces still missing, named once (issue 21); the marks below use them
+GQA_REPEAT = ("GQA by repeat_interleave of K/V heads: the rule demands a replicated input, so "
+              "the attention stays whole on tp")
+MQA_FUSED = ("multi-query attention in one fused qkv projection: the single K/V head cannot "
+             "split, so the whole projection stays whole")
+COMPLEX_ROPE = "complex RoPE (view_as_complex / complex mul): no rule, q/k kept whole"
+MODULEDICT_PP = "pp: a layer stack in an nn.ModuleDict is not found as repeated layers"
+MLA = ("MLA: the q/k head size (24) differs from the value head size (16): kernels and the "
+       "eager runner refuse it")
+GENERATE = ("pm.generate needs an argument named position_ids; this model takes input_pos / "
+            "positions or derives positions itself")
+MOE_LOOP = ("MoE as a per-expert loop with torch.where(mask): data-dependent sizes, no `where` "
+            "rule")
+SOFTCAP = "soft-capped attention in this op order is not recognised as attention"
+WINDOW_MASK = ("the sliding-window mask is built by fill / slice_scatter / select_scatter on "
+               "a [s, s] tensor: no rules, it runs replicated (explain().fallbacks)")
+PARALLEL_REASSOC = ("parallel block written (attention + x) + mlp: the replicated residual "
+                    "joins the first partial sum before the second, so each is all-reduced "
+                    "(one all-reduce needs the partial sums re-associated past the add)")
+
+_GQA = {"params": GQA_REPEAT, "collectives": GQA_REPEAT}
+_MOE = {"forward:tp2": MOE_LOOP, "forward:dp2_tp2": MOE_LOOP, "forward:tp2_sp": MOE_LOOP,
+        "params": MOE_LOOP, "collectives": MOE_LOOP, "fallbacks:tp2": MOE_LOOP,
+        "fallbacks:dp2_tp2": MOE_LOOP}
+_MLA = {f"forward:{m}": MLA for m in MESHES if m != "pp2"} | {
+    "forward:pp2": MODULEDICT_PP, "params": MLA, "collectives": MLA, "fallbacks:tp2": MLA,
+    "fallbacks:dp2_tp2": MLA, "cp:ring2": MLA, "cp:ulysses2": MLA}
+
+# name -> {test[:mesh]: reason} of the targets that fail today; every generate test waits on
+# GENERATE
+XFAIL: dict[str, dict[str, str]] = {
+    "litgpt_llama3": _GQA,
+    "litgpt_mistral": _GQA | {"fallbacks:tp2": WINDOW_MASK, "fallbacks:dp2_tp2": WINDOW_MASK},
+    "litgpt_qwen2_5": _GQA, "litgpt_gemma": _GQA,
+    "litgpt_gemma2": _GQA,
+    "litgpt_phi2": {"collectives": PARALLEL_REASSOC},
+    "litgpt_falcon": {"params": MQA_FUSED},
+    "litgpt_mixtral": _MOE,
+    "torchtune_gemma2": {"cp:ring2": SOFTCAP, "cp:ulysses2": SOFTCAP},
+    "torchtitan_llama3": {"params": COMPLEX_ROPE, "fallbacks:tp2": COMPLEX_ROPE,
+                          "fallbacks:dp2_tp2": COMPLEX_ROPE, "forward:pp2": MODULEDICT_PP},
+    "torchtitan_deepseek_v3": _MLA,
+}
+for _name in EXTERNAL:
+    XFAIL.setdefault(_name, {}).update({"generate:tp2": GENERATE, "generate:tp2_ring2": GENERATE})
+
+
+def _mark(test: str, name: str, mesh: str | None = None):
+    reason = XFAIL.get(name, {}).get(test if mesh is None else f"{test}:{mesh}")
+    return pytest.param(name, mesh, marks=_xfail(reason)) if reason else pytest.param(name, mesh)
+
+
+def _params(test: str, meshes):
+    return [_mark(test, n, m) for n in EXTERNAL for m in meshes]
+
+
+@pytest.mark.parametrize("name,mesh", _params("forward", list(MESHES)))
+def test_forward_matches_single_device(name, mesh):
+    _needs(name, mesh)
+    r = _run(name, mesh)
+    assert r["err"] <= 1e-4, (name, mesh, r["err"])
+
+
+@pytest.mark.parametrize("name,mesh", _params("params", [None]))
+def test_tp2_params_per_rank(name, mesh):
+    _needs(name)
+    r = _run(name, "tp2")
+    # multi-query attention keeps its one K/V head whole: allowed, and added to the bound
+    bound = 0.55 + r["kv_share"] / 2
+    assert r["frac"] <= bound, (name, r["frac"], bound, r["explain"].replicated)
+
+
+@pytest.mark.parametrize("name,mesh", _params("collectives", [None]))
+def test_tp2_collectives_per_layer_are_the_megatron_minimum(name, mesh):
+    """Two activation all-reduces per layer (attention, MLP); one for a parallel block."""
+    _needs(name)
+    one, two = _run(name, "tp2", 1)["collectives"], _run(name, "tp2")["collectives"]
+    grown = {k: two[k] - one[k] for k in two | one if two[k] - one[k]}
+    parallel = _run(name, "tp2")["parallel_block"]
+    assert grown == {("all_reduce", "full"): 1 if parallel else 2}, (name, grown)
+
+
+@pytest.mark.parametrize("name,mesh", _params("fallbacks", ["tp2", "dp2_tp2"]))
+def test_no_fallback(name, mesh):
+    _needs(name, mesh)
+    r = _run(name, mesh)
+    assert not r["fallbacks"] and not r["explain"].fallbacks, (name, mesh, r["fallbacks"])
+
+
+@pytest.mark.parametrize("name,mesh", _params("cp", ["ring2", "ulysses2"]))
+def test_cp_programs_run_ring_or_ulysses_attention(name, mesh):
+    """One ring attention per layer (ring2); one local attention between four all-to-alls
+    per layer (ulysses2); no K/V gathered along the sequence."""
+    _needs(name, mesh)
+    r = _run(name, mesh)
+    code = r["code"]
+    assert not r["explain"].gathered, r["explain"].gathered
+    if mesh == "ring2":
+        assert code.count("fxshard.ring_attention") == 2, code
     else:
-        assert code.count("fxshard.all_reduce") == 2 * LAYERS, code
-    if key == "falcon_mqa":   # the fused qkv's one K/V head is held whole, its queries split
-        placed = {f: s for f, s, _, _ in e.placements}
-        assert "R16+R16" in placed["transformer.h.0.attn.qkv.weight"], placed
-    pm.close()
+        calls = [line for line in code.splitlines() if "attention.default(" in line]
+        assert len(calls) == 2 and code.count("fxshard.all_to_all") == 8, code
+
+
+@pytest.mark.parametrize("name,mesh", _params("generate", ["tp2", "tp2_ring2"]))
+def test_generate_equals_greedy_single_device(name, mesh):
+    _needs(name, mesh)
+    import fxshard
+    axes = dict(tp=2) if mesh == "tp2" else dict(tp=2, ring_cp=2)
+    model = EXTERNAL[name][2](2)
+    ids = token_ids(2, 8)
+    want = greedy(model, ids, 4)
+    pm = fxshard.parallelize(model, fxshard.init_device_mesh(
+        "cpu", tuple(axes.values()), mesh_dim_names=tuple(axes)))
+    try:
+        got = pm.generate(ids, max_new_tokens=4)
+    finally:
+        pm.close()
+    assert torch.equal(got, want), (got, want)
