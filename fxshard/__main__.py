@@ -20,6 +20,7 @@ import re
 import sys
 
 import torch
+from .mesh import DP, FSDP, RING, TP, ULYSSES
 
 
 TOLERANCE = 1e-4  # the demo's pass mark: largest |parallel - single device|, fp32
@@ -117,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fxshard", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--mesh", default=((2, 2), ("dp", "tp")), type=_parse_mesh,
+    common.add_argument("--mesh", default=((2, 2), (DP, TP)), type=_parse_mesh,
                         help="axis sizes, e.g. dp=2,tp=2 (axes: dp, fsdp, tp, pp, "
                              "ulysses_cp, ring_cp; default dp=2,tp=2)")
     common.add_argument("--sp", action="store_true",
@@ -160,9 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sizes = dict(zip(args.mesh[1], args.mesh[0]))
     if args.batch is None:  # fit the mesh: every dp rank and microbatch gets a sequence
-        unit = sizes.get("dp", 1) * sizes.get("fsdp", 1) * args.microbatches
+        unit = sizes.get(DP, 1) * sizes.get(FSDP, 1) * args.microbatches
         args.batch = unit * -(-4 // unit)
-    unit = 2 * sizes.get("ring_cp", 1) * sizes.get("ulysses_cp", 1)  # zigzag: 2 chunks a rank
+    unit = 2 * sizes.get(RING, 1) * sizes.get(ULYSSES, 1)  # zigzag: 2 chunks a rank
     for name, default in (("seq", 16), ("prompt_len", 8)):
         if getattr(args, name, 0) is None:
             setattr(args, name, unit * -(-default // unit))

@@ -42,7 +42,7 @@ import torch.utils._pytree as pytree
 
 from .checks import (check_parallelize_args, inference_only, out_of_vocabulary,
                      unmatched_plan_patterns)
-from .mesh import MeshSpec, is_simulated, mesh_spec
+from .mesh import MeshSpec, PP, is_simulated, mesh_spec
 from .passes import PLAN_STYLES
 from .runtime.executor import Executor
 from .runtime.program_cache import Options, ProgramCache
@@ -182,7 +182,7 @@ class ParallelModule:
         self.weights.seen()
 
     def stage_of(self, rank: int) -> int:
-        return self.spec.axis_index(rank, "pp")
+        return self.spec.axis_index(rank, PP)
 
     def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int,
                  do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
@@ -287,7 +287,7 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
         raise TypeError(f"{_WHERE}: compile={compile!r}; pass True (Inductor-compiled rank "
                         f"programs) or False")
     unmatched = unmatched_plan_patterns(_WHERE, model, plan)
-    if microbatches > 1 and spec.axis_size("pp") == 1:
+    if microbatches > 1 and spec.axis_size(PP) == 1:
         warnings.warn(f"{_WHERE}: microbatches={microbatches} has no effect without a pp axis",
                       stacklevel=2)
     model.eval()

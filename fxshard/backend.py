@@ -21,6 +21,7 @@ import re
 
 import torch
 import torch.fx as fx
+from .mesh import PP
 
 __all__ = ["backend"]
 
@@ -150,10 +151,10 @@ def backend(mesh, **options):
     _check_options(options)
 
     def compile_fn(gm: fx.GraphModule, example_inputs):
-        if spec.axis_size("pp") > 1:
+        if spec.axis_size(PP) > 1:
             raise NotImplementedError(
                 f"{_WHERE}: mesh {spec.describe()} has a pp axis of size "
-                f"{spec.axis_size('pp')}; pipeline stages need the model's layer modules, which "
+                f"{spec.axis_size(PP)}; pipeline stages need the model's layer modules, which "
                 f"a torch.compile graph no longer has: use fxshard.parallelize(model, mesh)")
         scalars = _scalars_as_numbers(gm)
         region, user = _lift(gm, list(example_inputs))

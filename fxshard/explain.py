@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .placement import Shard, local_shape, shard_slices, short_spec
+from .mesh import TP
 
 __all__ = ["Explanation", "explain", "explain_training", "COLLECTIVES", "LEGEND"]
 
@@ -280,7 +281,7 @@ def collectives_of(graph, mesh) -> list[CollectiveInfo]:
             peer = node.args[2] if op == "send" else -1
         nbytes = _numel(shape) * dtype.itemsize
         # the gather of the model's output on dp or a CP axis belongs to no module ("")
-        output_gather = (op in ("all_gather", "zigzag_gather") and axis != "tp"
+        output_gather = (op in ("all_gather", "zigzag_gather") and axis != TP
                          and any(u.op == "output" for u in node.users))
         out.append(CollectiveInfo(node.name, op, axis, size, shape, nbytes,
                                   _wire(op, size, nbytes),

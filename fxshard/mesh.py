@@ -1,15 +1,17 @@
 """Device meshes: axis names and roles, the simulated mesh, the torch DeviceMesh adapter.
 
-A mesh is a grid of ranks with one named axis per kind of parallelism::
+A mesh is a grid of ranks with one named axis per kind of parallelism. :data:`AXIS_ROLES` is
+the one place an axis name is spelled and its role said (what it splits, how attention crosses
+it, whether it trains); the rest of fxshard reads the constants (``TP``, ``RING``, ...) and the
+role sets (``BATCH_AXES``, ``SEQUENCE_AXES``, ``TRAINING_AXES``) below::
 
-    axis name    role
-    dp           data parallel: inputs sharded on the batch dim
-    fsdp         fully sharded data parallel: inputs sharded on the batch dim, weights (and
-                 so gradients and optimizer state) sharded, all-gathered before use
-    tp           tensor parallel: Linear / Embedding weights sharded (Megatron)
-    pp           pipeline parallel: layers in contiguous stages
-    ulysses_cp   context parallel (Ulysses): sequence sharded, all-to-all around attention
-    ring_cp      context parallel (ring): sequence sharded, K/V passed around a ring
+    axis         splits                 attention across it    trains
+    dp           batch                  -                      yes
+    fsdp         batch + weight storage -                      yes
+    tp           weights (Megatron)     heads                  yes
+    pp           layers (stages)        -                      no (not yet)
+    ulysses_cp   sequence               all-to-all to heads    no (not yet)
+    ring_cp      sequence               ring (K/V around)      no (not yet)
 
 Ranks are laid out row-major over the mesh shape, as in ``torch.distributed.DeviceMesh``:
 on a ``(dp=2, tp=2)`` mesh rank 3 has coordinates ``(1, 1)``.
@@ -28,10 +30,40 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["AXIS_NAMES", "MeshSpec", "SimulatedMesh", "init_device_mesh", "mesh_spec",
-           "canonical_axis"]
+__all__ = ["AXIS_NAMES", "AXIS_ROLES", "AxisRole", "BATCH_AXES", "SEQUENCE_AXES",
+           "TRAINING_AXES", "DP", "FSDP", "TP", "PP", "ULYSSES", "RING", "MeshSpec",
+           "SimulatedMesh", "init_device_mesh", "mesh_spec", "canonical_axis"]
 
-AXIS_NAMES = ("dp", "fsdp", "tp", "pp", "ulysses_cp", "ring_cp")
+DP, FSDP, TP, PP, ULYSSES, RING = "dp", "fsdp", "tp", "pp", "ulysses_cp", "ring_cp"
+
+
+@dataclass(frozen=True)
+class AxisRole:
+    """What one mesh axis does. ``input_dim``: the dim of the user's inputs it splits (0 the
+    batch, 1 the sequence; None: inputs stay whole on it); ``weights``: how it places weights
+    (``"whole"``, ``"sharded"`` by the tensor-parallel plan, ``"stored"`` sharded and gathered
+    before use, ``"stages"`` by layer); ``attention``: how attention crosses it (None: locally
+    on every rank); ``trains``: gradients are built for it."""
+
+    splits: str
+    input_dim: int | None
+    weights: str
+    attention: str | None
+    trains: bool
+
+
+AXIS_ROLES: dict[str, AxisRole] = {
+    DP: AxisRole("batch", 0, "whole", None, True),
+    FSDP: AxisRole("batch, weight storage", 0, "stored", None, True),
+    TP: AxisRole("weights", None, "sharded", "heads", True),
+    PP: AxisRole("layers", None, "stages", None, False),
+    ULYSSES: AxisRole("sequence", 1, "whole", "all_to_all", False),
+    RING: AxisRole("sequence", 1, "whole", "ring", False),
+}
+AXIS_NAMES = tuple(AXIS_ROLES)
+BATCH_AXES = tuple(a for a, r in AXIS_ROLES.items() if r.input_dim == 0)
+SEQUENCE_AXES = tuple(a for a, r in AXIS_ROLES.items() if r.input_dim == 1)
+TRAINING_AXES = tuple(a for a, r in AXIS_ROLES.items() if r.trains)
 _ALIASES = {"ulysess_cp": "ulysses_cp"}  # the seed article's spelling
 
 

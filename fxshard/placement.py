@@ -25,7 +25,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from .mesh import MeshSpec
+from .mesh import MeshSpec, PP
 
 __all__ = ["Shard", "Replicate", "Partial", "Placement", "StridedShard", "Spec", "R", "P",
            "short", "short_spec", "local_shape", "shard_slices", "local_block", "shard_dim",
@@ -87,7 +87,7 @@ def short_spec(spec, mesh: MeshSpec) -> str:
         return "[" + ", ".join(short_spec(s, mesh) for s in spec) + "]"
     # pp places whole layers on stages, not tensor shards: the stage column says where
     parts = [f"{a}:{short(p)}" for a, n, p in zip(mesh.axis_names, mesh.shape, spec)
-             if n > 1 and a != "pp"]
+             if n > 1 and a != PP]
     return " ".join(parts) if parts else "R"
 
 

@@ -21,6 +21,7 @@ and saved directly, so nothing global changes.
 from __future__ import annotations
 
 import re
+from .mesh import DP, FSDP, PP, RING, TP, ULYSSES
 
 __all__ = ["draw_plan", "layer_groups", "gpipe_schedule", "OP_COLORS", "AXIS_HATCHES",
            "STAGE_COLORS"]
@@ -37,7 +38,7 @@ OP_COLORS = {
     "zigzag_gather": "#9e9d24",   # olive
     "sharded_argmax": "#5d4037",  # brown
 }
-AXIS_HATCHES = {"tp": "", "dp": "///", "pp": "...", "ulysses_cp": "xxx", "ring_cp": "\\\\\\"}
+AXIS_HATCHES = {TP: "", DP: "///", FSDP: "ooo", PP: "...", ULYSSES: "xxx", RING: "\\\\\\"}
 # pipeline stages: the mesh boxes and the schedule's rows (pastel: never a collective's colour)
 STAGE_COLORS = ["#dbe9f6", "#fde2c8", "#d9f0d3", "#eadcf0", "#f6d8dc", "#f0ecd0", "#d0ecec",
                 "#e6e6e6"]

@@ -118,3 +118,23 @@ def test_old_module_paths_are_gone():
     for name in ("fxshard.generate", "fxshard.pipelined_decode", "fxshard.runtime.runner"):
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module(name)
+
+
+def test_axis_names_are_spelled_only_in_the_axis_roles_table():
+    """``fxshard.mesh.AXIS_ROLES`` is the one place a mesh axis is named in code: elsewhere the
+    constants (``TP``, ``RING``, ...) and role sets; docstrings and messages may say the name."""
+    import io
+    import tokenize
+    from fxshard.mesh import AXIS_NAMES, AXIS_ROLES, BATCH_AXES, SEQUENCE_AXES, TRAINING_AXES
+    assert AXIS_NAMES == tuple(AXIS_ROLES) and set(BATCH_AXES) == {"dp", "fsdp"}
+    assert set(SEQUENCE_AXES) == {"ulysses_cp", "ring_cp"}
+    assert set(TRAINING_AXES) == {"dp", "fsdp", "tp"}
+    literals = {repr(a) for a in AXIS_NAMES} | {f'"{a}"' for a in AXIS_NAMES}
+    found = []
+    for path in sorted((ROOT / "fxshard").rglob("*.py")):
+        if path.name == "mesh.py" and path.parent.name == "fxshard":
+            continue
+        for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+            if tok.type == tokenize.STRING and tok.string in literals:
+                found.append(f"{path.relative_to(ROOT)}:{tok.start[0]}: {tok.string}")
+    assert not found, found

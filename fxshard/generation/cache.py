@@ -19,6 +19,7 @@ import torch
 
 from ..passes.decode_positions import POSITION
 from ..passes.kv_cache import READ_LEN, WRITE_POS, decode_slots
+from ..mesh import RING
 
 __all__ = ["Caches", "capacity", "check_same_caches", "CAPACITY_STEP"]
 
@@ -28,7 +29,7 @@ CAPACITY_STEP = 64
 
 def capacity(spec, prompt: int, new: int) -> int:
     """Cache slots per rank for a prompt of ``prompt`` tokens and ``new`` new ones."""
-    ring = spec.axis_size("ring_cp")
+    ring = spec.axis_size(RING)
     need = prompt // ring + -(-max(new - 1, 0) // ring)
     return max(CAPACITY_STEP, -(-need // CAPACITY_STEP) * CAPACITY_STEP)
 
@@ -39,7 +40,7 @@ class Caches:
 
     def __init__(self, executor, c, prompt: int, capacity: int):
         self.spec = executor.spec
-        self.ring = self.spec.axis_size("ring_cp")
+        self.ring = self.spec.axis_size(RING)
         self.capacity = capacity
         self.base = prompt // self.ring           # prompt positions each ring rank holds
         self.prompt = prompt
@@ -56,7 +57,7 @@ class Caches:
             self.state[rank] = st
         self.batch = {r: next((t.shape[0] for k, t in st.items() if k.startswith("kv.")), 1)
                       for r, st in self.state.items()}
-        self.coord = {r: self.spec.axis_index(r, "ring_cp") for r in self.state}
+        self.coord = {r: self.spec.axis_index(r, RING) for r in self.state}
 
     def step(self, t: int, *, ranks=None) -> None:
         """Positions for decode step ``t`` (its new K/V at prompt + t), on ``ranks`` (all)."""

@@ -37,7 +37,7 @@ import numbers
 import torch
 
 from ..checks import token_ids
-from ..mesh import is_simulated
+from ..mesh import DP, PP, is_simulated
 from ..runtime.agreement import agree
 from ..runtime.memory import check_kv_cache_fits
 from .cache import Caches, capacity, check_same_caches
@@ -94,11 +94,11 @@ def _check(pm, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p,
                 not 0 <= t < (vocab or t + 1):
             raise ValueError(f"{_WHERE}: eos_token_id={eos_token_id!r} / pad_token_id="
                              f"{pad_token_id!r} must be token ids in [0, {vocab})")
-    dp = pm.spec.axis_size("dp") * pm.microbatches
+    dp = pm.spec.axis_size(DP) * pm.microbatches
     if input_ids.shape[0] % dp:
         raise ValueError(
             f"{_WHERE}: the batch of {input_ids.shape[0]} sequences cannot be split over mesh "
-            f"{pm.spec.describe()}: dp={pm.spec.axis_size('dp')} x microbatches="
+            f"{pm.spec.describe()}: dp={pm.spec.axis_size(DP)} x microbatches="
             f"{pm.microbatches} must divide it; use a batch that is a multiple of {dp}")
     total = input_ids.shape[1] + max_new_tokens
     limit = getattr(getattr(pm.model, "config", None), "max_position_embeddings", None)
@@ -184,7 +184,7 @@ def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: boo
     check_kv_cache_fits(pm, c, executor.ranks(), slots,
                         lambda n: capacity(pm.spec, prompt, n), max_new_tokens)
     caches = executor.kv_caches = Caches(executor, c, prompt, slots)  # kept for inspection
-    if not do_sample and pm.spec.axis_size("pp") > 1 and not _step_synchronous:
+    if not do_sample and pm.spec.axis_size(PP) > 1 and not _step_synchronous:
         return _pipelined(pm, input_ids, prefill, micro, caches, slots, max_new_tokens,
                           eos, pad, _stage_hook)
     out = executor.run(c, micro, state=lambda r: caches.state[r])

@@ -33,6 +33,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..runtime.executor import bind_inputs
+from ..mesh import PP
 
 __all__ = ["schedule"]
 
@@ -76,7 +77,7 @@ class _Rank:
                  input_ids, hook, positions):
         self.positions = positions
         self.executor, self.rank, self.caches = pm.executor, rank, caches
-        self.stage, self.last = pm.stage_of(rank), pm.spec.axis_size("pp") - 1
+        self.stage, self.last = pm.stage_of(rank), pm.spec.axis_size(PP) - 1
         self.m, self.new, self.pad, self.hook = pm.microbatches, new, pad, hook
         self.greedy, self.eos = greedy, eos
         self.prompt = input_ids.shape[1]
@@ -113,10 +114,10 @@ class _Rank:
         self._take(j, tok)
         sent = self.tokens[j][-1].to(self.mesh_device)
         for dst in range(self.last):
-            backend.send(sent, "pp", dst)
+            backend.send(sent, PP, dst)
 
     def _receive(self, j: int, backend) -> None:
-        tok = backend.recv([self.b], self.out_dtype, self.mesh_device, "pp", self.last)
+        tok = backend.recv([self.b], self.out_dtype, self.mesh_device, PP, self.last)
         self._take(j, tok.to(self.out_device))
 
     def __call__(self) -> torch.Tensor:

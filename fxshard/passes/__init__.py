@@ -23,7 +23,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
-from ..mesh import MeshSpec
+from ..mesh import MeshSpec, RING
 from ..placement import P, R, Shard
 
 __all__ = ["PassCtx", "PassReports", "PLAN_STYLES"]
@@ -93,7 +93,7 @@ class PassCtx(PassReports):
 
     @property
     def zigzag_axes(self) -> tuple[str, ...]:
-        return ("ring_cp",) if self.ring_zigzag and self.mesh.axis_size("ring_cp") > 1 else ()
+        return (RING,) if self.ring_zigzag and self.mesh.axis_size(RING) > 1 else ()
 
     def plan_for(self, fqn: str) -> tuple | None:
         """(weight, bias) tp placements the user's ``plan`` gives the module owning ``fqn``."""

@@ -37,6 +37,7 @@ import torch.fx as fx
 from . import PassCtx
 from .fold_mask import MetaBuffer, _constant_value
 from .rules.attention import SOFTCAP
+from ..mesh import SEQUENCE_AXES
 
 aten = torch.ops.aten
 
@@ -290,7 +291,7 @@ def _refuse_on_cp(softmax: fx.Node, ctx: PassCtx) -> None:
     Listed in ``explain()``; ``strict=True`` refuses it."""
     ops = _changed_scores(softmax)
     axes = [a for a, n in zip(ctx.mesh.axis_names, ctx.mesh.shape)
-            if n > 1 and a in ("ulysses_cp", "ring_cp")]
+            if n > 1 and a in SEQUENCE_AXES]
     if ops is None or not axes:
         return
     why = (f"scores change beyond scale + soft-cap + mask ({' -> '.join(ops)} between "

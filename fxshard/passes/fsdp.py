@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..mesh import MeshSpec
+from ..mesh import FSDP, MeshSpec
 from ..placement import R, Shard, StridedShard, local_shape, shard_dim
 from . import PassCtx
 
 __all__ = ["AXIS", "used_spec", "stored_spec", "fsdp_storage_pass"]
 
-AXIS = "fsdp"
+AXIS = FSDP
 
 
 def _index(mesh: MeshSpec) -> int | None:

@@ -67,6 +67,7 @@ from . import PassCtx
 from .insert_collectives import collective_target
 from .lower_attention import _pick_kv_heads, _relabel
 from .rules.attention import SOFTCAP, sdpa_args
+from ..mesh import RING, ULYSSES
 
 aten = torch.ops.aten
 
@@ -208,21 +209,21 @@ def decode_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule
             for axis in sorted(notes.get("kv_heads_replicated", ()), key=mesh.axis_names.index):
                 k, v = (_pick_kv_heads(graph, t, axis, mesh.axis_size(axis), mesh)
                         for t in (k, v))
-            n_u = mesh.axis_size("ulysses_cp")
+            n_u = mesh.axis_size(ULYSSES)
             if n_u > 1:
                 q = _relabel(_call(graph, collective_target("local_shard"),
-                                   (q, 1, "ulysses_cp", n_u), None, None, node),
-                             q, "ulysses_cp", Shard(1), mesh)
+                                   (q, 1, ULYSSES, n_u), None, None, node),
+                             q, ULYSSES, Shard(1), mesh)
                 if _local(k, ctx)[1] % n_u == 0:
                     k, v = (_relabel(_call(graph, collective_target("local_shard"),
-                                           (t, 1, "ulysses_cp", n_u), None, None, node),
-                                     t, "ulysses_cp", Shard(1), mesh) for t in (k, v))
+                                           (t, 1, ULYSSES, n_u), None, None, node),
+                                     t, ULYSSES, Shard(1), mesh) for t in (k, v))
                 else:
-                    k, v = (_pick_kv_heads(graph, t, "ulysses_cp", n_u, mesh) for t in (k, v))
+                    k, v = (_pick_kv_heads(graph, t, ULYSSES, n_u, mesh) for t in (k, v))
             k_cache, v_cache = _write(graph, state, node, k, v, layers, capacity, ctx)
             batch = _local(q, ctx)[0]
             lengths = state.get(READ_LEN, (batch,), torch.int64)
-            n_r = mesh.axis_size("ring_cp")
+            n_r = mesh.axis_size(RING)
             att = _call(graph, torch.ops.fxshard.decode_attention.default,
                         (q, k_cache, v_cache, lengths, a["scale"], n_r == 1),
                         (node.meta["val"], None), None, node)
@@ -231,7 +232,7 @@ def decode_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule
             if n_r > 1:
                 out = _merge_ring(graph, att, out, node, n_r, ctx)
             if n_u > 1:
-                out = _call(graph, collective_target("all_gather"), (out, 1, "ulysses_cp", n_u),
+                out = _call(graph, collective_target("all_gather"), (out, 1, ULYSSES, n_u),
                             node.meta["val"], node.meta["fxshard_spec"], node)
         out.meta.update({key: val for key, val in node.meta.items()
                          if key not in ("val", "fxshard_spec")})
@@ -250,7 +251,7 @@ def _merge_ring(graph, att, out, node, n, ctx) -> fx.Node:
     out_spec = out.meta["fxshard_spec"]
     val = out.meta["val"]
     shifted = tuple(Shard(p.dim + 1) if isinstance(p, Shard) else p for p in out_spec)
-    ring = mesh.axis_names.index("ring_cp")
+    ring = mesh.axis_names.index(RING)
     stacked_spec = shifted[:ring] + (Shard(0),) + shifted[ring + 1:]
     gathered_spec = shifted[:ring] + (out_spec[ring],) + shifted[ring + 1:]
     lse = _call(graph, operator.getitem, (att, 1), val.new_empty(val.shape[:3],
@@ -261,7 +262,7 @@ def _merge_ring(graph, att, out, node, n, ctx) -> fx.Node:
         tv = t.meta["val"]
         whole = tv.new_empty((n, *tv.shape))
         s = _call(graph, aten.unsqueeze.default, (t, 0), whole, stacked_spec, node)
-        parts.append(_call(graph, collective_target("all_gather"), (s, 0, "ring_cp", n), whole,
+        parts.append(_call(graph, collective_target("all_gather"), (s, 0, RING, n), whole,
                            gathered_spec, node))
     return _call(graph, torch.ops.fxshard.merge_pieces.default, tuple(parts), val, out_spec,
                  node)

@@ -58,6 +58,7 @@ from ..placement import Shard
 from . import PassCtx
 from .insert_collectives import collective_target
 from .rules.attention import SOFTCAP, sdpa_args
+from ..mesh import RING
 
 aten = torch.ops.aten
 
@@ -231,8 +232,8 @@ def _mask_rows_resliced(graph: fx.Graph, mask: fx.Node, axis: str, size: int, me
         x, = x.all_input_nodes
     steps.reverse()
     row_steps = [n for n in steps if n.args[1] == rows]
-    if [n.args[2] for n in row_steps] not in ([axis, "ring_cp"], ["ring_cp", axis]) or \
-            any(n.args[2] in (axis, "ring_cp") for n in steps if n not in row_steps) or \
+    if [n.args[2] for n in row_steps] not in ([axis, RING], [RING, axis]) or \
+            any(n.args[2] in (axis, RING) for n in steps if n not in row_steps) or \
             any(isinstance(p, Shard) and p.dim == rows for p in x.meta["fxshard_spec"]):
         return None
     stage = {k: mask.meta[k] for k in ("fxshard_stage",) if k in mask.meta}
@@ -258,12 +259,12 @@ def _mask_rows_resliced(graph: fx.Graph, mask: fx.Node, axis: str, size: int, me
             val = _resized(whole, rows, part)
             cut = apply(t, aten.slice.Tensor, (rows, u * part, (u + 1) * part), val, None)
             pieces.append(apply(cut, ring.target, ring.args[1:], val,
-                                ("ring_cp", Shard(rows))))
+                                (RING, Shard(rows))))
         t = graph.call_function(aten.cat.default, (pieces, rows))
         spec = list(pieces[0].meta["fxshard_spec"])
         t.meta.update(stage, val=whole, fxshard_spec=tuple(spec))
     else:
-        t = apply(t, ring.target, ring.args[1:], whole, ("ring_cp", Shard(rows)))
+        t = apply(t, ring.target, ring.args[1:], whole, (RING, Shard(rows)))
     if heads is not None:
         t = apply(t, collective_target("local_shard"), (heads, axis, size), whole,
                   (axis, Shard(heads)))

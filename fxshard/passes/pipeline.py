@@ -49,6 +49,7 @@ from .moe_routing import moe_routing_pass
 from .propagate import propagate_pass
 from .split_stages import assign_layers_to_stages, find_layer_stack, split_stages_pass
 from .vocab_loss import split_loss_pass, vocab_parallel_loss_pass
+from ..mesh import PP
 
 __all__ = ["FORWARD", "PREFILL", "DECODE", "DECODE_GREEDY", "passes_for", "run_passes",
            "build_programs"]
@@ -144,7 +145,7 @@ def build_programs(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassC
     ``("decode", capacity, "greedy")``: the decode program returns the argmax token ids
     instead of the logits."""
     passes = passes_for(generation)
-    n_stages = ctx.mesh.axis_size("pp")
+    n_stages = ctx.mesh.axis_size(PP)
     if n_stages > 1:  # validate before the (slower) trace
         ctx.layer_stack, ctx.layer_names, ctx.layer_stages = _layer_stages(model, n_stages, stages)
     if traced is None:

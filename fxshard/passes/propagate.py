@@ -47,6 +47,7 @@ from .rules.linear import addmm_rule, linear_rule, matmul_rule
 from .rules.views import _permutation
 from .whole_weights import (_gathered_before_use, _list_replicated, _parts_to_keep_whole,
                             _why_gathered)
+from ..mesh import BATCH_AXES, FSDP, SEQUENCE_AXES, TP
 
 __all__ = ["propagate_pass", "input_spec"]
 
@@ -69,9 +70,9 @@ def input_spec(val: torch.Tensor, ctx: PassCtx, main: torch.Tensor | None = None
 
     out = []
     for axis, n in zip(ctx.mesh.axis_names, ctx.mesh.shape):
-        if n > 1 and axis in ("dp", "fsdp") and shares(0):
+        if n > 1 and axis in BATCH_AXES and shares(0):
             out.append(Shard(0))
-        elif n > 1 and axis in ("ulysses_cp", "ring_cp") and ctx.split_sequence and shares(1):
+        elif n > 1 and axis in SEQUENCE_AXES and ctx.split_sequence and shares(1):
             out.append(Shard(1))
         else:
             out.append(R)
@@ -133,7 +134,7 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
     rctx = {a: RuleCtx(axis=a, size=n, mesh=mesh, sequence_parallel=ctx.sequence_parallel,
                        embedding_style=ctx.embedding_style, user_plan=bool(ctx.plan),
                        zigzag=a in ctx.zigzag_axes,
-                       whole_parts=(whole_parts or {}) if a == "tp" else {})
+                       whole_parts=(whole_parts or {}) if a == TP else {})
             for _, a, n in axes}
     param_spec: dict[str, list] = {}
     views: dict[str, fx.Node] = {}   # weight view -> its parameter (see _weight_view)
@@ -149,12 +150,12 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
             if fqn is not None:
                 spec = []
                 for a, n in zip(mesh.axis_names, mesh.shape):
-                    planned = ctx.plan_for(fqn) if a == "tp" else None
+                    planned = ctx.plan_for(fqn) if a == TP else None
                     if n == 1 or a in ctx.zigzag_axes:
                         # weights are sliced contiguously when loaded: on a zigzag axis they
                         # stay whole and the graph slices them (zigzag_shard) where needed
                         spec.append(R)
-                    elif fqn in replicate or a == "fsdp":
+                    elif fqn in replicate or a == FSDP:
                         # fsdp: used whole, stored sharded (fsdp_storage_pass, passes/fsdp.py)
                         spec.append(R)
                     elif planned is not None:
@@ -235,7 +236,7 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
                     ps = param_spec[t.name]
                     if ps[i] is UNDECIDED:
                         ps[i] = d.ins[k]
-                        if a == "tp" and _column_weight(rule_fn, k, d.ins[k]):
+                        if a == TP and _column_weight(rule_fn, k, d.ins[k]):
                             fqn = (views[t.name] if t.name in views else t).meta["fxshard_param"]
                             auto_colwise[fqn] = node
             if n_out is not None:
@@ -373,7 +374,7 @@ def _moved_inside_region(gm: fx.GraphModule, ctx: PassCtx) -> set[str]:
         for t, need in zip(tensor_inputs(node), node.meta.get("fxshard_need") or []):
             have = _spec_of(t, {})
             for i, (a, n) in enumerate(zip(ctx.mesh.axis_names, ctx.mesh.shape)):
-                if n == 1 or a == "tp" or have is None or need[i] == have[i]:
+                if n == 1 or a == TP or have is None or need[i] == have[i]:
                     continue
                 if t.meta.get(TAG) != region and isinstance(have[i], Replicate) and \
                         shard_dim(need[i]) is not None:
@@ -405,7 +406,7 @@ def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     why: dict[str, str] = {}
     whole_parts: dict[str, frozenset] = {}   # fused weight -> its parts kept whole on tp
     mesh = ctx.mesh
-    tp = mesh.axis_names.index("tp") if "tp" in mesh.axis_names else None
+    tp = mesh.axis_names.index(TP) if TP in mesh.axis_names else None
     ctx.report("propagate_pass", changed=False, routing_regions_gathered=0, reduced_once=0,
                gathered_for_routing=0, replicated_on_tp=0, experts_split_on_tp=0)
     for _ in range(_MAX_REFINEMENTS):

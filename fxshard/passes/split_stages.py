@@ -37,6 +37,7 @@ import torch.fx as fx
 from ..placement import local_shape
 from . import PassCtx
 from .insert_collectives import collective_target
+from ..mesh import PP
 
 __all__ = ["assign_layers_to_stages", "find_layer_stack", "split_stages_pass"]
 
@@ -111,7 +112,7 @@ def split_stages_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     pass driver runs the passes after this one on each stage graph);
     ``ctx.layer_stages[i]`` is the stage of layer ``i`` of ``ctx.layer_stack``. Nothing to do
     without a ``pp`` axis."""
-    n_stages = ctx.mesh.axis_size("pp")
+    n_stages = ctx.mesh.axis_size(PP)
     if n_stages == 1:
         ctx.report("split_stages_pass", stages=1, sends=0, receives=0, changed=False)
         return gm
@@ -164,7 +165,7 @@ def split_stages_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
                     f"stages= that follow the order the forward runs the layers in")
             shape, dtype = local_of(a)
             r = g.call_function(collective_target("recv"),
-                                (shape, dtype, torch.device(ctx.mesh.device_type), "pp", src))
+                                (shape, dtype, torch.device(ctx.mesh.device_type), PP, src))
             r.meta.update(a.meta)
             env[a] = r
             recvs += 1
@@ -180,7 +181,7 @@ def split_stages_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
             env[n] = g.node_copy(n, get)
             for dst in users_stage[n]:
                 if dst > s and not const[n]:
-                    g.call_function(collective_target("send"), (env[n], "pp", dst))
+                    g.call_function(collective_target("send"), (env[n], PP, dst))
                     sends += 1
         if s == n_stages - 1:
             g.output(torch.fx.node.map_arg(output.args[0], get))

@@ -25,6 +25,7 @@ import torch.fx as fx
 from ..placement import Replicate, StridedShard, shard_dim
 from . import PassCtx
 from .rules import WholeWeightWarning, _caller_level, tensor_inputs
+from ..mesh import TP
 
 _RESHAPES = (torch.ops.aten.view.default, torch.ops.aten.reshape.default,
              torch.ops.aten._unsafe_view.default, torch.ops.aten.unflatten.int)
@@ -71,7 +72,7 @@ def _why_gathered(u: fx.Node, tp: int, size: int, start: fx.Node | None = None) 
     if (why := _heads_reason(u, tp, size)) is not None:
         return why
     if u.target is torch.ops.aten.scaled_dot_product_attention.default and \
-            "tp" in u.meta.get("fxshard_notes", {}).get("kv_heads_replicated", []):
+            TP in u.meta.get("fxshard_notes", {}).get("kv_heads_replicated", []):
         from .rules.attention import sdpa_args
         hkv = sdpa_args(u)["key"].meta["val"].shape[1]
         return (f"attention {u.name} holds its {hkv} KV heads whole on tp (fewer KV heads per "
@@ -223,10 +224,10 @@ def _list_replicated(gm: fx.GraphModule, ctx: PassCtx, tp: int, why: dict) -> No
             module = fqn.rpartition(".")[0]
             raise NotImplementedError(
                 f"fxshard.parallelize(strict=True): weight {fqn} {tuple(val.shape)} stays whole "
-                f"on mesh axis 'tp' of size {ctx.mesh.axis_size('tp')} (mesh "
+                f"on mesh axis 'tp' of size {ctx.mesh.axis_size(TP)} (mesh "
                 f"{ctx.mesh.describe()}): {reason}. Accept it with "
                 f"plan={{{module!r}: 'replicate'}} or drop strict=True.")
-    _warn_whole(layered, ctx, ctx.mesh.axis_size("tp"))
+    _warn_whole(layered, ctx, ctx.mesh.axis_size(TP))
 
 
 

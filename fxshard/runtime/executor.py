@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..mesh import MeshSpec, is_simulated
+from ..mesh import MeshSpec, PP, is_simulated
 from ..passes.emit import Program, build_rank_module
 from .context import use_backend
 from .weight_store import WeightStore
@@ -50,14 +50,14 @@ class Executor:
         self.kv_caches = None    # the last generate's caches (fxshard.generation.cache.Caches)
         # fixed by the mesh, read on every call: worked out once
         self.simulated = is_simulated(mesh)
-        self.last_stage = spec.axis_size("pp") - 1
+        self.last_stage = spec.axis_size(PP) - 1
         self._stages: dict[int, int] = {}
         self._backend_for = None  # fxshard.runtime.distributed.backend_for, on a real mesh
 
     def stage_of(self, rank: int) -> int:
         stage = self._stages.get(rank)
         if stage is None:
-            stage = self._stages[rank] = self.spec.axis_index(rank, "pp")
+            stage = self._stages[rank] = self.spec.axis_index(rank, PP)
         return stage
 
     def backend(self):
@@ -141,14 +141,14 @@ class Executor:
     def share_output(c, backend, out, microbatches: int):
         """Real mesh: the last stage sends the output to the ranks of every earlier stage that
         share its other coordinates, so every rank returns the full output."""
-        n = backend.mesh.axis_size("pp")
+        n = backend.mesh.axis_size(PP)
         if n == 1:
             return out
-        if backend.axis_index("pp") == n - 1:
+        if backend.axis_index(PP) == n - 1:
             for dst in range(n - 1):
                 for x in out:
                     if isinstance(x, torch.Tensor):
-                        backend.send(x.contiguous(), "pp", dst)
+                        backend.send(x.contiguous(), PP, dst)
             return out
         out_node = next(x for x in c.programs[-1].graph.nodes if x.op == "output")
         result = []
@@ -157,7 +157,7 @@ class Executor:
                 v = a.meta["val"]
                 shape = [v.shape[0] * microbatches, *v.shape[1:]] if v.dim() else []
                 result.append(backend.recv(shape, v.dtype,
-                                           torch.device(backend.mesh.device_type), "pp", n - 1))
+                                           torch.device(backend.mesh.device_type), PP, n - 1))
             else:
                 result.append(a)
         return result

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from ..passes import PassCtx
+from ..mesh import TP
 
 aten = torch.ops.aten
 
@@ -52,7 +53,7 @@ def _unrepeat(graph: fx.Graph, grad: fx.Node, h: int, r: int) -> fx.Node:
 
 
 def repeat_kv_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
-    tp = ctx.mesh.axis_size("tp") if "tp" in ctx.mesh.axis_names else 1
+    tp = ctx.mesh.axis_size(TP) if TP in ctx.mesh.axis_names else 1
     graph, changed = gm.graph, 0
     for node in list(graph.nodes):
         if node.target is not _FLASH:

@@ -31,7 +31,7 @@ from ..mesh import MeshSpec, is_simulated, mesh_spec
 from ..passes import PassCtx
 from ..placement import Partial, block_index, local_block
 from ..trace import _without_cache
-from .program import TrainProgram, build_train_program
+from .program import TrainProgram, build_train_program, check_training_axes
 
 __all__ = ["TrainModule", "parallelize_for_training", "assemble", "check_trainable"]
 
@@ -331,13 +331,7 @@ class TrainModule:
 def check_trainable(where: str, mesh: MeshSpec, options) -> None:
     """Raise for what ``pm(x)`` with grad enabled cannot train yet (never a wrong gradient):
     pipeline and context-parallel axes, Inductor-compiled training programs."""
-    for axis in ("pp", "ulysses_cp", "ring_cp"):
-        if axis in mesh.axis_names and mesh.axis_size(axis) > 1:
-            raise NotImplementedError(
-                f"{where}: pm(x) with grad enabled trains, and training on mesh axis {axis!r} "
-                f"of size {mesh.axis_size(axis)} (mesh {mesh.describe()}) is not built yet "
-                f"(dp and tp are); call it under torch.no_grad() for inference on this mesh, "
-                f"or train on a mesh of dp and tp")
+    check_training_axes(mesh, where, "pm(x) with grad enabled trains, and training")
     if getattr(options, "compile", False):
         raise NotImplementedError(
             f"{where}: pm(x) with grad enabled trains, and compile=True training programs are "

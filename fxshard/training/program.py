@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 import fxshard.passes.rules.backward  # noqa: F401  (registers the backward ops' rules)
-from ..mesh import MeshSpec
+from ..mesh import MeshSpec, TRAINING_AXES
 from ..passes import PassCtx
 from ..passes.eager_attention import eager_attention_pass
 from ..passes.fold_mask import fold_causal_mask_pass
@@ -75,14 +75,17 @@ class TrainProgram:
     reports: dict = field(default_factory=dict)   # pass -> counts (forward, then joint)
 
 
-def _check_mesh(mesh: MeshSpec) -> None:
-    for axis in ("pp", "ulysses_cp", "ring_cp"):
-        if axis in mesh.axis_names and mesh.axis_size(axis) > 1:
+def check_training_axes(mesh: MeshSpec, where: str = _WHERE,
+                        what: str = "training") -> None:
+    """A NotImplementedError for an active axis without training (``AXIS_ROLES``' ``trains``):
+    never a wrong gradient."""
+    for axis, n in zip(mesh.axis_names, mesh.shape):
+        if n > 1 and axis not in TRAINING_AXES:
+            trains = ", ".join(TRAINING_AXES)
             raise NotImplementedError(
-                f"{_WHERE}: training on mesh axis {axis!r} of size {mesh.axis_size(axis)} "
-                f"(mesh {mesh.describe()}) is not built yet (dp, fsdp and tp are); run the "
-                f"forward under torch.no_grad() for inference on this mesh, or train on dp, "
-                f"fsdp and tp")
+                f"{where}: {what} on mesh axis {axis!r} of size {n} (mesh {mesh.describe()}) "
+                f"is not built yet ({trains} are); run the forward under torch.no_grad() for "
+                f"inference on this mesh, or train on a mesh of {trains}")
 
 
 def forward_placements(joint: Joint, ctx: PassCtx) -> dict:
@@ -250,7 +253,7 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
     ``ctx`` (its mesh, plan, sequence parallelism). ``reshard_after_forward``: an fsdp
     parameter's all-gather is done again in the backward (True, FSDP2's default) or its result
     saved by the forward (False: more memory, one all-gather less per parameter)."""
-    _check_mesh(ctx.mesh)
+    check_training_axes(ctx.mesh)
     joint = joint_graph(model, args, kwargs)
     shapes = {n.meta.get("fxshard_param") or n.meta.get("fxshard_buffer"):
               tuple(n.meta["val"].shape) for n in joint.gm.graph.nodes

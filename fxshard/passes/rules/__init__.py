@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from ...mesh import MeshSpec
+from ...mesh import MeshSpec, TP
 from ...placement import R
 
 __all__ = ["rule", "lookup", "Decision", "RuleCtx", "UNDECIDED", "tensor_inputs", "fallback",
@@ -82,7 +82,7 @@ class RuleCtx:
 
     @property
     def is_tp(self) -> bool:
-        return self.axis == "tp"
+        return self.axis == TP
 
     @staticmethod
     def shape(n) -> tuple[int, ...]:

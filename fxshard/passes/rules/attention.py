@@ -32,6 +32,7 @@ import torch.fx as fx
 
 from ...placement import R, Shard
 from . import Decision, RuleCtx, rule, tensor_inputs
+from ...mesh import RING, TP, ULYSSES
 
 aten = torch.ops.aten
 
@@ -62,7 +63,7 @@ def _note(node: fx.Node, key: str, axis: str) -> None:
         axes.append(axis)
 
 
-_HEADS_AXES = ("tp", "ulysses_cp")
+_HEADS_AXES = (TP, ULYSSES)
 
 
 def _outer_heads_axes(ctx: RuleCtx) -> list[str]:
@@ -122,22 +123,22 @@ def sdpa_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         kv = [Shard(0) if ctx.shape(t)[0] == batch else R for t in (k, v)]
         return Decision(ins=[Shard(0)] + kv + mask_need(0), out=Shard(0))
 
-    if ctx.axis == "ring_cp" and anchor == 2:
+    if ctx.axis == RING and anchor == 2:
         _note(node, "ring", ctx.axis)
         return Decision(ins=[Shard(2)] * 3 + mask_need(2), out=Shard(2))
 
-    if anchor == 2 and ctx.axis != "ulysses_cp":
+    if anchor == 2 and ctx.axis != ULYSSES:
         return Decision(ins=[R] * len(ins), out=R)
 
-    usp = ctx.axis == "ulysses_cp" and anchor == 2 and ctx.mesh.axis_size("ring_cp") > 1
+    usp = ctx.axis == ULYSSES and anchor == 2 and ctx.mesh.axis_size(RING) > 1
     # heads nest in mesh order: the heads axes before this one have split them already. USP
     # exchanges heads on the rank's local data, which tp has split first whatever the order.
-    outer = ["tp"] if usp and ctx.mesh.axis_size("tp") > 1 else \
+    outer = [TP] if usp and ctx.mesh.axis_size(TP) > 1 else \
         [] if usp else _outer_heads_axes(ctx)
     hq_here = hq
     for a in outer:
         hq_here //= ctx.mesh.axis_size(a)
-    if ctx.axis == "ulysses_cp" and hq_here % ctx.size:
+    if ctx.axis == ULYSSES and hq_here % ctx.size:
         raise _heads_error(node, f"query heads ({hq_here} per rank of {outer or 'the mesh'})",
                            hq_here, ctx, f"Ulysses splits heads: use a {ctx.axis} size that "
                            f"divides {hq_here}, or ring_cp.")
