@@ -11,8 +11,10 @@ the same model.
 
 Each row: ``torch.export.export`` of the model alone (the baseline), fxshard's passes on that
 export, the whole ``fxshard.parallelize(model, mesh, example_inputs=...)`` (its own trace,
-buffers, passes) and its ratio to the export, and how long one rank's GraphModule takes to
-build (meta weights). Medians of ``--repeat`` runs.
+buffers, passes) and its ratio to the export, how long one rank's GraphModule takes to build
+(meta weights: what one torchrun process pays), how long every rank's GraphModules take (what a
+simulated mesh pays: ranks of a stage share one generated code) and the whole with every rank
+built against the export (issue target: at most 1.5x). Medians of ``--repeat`` runs.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fxshard  # noqa: E402
 from benchmarks.common import format_table, time_calls  # noqa: E402
 from fxshard.runtime.program_cache import compile_program  # noqa: E402
-from fxshard.mesh import mesh_spec  # noqa: E402
+from fxshard.mesh import PP, mesh_spec  # noqa: E402
 from fxshard.passes import PassCtx  # noqa: E402
 from fxshard.passes.emit import build_rank_module  # noqa: E402
 from fxshard.trace import trace  # noqa: E402
@@ -81,7 +83,8 @@ def main() -> None:
           f"batch 2, seq {args.seq}; medians of {args.repeat}")
     columns = [("model", ">5"), ("config", ">6"), ("layers", ">6"), ("export s", ">9.2f"),
                ("passes s", ">9.2f"), ("parallelize s", ">14.2f"), ("par/export", ">10.2f"),
-               ("rank module s", ">14.3f")]
+               ("rank module s", ">14.3f"), ("all ranks s", ">12.3f"),
+               ("(par+all)/export", ">17.2f")]
     print(format_table(columns, []))
     kinds = ["hf", "ours"] if args.model == "both" else [args.model]
     for kind in kinds:
@@ -97,10 +100,19 @@ def main() -> None:
                 model, (ids,), {}, PassCtx(mesh=mesh_spec(mesh)), traced=traced), args.repeat)
             t_par, _ = timed(lambda: fxshard.parallelize(model, mesh, example_inputs=(ids,)),
                              args.repeat)
+            c2 = compile_program(model, (ids,), {}, PassCtx(mesh=mesh_spec(mesh)),
+                                 traced=traced)
             t0 = time.perf_counter()
             build_rank_module(c.programs[0], 0, mesh_spec(mesh), {}, torch.device("cpu"))
             t_rank = time.perf_counter() - t0
-            row = [kind, config, layers, t_export, t_passes, t_par, t_par / t_export, t_rank]
+            spec = mesh_spec(mesh)
+            t0 = time.perf_counter()
+            for r in range(spec.world_size):   # a fresh program: nothing shared from above
+                build_rank_module(c2.programs[spec.axis_index(r, PP)], r, spec, {},
+                                  torch.device("cpu"))
+            t_all = time.perf_counter() - t0
+            row = [kind, config, layers, t_export, t_passes, t_par, t_par / t_export, t_rank,
+                   t_all, (t_par + t_all) / t_export]
             print(format_table(columns, [row]).splitlines()[1], flush=True)
 
 
