@@ -212,6 +212,7 @@ def test_error_messages():
         decode_attention(q, k, v, lengths, scale=float("nan"))
 
 
+@pytest.mark.grad   # the forward-only check is about inputs that require grad
 def test_triton_error_messages(monkeypatch):
     triton_decode = pytest.importorskip("fxshard.kernels.triton_decode")
     name = r"fxshard.kernels.decode_attention: "
