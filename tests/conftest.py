@@ -1,8 +1,10 @@
-"""Shared test set-up: hypothesis profiles.
+"""Shared test set-up: hypothesis profiles; ``export_once`` for modules that parallelize the
+same models over many meshes.
 
 ``ci`` (the default) keeps the whole suite well inside CI's budget on 2 cores;
 ``thorough`` is for local runs: ``HYPOTHESIS_PROFILE=thorough pytest``.
 """
+import dataclasses
 import importlib.util
 import os
 import warnings
@@ -48,3 +50,33 @@ def pytest_runtest_call(item):
         return
     with torch.no_grad():
         yield
+
+
+@pytest.fixture(scope="module")
+def export_once():
+    """For a module that parallelizes the same (unchanged) models over many meshes: torch.export
+    runs once per (model object, input signature, trace options) and each parallelize gets a
+    fresh copy of the exported graph; every pass still runs on every build. Most of a small
+    model's parallelize is its export. Opt in with ``pytestmark =
+    pytest.mark.usefixtures("export_once")`` and build each model once (a module-level cache):
+    the memo keys on the model object, so a fresh model traces anew, and it holds the model
+    so its id is never reused. The product traces on every build, and so does every module
+    that does not opt in."""
+    import fxshard.passes.pipeline as pipeline
+    import fxshard.runtime.program_cache as cache
+    real, memo = pipeline.trace, {}
+
+    def trace(model, args, kwargs=None, **options):
+        key = (id(model), cache.signature(torch.utils._pytree.tree_flatten((args, kwargs))[0]),
+               tuple(sorted((kwargs or {}))), tuple(sorted(options.items())))
+        if key not in memo:
+            memo[key] = (model, real(model, args, kwargs, **options))
+        traced = memo[key][1]
+        graph = torch.fx.Graph()
+        graph.output(graph.graph_copy(traced.gm.graph, {}))
+        return dataclasses.replace(traced, gm=torch.fx.GraphModule(traced.gm, graph))
+
+    pipeline.trace = trace
+    yield memo
+    pipeline.trace = real
+    memo.clear()

@@ -16,6 +16,19 @@ from fxshard.runtime.simulated import SimulatedWorld
 from tests.models import hf_llama, our_llama
 
 TOL = dict(rtol=1e-4, atol=1e-4)
+# the mesh families below parallelize each model over many meshes: built and exported once
+# each (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("export_once")
+_models: dict = {}
+
+
+def built(make, **kwargs):
+    """``make(**kwargs)`` (``our_llama``, ``hf_llama``), built once for the module; only
+    parallelized, never changed."""
+    key = (make.__name__, tuple(sorted(kwargs.items())))
+    if key not in _models:
+        _models[key] = make(**kwargs)
+    return _models[key]
 
 
 def mesh(**axes):
@@ -117,7 +130,7 @@ CASES = [dict(ulysses_cp=2), dict(ring_cp=2), dict(ring_cp=4), dict(tp=2, ulysse
 
 @pytest.mark.parametrize("axes", CASES, ids=lambda a: "x".join(f"{k}{v}" for k, v in a.items()))
 def test_our_llama_context_parallel(axes):
-    model = our_llama(num_hidden_layers=2)
+    model = built(our_llama, num_hidden_layers=2)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     pm = fxshard.parallelize(model, mesh(**axes))
     torch.testing.assert_close(pm(ids), model(ids), **TOL)
@@ -126,7 +139,7 @@ def test_our_llama_context_parallel(axes):
 @pytest.mark.parametrize("axes", CASES[:6], ids=lambda a: "x".join(f"{k}{v}"
                                                                     for k, v in a.items()))
 def test_hf_llama_context_parallel(axes):
-    model = hf_llama(layers=2)
+    model = built(hf_llama, layers=2)
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
     pm = fxshard.parallelize(model, mesh(**axes))
     torch.testing.assert_close(pm(ids).logits, model(ids).logits, **TOL)
@@ -206,8 +219,8 @@ def test_ring_without_zigzag_matches_too():
                                      (1, dict(ulysses_cp=2, tp=4)), (2, dict(ulysses_cp=2, tp=4))],
                          ids=lambda x: str(x))
 def test_kv_heads_replicated_over_tp_and_ulysses(kv, axes):
-    model = our_llama(num_hidden_layers=1, num_key_value_heads=kv, num_attention_heads=8,
-                      head_dim=8)
+    model = built(our_llama, num_hidden_layers=1, num_key_value_heads=kv, num_attention_heads=8,
+                  head_dim=8)
     ids = torch.randint(0, 128, (2, 8))
     pm = fxshard.parallelize(model, mesh(**axes))
     torch.testing.assert_close(pm(ids), model(ids), **TOL)
@@ -298,8 +311,8 @@ def test_usp_moves_a_sharded_mask_once_for_all_layers(per_head, order, zigzag):
 def test_usp_and_tp_in_any_mesh_order(order, kv, zigzag):
     """Axes nest in mesh order, so every order lays the sequence and heads out differently;
     USP must follow each (ulysses before or after ring) and KV heads each split."""
-    model = our_llama(num_hidden_layers=1, num_key_value_heads=kv, num_attention_heads=8,
-                      head_dim=8)
+    model = built(our_llama, num_hidden_layers=1, num_key_value_heads=kv, num_attention_heads=8,
+                  head_dim=8)
     ids = torch.randint(0, 128, (2, 16))
     m = fxshard.init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=order)
     pm = fxshard.parallelize(model, m, ring_zigzag=zigzag)

@@ -75,30 +75,9 @@ CASES = [("llama", m) for m in MESHES] + [
 _models: dict = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _export_once():
-    """The models here are parallelized over many meshes: torch.export runs once per (model,
-    signature) and each parallelize gets a fresh copy of the exported graph (every pass still
-    runs). Only this module does this; the product traces on every build."""
-    import dataclasses
-
-    import fxshard.passes.pipeline as pipeline
-    import fxshard.runtime.program_cache as cache
-    real, memo = pipeline.trace, {}
-
-    def trace(model, args, kwargs=None, **options):
-        key = (id(model), cache.signature(torch.utils._pytree.tree_flatten((args, kwargs))[0]),
-               tuple(sorted((kwargs or {}))), tuple(sorted(options.items())))
-        if key not in memo:
-            memo[key] = (model, real(model, args, kwargs, **options))
-        traced = memo[key][1]
-        graph = torch.fx.Graph()
-        graph.output(graph.graph_copy(traced.gm.graph, {}))
-        return dataclasses.replace(traced, gm=torch.fx.GraphModule(traced.gm, graph))
-
-    pipeline.trace = trace
-    yield
-    pipeline.trace = real
+# the models here are parallelized over many meshes: torch.export runs once per model and
+# signature (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("export_once")
 
 
 def family(name):
