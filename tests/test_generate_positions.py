@@ -17,6 +17,19 @@ SOURCES = ["input_pos", "arange", "wpe", "table"]
 NEW = 5
 
 
+# each model is parallelized over several meshes: built and exported once (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("export_once")
+_models: dict = {}
+
+
+def built(make, **kwargs):
+    """``make(**kwargs)``, built once for the module; only parallelized, never changed."""
+    key = (make.__name__, tuple(sorted(kwargs.items())))
+    if key not in _models:
+        _models[key] = make(**kwargs)
+    return _models[key]
+
+
 def parallel(model, axes):
     mesh = fxshard.init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
     return fxshard.parallelize(model, mesh)
@@ -33,7 +46,7 @@ def _decode_program(pm):
 @pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize("source", SOURCES)
 def test_generate_equals_a_greedy_loop(source, mesh):
-    model = TinyLM(positions=source).eval()
+    model = built(TinyLM, positions=source).eval()
     ids = prompt()
     want = greedy_reference(model, ids, NEW)
     pm = parallel(model, MESHES[mesh])

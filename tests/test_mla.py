@@ -14,6 +14,19 @@ MESHES = {"tp2": dict(tp=2), "ring2": dict(ring_cp=2), "ulysses2": dict(ulysses_
           "tp2ring2": dict(tp=2, ring_cp=2)}
 
 
+# each model is parallelized over several meshes: built and exported once (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("export_once")
+_models: dict = {}
+
+
+def built(make, **kwargs):
+    """``make(**kwargs)``, built once for the module; only parallelized, never changed."""
+    key = (make.__name__, tuple(sorted(kwargs.items())))
+    if key not in _models:
+        _models[key] = make(**kwargs)
+    return _models[key]
+
+
 def parallel(model, axes):
     mesh = fxshard.init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
     return fxshard.parallelize(model, mesh)
@@ -29,7 +42,7 @@ def _targets(gm):
 
 @pytest.mark.parametrize("mesh", ["tp2", "ring2", "ulysses2"])
 def test_forward_equals_single_device(mesh):
-    model = mla()
+    model = built(mla)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     pm = parallel(model, MESHES[mesh])
     torch.testing.assert_close(pm(ids), model(ids), **TOL)
@@ -46,7 +59,7 @@ def test_forward_equals_single_device(mesh):
 
 @pytest.mark.parametrize("mesh", ["tp2", "tp2ring2", "ulysses2"])
 def test_generate_equals_a_greedy_loop(mesh):
-    model = mla()
+    model = built(mla)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     pm = parallel(model, MESHES[mesh])
     got = pm.generate(ids, max_new_tokens=5)
