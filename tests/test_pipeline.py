@@ -10,18 +10,6 @@ from fxshard.passes.split_stages import assign_layers_to_stages
 from tests.models import hf_llama, our_llama
 
 TOL = dict(rtol=1e-4, atol=1e-4)
-# the families below parallelize each model over many meshes: built and exported once each
-# (tests/conftest.py)
-pytestmark = pytest.mark.usefixtures("export_once")
-_models: dict = {}
-
-
-def built(make, **kwargs):
-    """``make(**kwargs)``, built once for the module; only parallelized, never changed."""
-    key = (make.__name__, tuple(sorted(kwargs.items())))
-    if key not in _models:
-        _models[key] = make(**kwargs)
-    return _models[key]
 
 
 def mesh(**axes):
@@ -60,7 +48,7 @@ PIPELINE_CASES = [("hf", axes, mb) for axes in CASES for mb in (1, 2)] + [
 @pytest.mark.parametrize("make,axes,mb", PIPELINE_CASES,
                          ids=[_case_id(*c) for c in PIPELINE_CASES])
 def test_llama_pipeline(make, axes, mb):
-    model = built(our_llama, num_hidden_layers=4) if make == "ours" else built(hf_llama, layers=4)
+    model = our_llama(num_hidden_layers=4) if make == "ours" else hf_llama(layers=4)
     ids = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(0))
     pm = fxshard.parallelize(model, mesh(**axes), microbatches=mb)
     torch.testing.assert_close(_logits(pm(ids)), _logits(model(ids)), **TOL)
