@@ -11,9 +11,11 @@ without a GPU: programs built for a ``cuda`` mesh run on CPU tensors, where the 
 torch path.
 """
 import dataclasses
+import importlib.util
 import math
 import operator
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,7 +70,7 @@ def triton_interpret():
 
 def test_triton_bwd_subprocess():
     """Run the test_triton_interp_* tests in a TRITON_INTERPRET=1 process."""
-    run_interpreter_tests(__file__, min_passed=8, xfailed=1)
+    run_interpreter_tests(__file__, min_passed=9, xfailed=1)
 
 
 def _run_kernel(tensors, opts, config=None):
@@ -82,7 +84,7 @@ def _run_kernel(tensors, opts, config=None):
 
 # (B, Hq, Hkv, Sq, Skv, D, Dv), options; lengths are not multiples of the blocks
 @pytest.mark.parametrize("shape, opts", [
-    ((2, 3, 3, 33, 50, 16, 16), dict(causal=False, dlse=False)),
+    ((2, 2, 2, 33, 50, 16, 16), dict(causal=False, dlse=False)),
     ((1, 4, 2, 37, 29, 32, 16), dict(causal=True, q_offset=9, kv_offset=2)),
     ((1, 4, 1, 20, 27, 16, 32), dict(causal=True, kv_offset=20, softcap=2.0)),  # hidden rows
     ((1, 2, 1, 24, 24, 16, 16), dict(causal=True, softcap=0.5, scale=None)),
@@ -102,7 +104,7 @@ def test_triton_interp_causal_block_boundaries(triton_interpret):
     """Diagonal shifts around the block edges, with the GPU configs' unequal block shapes
     (BLOCK_M1 < BLOCK_N1, BLOCK_M2 > BLOCK_N2): the masked/mask-free loop splits of both
     kernels must be exact to the row and key."""
-    for delta in (-33, -17, -1, 0, 1, 15, 16, 31, 47):
+    for delta in (-17, -1, 0, 1, 16, 31):
         tensors, kw, want = _case(1, 2, 1, 40, 48, 16, 16, causal=True,
                                   q_offset=max(delta, 0), kv_offset=max(-delta, 0),
                                   seed=delta + 40)
@@ -172,6 +174,35 @@ def test_triton_bwd_compiles_for_hopper(causal=True, softcap=True):
         assert "wgmma" in compiled.asm["ptx"]
 
 
+def _gpu_check():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("fxshard_gpu_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_triton_interp_gpu_check_tables(triton_interpret, monkeypatch):
+    """benchmarks/gpu_check.py's backward and MLA tables at a tiny CPU size, timings stubbed:
+    rows, TFLOP/s, the error vs SDPA, and a failing part kept in its row."""
+    check = _gpu_check()
+    calls = []
+    monkeypatch.setattr(check, "_bench", lambda fn: calls.append(fn()) or 2.0)
+    rows = check.backward_table(seqs=(40,), tokens=40, hidden=32, head_dim=16, device="cpu",
+                                dtype=torch.float32)
+    assert [r["causal"] for r in rows] == [False, True] and len(calls) >= 4
+    flops = check.backward_flops(1, 2, 40, 16, 16, True)
+    assert flops == 2.5 * check.forward_flops(1, 2, 40, 16, 16, True) == 40 * 40 * 160   # 2 B H S^2 (3D + 2Dv) / 2
+    assert rows[1]["ours_tflops"] == pytest.approx(flops / 2e-3 / 1e12)
+    assert rows[1]["flash_ms"] == 2.0 and rows[1]["max_err"] < 1e-4   # CPU's flash backward
+    assert "cudnn" in rows[1]["error"]                                  # none on CPU
+    mla = check.mla_table(((24, 16, 40, True), (32, 16, 40, False)), batch=1, heads=2,
+                          device="cpu", dtype=torch.float32)
+    assert "head_dim is 24" in mla[0]["error"] and mla[1]["max_err"] < 1e-4
+    lines = check.format_table(mla, check.MLA_COLUMNS).splitlines()
+    assert len(lines) == 4 and len(lines[0]) == len(lines[1]) == len(lines[3])
+
+
 def test_kernel_error_messages():
     bwd = pytest.importorskip("fxshard.kernels.triton_attention_bwd")
     tensors, kw, _ = _case(1, 2, 1, 5, 7, 16, 16, causal=True)
@@ -237,7 +268,7 @@ def test_op_schema_torch_path_and_fake():
 def _llama():
     from fxshard.models.llama import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    cfg = LlamaConfig.tiny(num_hidden_layers=2, vocab_size=96, hidden_size=64,
+    cfg = LlamaConfig.tiny(num_hidden_layers=1, vocab_size=96, hidden_size=64,
                            intermediate_size=72, num_attention_heads=4, num_key_value_heads=2)
     return LlamaForCausalLM(cfg)
 
@@ -270,14 +301,14 @@ def test_cuda_training_program_runs_fxshard_attention_backward(monkeypatch):
     mesh = SimulatedMesh((2, 2), ("dp", "tp"), "cpu")
     cpu = parallelize_for_training(model, mesh, example_inputs=(ids,))
     assert _attention_targets(cpu.rank_module(0, "backward")) == [
-        "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"] * 2
+        "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"]
     monkeypatch.setattr(program, "cuda_attention_backward_pass", rewrite_as_on_cuda)
     tm = parallelize_for_training(model, mesh)
     out = tm(ids)
-    assert tm._last.reports["cuda_attention_backward_pass"] == {"rewritten": 2, "left": 0}
+    assert tm._last.reports["cuda_attention_backward_pass"] == {"rewritten": 1, "left": 0}
     assert cpu._last.reports["cuda_attention_backward_pass"] == {"rewritten": 0, "left": 0}
     assert _attention_targets(tm.rank_module(0, "backward")) == [
-        "fxshard.attention_backward.default"] * 2
+        "fxshard.attention_backward.default"]
     assert "attention_backward" not in tm.rank_module(0, "forward").code
     F.cross_entropy(out.flatten(0, 1), labels.flatten()).backward()
     F.cross_entropy(model(ids).flatten(0, 1), labels.flatten()).backward()
