@@ -70,7 +70,7 @@ def triton_interpret():
 
 def test_triton_bwd_subprocess():
     """Run the test_triton_interp_* tests in a TRITON_INTERPRET=1 process."""
-    run_interpreter_tests(__file__, min_passed=9, xfailed=1)
+    run_interpreter_tests(__file__, min_passed=8, xfailed=1)
 
 
 def _run_kernel(tensors, opts, config=None):
