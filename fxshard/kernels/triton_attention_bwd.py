@@ -260,10 +260,13 @@ def _attn_bwd_dq(Q, K, V, DOut, Lse, Delta, DQ,
 
 # (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages) by the larger head dim, for
 # 2-byte and 4-byte inputs: the dK/dV kernel holds a key block (N1 rows) and streams query
-# blocks (M1), the dQ kernel the other way round (the tutorial's shapes for sm_90).
+# blocks (M1), the dQ kernel the other way round (the tutorial's block shapes for sm_90; 8
+# warps at D=128 keep dK/dV's fp32 accumulators at 128 registers a thread). Each compiles for
+# sm_90 within its shared memory (tests/test_attention_backward_kernel.py); not yet timed on
+# a GPU (benchmarks/gpu_check.py --backward-only).
 _GPU_CONFIGS = {
     2: {16: (32, 128, 128, 32, 4, 3), 32: (32, 128, 128, 32, 4, 3),
-        64: (32, 128, 128, 32, 4, 3), 128: (32, 128, 128, 32, 8, 2),
+        64: (32, 128, 128, 32, 4, 3), 128: (32, 128, 128, 32, 8, 3),
         256: (16, 64, 64, 16, 8, 1)},
     4: {16: (32, 64, 64, 32, 4, 2), 32: (32, 64, 64, 32, 4, 2), 64: (32, 64, 64, 32, 4, 2),
         128: (16, 64, 64, 16, 8, 1), 256: (16, 32, 32, 16, 8, 1)},

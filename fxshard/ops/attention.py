@@ -103,7 +103,7 @@ _BWD_ARGS = ("(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor out, Tensor ls
              "float softcap=0.0)")
 
 
-def _triton_backward_takes(q, k, v, mask, lse, dlse) -> bool:
+def _triton_backward_takes(q, v, mask, out, dout, lse, dlse) -> bool:
     """Whether the Triton backward runs these inputs (else the torch one, same math)."""
     if q.device.type != "cuda" or mask is not None:
         return False
@@ -113,6 +113,7 @@ def _triton_backward_takes(q, k, v, mask, lse, dlse) -> bool:
     from fxshard.kernels.triton_attention import HEAD_DIMS
     return (q.dtype in (torch.float16, torch.bfloat16, torch.float32)
             and q.shape[-1] in HEAD_DIMS and v.shape[-1] in HEAD_DIMS
+            and out.dtype == dout.dtype == q.dtype
             and lse.dtype == torch.float32 and (dlse is None or dlse.dtype == torch.float32))
 
 
@@ -134,7 +135,7 @@ def attention_backward_op(q, k, v, mask, out, lse, dout, dlse, causal, scale, q_
     """``fxshard::attention_backward``: Triton on CUDA where the kernel takes the inputs,
     torch otherwise."""
     _check_backward(q, k, v, mask, out, lse, dout, dlse, scale, q_offset, kv_offset, softcap)
-    if _triton_backward_takes(q, k, v, mask, lse, dlse):
+    if _triton_backward_takes(q, v, mask, out, dout, lse, dlse):
         from fxshard.kernels.attention import _scale_of
         from fxshard.kernels.triton_attention_bwd import attention_bwd
         return attention_bwd(q, k, v, out, dout, lse, dlse, causal=bool(causal),
