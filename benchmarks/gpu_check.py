@@ -473,9 +473,9 @@ def backward_table(seqs=(1024, 2048, 4096, 8192), tokens=16384, hidden=2048, *,
                                  for _ in range(4))
                 with torch.no_grad():
                     out, lse = attention(q, k, v, causal=causal, backend="triton")
-                    ours = attention_bwd(q, k, v, out, dout, lse, causal=causal, scale=d ** -0.5)
+                    ours = attention_bwd(q, k, v, out, dout, lse, causal=causal, grad_dtype=dtype)
                     row["ours_ms"] = _bench(lambda: attention_bwd(
-                        q, k, v, out, dout, lse, causal=causal, scale=d ** -0.5))
+                        q, k, v, out, dout, lse, causal=causal, grad_dtype=dtype))
                 row["ours_tflops"] = fl / row["ours_ms"] / 1e9
                 for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
                                       ("cudnn", getattr(SDPBackend, "CUDNN_ATTENTION", None))):

@@ -73,12 +73,12 @@ def test_triton_bwd_subprocess():
     run_interpreter_tests(__file__, min_passed=8, xfailed=1)
 
 
-def _run_kernel(tensors, opts, config=None):
+def _run_kernel(tensors, opts, config=None, grad_dtype=torch.float32):
     from fxshard.kernels.triton_attention_bwd import attention_bwd
     q, k, v, out, dout, lse, dlse = tensors
-    return attention_bwd(q, k, v, out, dout, lse, dlse, causal=opts["causal"],
-                         scale=opts["scale"], q_offset=opts["q_offset"],
-                         kv_offset=opts["kv_offset"], softcap=opts["softcap"] or 0.0,
+    return attention_bwd(q, k, v, out, dout, lse, causal=opts["causal"], scale=opts["scale"],
+                         q_offset=opts["q_offset"], kv_offset=opts["kv_offset"],
+                         softcap=opts["softcap"] or 0.0, dlse=dlse, grad_dtype=grad_dtype,
                          config=config)
 
 
@@ -115,9 +115,12 @@ def test_triton_interp_causal_block_boundaries(triton_interpret):
                                         pytest.param(torch.bfloat16, 6e-2, marks=BF16_DOT_BUG)])
 def test_triton_interp_low_precision(triton_interpret, dtype, tol):
     tensors, kw, want = _case(1, 4, 2, 30, 41, 32, 32, causal=True, q_offset=11, dtype=dtype)
-    got = _run_kernel(tensors, kw)
+    got = _run_kernel(tensors, kw, grad_dtype=dtype)
     assert [g.dtype for g in got] == [dtype] * 3
     _assert_grads(got, want, tol)
+    accumulated = _run_kernel(tensors, kw)          # the default: float32, as a ring sums them
+    assert [g.dtype for g in accumulated] == [torch.float32] * 3
+    _assert_grads(accumulated, want, tol)
 
 
 def test_triton_interp_layouts_and_empty(triton_interpret):
@@ -211,6 +214,11 @@ def test_kernel_error_messages():
     def call(**change):
         args = {**dict(q=q, k=k, v=v, out=out, dout=dout, lse=lse, dlse=dlse), **change}
         return bwd.attention_bwd(**args, causal=True, scale=0.3)
+    with pytest.raises(ValueError, match=r"attention_bwd: got a mask of shape \(5, 7\), but the "
+                                         r"Triton backward takes none"):
+        call(mask=torch.ones(5, 7, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"grad_dtype=torch.float64; expected one of"):
+        bwd.attention_bwd(q, k, v, out, dout, lse, grad_dtype=torch.float64)
     cases = [
         (dict(lse=lse.double()), r"lse has dtype torch.float64; expected torch.float32"),
         (dict(dlse=dlse[..., :3]), r"dlse has shape \(1, 2, 3\), expected \[1, 2, 5\]"),

@@ -290,7 +290,7 @@ def check_bwd_inputs(q, k, v, out, dout, lse, dlse) -> None:
         _check(t.dim() == 4, f"{arg} has shape {tuple(t.shape)}; expected 4 dims "
                              f"[batch, heads, seq, head_dim]")
     batch, heads_q, seq_q, head_dim = q.shape
-    heads_kv, seq_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
+    heads_kv, head_dim_v = k.shape[1], v.shape[3]
     _check(k.shape[0] == batch and k.shape[3] == head_dim and v.shape[:3] == k.shape[:3],
            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected "
            f"[B, Hq, Sq, D], [B, Hkv, Skv, D], [B, Hkv, Skv, Dv]")
@@ -328,18 +328,30 @@ def check_bwd_inputs(q, k, v, out, dout, lse, dlse) -> None:
             f"fxshard.kernels.attention.attention_backward (torch)")
 
 
-def attention_bwd(q, k, v, out, dout, lse, dlse=None, *, causal: bool, scale: float,
-                  q_offset: int = 0, kv_offset: int = 0, softcap: float = 0.0,
+def attention_bwd(q, k, v, out, dout, lse, *, causal: bool = False, scale: float | None = None,
+                  q_offset: int = 0, kv_offset: int = 0, softcap: float = 0.0, mask=None,
+                  dlse=None, grad_dtype: torch.dtype = torch.float32,
                   config: tuple | None = None):
-    """``(dq, dk, dv)`` of ``attention(q, k, v)`` (the forward's ``out`` and natural-log
-    ``lse``) for the output gradient ``dout`` and, optionally, ``dlse`` (the gradient of the
-    ``lse`` output, as a ring merge has one). Each gradient has its input's dtype and memory
-    layout (``empty_like``). ``config``: ``(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps,
+    """``(dq, dk, dv)`` of ``attention(q, k, v)`` from the forward's ``out`` and natural-log
+    ``lse`` (for a ring step: the *global* merged ones) for the output gradient ``dout`` and,
+    optionally, ``dlse`` (the gradient of the ``lse`` output). The signature of
+    :func:`fxshard.kernels.attention_backward.attention_block_backward` (the torch block
+    backward), which also returns ``grad_dtype``, float32 by default (the accumulation dtype:
+    a ring sums its chunks' dK/dV unrounded); pass the inputs' dtype for gradients to use as
+    they are. Each gradient has its input's memory layout. ``mask`` must be None (the kernels
+    take none). ``config``: ``(BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps,
     num_stages)``, by default ``_GPU_CONFIGS`` (``_INTERPRETER_CONFIG`` in the interpreter)."""
+    if mask is not None:
+        raise ValueError(f"{_NAME}.attention_bwd: got a mask of shape {tuple(mask.shape)}, but "
+                         f"the Triton backward takes none; express it with causal/q_offset/"
+                         f"kv_offset, or use the torch backward (attention_block_backward)")
+    _check(grad_dtype in _DTYPES, f"grad_dtype={grad_dtype!r}; expected one of torch.float16, "
+                                  f"torch.bfloat16, torch.float32")
     check_bwd_inputs(q, k, v, out, dout, lse, dlse)
     batch, heads_q, seq_q, head_dim = q.shape
     heads_kv, seq_kv, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    scale = head_dim ** -0.5 if scale is None else float(scale)
+    dq, dk, dv = (torch.empty_like(x, dtype=grad_dtype) for x in (q, k, v))
     if dk.numel() and seq_q == 0:
         dk.zero_()
         dv.zero_()

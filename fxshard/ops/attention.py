@@ -138,9 +138,10 @@ def attention_backward_op(q, k, v, mask, out, lse, dout, dlse, causal, scale, q_
     if _triton_backward_takes(q, v, mask, out, dout, lse, dlse):
         from fxshard.kernels.attention import _scale_of
         from fxshard.kernels.triton_attention_bwd import attention_bwd
-        return attention_bwd(q, k, v, out, dout, lse, dlse, causal=bool(causal),
+        return attention_bwd(q, k, v, out, dout, lse, causal=bool(causal),
                              scale=_scale_of(q, scale), q_offset=int(q_offset),
-                             kv_offset=int(kv_offset), softcap=float(softcap or 0.0))
+                             kv_offset=int(kv_offset), softcap=float(softcap or 0.0),
+                             dlse=dlse, grad_dtype=q.dtype)
     grads = attention_backward(q, k, v, mask, out, lse, dout, dlse, causal, scale, q_offset,
                                kv_offset, softcap)
     # the layout of the inputs, as the Triton path (and aten's backward ops) give
