@@ -373,6 +373,12 @@ def test_rewrite_maps_cuda_flash_and_efficient_arguments():
             assert tuple(lse.meta["val"].shape) == (2, 4, 40)
         else:
             assert lse.name == "lse"
+    gm, node = _graph_with(flash[0], *flash[1:])
+    from fxshard.placement import R, Shard
+    node.args[1].meta["fxshard_spec"] = (R, Shard(2))            # q on a sequence shard
+    ctx = PassCtx(mesh=MeshSpec((2, 2), ("tp", "ring_cp"), "cuda"))
+    cuda_attention_backward_pass(gm, ctx=ctx)                  # the ring's: left
+    assert node.target is flash[0] and ctx.reports["cuda_attention_backward_pass"]["left"] == 1
     gm, node = _graph_with(flash[0], lambda n: (flash[1](n)[0][:10] + (0.1,)
                                                 + flash[1](n)[0][11:], {}), 3)
     ctx = PassCtx(mesh=MeshSpec((2,), ("tp",), "cuda"))

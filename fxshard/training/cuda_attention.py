@@ -17,7 +17,8 @@ keeps its name, placement and users (``getitem`` 0, 1, 2 are dq, dk, dv in both)
 Memory-efficient attention's lse is padded to a multiple of 32 rows: a ``slice`` to ``Sq``
 rows is put before. Left as they are (aten's backward, the same result): dropout, an attention
 bias/mask, a gradient of the bias, cuDNN's attention (its statistics' layout differs), head
-sizes or dtypes the kernel does not take. SDPA's ``is_causal`` is the top-left diagonal:
+sizes or dtypes the kernel does not take, and q/k/v split along the sequence (a ring_cp
+attention, whose backward is the ring's). SDPA's ``is_causal`` is the top-left diagonal:
 offsets 0, 0.
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.fx as fx
 
 from ..ops.attention import attention_backward_op
 from ..passes import PassCtx
+from ..placement import Shard
 
 aten = torch.ops.aten
 
@@ -80,10 +82,18 @@ _BACKWARDS = {
 }
 
 
+def _sequence_sharded(a: dict) -> bool:
+    """q, k or v split along the sequence (ring_cp): the ring's backward, not a local one
+    (``passes/lower_attention.py`` lowers it; this pass must not take it first)."""
+    return any(Shard(2) in (a[n].meta.get("fxshard_spec") or ())
+               for n in ("query", "key", "value"))
+
+
 def _kernel_takes(a: dict) -> bool:
     q, v, lse = (a[n].meta["val"] for n in ("query", "value", "logsumexp"))
     return (not a.get("dropout_p") and q.dtype in _DTYPES and q.shape[-1] in _HEAD_DIMS
-            and v.shape[-1] in _HEAD_DIMS and lse.dtype == torch.float32)
+            and v.shape[-1] in _HEAD_DIMS and lse.dtype == torch.float32
+            and not _sequence_sharded(a))
 
 
 def cuda_attention_backward_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
