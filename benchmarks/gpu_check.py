@@ -362,18 +362,18 @@ def backward_checks(device: str) -> bool:
     ok, worst = True, 0.0
     g = torch.Generator(device=device).manual_seed(0)
     tol = {torch.float32: 2e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
-    # (B, Hq, Hkv, Sq, Skv, D, Dv)
+    # (B, Hq, Hkv, Sq, Skv, D, Dv); fp16 on the first two only (each dtype, head-size pair,
+    # causal flag and soft-cap is a compilation of both kernels)
     cases = [(2, 8, 2, 300, 300, 64, 64), (1, 4, 4, 129, 257, 128, 128),
-             (2, 6, 3, 64, 200, 32, 32), (1, 2, 1, 1000, 1000, 16, 16),
-             (1, 2, 2, 77, 333, 256, 256), (1, 8, 2, 250, 250, 256, 128),
-             (1, 4, 1, 129, 257, 64, 128)]
+             (1, 2, 1, 1000, 1000, 16, 16), (1, 2, 2, 77, 333, 256, 256),
+             (1, 8, 2, 250, 250, 256, 128), (1, 4, 1, 129, 257, 64, 128)]
     if device != "cuda":
         cases, tol = [(1, 4, 2, 37, 29, 32, 16), (2, 2, 2, 20, 33, 16, 16)], {torch.float32: 2e-4}
     for dtype in tol:
-        for b, hq, hkv, sq, skv, d, dv in cases:
+        for b, hq, hkv, sq, skv, d, dv in (cases[:2] if dtype == torch.float16 else cases):
             for n, (causal, q_off, kv_off, cap) in enumerate(
                     ((False, 0, 0, 0.0), (True, 0, 0, 0.0), (True, 100, 0, 0.0),
-                     (True, 0, 150, 0.0), (True, 0, 0, 2.0), (False, 0, 150, 2.0))):
+                     (True, 0, 150, 0.0), (True, 0, 0, 2.0))):
                 q = torch.randn(b, hq, sq, d, device=device, dtype=dtype, generator=g)
                 k = torch.randn(b, hkv, skv, d, device=device, dtype=dtype, generator=g)
                 v = torch.randn(b, hkv, skv, dv, device=device, dtype=dtype, generator=g)
