@@ -14,6 +14,16 @@ SymInt q_offset, SymInt kv_offset, float softcap=0.0) -> (Tensor, Tensor)``
 ``fxshard::attention_out(...same arguments...) -> Tensor``
     its ``out`` alone, stored ``[B, S, H, D]`` (:mod:`fxshard.kernels.attention_out`); what CPU
     rank runners call where nothing reads the ``lse``. Inference only.
+
+``fxshard::attention_backward(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor out, Tensor lse,
+Tensor dout, Tensor? dlse, bool causal, float? scale, SymInt q_offset, SymInt kv_offset,
+float softcap=0.0) -> (Tensor, Tensor, Tensor)``
+    ``(dq, dk, dv)`` of the forward's contract from its ``out`` and ``lse`` (``dlse``: the
+    gradient of the ``lse`` output, or None): on CUDA without a mask, with head sizes and a
+    dtype the kernel takes, the Triton backward (:mod:`fxshard.kernels.triton_attention_bwd`),
+    otherwise :func:`fxshard.kernels.attention.attention_backward` (torch; same math). Each
+    gradient has its input's shape, dtype and memory layout. What CUDA training programs run
+    in place of aten's attention backward (``fxshard/training/cuda_attention.py``).
 """
 from __future__ import annotations
 
@@ -25,7 +35,7 @@ from fxshard.kernels.attention import attention_backward, auto_attention, check_
 from fxshard.kernels.attention_out import attention_out_bshd
 from fxshard.ops.library import define_op
 
-__all__ = ["attention", "attention_out"]
+__all__ = ["attention", "attention_backward_op", "attention_out"]
 
 _ARGS = ("(Tensor q, Tensor k, Tensor v, Tensor? mask, bool causal, float? scale, "
          "SymInt q_offset, SymInt kv_offset, float softcap=0.0)")
@@ -86,3 +96,77 @@ attention_out = define_op("fxshard::attention_out", _ARGS + " -> Tensor")(attent
 @attention_out.register_fake
 def _(q, k, v, mask, causal, scale, q_offset, kv_offset, softcap=0.0):
     return q.new_empty((q.shape[0], q.shape[2], q.shape[1], v.shape[3])).transpose(1, 2)
+
+
+_BWD_ARGS = ("(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor out, Tensor lse, Tensor dout, "
+             "Tensor? dlse, bool causal, float? scale, SymInt q_offset, SymInt kv_offset, "
+             "float softcap=0.0)")
+
+
+def _triton_backward_takes(q, v, mask, out, dout, lse, dlse) -> bool:
+    """Whether the Triton backward runs these inputs (else the torch one, same math)."""
+    if q.device.type != "cuda" or mask is not None:
+        return False
+    from fxshard.kernels.attention import _triton_module
+    if _triton_module() is None:
+        return False
+    from fxshard.kernels.triton_attention import HEAD_DIMS
+    return (q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and q.shape[-1] in HEAD_DIMS and v.shape[-1] in HEAD_DIMS
+            and out.dtype == dout.dtype == q.dtype
+            and lse.dtype == torch.float32 and (dlse is None or dlse.dtype == torch.float32))
+
+
+def _check_backward(q, k, v, mask, out, lse, dout, dlse, scale, q_offset, kv_offset, softcap):
+    """The forward's checks, and out/dout/lse/dlse shaped as the forward gives them."""
+    check_inputs(q, k, v, mask, scale, q_offset, kv_offset, softcap)
+    want = (*q.shape[:3], v.shape[3])
+    for arg, t, shape in (("out", out, want), ("dout", dout, want), ("lse", lse, want[:3]),
+                          ("dlse", dlse, want[:3])):
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"fxshard::attention_backward: {arg} has shape {tuple(t.shape)}, "
+                             f"expected {list(shape)} (the forward's [B, Hq, Sq, Dv] output, "
+                             f"[B, Hq, Sq] logsumexp)")
+
+
+@define_op("fxshard::attention_backward", _BWD_ARGS + " -> (Tensor, Tensor, Tensor)")
+def attention_backward_op(q, k, v, mask, out, lse, dout, dlse, causal, scale, q_offset,
+                          kv_offset, softcap=0.0):
+    """``fxshard::attention_backward``: Triton on CUDA where the kernel takes the inputs,
+    torch otherwise."""
+    _check_backward(q, k, v, mask, out, lse, dout, dlse, scale, q_offset, kv_offset, softcap)
+    if _triton_backward_takes(q, v, mask, out, dout, lse, dlse):
+        from fxshard.kernels.attention import _scale_of
+        from fxshard.kernels.triton_attention_bwd import attention_bwd
+        return attention_bwd(q, k, v, out, dout, lse, causal=bool(causal),
+                             scale=_scale_of(q, scale), q_offset=int(q_offset),
+                             kv_offset=int(kv_offset), softcap=float(softcap or 0.0),
+                             dlse=dlse, grad_dtype=q.dtype)
+    grads = attention_backward(q, k, v, mask, out, lse, dout, dlse, causal, scale, q_offset,
+                               kv_offset, softcap)
+    # the layout of the inputs, as the Triton path (and aten's backward ops) give
+    return tuple(torch.empty_like(x).copy_(g) for x, g in zip((q, k, v), grads))
+
+
+@attention_backward_op.register_fake
+def _attention_backward_fake(q, k, v, mask, out, lse, dout, dlse, causal, scale, q_offset,
+                             kv_offset, softcap=0.0):
+    _check_backward(q, k, v, mask, out, lse, dout, dlse, scale, q_offset, kv_offset, softcap)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _attention_backward_autograd(keyset, *args):
+    """No double backward: a clear error rather than a gradient silently missing."""
+    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                       for a in args):
+        raise NotImplementedError(
+            "fxshard::attention_backward: an input requires grad, but the attention backward "
+            "has no backward of its own (double backward); call it under torch.no_grad() or "
+            "differentiate fxshard::attention through fxshard.kernels.attention_backward's "
+            "torch ops")
+    return attention_backward_op.default.redispatch(keyset & torch._C._after_autograd_keyset,
+                                                    *args)
+
+
+attention_backward_op.register_kernel("Autograd", _attention_backward_autograd,
+                                      with_keyset=True)

@@ -51,6 +51,7 @@ from ..passes.rules import FallbackWarning
 from ..placement import Partial, R
 from ..passes.vocab_loss import split_loss_pass, vocab_parallel_loss_pass
 from .gqa import repeat_kv_pass
+from .cuda_attention import cuda_attention_backward_pass
 from .joint import Joint, joint_graph
 from .refine import dedupe_views_pass, gathered_many_times, reduced_many_times
 from .partition import Split, partition
@@ -269,6 +270,7 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
     _gradient_targets(gm, joint, specs, jctx)
     gm = run_passes(gm, [vocab_parallel_loss_pass, insert_collectives_pass, localize_pass], jctx)
     _localize_backward(gm, jctx)
+    gm = cuda_attention_backward_pass(gm, ctx=jctx)   # on CUDA: fxshard's Triton backward
     split = partition(gm, joint.n_outputs, joint.grads,
                       keep=set() if reshard_after_forward else _fsdp_gathers(gm))
     return TrainProgram(split=split, specs={f: specs.get(f, tuple(R for _ in ctx.mesh.shape))
