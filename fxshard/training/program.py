@@ -248,11 +248,13 @@ def _fsdp_gathers(gm: fx.GraphModule) -> set:
 
 
 def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx,
-                        *, reshard_after_forward: bool = True) -> TrainProgram:
+                        *, reshard_after_forward: bool = True,
+                        recompute: str | None = None) -> TrainProgram:
     """The forward and backward rank programs of ``model`` on ``args``/``kwargs`` under
     ``ctx`` (its mesh, plan, sequence parallelism). ``reshard_after_forward``: an fsdp
     parameter's all-gather is done again in the backward (True, FSDP2's default) or its result
-    saved by the forward (False: more memory, one all-gather less per parameter)."""
+    saved by the forward (False: more memory, one all-gather less per parameter).
+    ``recompute="layers"``: see :mod:`fxshard.training.recompute`."""
     check_training_axes(ctx.mesh)
     joint = joint_graph(model, args, kwargs)
     shapes = {n.meta.get("fxshard_param") or n.meta.get("fxshard_buffer"):
@@ -270,7 +272,8 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
     gm = run_passes(gm, [vocab_parallel_loss_pass, insert_collectives_pass, localize_pass], jctx)
     _localize_backward(gm, jctx)
     split = partition(gm, joint.n_outputs, joint.grads,
-                      keep=set() if reshard_after_forward else _fsdp_gathers(gm))
+                      keep=set() if reshard_after_forward else _fsdp_gathers(gm),
+                      recompute=recompute, model_name=type(model).__name__)
     return TrainProgram(split=split, specs={f: specs.get(f, tuple(R for _ in ctx.mesh.shape))
                                             for f in split.weights},
                         shapes=shapes, joint=joint, ctx=jctx,

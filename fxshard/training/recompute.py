@@ -1,0 +1,84 @@
+"""Recomputation (activation checkpointing) of the model's repeated layers in the backward.
+
+``recompute="layers"`` (``fxshard.parallelize`` / ``parallelize_for_training``): of the
+activations inside each repeated layer (a child of a ``ModuleList``, e.g.
+``model.layers.3``), the forward saves only what leaves the layer (its output: the next
+layer's input); the backward recomputes the rest from it, just before the layer's own
+backward needs it, as ``torch.utils.checkpoint`` around every block does. On one Llama layer::
+
+    recompute=None:    forward -> (out, saved_x, saved_rsqrt, saved_mm, saved_sdpa, ..., 24 more)
+    recompute="layers": forward -> (out, saved_x, saved_h1, saved_h2)   (layer outputs)
+                        backward: pow = pow(saved_h1, 2); ...; mm = mm(mul, t)   (recomputed)
+                                  ...their backward...
+
+The collectives of a layer's forward (``tp``'s all-reduces, sequence parallelism's
+all-gathers / reduce-scatters) are *not* recomputed: their outputs are saved when the
+recomputation needs them, so the backward holds exactly the collectives it holds without
+recompute (no extra communication, one saved tensor per such collective per layer). An fsdp
+parameter's all-gather is a weight-only value and is redone in the backward either way
+(``fsdp_reshard_after_forward=False`` keeps it, as without recompute).
+
+Which layer a node belongs to comes from the export's ``nn_module_stack`` (the outermost
+module whose name ends in an index); a node a pass inserted (a collective, a local view)
+belongs to its first input's layer.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+__all__ = ["RECOMPUTE", "check_recompute", "layer_of_nodes", "recomputable"]
+
+RECOMPUTE = (None, "layers")
+
+
+def check_recompute(where: str, value) -> None:
+    """A clear ValueError for a ``recompute=`` value that is not one of :data:`RECOMPUTE`."""
+    if value not in RECOMPUTE:
+        raise ValueError(
+            f"{where}: recompute={value!r} is not an option; use None (the backward reads "
+            f"every activation it needs, saved by the forward) or 'layers' (each repeated "
+            f"layer saves only its output and the backward recomputes the rest)")
+
+
+def _layer(node: fx.Node) -> str | None:
+    """The outermost indexed module (``model.layers.3``) in the node's module stack."""
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        if path and path.rsplit(".", 1)[-1].isdigit():
+            return path
+    return None
+
+
+def layer_of_nodes(nodes: list, forward: set) -> dict:
+    """``{node: layer name or None}`` for the forward's call nodes (in graph order, so a
+    pass-inserted node takes its first input's layer)."""
+    out: dict = {}
+    for n in nodes:
+        if n not in forward or n.op != "call_function":
+            continue
+        layer = _layer(n)
+        if layer is None and not n.meta.get("nn_module_stack"):
+            layer = next((out[a] for a in n.all_input_nodes if out.get(a)), None)
+        out[n] = layer
+    return out
+
+
+def recomputable(nodes: list, forward: set, from_input: set, where: str, model_name: str
+                 ) -> set:
+    """The forward values the backward recomputes instead of reading them saved: made from
+    the user's inputs inside a repeated layer, read by no forward node outside that layer
+    (nor returned), and not a collective's output."""
+    layer = layer_of_nodes(nodes, forward)
+    if not any(layer.values()):
+        raise ValueError(
+            f"{where}: recompute='layers' found no repeated layer in {model_name} (a module "
+            f"whose name ends in an index, such as model.layers.0, a ModuleList's child); "
+            f"use recompute=None")
+    out_node = nodes[-1]
+    keep = set()
+    for n, name in layer.items():
+        if name is None or n not in from_input or n.meta.get("fxshard_collective") is not None:
+            continue
+        users = [u for u in n.users if u in forward or u is out_node]
+        if all(u is not out_node and layer.get(u) == name for u in users):
+            keep.add(n)
+    return keep
