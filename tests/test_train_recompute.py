@@ -1,5 +1,5 @@
 """``recompute="layers"``: each repeated layer saves only its output; the backward recomputes
-the rest. Gradients equal one device; the saved bytes per rank (measured on the step and in
+the rest (an int: a budget of saved bytes per rank, as few layers recomputed as fit). Gradients equal one device; the saved bytes per rank (measured on the step and in
 ``explain()``) are lower; the backward holds the same collectives (the forward's tp
 collectives are saved, not redone; fsdp's gathers are redone, not saved); bad values and a
 model without repeated layers are clear errors. Sizes as tests/test_train_grads.py (uneven).
@@ -74,29 +74,42 @@ def test_recompute_layers_equal_gradients_fewer_saved_bytes(axes, sp):
         assert any("all_gather" in s or "all_to_all" in s for s in s1)
 
 
-def test_recompute_through_parallelize_for_training_trains_as_one_device():
+def test_recompute_budget_recomputes_as_few_layers_as_fit_and_trains_as_one_device():
     model = _llama(layers=2)
-    ref = copy.deepcopy(model)
     ids, labels = _data()
-    tm = parallelize_for_training(model, _mesh(dp=2), recompute="layers",
-                                  example_inputs=(ids,))
-    opt, ref_opt = (torch.optim.AdamW(p, lr=1e-2) for p in (tm.parameters(), ref.parameters()))
+
+    def build(recompute):
+        pm = fxshard.parallelize(copy.deepcopy(model), _mesh(dp=2), recompute=recompute,
+                                 example_inputs=(ids,))
+        pm.parameters()
+        return pm, pm.explain().train_memory[0]["saved"]    # from the programs' shapes
+    (_, none), (_, every) = build(None), build("layers")
+    pm, one = build(none - 1)              # one layer recomputed is enough
+    assert every < one < none
+    ref = copy.deepcopy(model)
+    opt, ref_opt = (torch.optim.AdamW(p, lr=1e-2) for p in (pm.parameters(), ref.parameters()))
     for _ in range(2):
-        for o, step in ((opt, tm), (ref_opt, ref)):
+        for o, step in ((opt, pm), (ref_opt, ref)):
             o.zero_grad()
             _loss(step(ids), labels).backward()
             o.step()
-    trained = tm.state_dict()
+    trained = pm.state_dict()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-5, msg=name)
+    # the budget reaches parallelize_for_training's programs too
+    with pytest.raises(ValueError, match=rf"recompute={every - 1} bytes per rank cannot be "
+                                         rf"met for LlamaForCausalLM.*saves {every} bytes"):
+        parallelize_for_training(model, _mesh(dp=2), recompute=every - 1,
+                                 example_inputs=(ids,))
 
 
 def test_recompute_errors():
     model = _llama(layers=1)
     with pytest.raises(ValueError, match=r"parallelize: recompute='all'.*None.*'layers'"):
         fxshard.parallelize(model, _mesh(dp=2), recompute="all")
-    with pytest.raises(ValueError, match=r"recompute=True is not an option"):
-        parallelize_for_training(model, _mesh(dp=2), recompute=True)
+    for bad in (True, -1, 0.5):
+        with pytest.raises(ValueError, match=rf"recompute={bad} is not an option.*an int"):
+            parallelize_for_training(model, _mesh(dp=2), recompute=bad)
     pm = fxshard.parallelize(_Flat(), _mesh(dp=2), recompute="layers")
     with pytest.raises(ValueError, match=r"no repeated layer in _Flat.*recompute=None"):
         pm(torch.randn(4, 6))

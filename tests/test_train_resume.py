@@ -132,7 +132,7 @@ def _worker(rank: int, port: int, out_dir: str, ckpt: str) -> None:
 
 
 def test_resume_on_real_ranks_fsdp4_to_dp2_tp2(tmp_path):
-    reports = launch(_worker, WORLD, str(tmp_path), str(tmp_path / "ckpt"), timeout_s=300,
+    reports = launch(_worker, WORLD, str(tmp_path), str(tmp_path / "ckpt"), timeout_s=600,
                      grad=True)
     for r, rep in reports.items():
         assert rep["errors"] == [], rep["errors"]

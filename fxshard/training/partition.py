@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .recompute import recomputable
+from .recompute import choose, recomputable
 
 __all__ = ["Split", "partition"]
 
@@ -115,13 +115,15 @@ def _reduce_early(graph: fx.Graph) -> int:
 
 
 def partition(gm: fx.GraphModule, n_outputs: int, grad_fqns: list, keep: set = frozenset(),
-              recompute: str | None = None, model_name: str = "the model") -> Split:
+              recompute=None, model_name: str = "the model",
+              nbytes=lambda node: 0) -> Split:
     """``gm``: a joint graph whose placeholders carry ``fxshard_param`` / ``fxshard_buffer`` /
     ``fxshard_input`` / ``fxshard_tangent`` and whose output is the model's ``n_outputs``
     outputs followed by one gradient per entry of ``grad_fqns`` (None: not a parameter's).
     ``keep``: weight-only forward values to save all the same (an fsdp parameter's gather
     when it is not to be redone). ``recompute="layers"``: activations inside each repeated
-    layer are recomputed in the backward from the layer's saved output
+    layer are recomputed in the backward from the layer's saved output; an int: as few
+    layers as keep the saved bytes per rank (``nbytes`` of each saved node) within it
     (:mod:`fxshard.training.recompute`)."""
     nodes = list(gm.graph.nodes)
     out = nodes[-1]
@@ -144,14 +146,20 @@ def partition(gm: fx.GraphModule, n_outputs: int, grad_fqns: list, keep: set = f
     grads = [(fqn, g) for fqn, g in zip(grad_fqns, grad_outs) if fqn is not None]
     # the backward: what the gradients need, stopping at saved forward activations
     savable = from_input | set(keep)
-    redo = recomputable(nodes, forward, from_input, "fxshard.training", model_name) if recompute == "layers" else set()
-    savable -= redo
-    backward = _ancestors([g for _, g in grads],
-                          stop=lambda n: n in forward and n in savable)
-    saved = [n for n in nodes if n in backward and n in forward and n in savable
-             and n.op != "output"]
-    backward = [n for n in nodes if n in backward and n.op == "call_function"
-                and n not in saved]
+
+    def split(redo):
+        backward = _ancestors([g for _, g in grads],
+                              stop=lambda n: n in forward and n in savable - redo)
+        saved = [n for n in nodes if n in backward and n in forward and n in savable - redo
+                 and n.op != "output"]
+        return saved, [n for n in nodes if n in backward and n.op == "call_function"
+                       and n not in saved]
+    redo = set()
+    if recompute is not None:
+        layers = recomputable(nodes, forward, from_input, "fxshard.training", model_name)
+        redo = choose(layers, recompute, lambda r: sum(map(nbytes, split(r)[0])),
+                      "fxshard.training", model_name)
+    saved, backward = split(redo)
 
     def new_placeholder(graph, node, name):
         ph = graph.placeholder(name)

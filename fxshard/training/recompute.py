@@ -26,18 +26,20 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-__all__ = ["RECOMPUTE", "check_recompute", "layer_of_nodes", "recomputable"]
+__all__ = ["RECOMPUTE", "check_recompute", "choose", "layer_of_nodes", "recomputable"]
 
-RECOMPUTE = (None, "layers")
+RECOMPUTE = (None, "layers", "an int: a budget of saved bytes per rank")
 
 
 def check_recompute(where: str, value) -> None:
     """A clear ValueError for a ``recompute=`` value that is not one of :data:`RECOMPUTE`."""
-    if value not in RECOMPUTE:
+    budget = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    if value not in (None, "layers") and not budget:
         raise ValueError(
             f"{where}: recompute={value!r} is not an option; use None (the backward reads "
-            f"every activation it needs, saved by the forward) or 'layers' (each repeated "
-            f"layer saves only its output and the backward recomputes the rest)")
+            f"every activation it needs, saved by the forward), 'layers' (each repeated "
+            f"layer saves only its output and the backward recomputes the rest) or an int "
+            f"(bytes of saved activations per rank: as few layers recomputed as fit)")
 
 
 def _layer(node: fx.Node) -> str | None:
@@ -63,22 +65,41 @@ def layer_of_nodes(nodes: list, forward: set) -> dict:
 
 
 def recomputable(nodes: list, forward: set, from_input: set, where: str, model_name: str
-                 ) -> set:
-    """The forward values the backward recomputes instead of reading them saved: made from
-    the user's inputs inside a repeated layer, read by no forward node outside that layer
-    (nor returned), and not a collective's output."""
+                 ) -> dict:
+    """``{layer: the forward values the backward would recompute instead of reading them
+    saved}``: made from the user's inputs inside the layer, read by no forward node outside it
+    (nor returned), and not a collective's output. Layers in forward order."""
     layer = layer_of_nodes(nodes, forward)
     if not any(layer.values()):
         raise ValueError(
-            f"{where}: recompute='layers' found no repeated layer in {model_name} (a module "
-            f"whose name ends in an index, such as model.layers.0, a ModuleList's child); "
-            f"use recompute=None")
+            f"{where}: recompute found no repeated layer in {model_name} (a module whose name "
+            f"ends in an index, such as model.layers.0, a ModuleList's child); use "
+            f"recompute=None")
     out_node = nodes[-1]
-    keep = set()
+    keep: dict = {}
     for n, name in layer.items():
         if name is None or n not in from_input or n.meta.get("fxshard_collective") is not None:
             continue
         users = [u for u in n.users if u in forward or u is out_node]
         if all(u is not out_node and layer.get(u) == name for u in users):
-            keep.add(n)
+            keep.setdefault(name, set()).add(n)
     return keep
+
+
+def choose(layers: dict, recompute, saved_bytes, where: str, model_name: str) -> set:
+    """The values to recompute: every layer's (``"layers"``), or for a budget (bytes of saved
+    activations per rank) those of the first layers, as few as bring ``saved_bytes(redo)``
+    within it (a ValueError when recomputing every layer does not)."""
+    every = set().union(*layers.values())
+    if recompute == "layers":
+        return every
+    redo: set = set()
+    for values in [set()] + list(layers.values()):
+        redo |= values
+        if saved_bytes(redo) <= recompute:
+            return redo
+    raise ValueError(
+        f"{where}: recompute={recompute} bytes per rank cannot be met for {model_name}: with "
+        f"every layer recomputed the forward still saves {saved_bytes(redo)} bytes per rank "
+        f"(layer outputs and what lies outside the layers); raise the budget or use "
+        f"recompute='layers'")
