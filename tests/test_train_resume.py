@@ -2,7 +2,7 @@
 ``load_training_state``, a torch.distributed.checkpoint directory): two AdamW steps on mesh A,
 save, load into a new pm and a new optimizer on mesh B; steps 3-4 equal the uninterrupted
 single-device run (1e-5). Simulated meshes here; real ranks (gloo, fsdp4 -> dp2·tp2, each
-process writing its own shards) in one launch. Sizes uneven as tests/test_train_grads.py.
+process writing its own shards, the resumed run recomputing its layers) in one launch. Sizes uneven as tests/test_train_grads.py.
 """
 import copy
 import datetime
@@ -108,7 +108,8 @@ def _worker(rank: int, port: int, out_dir: str, ckpt: str) -> None:
         fxshard.save_training_state(pm, opt, ckpt)
         report["files"] = sorted(os.listdir(ckpt))
         mesh_b = _mesh(dp=2, tp=2)
-        pm2 = fxshard.parallelize(_llama(layers=1), mesh_b, example_inputs=(ids,))
+        pm2 = fxshard.parallelize(_llama(layers=1), mesh_b, example_inputs=(ids,),
+                                  recompute="layers")     # composes with resuming
         opt2 = _adamw(pm2.parameters())
         fxshard.load_training_state(pm2, opt2, ckpt)
         _steps(pm2, opt2, ids, labels, 2)
