@@ -287,10 +287,8 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
                            example_kwargs=example_kwargs, plan=plan, styles=PLAN_STYLES,
                            sequence_parallel=sequence_parallel, microbatches=microbatches,
                            strict=strict, embedding=embedding, stages=stages,
-                           ring_zigzag=ring_zigzag)
+                           ring_zigzag=ring_zigzag, recompute=recompute)
     spec = mesh_spec(mesh, where=_WHERE)
-    from .training.recompute import check_recompute
-    check_recompute(_WHERE, recompute)
     if not isinstance(compile, bool):
         raise TypeError(f"{_WHERE}: compile={compile!r}; pass True (Inductor-compiled rank "
                         f"programs) or False")

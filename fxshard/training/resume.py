@@ -115,6 +115,10 @@ def save_training_state(pm, optimizer: torch.optim.Optimizer, path: str) -> None
         held = {r: optimizer.state.get(p) for r, p in shards.items()}
         if not any(held.values()):
             continue       # not stepped yet (or not in this optimizer)
+        if not all(held.values()):
+            raise ValueError(
+                f"{_SAVE}: the optimizer holds state for {fqn} on some ranks only (mesh "
+                f"{tm.spec.describe()}); build it over every rank's shards, pm.parameters()")
         first = held[tm.ranks[0]]
         mine = {}
         for key, value in first.items():
