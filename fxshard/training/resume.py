@@ -28,6 +28,9 @@ Either mesh may be simulated or real; the files are the same.
 """
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 import torch
 
 __all__ = ["save_training_state", "load_training_state"]
@@ -136,7 +139,19 @@ def save_training_state(pm, optimizer: torch.optim.Optimizer, path: str) -> None
         state[fqn] = mine
     sd = {"model": model, "optim": {"state": state,
                                     "param_groups": _groups(optimizer, owners)}}
-    dcp.save(sd, checkpoint_id=path, no_dist=tm._simulated)
+    with _one_process(tm):
+        dcp.save(sd, checkpoint_id=path, no_dist=tm._simulated)
+
+
+@contextlib.contextmanager
+def _one_process(tm):
+    """A simulated mesh's whole tensors are written by this one process: DCP's warning that it
+    assumes so is expected, not news."""
+    with warnings.catch_warnings():
+        if tm._simulated:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled",
+                                    category=UserWarning)
+        yield
 
 
 def _metadata(path: str) -> dict:
@@ -204,7 +219,8 @@ def load_training_state(pm, optimizer: torch.optim.Optimizer, path: str) -> None
     groups = [{k.split(".", 3)[3]: None for k in meta
                if k.startswith(f"optim.param_groups.{i}.")} for i in range(n_groups)]
     sd = {"model": model, "optim": {"state": state, "param_groups": groups}}
-    dcp.load(sd, checkpoint_id=path, no_dist=tm._simulated)
+    with _one_process(tm):
+        dcp.load(sd, checkpoint_id=path, no_dist=tm._simulated)
     groups = sd["optim"]["param_groups"]
     with torch.no_grad():
         for rank in tm.ranks:
