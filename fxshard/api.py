@@ -126,8 +126,8 @@ class ParallelModule:
             self._trainer = TrainModule(self.model, self.mesh,
                                         sequence_parallel=o.sequence_parallel, plan=o.plan,
                                         embedding=o.embedding, strict=o.strict,
-                                        recompute=o.recompute, store=self.weights, executor=self.executor,
-                                        cache=self.programs)
+                                        recompute=o.recompute, store=self.weights,
+                                        executor=self.executor, cache=self.programs)
         return self._trainer
 
     def _trained(self, what: str):

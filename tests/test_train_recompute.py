@@ -1,5 +1,6 @@
 """``recompute="layers"``: each repeated layer saves only its output; the backward recomputes
-the rest (an int: a budget of saved bytes per rank, as few layers recomputed as fit). Gradients equal one device; the saved bytes per rank (measured on the step and in
+the rest (an int: a budget of saved bytes per rank, as few layers recomputed as fit).
+Gradients equal one device; the saved bytes per rank (measured on the step and in
 ``explain()``) are lower; the backward holds the same collectives (the forward's tp
 collectives are saved, not redone; fsdp's gathers are redone, not saved); bad values and a
 model without repeated layers are clear errors. Sizes as tests/test_train_grads.py (uneven).

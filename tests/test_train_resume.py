@@ -2,7 +2,8 @@
 ``load_training_state``, a torch.distributed.checkpoint directory): two AdamW steps on mesh A,
 save, load into a new pm and a new optimizer on mesh B; steps 3-4 equal the uninterrupted
 single-device run (1e-5). Simulated meshes here; real ranks (gloo, fsdp4 -> dp2·tp2, each
-process writing its own shards, the resumed run recomputing its layers) in one launch. Sizes uneven as tests/test_train_grads.py.
+process writing its own shards, the resumed run recomputing its layers) in one launch. Sizes
+uneven as tests/test_train_grads.py.
 """
 import copy
 import datetime

@@ -4,12 +4,17 @@
 activations inside each repeated layer (a child of a ``ModuleList``, e.g.
 ``model.layers.3``), the forward saves only what leaves the layer (its output: the next
 layer's input); the backward recomputes the rest from it, just before the layer's own
-backward needs it, as ``torch.utils.checkpoint`` around every block does. On one Llama layer::
+backward needs it, as ``torch.utils.checkpoint`` around every block does. A 2-layer Llama
+on ``dp=2``: 41 saved values (76,752 bytes per rank) become 7 (11,664: the embedding, each
+layer's output, the final norm's and the head's inputs)::
 
-    recompute=None:    forward -> (out, saved_x, saved_rsqrt, saved_mm, saved_sdpa, ..., 24 more)
-    recompute="layers": forward -> (out, saved_x, saved_h1, saved_h2)   (layer outputs)
-                        backward: pow = pow(saved_h1, 2); ...; mm = mm(mul, t)   (recomputed)
-                                  ...their backward...
+    recompute=None:     forward -> (out, saved_embedding, saved_rsqrt, saved_mm, ...)
+    recompute="layers": forward -> (out, saved_embedding, saved_add_5, saved_add_11, ...)
+                        backward: ...; pow_1 = pow(saved_add_5, 2); ...   (layer 1 recomputed)
+                                  ...layer 1's backward...; pow = ...      (then layer 0)
+
+An int is a budget of saved bytes per rank (local shapes, as ``explain()`` counts them before
+a step): the first layers are recomputed, as few as bring the saved bytes within it.
 
 The collectives of a layer's forward (``tp``'s all-reduces, sequence parallelism's
 all-gathers / reduce-scatters) are *not* recomputed: their outputs are saved when the
@@ -26,13 +31,13 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-__all__ = ["RECOMPUTE", "check_recompute", "choose", "layer_of_nodes", "recomputable"]
+__all__ = ["check_recompute", "choose", "layer_of_nodes", "recomputable"]
 
-RECOMPUTE = (None, "layers", "an int: a budget of saved bytes per rank")
 
 
 def check_recompute(where: str, value) -> None:
-    """A clear ValueError for a ``recompute=`` value that is not one of :data:`RECOMPUTE`."""
+    """A clear ValueError for a ``recompute=`` value other than None, ``"layers"`` or a
+    budget in bytes (an int >= 0)."""
     budget = isinstance(value, int) and not isinstance(value, bool) and value >= 0
     if value not in (None, "layers") and not budget:
         raise ValueError(
