@@ -72,16 +72,18 @@ class ParallelModule:
     stages = _option("stages")
     ring_zigzag = _option("ring_zigzag")
     compile = _option("compile")
+    recompute = _option("recompute")
 
     def __init__(self, model: torch.nn.Module, mesh, *, plan: dict, sequence_parallel: bool,
                  microbatches: int, strict: bool, embedding: str, stages=None,
-                 ring_zigzag: bool = True, compile: bool = False):
+                 ring_zigzag: bool = True, compile: bool = False, recompute=None):
         self.model = model
         self.mesh = mesh
         self.spec: MeshSpec = mesh_spec(mesh, where=_WHERE)
         self.options = Options(plan=dict(plan), sequence_parallel=sequence_parallel,
                                microbatches=microbatches, strict=strict, embedding=embedding,
-                               stages=stages, ring_zigzag=ring_zigzag, compile=compile)
+                               stages=stages, ring_zigzag=ring_zigzag, compile=compile,
+                               recompute=recompute)
         materialize_buffers(model)
         self.unmatched_plan: list[str] = []
         self.weights = WeightStore(model, self.spec)
@@ -124,8 +126,8 @@ class ParallelModule:
             self._trainer = TrainModule(self.model, self.mesh,
                                         sequence_parallel=o.sequence_parallel, plan=o.plan,
                                         embedding=o.embedding, strict=o.strict,
-                                        store=self.weights, executor=self.executor,
-                                        cache=self.programs)
+                                        recompute=o.recompute, store=self.weights,
+                                        executor=self.executor, cache=self.programs)
         return self._trainer
 
     def _trained(self, what: str):
@@ -250,7 +252,8 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
                 example_kwargs: dict | None = None, plan: dict | None = None,
                 sequence_parallel: bool = False, microbatches: int = 1, strict: bool = False,
                 embedding: str = "embed_dim", stages: list[int] | None = None,
-                ring_zigzag: bool = True, compile: bool = False) -> ParallelModule:
+                ring_zigzag: bool = True, compile: bool = False,
+                recompute: str | None = None) -> ParallelModule:
     """Parallelize an unmodified ``model`` over ``mesh`` by rewriting its traced ATen graph.
 
     Args:
@@ -276,12 +279,15 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
         compile: compile each stage's rank program with Inductor (``fxshard.compile``), once
             per stage and input signature; every rank of the stage shares it with its own
             weights. ``rank_module(r)`` still shows the (uncompiled) GraphModule.
+        recompute: training: ``"layers"`` saves only each repeated layer's output for the
+            backward, which recomputes the rest (:mod:`fxshard.training.recompute`); ``None``
+            saves every activation the backward reads.
     """
     check_parallelize_args(_WHERE, model=model, example_inputs=example_inputs,
                            example_kwargs=example_kwargs, plan=plan, styles=PLAN_STYLES,
                            sequence_parallel=sequence_parallel, microbatches=microbatches,
                            strict=strict, embedding=embedding, stages=stages,
-                           ring_zigzag=ring_zigzag)
+                           ring_zigzag=ring_zigzag, recompute=recompute)
     spec = mesh_spec(mesh, where=_WHERE)
     if not isinstance(compile, bool):
         raise TypeError(f"{_WHERE}: compile={compile!r}; pass True (Inductor-compiled rank "
@@ -293,7 +299,8 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
     model.eval()
     pm = ParallelModule(model, mesh, plan=plan or {}, sequence_parallel=sequence_parallel,
                         microbatches=microbatches, strict=strict, embedding=embedding,
-                        stages=stages, ring_zigzag=ring_zigzag, compile=compile)
+                        stages=stages, ring_zigzag=ring_zigzag, compile=compile,
+                        recompute=recompute)
     pm.unmatched_plan = unmatched    # globs that matched no module (warned; in explain())
     if example_inputs is not None or example_kwargs is not None:
         pm._example = (tuple(example_inputs or ()), dict(example_kwargs or {}))

@@ -43,6 +43,7 @@ class Options:
     stages: list | None = None
     ring_zigzag: bool = True
     compile: bool = False
+    recompute: str | None = None    # training: fxshard.training.recompute
 
 
 @dataclass

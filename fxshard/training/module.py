@@ -114,9 +114,12 @@ class TrainModule:
 
     def __init__(self, model: torch.nn.Module, mesh, *, sequence_parallel: bool = False,
                  plan: dict | None = None, embedding: str = "embed_dim", strict: bool = False,
-                 fsdp_reshard_after_forward: bool = True, store=None, executor=None,
-                 cache=None):
+                 fsdp_reshard_after_forward: bool = True, recompute: str | None = None,
+                 store=None, executor=None, cache=None):
+        from .recompute import check_recompute
+        check_recompute(_WHERE, recompute)
         self.model = model
+        self.recompute = recompute
         self.fsdp_reshard_after_forward = fsdp_reshard_after_forward
         # fxshard.parallelize's weight store (the shards are cut from its values, then become
         # them: see fxshard.training.shards) and executor (its ranks run both programs)
@@ -151,7 +154,8 @@ class TrainModule:
         ctx = PassCtx(mesh=self.spec, sequence_parallel=self.sequence_parallel,
                       strict=self.strict, plan=self.plan, embedding_style=self.embedding)
         program = build_train_program(self.model, args, kwargs, ctx,
-                                      reshard_after_forward=self.fsdp_reshard_after_forward)
+                                      reshard_after_forward=self.fsdp_reshard_after_forward,
+                                      recompute=self.recompute)
         self._place(program)
         return program
 
@@ -343,16 +347,20 @@ def parallelize_for_training(model: torch.nn.Module, mesh, *, example_inputs: tu
                              example_kwargs: dict | None = None,
                              sequence_parallel: bool = False, plan: dict | None = None,
                              embedding: str = "embed_dim", strict: bool = False,
-                             fsdp_reshard_after_forward: bool = True) -> TrainModule:
+                             fsdp_reshard_after_forward: bool = True,
+                             recompute: str | None = None) -> TrainModule:
     """Training programs for ``model`` over ``mesh`` (``dp``, ``fsdp`` and ``tp`` axes), built
     at the first call (one per input signature) or now on ``example_inputs``/``example_kwargs``
     (then :meth:`TrainModule.parameters` is there for an optimizer before the first step);
     options as for :func:`fxshard.parallelize`. ``fsdp_reshard_after_forward=False`` keeps
     each fsdp parameter's gathered value from the forward for the backward (FSDP2's
-    ``reshard_after_forward``): one all-gather less per parameter, the whole of it held."""
+    ``reshard_after_forward``): one all-gather less per parameter, the whole of it held.
+    ``recompute="layers"``: each repeated layer saves only its output for the backward, which
+    recomputes the rest (:mod:`fxshard.training.recompute`)."""
     tm = TrainModule(model, mesh, sequence_parallel=sequence_parallel, plan=plan,
                      embedding=embedding, strict=strict,
-                     fsdp_reshard_after_forward=fsdp_reshard_after_forward)
+                     fsdp_reshard_after_forward=fsdp_reshard_after_forward,
+                     recompute=recompute)
     if example_inputs is not None or example_kwargs is not None:
         tm._program(tuple(example_inputs or ()), dict(example_kwargs or {}))
     return tm

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .recompute import choose, recomputable
+
 __all__ = ["Split", "partition"]
 
 
@@ -67,13 +69,14 @@ def _ancestors(roots, stop=lambda n: False) -> set:
 
 def _just_in_time(graph: fx.Graph) -> int:
     """Move each value made from weights alone (an fsdp parameter's all-gather, a transposed
-    weight) to just before its first use, so a recomputed gather in the backward is not done
-    for every parameter at the start (which would hold the whole model at once)."""
+    weight) and each recomputed activation to just before its first use, so a recomputed
+    gather in the backward is not done for every parameter at the start (which would hold the
+    whole model at once), nor every layer's forward recomputed before the first backward."""
     weights = {n for n in graph.nodes if n.op == "placeholder" and _weight(n)}
     derived = set(weights)
     for n in graph.nodes:
-        if n.op == "call_function" and n.all_input_nodes and \
-                all(a in derived for a in n.all_input_nodes):
+        if n.op == "call_function" and (n.meta.get("fxshard_recompute") or n.all_input_nodes
+                                        and all(a in derived for a in n.all_input_nodes)):
             derived.add(n)
     order = {n: float(i) for i, n in enumerate(graph.nodes)}
     moved = 0
@@ -111,13 +114,17 @@ def _reduce_early(graph: fx.Graph) -> int:
     return moved
 
 
-def partition(gm: fx.GraphModule, n_outputs: int, grad_fqns: list, keep: set = frozenset()
-              ) -> Split:
+def partition(gm: fx.GraphModule, n_outputs: int, grad_fqns: list, keep: set = frozenset(),
+              recompute=None, model_name: str = "the model",
+              nbytes=lambda node: 0) -> Split:
     """``gm``: a joint graph whose placeholders carry ``fxshard_param`` / ``fxshard_buffer`` /
     ``fxshard_input`` / ``fxshard_tangent`` and whose output is the model's ``n_outputs``
     outputs followed by one gradient per entry of ``grad_fqns`` (None: not a parameter's).
     ``keep``: weight-only forward values to save all the same (an fsdp parameter's gather
-    when it is not to be redone)."""
+    when it is not to be redone). ``recompute="layers"``: activations inside each repeated
+    layer are recomputed in the backward from the layer's saved output; an int: as few
+    layers as keep the saved bytes per rank (``nbytes`` of each saved node) within it
+    (:mod:`fxshard.training.recompute`)."""
     nodes = list(gm.graph.nodes)
     out = nodes[-1]
     outs = list(out.args[0])
@@ -139,12 +146,20 @@ def partition(gm: fx.GraphModule, n_outputs: int, grad_fqns: list, keep: set = f
     grads = [(fqn, g) for fqn, g in zip(grad_fqns, grad_outs) if fqn is not None]
     # the backward: what the gradients need, stopping at saved forward activations
     savable = from_input | set(keep)
-    backward = _ancestors([g for _, g in grads],
-                          stop=lambda n: n in forward and n in savable)
-    saved = [n for n in nodes if n in backward and n in forward and n in savable
-             and n.op != "output"]
-    backward = [n for n in nodes if n in backward and n.op == "call_function"
-                and n not in saved]
+
+    def split(redo):
+        backward = _ancestors([g for _, g in grads],
+                              stop=lambda n: n in forward and n in savable - redo)
+        saved = [n for n in nodes if n in backward and n in forward and n in savable - redo
+                 and n.op != "output"]
+        return saved, [n for n in nodes if n in backward and n.op == "call_function"
+                       and n not in saved]
+    redo = set()
+    if recompute is not None:
+        layers = recomputable(nodes, forward, from_input, "fxshard.training", model_name)
+        redo = choose(layers, recompute, lambda r: sum(map(nbytes, split(r)[0])),
+                      "fxshard.training", model_name)
+    saved, backward = split(redo)
 
     def new_placeholder(graph, node, name):
         ph = graph.placeholder(name)
@@ -171,6 +186,8 @@ def partition(gm: fx.GraphModule, n_outputs: int, grad_fqns: list, keep: set = f
         benv[t] = new_placeholder(bg, t, f"grad_output_{t.meta['fxshard_tangent']}")
     for n in backward:
         benv[n] = bg.node_copy(n, lambda a: benv[a])
+        if n in redo:
+            benv[n].meta["fxshard_recompute"] = True
     bg.output(tuple(benv[g] if isinstance(g, fx.Node) else g for _, g in grads))
     for g in (fg, bg):
         g.eliminate_dead_code()

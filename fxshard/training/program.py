@@ -248,12 +248,25 @@ def _fsdp_gathers(gm: fx.GraphModule) -> set:
     return out
 
 
+def _local_bytes(node: fx.Node, mesh: MeshSpec) -> int:
+    """Bytes of a node's value on one rank (its global value and placement)."""
+    from ..placement import local_shape
+    val, spec = node.meta.get("val"), node.meta.get("fxshard_spec")
+    if not isinstance(val, torch.Tensor) or not isinstance(spec, tuple):
+        return 0
+    return int(torch.Size(local_shape(tuple(val.shape), spec, mesh)).numel()) * \
+        val.element_size()
+
+
 def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx,
-                        *, reshard_after_forward: bool = True) -> TrainProgram:
+                        *, reshard_after_forward: bool = True,
+                        recompute=None) -> TrainProgram:
     """The forward and backward rank programs of ``model`` on ``args``/``kwargs`` under
     ``ctx`` (its mesh, plan, sequence parallelism). ``reshard_after_forward``: an fsdp
     parameter's all-gather is done again in the backward (True, FSDP2's default) or its result
-    saved by the forward (False: more memory, one all-gather less per parameter)."""
+    saved by the forward (False: more memory, one all-gather less per parameter).
+    ``recompute``: ``"layers"`` or a budget of saved bytes per rank, see
+    :mod:`fxshard.training.recompute`."""
     check_training_axes(ctx.mesh)
     joint = joint_graph(model, args, kwargs)
     shapes = {n.meta.get("fxshard_param") or n.meta.get("fxshard_buffer"):
@@ -272,7 +285,9 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
     _localize_backward(gm, jctx)
     gm = cuda_attention_backward_pass(gm, ctx=jctx)   # on CUDA: fxshard's Triton backward
     split = partition(gm, joint.n_outputs, joint.grads,
-                      keep=set() if reshard_after_forward else _fsdp_gathers(gm))
+                      keep=set() if reshard_after_forward else _fsdp_gathers(gm),
+                      recompute=recompute, model_name=type(model).__name__,
+                      nbytes=lambda n: _local_bytes(n, jctx.mesh))
     return TrainProgram(split=split, specs={f: specs.get(f, tuple(R for _ in ctx.mesh.shape))
                                             for f in split.weights},
                         shapes=shapes, joint=joint, ctx=jctx,

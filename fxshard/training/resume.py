@@ -1,0 +1,249 @@
+"""Resumable, reshardable training state: parameters and optimizer state by the model's names.
+
+::
+
+    fxshard.save_training_state(pm, opt, "ckpt/step2")       # mesh A (e.g. fsdp=4)
+    ...
+    pm = fxshard.parallelize(model, mesh_b, example_inputs=(ids,))   # e.g. dp=2 x tp=2
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    fxshard.load_training_state(pm, opt, "ckpt/step2")       # the next steps are mesh A's
+
+The directory is a ``torch.distributed.checkpoint`` (DCP) checkpoint in the layout of
+``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)``::
+
+    {"model": {fqn: tensor},
+     "optim": {"state": {fqn: {"exp_avg": ..., "exp_avg_sq": ..., "step": ...}},
+               "param_groups": [{"lr": ..., "betas": ..., ..., "params": [fqn, ...]}]}}
+
+An optimizer state tensor of its parameter's shard shape (AdamW's moments, SGD's momentum) is
+sharded like the parameter and is stored whole, by the parameter's name; any other value
+(AdamW's ``step``) is the same on every rank and stored once. On a simulated mesh the whole
+tensors are assembled from the shards and written by this process; on real ranks each
+parameter and state shard is given to DCP as a ``DTensor`` over the mesh, so each process
+writes only what it owns (replicas once) and DCP reads back, on any other mesh, exactly the
+slices each rank holds there. Loading copies into the shards in place (the optimizer's
+references stay valid) and sets the optimizer's state and its groups' hyperparameters
+(``lr``, ``betas``, ...: a scheduler's changes carry over), as ``optimizer.load_state_dict``.
+Either mesh may be simulated or real; the files are the same.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+
+__all__ = ["save_training_state", "load_training_state"]
+
+_SAVE = "fxshard.save_training_state"
+_LOAD = "fxshard.load_training_state"
+
+
+def _trainer(pm, where: str):
+    """The TrainModule behind ``pm`` (a ParallelModule or a TrainModule), shards placed."""
+    pm.parameters()     # a clear error when nothing is traced yet; places example_inputs'
+    tm = getattr(pm, "trainer", pm)
+    tm._require(where)
+    return tm
+
+
+def _owners(tm, optimizer, where: str) -> dict:
+    """``{id(parameter shard): (rank, fqn)}``; every parameter of ``optimizer`` must be one."""
+    owners = {id(p): (rank, fqn) for rank in tm.ranks for fqn, p in tm.shards(rank).items()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in owners:
+                raise ValueError(
+                    f"{where}: the optimizer holds a parameter of shape {tuple(p.shape)} that "
+                    f"is not one of pm.parameters() (mesh {tm.spec.describe()}); build the "
+                    f"optimizer over pm.parameters()")
+    return owners
+
+
+def _placements(tm, fqn: str, where: str) -> list:
+    from torch.distributed.tensor import Replicate, Shard
+    spec = tm._specs[fqn]
+    if not all(isinstance(p, (Shard, Replicate)) for p in spec):
+        raise NotImplementedError(
+            f"{where}: {fqn} is placed {spec} on mesh {tm.spec.describe()}; only Shard and "
+            f"Replicate placements are written per rank (a DTensor); save from a simulated "
+            f"mesh, or train this parameter without that placement")
+    return list(spec)
+
+
+def _dtensor(tm, fqn: str, local: torch.Tensor, where: str):
+    """This process's block ``local`` of parameter ``fqn`` (or of a state sharded like it) as
+    a DTensor over the mesh, which tells DCP where the block lies in the whole."""
+    from torch.distributed.tensor import DTensor
+    shape = torch.Size(tm._last.shapes[fqn])
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, device_mesh=tm.mesh,
+                              placements=_placements(tm, fqn, where), run_check=False,
+                              shape=shape, stride=stride)
+
+
+def _sharded(value, shard: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.shape
+
+
+def _whole(tm, fqn: str, blocks: dict, where: str):
+    """The whole value from every held rank's block (simulated) or this rank's as a DTensor."""
+    if not tm._simulated:
+        (block,) = blocks.values()
+        return _dtensor(tm, fqn, block.detach(), where)
+    from .module import assemble
+    return assemble([blocks[r].detach() for r in tm.ranks], tm._last.shapes[fqn],
+                    tm._specs[fqn], tm.spec)
+
+
+def _groups(optimizer, owners: dict) -> list:
+    out = []
+    for group in optimizer.param_groups:
+        names = list(dict.fromkeys(owners[id(p)][1] for p in group["params"]))
+        out.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+    return out
+
+
+def save_training_state(pm, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """Write ``pm``'s trained parameters and ``optimizer``'s state (over ``pm.parameters()``)
+    to the DCP checkpoint directory ``path``, by the model's parameter names, whole; on real
+    ranks every process calls it and writes what it owns. See :mod:`fxshard.training.resume`."""
+    import torch.distributed.checkpoint as dcp
+    tm = _trainer(pm, "save_training_state")
+    owners = _owners(tm, optimizer, _SAVE)
+    model, state = {}, {}
+    for fqn in tm.shards(tm.ranks[0]):
+        shards = {r: tm.shards(r)[fqn] for r in tm.ranks}
+        model[fqn] = _whole(tm, fqn, shards, _SAVE)
+        held = {r: optimizer.state.get(p) for r, p in shards.items()}
+        if not any(held.values()):
+            continue       # not stepped yet (or not in this optimizer)
+        if not all(held.values()):
+            raise ValueError(
+                f"{_SAVE}: the optimizer holds state for {fqn} on some ranks only (mesh "
+                f"{tm.spec.describe()}); build it over every rank's shards, pm.parameters()")
+        first = held[tm.ranks[0]]
+        mine = {}
+        for key, value in first.items():
+            if _sharded(value, shards[tm.ranks[0]]):
+                mine[key] = _whole(tm, fqn, {r: s[key] for r, s in held.items()}, _SAVE)
+                continue
+            if isinstance(value, torch.Tensor):
+                if any(not torch.equal(s[key], value) for s in held.values()):
+                    raise ValueError(
+                        f"{_SAVE}: optimizer state {key!r} of {fqn} differs between ranks "
+                        f"(mesh {tm.spec.describe()}); only a value the same on every rank "
+                        f"or one sharded like its parameter can be saved by name")
+                value = value.detach().clone()
+            mine[key] = value
+        state[fqn] = mine
+    sd = {"model": model, "optim": {"state": state,
+                                    "param_groups": _groups(optimizer, owners)}}
+    with _one_process(tm):
+        dcp.save(sd, checkpoint_id=path, no_dist=tm._simulated)
+
+
+@contextlib.contextmanager
+def _one_process(tm):
+    """A simulated mesh's whole tensors are written by this one process: DCP's warning that it
+    assumes so is expected, not news."""
+    with warnings.catch_warnings():
+        if tm._simulated:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled",
+                                    category=UserWarning)
+        yield
+
+
+def _metadata(path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    try:
+        return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except FileNotFoundError as e:
+        raise ValueError(f"{_LOAD}: {path!r} is not a torch.distributed.checkpoint directory "
+                         f"written by fxshard.save_training_state ({e})") from None
+
+
+def _empty(tm, fqn: str, meta, like: torch.Tensor, key: str | None = None):
+    """A placeholder DCP loads ``meta``'s entry into: the whole (simulated) or this rank's
+    block (a DTensor) of a value sharded like ``fqn``; else a tensor of the stored size."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    if not isinstance(meta, TensorStorageMetadata):
+        return None        # a Python value (a hyperparameter): replaced by the loaded one
+    shape = tuple(tm._last.shapes[fqn])
+    dtype = meta.properties.dtype
+    if tuple(meta.size) == shape and len(shape) > 0:
+        if tm._simulated:
+            return torch.empty(shape, dtype=dtype, device=like.device)
+        return _dtensor(tm, fqn, torch.empty(like.shape, dtype=dtype, device=like.device),
+                        _LOAD)
+    device = torch.device("cpu") if key == "step" else like.device    # as torch.optim keeps it
+    return torch.empty(tuple(meta.size), dtype=dtype, device=device)
+
+
+def _block(tm, fqn: str, value, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s block of a loaded whole value (simulated) or DTensor (real)."""
+    if not tm._simulated:
+        return value.to_local()
+    from ..placement import local_block
+    return local_block(value, tm._specs[fqn], tm.spec, rank)
+
+
+def load_training_state(pm, optimizer: torch.optim.Optimizer, path: str) -> None:
+    """Load a checkpoint of :func:`save_training_state` (written on any mesh) into ``pm``'s
+    parameter shards (in place) and ``optimizer`` (over ``pm.parameters()``): its state per
+    shard and its groups' hyperparameters. On real ranks every process calls it."""
+    import torch.distributed.checkpoint as dcp
+    tm = _trainer(pm, "load_training_state")
+    _owners(tm, optimizer, _LOAD)
+    meta = _metadata(path)
+    first = tm.shards(tm.ranks[0])
+    model, state = {}, {}
+    for fqn, shard in first.items():
+        m = meta.get(f"model.{fqn}")
+        if m is None or tuple(getattr(m, "size", ())) != tuple(tm._last.shapes[fqn]):
+            raise ValueError(
+                f"{_LOAD}: {path!r} holds {'no' if m is None else 'a different'} "
+                f"{fqn}{'' if m is None else f' (shape {tuple(m.size)})'}; the model's is "
+                f"{tuple(tm._last.shapes[fqn])}. Load a checkpoint of the same model")
+        model[fqn] = _empty(tm, fqn, m, shard)
+        prefix = f"optim.state.{fqn}."
+        keys = {k[len(prefix):]: v for k, v in meta.items()
+                if k.startswith(prefix) and "." not in k[len(prefix):]}
+        if keys:
+            state[fqn] = {k: _empty(tm, fqn, v, shard, k) for k, v in keys.items()}
+    n_groups = 1 + max((int(k.split(".")[2]) for k in meta
+                        if k.startswith("optim.param_groups.")), default=-1)
+    if n_groups != len(optimizer.param_groups):
+        raise ValueError(f"{_LOAD}: {path!r} holds {n_groups} optimizer param groups, this "
+                         f"optimizer {len(optimizer.param_groups)}; build it with as many")
+    groups = [{k.split(".", 3)[3]: None for k in meta
+               if k.startswith(f"optim.param_groups.{i}.")} for i in range(n_groups)]
+    sd = {"model": model, "optim": {"state": state, "param_groups": groups}}
+    with _one_process(tm):
+        dcp.load(sd, checkpoint_id=path, no_dist=tm._simulated)
+    groups = sd["optim"]["param_groups"]
+    with torch.no_grad():
+        for rank in tm.ranks:
+            for fqn, shard in tm.shards(rank).items():
+                shard.copy_(_block(tm, fqn, model[fqn], rank))
+    stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for rank in tm.ranks:
+        for fqn, p in tm.shards(rank).items():
+            if fqn not in state or id(p) not in stepped:
+                continue
+            optimizer.state[p] = {
+                k: (_block(tm, fqn, v, rank).clone() if _sharded_like(v, tm, fqn) else
+                    v.clone() if isinstance(v, torch.Tensor) else v)
+                for k, v in state[fqn].items()}
+    for group, saved in zip(optimizer.param_groups, groups):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _sharded_like(value, tm, fqn: str) -> bool:
+    """A loaded value that is the whole of a state sharded like parameter ``fqn``."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(value, DTensor):
+        return True
+    shape = tuple(tm._last.shapes[fqn])
+    return tm._simulated and isinstance(value, torch.Tensor) and len(shape) > 0 and \
+        tuple(value.shape) == shape
