@@ -121,12 +121,36 @@ class ParallelModule:
             check_trainable(_WHERE, self.spec, self.options)
             check_on_device(self.weights, self.model)
             o = self.options
+            if self.spec.axis_size(PP) > 1:
+                from .training.pipeline import PipelineTrainer
+                self._trainer = PipelineTrainer(
+                    self.model, self.mesh, self.spec, microbatches=o.microbatches,
+                    stages=o.stages, store=self.weights, sequence_parallel=o.sequence_parallel,
+                    plan=o.plan, embedding=o.embedding, strict=o.strict)
+                return self._trainer
             self._trainer = TrainModule(self.model, self.mesh,
                                         sequence_parallel=o.sequence_parallel, plan=o.plan,
                                         embedding=o.embedding, strict=o.strict,
                                         store=self.weights, executor=self.executor,
                                         cache=self.programs)
         return self._trainer
+
+    def train_step(self, *args, loss_fn, target=None, schedule: str = "1f1b",
+                   virtual_stages: int | None = None, **kwargs) -> torch.Tensor:
+        """Forward and backward of ``args``/``kwargs`` with the loss inside:
+        ``loss_fn(pm(x_i), target_i)`` per microbatch ``i`` (``target`` cut with the batch),
+        the gradients added to ``.grad`` of ``pm.parameters()``; returns the loss. On a
+        ``pp`` mesh ``schedule`` is ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``
+        (``virtual_stages`` per rank, default 2): see :mod:`fxshard.training.pipeline`."""
+        if self.spec.axis_size(PP) > 1:
+            self.programs.sync_weights()
+            return self.trainer.train_step(*args, loss_fn=loss_fn, target=target,
+                                           schedule=schedule, virtual_stages=virtual_stages,
+                                           **kwargs)
+        out = self(*args, **kwargs)
+        loss = loss_fn(out, target) if target is not None else loss_fn(out)
+        loss.backward()
+        return loss.detach()
 
     def _trained(self, what: str):
         """The trainer, its shards placed (on ``example_inputs`` if no call placed them)."""
