@@ -93,6 +93,8 @@ class ParallelModule:
     def __call__(self, *args, **kwargs):
         if torch.is_grad_enabled() and self._requires_grad():
             self.programs.sync_weights()    # a model change after training started: error
+            if self.spec.axis_size(PP) > 1:
+                self.programs.last_mode = "train"
             return self.trainer(*args, **kwargs)
         return self.infer(*args, **kwargs)
 
@@ -144,6 +146,7 @@ class ParallelModule:
         (``virtual_stages`` per rank, default 2): see :mod:`fxshard.training.pipeline`."""
         if self.spec.axis_size(PP) > 1:
             self.programs.sync_weights()
+            self.programs.last_mode = "train"
             return self.trainer.train_step(*args, loss_fn=loss_fn, target=target,
                                            schedule=schedule, virtual_stages=virtual_stages,
                                            **kwargs)
@@ -240,6 +243,9 @@ class ParallelModule:
     def explain(self):
         from .explain import explain
         if self.programs.last_mode == "train":
+            if self.spec.axis_size(PP) > 1:
+                from .training.pipeline_explain import explain_pipeline
+                return explain_pipeline(self, self._trained("explain"))
             from .explain import explain_training
             return explain_training(self, self._trained("explain"))
         return explain(self, self.programs.require_last("explain"))

@@ -63,6 +63,28 @@ class _StageModule(TrainModule):
             return {self.sub_rank: fn(self.sub_rank)}
 
 
+def _stage_shard_class():
+    from .shards import TrainedShard
+
+    class StageShard(TrainedShard):
+        """A stage's trained parameter, its blocks asked for by rank of the whole mesh."""
+
+        def __init__(self, trainer, tm, fqn, spec, shape):
+            super().__init__(tm, fqn, spec, shape)
+            self.trainer = trainer
+
+        def block(self, spec, mesh, rank):
+            if tuple(spec) == self.spec and self.tm._simulated:
+                return self.tm._shards[self.trainer._sub_rank(rank)][self.fqn].detach()
+            if tuple(spec) == self.spec:
+                return self.tm._shards[self.tm.sub_rank][self.fqn].detach()
+            return super().block(spec, mesh, rank)
+    return StageShard
+
+
+_StageShard = _stage_shard_class()
+
+
 class _Staged:
     """The stage programs of one (microbatch) input signature."""
 
@@ -217,8 +239,20 @@ class PipelineTrainer:
             tm._last = program
             programs.append(program)
         if self.store is not None:
-            self.store.trained = self
+            self._install()
         return _Staged(forwards, programs, traced, tied, len(flat))
+
+    def _install(self) -> None:
+        """The stages' shards as the weight store's values, read by global rank (an
+        inference program after training reads its stage's shard of the rank's coordinates)."""
+        from .shards import TrainedShard
+        store = self.store
+        for fqn, v in list(store.values.items()):
+            if isinstance(v, TrainedShard) and not isinstance(v, _StageShard):
+                store.values[fqn] = _StageShard(self, v.tm, v.fqn, v.spec, v.shape)
+        store.trained = self
+        store.trained_sources = list({id(v): v for v in store.values.values()
+                                      if isinstance(v, TrainedShard)}.values())
 
     # -- one stage, one microbatch -------------------------------------------------------
     def _flat(self, staged: _Staged, args, kwargs) -> list:
