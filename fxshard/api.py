@@ -137,11 +137,12 @@ class ParallelModule:
                                         cache=self.programs)
         return self._trainer
 
-    def train_step(self, *args, loss_fn, target=None, schedule: str = "1f1b",
+    def train_step(self, *args, loss_fn=None, target=None, schedule: str = "1f1b",
                    virtual_stages: int | None = None, **kwargs) -> torch.Tensor:
         """Forward and backward of ``args``/``kwargs`` with the loss inside:
-        ``loss_fn(pm(x_i), target_i)`` per microbatch ``i`` (``target`` cut with the batch),
-        the gradients added to ``.grad`` of ``pm.parameters()``; returns the loss. On a
+        ``loss_fn(pm(x_i), target_i)`` per microbatch ``i`` (``target`` cut with the batch;
+        no ``loss_fn``: HF's ``labels=`` and the model's loss), the gradients added to
+        ``.grad`` of ``pm.parameters()``; returns the loss. On a
         ``pp`` mesh ``schedule`` is ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``
         (``virtual_stages`` per rank, default 2): see :mod:`fxshard.training.pipeline`."""
         if self.spec.axis_size(PP) > 1:
@@ -151,7 +152,8 @@ class ParallelModule:
                                            schedule=schedule, virtual_stages=virtual_stages,
                                            **kwargs)
         out = self(*args, **kwargs)
-        loss = loss_fn(out, target) if target is not None else loss_fn(out)
+        loss = out["loss"] if loss_fn is None else \
+            loss_fn(out, target) if target is not None else loss_fn(out)
         loss.backward()
         return loss.detach()
 

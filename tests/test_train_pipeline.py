@@ -147,6 +147,14 @@ def test_hf_llama_pipeline_gradients():
     ref.backward()
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
     _close_grads(model, pm)
+    # HF's labels= (the loss inside the last stage), ignored tokens unevenly spread
+    labels[0, 1:4] = -100
+    model.zero_grad(), pm.zero_grad()
+    loss = pm.train_step(ids, labels=labels, schedule="gpipe")
+    ref = model(ids, labels=labels).loss
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
+    _close_grads(model, pm)
 
 
 def test_schedule_orders_and_errors():

@@ -338,19 +338,33 @@ class PipelineTrainer:
         outs = _Pipe.apply(self, staged, len(params), *params, *user)
         return pytree.tree_unflatten(list(outs), staged.traced.out_spec)
 
-    def train_step(self, *args, loss_fn, target=None, schedule: str = "1f1b",
+    def train_step(self, *args, loss_fn=None, target=None, schedule: str = "1f1b",
                    virtual_stages: int | None = None, **kwargs) -> torch.Tensor:
         """One forward and backward of every microbatch under ``schedule``; the loss is
         ``loss_fn(output_i, target_i)`` per microbatch (``target`` cut as the inputs),
         divided by the number of microbatches; the gradients are added to the shards'
-        ``.grad`` as ``loss.backward()`` would. Returns the loss (the microbatches' mean)."""
+        ``.grad`` as ``loss.backward()`` would. Returns the loss (the microbatches' mean).
+        Without ``loss_fn``, HF's ``labels=``: the model's loss per microbatch weighted by
+        its share of the counted labels (``labels[:, 1:] != -100``), the whole batch's
+        token mean exactly."""
+        from .run import _MODEL_LOSS
+        weights = None
+        if loss_fn is None:
+            labels = kwargs.get("labels")
+            if not isinstance(labels, torch.Tensor):
+                raise ValueError(f"{_WHERE}.train_step: pass loss_fn= (a loss of the output and "
+                                 f"target=) or HF's labels= (mesh {self.spec.describe()})")
+            counted = (labels[:, 1:] != -100).sum(1)
+            per = [c.sum() for c in counted.chunk(self.microbatches)]
+            weights = [c / torch.stack(per).sum().clamp(min=1) for c in per]
+            loss_fn = _MODEL_LOSS
         v = virtual_stages or self.virtual or (2 if schedule == "interleaved_1f1b" else 1)
         micro = self._split_inputs(args, kwargs)
         targets = self._split_inputs((target,), {}) if target is not None else None
         staged = self._staged(*micro[0], virtual=v)
         from .run import StepRun
         run = StepRun(self, staged, [self._flat(staged, a, k) for a, k in micro])
-        run.loss_fn = loss_fn
+        run.loss_fn, run.weights = loss_fn, weights
         run.targets = [t[0][0] for t in targets] if targets is not None else None
         per_rank = actions(schedule, self.pp, self.microbatches, v)
         self._acc = {}

@@ -70,8 +70,9 @@ class PipelineExplanation:
         for r, row in enumerate(rows):
             for t, c in enumerate(row):
                 if c:
-                    ax.add_patch(plt.Rectangle((t, r), 1, 0.9, color="#4c72b0" if
-                                               c[0] == "F" else "#dd8452"))
+                    ax.add_patch(plt.Rectangle((t, r), 1, 0.9, edgecolor="white",
+                                               facecolor="#4c72b0" if c[0] == "F"
+                                               else "#dd8452"))
                     ax.text(t + 0.5, r + 0.45, c, ha="center", va="center", fontsize=7)
         ax.set_xlim(0, max(len(rows[0]) if rows else 1, 1))
         ax.set_ylim(self.pp, 0)

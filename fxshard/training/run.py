@@ -20,6 +20,7 @@ from .module import _bytes
 __all__ = ["StepRun"]
 
 _WHERE = "fxshard.training.pipeline"
+_MODEL_LOSS = "labels"                           # train_step(labels=) without a loss_fn
 _OUT_TAG, _LOSS_TAG = 1 << 24, (1 << 24) - 1    # above every activation's and gradient's
 
 
@@ -105,8 +106,11 @@ class StepRun:
         with torch.enable_grad():
             out = pytree.tree_unflatten(list(leaves), self.staged.traced.out_spec)
             target = self.targets[i] if self.targets is not None else None
-            loss = (self.loss_fn(out, target) if target is not None else self.loss_fn(out))
-            loss = loss / self.m
+            if self.loss_fn is _MODEL_LOSS:     # HF's labels=: the mean over counted tokens
+                loss = out["loss"] * self.weights[i]
+            else:
+                loss = (self.loss_fn(out, target) if target is not None else
+                        self.loss_fn(out)) / self.m
             diff = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
             got = iter(torch.autograd.grad(loss, diff, allow_unused=True))
         self.out_grads[i] = [next(got) if isinstance(x, torch.Tensor) and x.requires_grad
