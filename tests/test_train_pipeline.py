@@ -72,11 +72,17 @@ def test_gpipe_behind_loss_backward_equals_one_device(microbatches):
     _loss(out, labels).backward()
     _loss(model(ids), labels).backward()
     _close_grads(model, pm)
+    norm = fxshard.clip_grad_norm_(pm, 0.1)      # the global norm over every stage's shards
+    torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1))
+    _close_grads(model, pm)
     model.zero_grad(), pm.zero_grad()
     trained = _adamw_steps(model, pm, lambda pm: _loss(pm(ids), labels).backward())
     # the trained shards are what inference computes with afterwards
     with torch.no_grad():
         torch.testing.assert_close(pm(ids), trained(ids), rtol=1e-4, atol=1e-4)
+    pm.load_state_dict(model.state_dict())       # into every stage's shards, in place
+    for name, value in pm.state_dict().items():
+        torch.testing.assert_close(value, model.state_dict()[name], msg=name)
 
 
 @pytest.mark.parametrize("schedule,layers,virtual", [("gpipe", 2, None), ("1f1b", 2, None),
