@@ -131,6 +131,13 @@ def test_meshes_with_pp_train_as_one_device(axes, layers, stages):
     ref.backward()
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
     _close_grads(model, pm)
+    # a step, then inference reads each rank's stage shards (by its coordinates)
+    trained = copy.deepcopy(model)     # (without the gradients)
+    _loss(trained(ids), labels).backward()
+    torch.optim.SGD(pm.parameters(), lr=0.5).step()
+    torch.optim.SGD(trained.parameters(), lr=0.5).step()
+    with torch.no_grad():
+        torch.testing.assert_close(pm(ids), trained(ids), rtol=1e-4, atol=1e-4)
     assert len(pm.parameters()) == sum(
         len(list(tm.shards(0).values())) * tm.spec.world_size for tm in pm.trainer.stage_modules)
 
