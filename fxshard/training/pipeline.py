@@ -34,6 +34,7 @@ from .joint import _untie, input_grad_name, joint_of
 from .module import TrainModule, _bytes
 from .program import build_train_program
 from .schedules import actions, global_order
+from .shards import TrainedShard
 from .stages import example_received, split_forward
 
 __all__ = ["PipelineTrainer"]
@@ -63,26 +64,18 @@ class _StageModule(TrainModule):
             return {self.sub_rank: fn(self.sub_rank)}
 
 
-def _stage_shard_class():
-    from .shards import TrainedShard
+class _StageShard(TrainedShard):
+    """A stage's trained parameter, its blocks asked for by rank of the whole mesh."""
 
-    class StageShard(TrainedShard):
-        """A stage's trained parameter, its blocks asked for by rank of the whole mesh."""
+    def __init__(self, trainer, tm, fqn, spec, shape):
+        super().__init__(tm, fqn, spec, shape)
+        self.trainer = trainer
 
-        def __init__(self, trainer, tm, fqn, spec, shape):
-            super().__init__(tm, fqn, spec, shape)
-            self.trainer = trainer
-
-        def block(self, spec, mesh, rank):
-            if tuple(spec) == self.spec and self.tm._simulated:
-                return self.tm._shards[self.trainer._sub_rank(rank)][self.fqn].detach()
-            if tuple(spec) == self.spec:
-                return self.tm._shards[self.tm.sub_rank][self.fqn].detach()
-            return super().block(spec, mesh, rank)
-    return StageShard
-
-
-_StageShard = _stage_shard_class()
+    def block(self, spec, mesh, rank):
+        if tuple(spec) == self.spec:
+            sub = self.trainer._sub_rank(rank) if self.tm._simulated else self.tm.sub_rank
+            return self.tm._shards[sub][self.fqn].detach()
+        return super().block(spec, mesh, rank)
 
 
 class _Staged:
@@ -245,7 +238,6 @@ class PipelineTrainer:
     def _install(self) -> None:
         """The stages' shards as the weight store's values, read by global rank (an
         inference program after training reads its stage's shard of the rank's coordinates)."""
-        from .shards import TrainedShard
         store = self.store
         for fqn, v in list(store.values.items()):
             if isinstance(v, TrainedShard) and not isinstance(v, _StageShard):
