@@ -372,7 +372,8 @@ class PipelineTrainer:
         return run.total_loss()
 
     def _record(self, name, steps, run) -> None:
-        self.schedule = {"name": name, "microbatches": self.microbatches, "stages_per_axis": self.pp,
+        self.schedule = {"name": name, "microbatches": self.microbatches,
+                         "stages_per_axis": self.pp,
                          "virtual_stages": self.virtual, "steps": steps or []}
 
     def _record_peak(self, run) -> None:

@@ -44,7 +44,8 @@ class PipelineExplanation:
             rows = self.rows()
             idle = sum(1 for r in rows for c in r if not c)
             total = sum(len(r) for r in rows)
-            lines.append(f"schedule {s['name']}: pp={s['stages_per_axis']}, {s['microbatches']} microbatches"
+            lines.append(f"schedule {s['name']}: pp={s['stages_per_axis']}, "
+                         f"{s['microbatches']} microbatches"
                          f", {s.get('virtual_stages') or 1} virtual stage(s) per rank, bubble "
                          f"{100 * self.bubble():.0f}% ({idle} of {total} unit steps idle)")
             width = max([len(c) for r in rows for c in r] + [1])
