@@ -95,6 +95,8 @@ class ParallelModule:
     def __call__(self, *args, **kwargs):
         if torch.is_grad_enabled() and self._requires_grad():
             self.programs.sync_weights()    # a model change after training started: error
+            if self.spec.axis_size(PP) > 1:
+                self.programs.last_mode = "train"
             return self.trainer(*args, **kwargs)
         return self.infer(*args, **kwargs)
 
@@ -123,12 +125,40 @@ class ParallelModule:
             check_trainable(_WHERE, self.spec, self.options)
             check_on_device(self.weights, self.model)
             o = self.options
+            if self.spec.axis_size(PP) > 1:
+                from .training.pipeline import PipelineTrainer
+                self._trainer = PipelineTrainer(
+                    self.model, self.mesh, self.spec, microbatches=o.microbatches,
+                    stages=o.stages, store=self.weights, sequence_parallel=o.sequence_parallel,
+                    plan=o.plan, embedding=o.embedding, strict=o.strict,
+                    recompute=o.recompute)
+                return self._trainer
             self._trainer = TrainModule(self.model, self.mesh,
                                         sequence_parallel=o.sequence_parallel, plan=o.plan,
                                         embedding=o.embedding, strict=o.strict,
                                         recompute=o.recompute, store=self.weights,
                                         executor=self.executor, cache=self.programs)
         return self._trainer
+
+    def train_step(self, *args, loss_fn=None, target=None, schedule: str = "1f1b",
+                   virtual_stages: int | None = None, **kwargs) -> torch.Tensor:
+        """Forward and backward of ``args``/``kwargs`` with the loss inside:
+        ``loss_fn(pm(x_i), target_i)`` per microbatch ``i`` (``target`` cut with the batch;
+        no ``loss_fn``: HF's ``labels=`` and the model's loss), the gradients added to
+        ``.grad`` of ``pm.parameters()``; returns the loss. On a
+        ``pp`` mesh ``schedule`` is ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``
+        (``virtual_stages`` per rank, default 2): see :mod:`fxshard.training.pipeline`."""
+        if self.spec.axis_size(PP) > 1:
+            self.programs.sync_weights()
+            self.programs.last_mode = "train"
+            return self.trainer.train_step(*args, loss_fn=loss_fn, target=target,
+                                           schedule=schedule, virtual_stages=virtual_stages,
+                                           **kwargs)
+        out = self(*args, **kwargs)
+        loss = out["loss"] if loss_fn is None else \
+            loss_fn(out, target) if target is not None else loss_fn(out)
+        loss.backward()
+        return loss.detach()
 
     def _trained(self, what: str):
         """The trainer, its shards placed (on ``example_inputs`` if no call placed them)."""
@@ -218,6 +248,9 @@ class ParallelModule:
     def explain(self):
         from .explain import explain
         if self.programs.last_mode == "train":
+            if self.spec.axis_size(PP) > 1:
+                from .training.pipeline_explain import explain_pipeline
+                return explain_pipeline(self, self._trained("explain"))
             from .explain import explain_training
             return explain_training(self, self._trained("explain"))
         return explain(self, self.programs.require_last("explain"))

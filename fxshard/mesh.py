@@ -56,7 +56,7 @@ AXIS_ROLES: dict[str, AxisRole] = {
     DP: AxisRole("batch", 0, "whole", None, True),
     FSDP: AxisRole("batch, weight storage", 0, "stored", None, True),
     TP: AxisRole("weights", None, "sharded", "heads", True),
-    PP: AxisRole("layers", None, "stages", None, False),
+    PP: AxisRole("layers", None, "stages", None, True),
     ULYSSES: AxisRole("sequence", 1, "whole", "all_to_all", False),
     RING: AxisRole("sequence", 1, "whole", "ring", False),
 }

@@ -31,7 +31,7 @@ import torch.fx as fx
 from ..passes import PassReports
 from ..trace import Traced, _without_cache, cleanup_pass, trace
 
-__all__ = ["Joint", "joint_graph"]
+__all__ = ["Joint", "input_grad_name", "joint_graph", "joint_of"]
 
 
 @dataclass
@@ -76,10 +76,6 @@ class _Replay(torch.nn.Module):
 def joint_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Joint:
     """Trace ``model`` on ``args``/``kwargs`` (real tensors; nothing is computed) and build
     its joint forward+backward graph."""
-    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-    from torch._functorch._aot_autograd.descriptors import (
-        BufferAOTInput, GradAOTOutput, ParamAOTInput, PlainAOTInput, PlainAOTOutput,
-        TangentAOTInput)
     traced = trace(model, args, kwargs)
     cleanup_pass(traced.gm, ctx=PassReports())
     tied = _untie(traced, model)
@@ -87,10 +83,25 @@ def joint_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None = None)
     import torch.fx._pytree as fx_pytree
     flat = fx_pytree.tree_flatten_spec((tuple(args), _without_cache(model, dict(kwargs or {}))),
                                        traced.in_spec)
+    return joint_of(traced, model, flat, tied)
+
+
+def joint_of(traced: Traced, model: torch.nn.Module, flat: list, tied: dict,
+             grad_inputs: frozenset = frozenset()) -> Joint:
+    """The joint graph of an exported (cleaned, untied) forward ``traced`` of ``model``'s
+    parameters on the flat user inputs ``flat``. ``grad_inputs``: user input indices whose
+    gradient the joint returns too, named ``input_grad_name(index)`` in ``Joint.grads`` (a
+    pipeline stage's received activations, :mod:`fxshard.training.pipeline`)."""
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+    from torch._functorch._aot_autograd.descriptors import (
+        BufferAOTInput, GradAOTOutput, ParamAOTInput, PlainAOTInput, PlainAOTOutput,
+        TangentAOTInput)
     user = [n for n in traced.gm.graph.nodes if n.op == "placeholder"
             and n.meta.get("fxshard_input") is not None]
     replay = _Replay(traced, model)
     tensors = [flat[n.meta["fxshard_input"]] for n in user]
+    tensors = [t.detach().requires_grad_(True) if n.meta["fxshard_input"] in grad_inputs
+               else t for n, t in zip(user, tensors)]
     # the replay reads user input k at position k of its arguments
     index = {n.meta["fxshard_input"]: k for k, n in enumerate(user)}
     replay.kinds = [(kind, index[ref]) if kind == "input" else (kind, ref)
@@ -130,6 +141,8 @@ def joint_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None = None)
     for d in descs[n_outputs:]:
         if isinstance(d, GradAOTOutput) and isinstance(d.grad_of, ParamAOTInput):
             grads.append(names[d.grad_of.target])
+        elif isinstance(d, GradAOTOutput) and isinstance(d.grad_of, PlainAOTInput):
+            grads.append(input_grad_name(user[d.grad_of.idx].meta["fxshard_input"]))
         else:
             grads.append(None)
     if list(out.args[0][n_outputs:]) and len(grads) != len(out.args[0]) - n_outputs:
@@ -161,6 +174,11 @@ def _untie(traced: Traced, model: torch.nn.Module) -> dict:
         traced.gm.graph.lint()
         traced.gm.recompile()
     return tied
+
+
+def input_grad_name(index: int) -> str:
+    """The name a user input's gradient has in ``Joint.grads`` (never a parameter's FQN)."""
+    return f"<input {index}>"
 
 
 _RANDOM = ("native_dropout", "bernoulli", "rand", "randn", "randint", "rand_like",

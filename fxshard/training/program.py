@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 
 import fxshard.passes.rules.backward  # noqa: F401  (registers the backward ops' rules)
-from ..mesh import MeshSpec, TRAINING_AXES
+from ..mesh import PP, MeshSpec, TRAINING_AXES
 from ..passes import PassCtx
 from ..passes.eager_attention import eager_attention_pass
 from ..passes.fold_mask import fold_causal_mask_pass
@@ -193,7 +193,7 @@ def _gradient_targets(gm: fx.GraphModule, joint: Joint, specs: dict, ctx: PassCt
         if not (isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)):
             continue
         fqn = joint.grads[i - joint.n_outputs] if i >= joint.n_outputs else None
-        need.append(specs[fqn] if fqn is not None else whole)
+        need.append(specs.get(fqn, whole) if fqn is not None else whole)   # input grads whole
     out.meta["fxshard_need"] = need
 
 
@@ -260,15 +260,23 @@ def _local_bytes(node: fx.Node, mesh: MeshSpec) -> int:
 
 def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx,
                         *, reshard_after_forward: bool = True,
-                        recompute=None) -> TrainProgram:
+                        recompute=None, joint: Joint | None = None) -> TrainProgram:
     """The forward and backward rank programs of ``model`` on ``args``/``kwargs`` under
     ``ctx`` (its mesh, plan, sequence parallelism). ``reshard_after_forward``: an fsdp
     parameter's all-gather is done again in the backward (True, FSDP2's default) or its result
     saved by the forward (False: more memory, one all-gather less per parameter).
     ``recompute``: ``"layers"`` or a budget of saved bytes per rank, see
-    :mod:`fxshard.training.recompute`."""
+    :mod:`fxshard.training.recompute`. ``joint``: a joint graph built already (a pipeline
+    stage's, :mod:`fxshard.training.pipeline`)."""
     check_training_axes(ctx.mesh)
-    joint = joint_graph(model, args, kwargs)
+    if ctx.mesh.axis_size(PP) > 1:
+        raise NotImplementedError(
+            f"{_WHERE}: one training program over mesh axis {PP!r} of size "
+            f"{ctx.mesh.axis_size(PP)} (mesh {ctx.mesh.describe()}); pipeline training runs "
+            f"one program per stage: use fxshard.parallelize(model, mesh) and pm(x) or "
+            f"pm.train_step (fxshard.training.pipeline)")
+    if joint is None:
+        joint = joint_graph(model, args, kwargs)
     shapes = {n.meta.get("fxshard_param") or n.meta.get("fxshard_buffer"):
               tuple(n.meta["val"].shape) for n in joint.gm.graph.nodes
               if n.op == "placeholder" and (n.meta.get("fxshard_param") or

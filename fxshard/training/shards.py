@@ -87,6 +87,11 @@ def install(store, tm, program) -> None:
 def load_into(tm, state_dict: dict) -> None:
     """Copy the whole tensors of ``state_dict`` into every held rank's shards, in place (the
     optimizer's references to ``pm.parameters()`` stay valid)."""
+    for stage in getattr(tm, "stage_modules", ()):    # a pipeline: each stage's own shards
+        if stage._shards is not None:
+            load_into(stage, state_dict)
+    if getattr(tm, "stage_modules", None) is not None:
+        return
     with torch.no_grad():
         for rank, mine in tm._shards.items():
             for fqn, shard in mine.items():

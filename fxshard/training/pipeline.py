@@ -1,0 +1,440 @@
+"""Pipeline training: per-stage forward and backward programs under a schedule.
+
+::
+
+    pm = fxshard.parallelize(model, mesh_with_pp, microbatches=4)
+    loss_fn(pm(ids), labels).backward()           # GPipe: every forward, then every backward
+    loss = pm.train_step(ids, target=labels, loss_fn=loss_fn, schedule="1f1b")
+
+The forward export is cut into stages (:mod:`fxshard.training.stages`); each stage is trained
+as a model of its own on the mesh without ``pp`` (its ``dp``/``fsdp``/``tp`` placements,
+collectives and gradients built by :func:`fxshard.training.program.build_train_program`), its
+joint graph also returning the gradients of the activations it received. A stage's forward
+takes the user's inputs and the activations of earlier stages and returns the ones later
+stages need (whole); its backward takes their gradients and returns the received
+activations' gradients and its parameters'. Between stages they travel as point-to-point
+messages along ``pp`` (under torchrun: gloo/NCCL ``isend``/``irecv``; simulated: handed over).
+
+Gradients: ``pm(x)``'s backward receives the gradient of the whole (assembled) output, cut
+into the microbatches: each microbatch's backward is exact and their parameter gradients add
+up to the single-device gradient, whatever the user's loss. ``train_step`` computes the loss
+inside the schedule, per microbatch: ``loss_fn(output_i, target_i) / m`` (the mean of the
+microbatches' losses, the whole batch's loss for a mean over equal microbatches).
+"""
+from __future__ import annotations
+
+import torch
+import torch.utils._pytree as pytree
+import torch.fx._pytree as fx_pytree
+
+from ..mesh import PP, SimulatedMesh, is_simulated
+from ..passes import PassCtx, PassReports
+from ..trace import _without_cache, cleanup_pass, trace
+from .joint import _untie, input_grad_name, joint_of
+from .module import TrainModule, _bytes
+from .program import build_train_program
+from .schedules import actions, global_order
+from .shards import TrainedShard
+from .stages import example_received, split_forward
+
+__all__ = ["PipelineTrainer"]
+
+_WHERE = "fxshard.training.pipeline"
+
+
+class _StageModule(TrainModule):
+    """One stage's shards and programs on the mesh without ``pp`` (its ranks: the coordinates
+    of the other axes); on a real mesh its collectives run on the whole mesh's axis groups."""
+
+    def __init__(self, model, sub: SimulatedMesh, device_mesh, sub_rank: int, **kw):
+        super().__init__(model, sub, **kw)
+        self.device_mesh, self.sub_rank = device_mesh, sub_rank
+        self._simulated = device_mesh is None
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(range(self.spec.world_size)) if self._simulated else [self.sub_rank]
+
+    def _world_run(self, fn) -> dict:
+        if self._simulated:
+            return super()._world_run(fn)
+        from ..runtime.context import use_backend
+        from ..runtime.distributed import backend_for
+        with use_backend(backend_for(self.device_mesh)):
+            return {self.sub_rank: fn(self.sub_rank)}
+
+
+class _StageShard(TrainedShard):
+    """A stage's trained parameter, its blocks asked for by rank of the whole mesh."""
+
+    def __init__(self, trainer, tm, fqn, spec, shape):
+        super().__init__(tm, fqn, spec, shape)
+        self.trainer = trainer
+
+    def block(self, spec, mesh, rank):
+        if tuple(spec) == self.spec:
+            sub = self.trainer._sub_rank(rank) if self.tm._simulated else self.tm.sub_rank
+            return self.tm._shards[sub][self.fqn].detach()
+        return super().block(spec, mesh, rank)
+
+
+class _Staged:
+    """The stage programs of one (microbatch) input signature."""
+
+    def __init__(self, forwards, programs, traced, tied, n_flat):
+        self.forwards, self.programs, self.traced = forwards, programs, traced
+        self.n_flat = n_flat
+        self.joint = type("JointInfo", (), {"tied": tied})()
+
+
+class _Pipe(torch.autograd.Function):
+    """Every stage's forward on every microbatch; its backward: every stage's backward."""
+
+    @staticmethod
+    def forward(ctx, runner, staged, n_params, *flat):
+        outs, state = runner._forward_all(staged, list(flat[n_params:]))
+        ctx.runner, ctx.staged, ctx.state, ctx.n_user = runner, staged, state, len(flat) - n_params
+        ctx.metas = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None
+                     for o in outs]
+        ctx.mark_non_differentiable(*[o for o in outs if isinstance(o, torch.Tensor)
+                                      and not o.is_floating_point()])
+        return tuple(outs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grad_outputs):
+        grads = [g if g is not None or m is None else torch.zeros(m[0], dtype=m[1], device=m[2])
+                 for g, m in zip(grad_outputs, ctx.metas)]
+        run = ctx.runner
+        acc = run._backward_all(ctx.staged, ctx.state, grads)
+        ctx.state = None
+        return (None, None, None, *[acc.get(id(p)) for p in run.parameters()],
+                *([None] * ctx.n_user))
+
+
+class PipelineTrainer:
+    """Training over a mesh with a ``pp`` axis: one :class:`TrainModule` per stage."""
+
+    def __init__(self, model, mesh, spec, *, microbatches: int, stages=None, store=None,
+                 **options):
+        self.model, self.mesh, self.spec = model, mesh, spec
+        self.microbatches, self.layer_stages, self.store = microbatches, stages, store
+        self.options = options
+        self.pp = spec.axis_size(PP)
+        self._simulated = is_simulated(mesh)
+        self.sub = SimulatedMesh(tuple(1 if a == PP else n for a, n in
+                                       zip(spec.axis_names, spec.shape)),
+                                 spec.axis_names, spec.device_type)
+        self.virtual = None          # virtual stages per rank, fixed by the first build
+        self.stage_modules: list[_StageModule] = []
+        self._programs: dict = {}
+        self._last: _Staged | None = None
+        self.schedule = None         # what the last step ran: name, time steps, peak bytes
+        self.peak_saved: dict = {}
+
+    # -- coordinates ---------------------------------------------------------------------
+    def _sub_rank(self, rank: int) -> int:
+        c = list(self.spec.coords(rank))
+        c[self.spec.axis_names.index(PP)] = 0
+        return self.sub.rank_of(c)
+
+    def _stage_rank(self, rank: int) -> int:
+        return self.spec.axis_index(rank, PP)
+
+    @property
+    def ranks(self) -> list[int]:
+        if self._simulated:
+            return list(range(self.spec.world_size))
+        from ..runtime.distributed import backend_for
+        return [backend_for(self.mesh).rank]
+
+    def _mine(self, k: int) -> bool:
+        """Stage ``k`` runs in this process (always on a simulated mesh)."""
+        return self._simulated or k % self.pp == self._stage_rank(self.ranks[0])
+
+    # -- building ------------------------------------------------------------------------
+    def _split_inputs(self, args, kwargs):
+        m = self.microbatches
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+        if not tensors:
+            raise ValueError(f"{_WHERE}: no tensor input to cut into microbatches")
+        b = tensors[0].shape[0] if tensors[0].dim() else 1
+        if b % m:
+            raise ValueError(f"{_WHERE}: batch {b} does not divide into microbatches={m} "
+                             f"(mesh {self.spec.describe()}); use a batch that is a multiple "
+                             f"of {m}")
+
+        def cut(x, i):
+            if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == b:
+                return x[i * (b // m):(i + 1) * (b // m)]
+            return x
+        return [pytree.tree_unflatten([cut(x, i) for x in flat], spec) for i in range(m)]
+
+    def _program(self, args: tuple, kwargs: dict) -> _Staged:
+        """The stage programs for the whole inputs ``args``/``kwargs`` (their microbatch's)."""
+        return self._staged(*self._split_inputs(args, kwargs)[0], virtual=self.virtual or 1)
+
+    def _staged(self, args: tuple, kwargs: dict, virtual: int = 1) -> _Staged:
+        if self.virtual is not None and virtual != self.virtual:
+            raise ValueError(
+                f"{_WHERE}: the stages were built with virtual_stages={self.virtual} (their "
+                f"shards are placed so); this call asks for {virtual}. Pass the same "
+                f"virtual_stages= on every call")
+        key = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
+                    for x in pytree.tree_leaves((args, kwargs)))
+        if key not in self._programs:
+            self._programs[key] = self._build(args, kwargs, virtual)
+            self.virtual = virtual
+        self._last = self._programs[key]
+        return self._last
+
+    def _build(self, args, kwargs, virtual: int) -> _Staged:
+        from ..passes.split_stages import assign_layers_to_stages, find_layer_stack
+        from .program import check_training_axes
+        check_training_axes(self.sub, _WHERE, "pipeline training")
+        n_stages = self.pp * virtual
+        stack, names = find_layer_stack(self.model)
+        layer_stages = list(self.layer_stages) if self.layer_stages is not None and \
+            virtual == 1 else assign_layers_to_stages(len(names), n_stages)
+        traced = trace(self.model, args, kwargs)
+        cleanup_pass(traced.gm, ctx=PassReports())
+        tied = _untie(traced, self.model)
+        flat = fx_pytree.tree_flatten_spec(
+            (tuple(args), _without_cache(self.model, dict(kwargs))), traced.in_spec)
+        forwards = split_forward(traced, stack, names, layer_stages, n_stages)
+        device = torch.device(self.spec.device_type)
+        if not self.stage_modules:
+            me = None if self._simulated else self.ranks[0]
+            for _ in range(n_stages):
+                self.stage_modules.append(_StageModule(
+                    self.model, self.sub, None if self._simulated else self.mesh,
+                    0 if me is None else self._sub_rank(me),
+                    sequence_parallel=self.options.get("sequence_parallel", False),
+                    plan=self.options.get("plan"), strict=self.options.get("strict", False),
+                    embedding=self.options.get("embedding", "embed_dim"), store=self.store))
+        programs = []
+        for k, (sf, tm) in enumerate(zip(forwards, self.stage_modules)):
+            if not self._mine(k):
+                programs.append(None)
+                continue
+            n_flat = len(flat)
+            stage_flat = list(flat) + example_received(sf, device)
+            grad_in = frozenset(n_flat + j for j, (_, dt) in enumerate(sf.received)
+                                if dt.is_floating_point)
+            kept = {o: t for o, t in tied.items()
+                    if any(n.meta.get("fxshard_param") == t for n in sf.traced.gm.graph.nodes)}
+            joint = joint_of(sf.traced, self.model, stage_flat, kept, grad_in)
+            ctx = PassCtx(mesh=self.sub, sequence_parallel=tm.sequence_parallel,
+                          strict=tm.strict, plan=tm.plan, embedding_style=tm.embedding)
+            program = build_train_program(
+                self.model, (), {}, ctx, joint=joint, recompute=tm.recompute,
+                reshard_after_forward=tm.fsdp_reshard_after_forward)
+            tm._place(program)
+            tm._last = program
+            programs.append(program)
+        if self.store is not None:
+            self._install()
+        return _Staged(forwards, programs, traced, tied, len(flat))
+
+    def _install(self) -> None:
+        """The stages' shards as the weight store's values, read by global rank (an
+        inference program after training reads its stage's shard of the rank's coordinates)."""
+        store = self.store
+        for fqn, v in list(store.values.items()):
+            if isinstance(v, TrainedShard) and not isinstance(v, _StageShard):
+                store.values[fqn] = _StageShard(self, v.tm, v.fqn, v.spec, v.shape)
+        store.trained = self
+        store.trained_sources = list({id(v): v for v in store.values.values()
+                                      if isinstance(v, TrainedShard)}.values())
+
+    # -- one stage, one microbatch -------------------------------------------------------
+    def _flat(self, staged: _Staged, args, kwargs) -> list:
+        return fx_pytree.tree_flatten_spec(
+            (tuple(args), _without_cache(self.model, dict(kwargs))), staged.traced.in_spec)
+
+    def _stage_forward(self, k, staged, flat, values):
+        tm, program = self.stage_modules[k], staged.programs[k]
+        stage_flat = list(flat) + [values[name] for name in staged.forwards[k].receives]
+        user = [stage_flat[i] for i in program.split.inputs]
+        outs, saved = tm._run_forward(program, None, user)
+        return outs, saved
+
+    def _stage_backward(self, k, staged, saved, tangents) -> dict:
+        """Accumulate stage ``k``'s parameter gradients; return the received values'."""
+        tm, program = self.stage_modules[k], staged.programs[k]
+        split = program.split
+
+        def run(rank):
+            with torch.no_grad():
+                return split.backward(*tm._rank_weights(program, rank), *saved[rank],
+                                      *tangents)
+        results = tm._world_run(run)
+        for rank, out in results.items():
+            for fqn, g in zip(split.grads, out):
+                shard = tm._shards[rank].get(fqn)
+                if isinstance(shard, torch.nn.Parameter) and g is not None:
+                    self._acc[id(shard)] = g if id(shard) not in self._acc else \
+                        self._acc[id(shard)] + g
+        first = dict(zip(split.grads, results[tm.ranks[0]]))
+        n = staged.n_flat
+        return {name: first.get(input_grad_name(n + j))
+                for j, name in enumerate(staged.forwards[k].receives)}
+
+    # -- running a schedule ----------------------------------------------------------------
+    def _execute(self, staged, micro, per_rank, run, done=None) -> None:
+        """Run ``per_rank``'s actions: a simulated mesh in one order that honours every
+        rank's (recorded in ``self.schedule``), a real one this rank's own in order."""
+        n_stages = len(staged.forwards)
+        if self._simulated:
+            steps = global_order(per_rank, n_stages, done)
+            for step in steps:
+                for _, act in step:
+                    run.do(act)
+            return steps
+        for act in per_rank[self._stage_rank(self.ranks[0])]:
+            run.do(act)
+        run.flush()
+        return None
+
+    def _forward_all(self, staged, user):
+        """``pm(x)``: every stage's forward on every microbatch (GPipe's first half)."""
+        from .run import StepRun
+        run = StepRun(self, staged, self._micro_flats)
+        per_rank = [[a for a in acts if a[0] == "F"]
+                    for acts in actions("gpipe", self.pp, self.microbatches, self.virtual)]
+        steps = self._execute(staged, None, per_rank, run)
+        self._record("gpipe", steps, run)
+        return run.assembled_outputs(), run
+
+    def _backward_all(self, staged, run, grads) -> dict:
+        """``loss.backward()``: every stage's backward on every microbatch, the gradient of
+        the whole output cut into the microbatches; returns {id(shard): gradient}."""
+        self._acc = {}
+        run.out_grads = run.cut_outputs(grads)
+        per_rank = [[a for a in acts if a[0] == "B"]
+                    for acts in actions("gpipe", self.pp, self.microbatches, self.virtual)]
+        done = {(a[0], a[1], a[2]) for acts in actions("gpipe", self.pp, self.microbatches,
+                                                       self.virtual) for a in acts if a[0] == "F"}
+        steps = self._execute(staged, None, per_rank, run, done)
+        if steps is not None and self.schedule is not None:
+            self.schedule["steps"] = self.schedule["steps"] + steps
+        self._record_peak(run)
+        acc, self._acc = self._acc, {}
+        return acc
+
+    def __call__(self, *args, **kwargs):
+        micro = self._split_inputs(args, kwargs)
+        staged = self._staged(*micro[0], virtual=self.virtual or 1)
+        self._micro_flats = [self._flat(staged, a, k) for a, k in micro]
+        params = self.parameters()
+        user = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        outs = _Pipe.apply(self, staged, len(params), *params, *user)
+        return pytree.tree_unflatten(list(outs), staged.traced.out_spec)
+
+    def train_step(self, *args, loss_fn=None, target=None, schedule: str = "1f1b",
+                   virtual_stages: int | None = None, **kwargs) -> torch.Tensor:
+        """One forward and backward of every microbatch under ``schedule``; the loss is
+        ``loss_fn(output_i, target_i)`` per microbatch (``target`` cut as the inputs),
+        divided by the number of microbatches; the gradients are added to the shards'
+        ``.grad`` as ``loss.backward()`` would. Returns the loss (the microbatches' mean).
+        Without ``loss_fn``, HF's ``labels=``: the model's loss per microbatch weighted by
+        its share of the counted labels (``labels[:, 1:] != -100``), the whole batch's
+        token mean exactly."""
+        from .run import _MODEL_LOSS
+        weights = None
+        if loss_fn is None:
+            labels = kwargs.get("labels")
+            if not isinstance(labels, torch.Tensor):
+                raise ValueError(f"{_WHERE}.train_step: pass loss_fn= (a loss of the output and "
+                                 f"target=) or HF's labels= (mesh {self.spec.describe()})")
+            counted = (labels[:, 1:] != -100).sum(1)
+            per = [c.sum() for c in counted.chunk(self.microbatches)]
+            weights = [c / torch.stack(per).sum().clamp(min=1) for c in per]
+            loss_fn = _MODEL_LOSS
+        v = virtual_stages or self.virtual or (2 if schedule == "interleaved_1f1b" else 1)
+        micro = self._split_inputs(args, kwargs)
+        targets = self._split_inputs((target,), {}) if target is not None else None
+        staged = self._staged(*micro[0], virtual=v)
+        from .run import StepRun
+        run = StepRun(self, staged, [self._flat(staged, a, k) for a, k in micro])
+        run.loss_fn, run.weights = loss_fn, weights
+        run.targets = [t[0][0] for t in targets] if targets is not None else None
+        per_rank = actions(schedule, self.pp, self.microbatches, v)
+        self._acc = {}
+        steps = self._execute(staged, None, per_rank, run)
+        self._record(schedule, steps, run)
+        self._record_peak(run)
+        with torch.no_grad():
+            for p in self.parameters():
+                g = self._acc.get(id(p))
+                if g is not None:
+                    p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+        self._acc = {}
+        return run.total_loss()
+
+    def _record(self, name, steps, run) -> None:
+        self.schedule = {"name": name, "microbatches": self.microbatches,
+                         "stages_per_axis": self.pp,
+                         "virtual_stages": self.virtual, "steps": steps or []}
+
+    def _record_peak(self, run) -> None:
+        self.peak_saved = dict(run.peak)
+        if self.schedule is not None:
+            self.schedule["peak_saved"] = dict(run.peak)
+
+    # -- the optimizer's view and looking inside -------------------------------------------
+    def _where(self, rank: int):
+        """(stage modules of ``rank``, its rank among them)."""
+        s = self._stage_rank(rank)
+        return [tm for k, tm in enumerate(self.stage_modules) if k % self.pp == s], \
+            self._sub_rank(rank)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        self._require("parameters")
+        out = []
+        for rank in self.ranks:
+            tms, sub = self._where(rank)
+            out += [p for tm in tms for p in tm.shards(sub).values()]
+        return out
+
+    def shards(self, rank: int) -> dict:
+        self._require("shards")
+        if rank not in self.ranks:
+            raise ValueError(f"{_WHERE}.shards: rank {rank} runs in another process; this "
+                             f"one holds rank {self.ranks}")
+        tms, sub = self._where(rank)
+        return {k: v for tm in tms for k, v in tm.shards(sub).items()}
+
+    def gradients(self) -> dict:
+        self._require("gradients")
+        return {k: v for tm in self.stage_modules for k, v in tm.gradients().items()}
+
+    def state_dict(self) -> dict:
+        self._require("state_dict")
+        return {k: v for tm in self.stage_modules for k, v in tm.state_dict().items()}
+
+    def memory(self, rank: int) -> dict:
+        """Bytes rank ``rank`` holds: its stages' parameter shards and gradients, and the
+        most bytes of saved activations alive at once during the last step."""
+        mine = self.shards(rank)
+        return {"parameters": _bytes(mine.values()),
+                "gradients": _bytes(p.grad for p in mine.values() if p.grad is not None),
+                "saved": self.peak_saved.get(rank, 0)}
+
+    def rank_module(self, rank: int, which: str = "forward", stage: int | None = None):
+        """Rank ``rank``'s ``"forward"`` or ``"backward"`` program (of its virtual
+        ``stage``-th chunk if it holds several)."""
+        tms, sub = self._where(rank)
+        return tms[stage or 0].rank_module(sub, which)
+
+    def collectives(self, which: str = "backward") -> list:
+        from ..explain import collectives_of
+        return [c for tm in self.stage_modules if tm._last is not None
+                for c in collectives_of(tm.rank_module(0, which).graph, self.sub)]
+
+    def _require(self, what: str):
+        if self._last is None:
+            raise ValueError(f"{_WHERE}.{what}: nothing is traced yet; call the module once "
+                             f"(pm(x)) first")
+        return self._last

@@ -1,0 +1,256 @@
+"""Pipeline training: gradients and AdamW steps on a ``pp`` mesh equal one device's.
+
+``pm(x)`` + ``loss.backward()`` runs GPipe (the backward receives the gradient of the whole
+output, cut into microbatches); ``pm.train_step(..., schedule=)`` runs GPipe, 1F1B or
+interleaved 1F1B with the loss inside. Sizes are uneven (hidden 48, intermediate 72, vocab 96,
+5 layers over 4 stages).
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxshard
+from fxshard.models.llama import LlamaConfig, LlamaForCausalLM
+from fxshard.training.schedules import actions, global_order
+
+V, B, S = 96, 4, 6
+
+
+def _llama(layers=2, tied=False):
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig.tiny(
+        num_hidden_layers=layers, vocab_size=V, hidden_size=48, intermediate_size=72,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied))
+
+
+def _data(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, V, (B, S), generator=g), torch.randint(0, V, (B, S), generator=g))
+
+
+def _loss(logits, labels):
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _mesh(**axes):
+    return fxshard.init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
+
+
+def _close_grads(model, pm):
+    grads = pm.gradients()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def _adamw_steps(model, pm, step, steps=3):
+    """``steps`` AdamW steps on ``pm`` (``step(pm)`` runs forward+backward) and on the model;
+    the trained weights equal (the model object keeps its weights: a copy trains)."""
+    model = copy.deepcopy(model)
+    model.zero_grad()
+    ref = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids, labels = _data()
+    opt = None
+    for _ in range(steps):
+        step(pm)    # the first places the shards (an optimizer may come after it)
+        opt = opt or torch.optim.AdamW(pm.parameters(), lr=1e-2)
+        _loss(model(ids), labels).backward()
+        opt.step(), ref.step(), opt.zero_grad(), ref.zero_grad()
+    sd = pm.state_dict()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(sd[name], p.detach(), rtol=1e-5, atol=1e-5, msg=name)
+    return model
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_gpipe_behind_loss_backward_equals_one_device(microbatches):
+    model, (ids, labels) = _llama(), _data()
+    pm = fxshard.parallelize(model, _mesh(pp=2), microbatches=microbatches)
+    out = pm(ids)
+    torch.testing.assert_close(out, model(ids), rtol=1e-4, atol=1e-4)
+    _loss(out, labels).backward()
+    _loss(model(ids), labels).backward()
+    _close_grads(model, pm)
+    norm = fxshard.clip_grad_norm_(pm, 0.1)      # the global norm over every stage's shards
+    torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1))
+    _close_grads(model, pm)
+    model.zero_grad(), pm.zero_grad()
+    trained = _adamw_steps(model, pm, lambda pm: _loss(pm(ids), labels).backward())
+    # the trained shards are what inference computes with afterwards
+    with torch.no_grad():
+        torch.testing.assert_close(pm(ids), trained(ids), rtol=1e-4, atol=1e-4)
+    pm.load_state_dict(model.state_dict())       # into every stage's shards, in place
+    for name, value in pm.state_dict().items():
+        torch.testing.assert_close(value, model.state_dict()[name], msg=name)
+
+
+@pytest.mark.parametrize("schedule,layers,virtual", [("gpipe", 2, None), ("1f1b", 2, None),
+                                                     ("interleaved_1f1b", 4, 2)])
+def test_schedules_train_as_one_device(schedule, layers, virtual):
+    model, (ids, labels) = _llama(layers), _data()
+    pm = fxshard.parallelize(model, _mesh(pp=2), microbatches=4)
+    losses = []
+
+    def step(pm):
+        losses.append(pm.train_step(ids, target=labels, loss_fn=_loss, schedule=schedule,
+                                    virtual_stages=virtual))
+    _adamw_steps(model, pm, step)
+    assert pm.trainer.schedule["name"] == schedule
+    assert len(losses) == 3 and all(loss.dim() == 0 for loss in losses)
+    text = str(pm.explain())
+    assert f"schedule {schedule}: pp=2, 4 microbatches" in text and "bubble" in text
+
+
+def test_1f1b_holds_at_most_pp_microbatches():
+    """Peak saved activations per rank (bytes alive at once): GPipe holds all m microbatches,
+    1F1B at most pp - rank on rank ``rank``."""
+    model, (ids, labels) = _llama(4), _data()
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        pm = fxshard.parallelize(model, _mesh(pp=2), microbatches=4)
+        pm.train_step(ids, target=labels, loss_fn=_loss, schedule=schedule)
+        peaks[schedule] = pm.trainer.peak_saved
+        assert pm.trainer.memory(0)["saved"] == peaks[schedule][0]
+    g, o = peaks["gpipe"], peaks["1f1b"]
+    assert o[0] * 4 == g[0] * 2 and o[1] * 4 == g[1] * 1, peaks   # per microbatch equal
+    assert all(o[r] < g[r] for r in g)
+
+
+@pytest.mark.parametrize("axes,layers,stages", [
+    (dict(pp=4), 5, None),                    # 5 layers over 4 stages: [0, 0, 1, 2, 3]
+    (dict(dp=2, pp=2), 3, [0, 1, 1]),         # uneven stages given
+    (dict(pp=2, tp=2), 2, None),
+    (dict(fsdp=2, pp=2), 2, None),
+])
+def test_meshes_with_pp_train_as_one_device(axes, layers, stages):
+    model, (ids, labels) = _llama(layers), _data()
+    pm = fxshard.parallelize(model, _mesh(**axes), microbatches=2, stages=stages)
+    loss = pm.train_step(ids, target=labels, loss_fn=_loss, schedule="1f1b")
+    ref = _loss(model(ids), labels)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
+    _close_grads(model, pm)
+    # a step, then inference reads each rank's stage shards (by its coordinates)
+    trained = copy.deepcopy(model)     # (without the gradients)
+    _loss(trained(ids), labels).backward()
+    torch.optim.SGD(pm.parameters(), lr=0.5).step()
+    torch.optim.SGD(trained.parameters(), lr=0.5).step()
+    with torch.no_grad():
+        torch.testing.assert_close(pm(ids), trained(ids), rtol=1e-4, atol=1e-4)
+    assert len(pm.parameters()) == sum(
+        len(list(tm.shards(0).values())) * tm.spec.world_size for tm in pm.trainer.stage_modules)
+
+
+def test_hf_llama_pipeline_gradients():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=48, intermediate_size=72,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids, labels = _data()
+    pm = fxshard.parallelize(model, _mesh(pp=2, tp=2), microbatches=2)
+    _loss(pm(ids).logits, labels).backward()
+    _loss(model(ids).logits, labels).backward()
+    _close_grads(model, pm)
+    model.zero_grad(), pm.zero_grad()
+    loss = pm.train_step(ids, target=labels, loss_fn=lambda o, t: _loss(o.logits, t))
+    ref = _loss(model(ids).logits, labels)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
+    _close_grads(model, pm)
+    # HF's labels= (the loss inside the last stage), ignored tokens unevenly spread
+    labels[0, 1:4] = -100
+    model.zero_grad(), pm.zero_grad()
+    loss = pm.train_step(ids, labels=labels, schedule="gpipe")
+    ref = model(ids, labels=labels).loss
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
+    _close_grads(model, pm)
+
+
+def test_schedule_orders_and_errors():
+    per = actions("1f1b", 2, 4)
+    assert per[0] == [("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("F", 0, 2), ("B", 0, 1),
+                      ("F", 0, 3), ("B", 0, 2), ("B", 0, 3)]
+    for name, v in [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("gpipe", 2)]:
+        for pp, m in [(2, 4), (4, 4), (4, 8), (3, 6)]:
+            global_order(actions(name, pp, m, v), pp * v)     # never deadlocks
+    with pytest.raises(ValueError, match="deadlocks"):
+        global_order([[("B", 0, 0), ("F", 0, 0)], [("F", 1, 0), ("B", 1, 0)]], 2)
+    with pytest.raises(ValueError, match="interleaved_1f1b.*divisible by pp=2"):
+        actions("interleaved_1f1b", 2, 3, 2)
+    with pytest.raises(ValueError, match="schedule='zb'"):
+        actions("zb", 2, 4)
+    ids, labels = _data()
+    pm = fxshard.parallelize(_llama(tied=True), _mesh(pp=2))
+    with pytest.raises(NotImplementedError, match="lm_head.weight.*stages \\[0, 1\\]|"
+                                                   "embed_tokens.weight.*stages \\[0, 1\\]"):
+        pm(ids)
+    pm = fxshard.parallelize(_llama(), _mesh(pp=2), microbatches=3)
+    with pytest.raises(ValueError, match="batch 4 does not divide into microbatches=3"):
+        pm(ids)
+
+
+def _gloo_worker(rank: int, port: int, out_dir: str) -> None:
+    import datetime
+    import json
+    import os
+    import traceback
+    report = {"rank": rank, "errors": []}
+    log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    try:
+        import warnings
+        warnings.simplefilter("ignore")
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+        from fxshard.placement import local_block
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=4, timeout=datetime.timedelta(seconds=60))
+        mesh = fxshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+        model, (ids, labels) = _llama(2), _data()
+        ref = copy.deepcopy(model)
+        pm = fxshard.parallelize(model, mesh, microbatches=2)
+        out = pm(ids)                                  # GPipe behind loss.backward()
+        report["forward"] = (out - ref(ids)).abs().max().item()
+        _loss(out, labels).backward()
+        _loss(ref(ids), labels).backward()
+        t = pm.trainer
+        tms, sub = t._where(rank)
+        named = dict(ref.named_parameters())
+
+        def worst(what):
+            return max((what(p) - local_block(what(named[n]), tm._specs[n], t.sub, sub))
+                       .abs().max().item() for tm in tms for n, p in tm.shards(sub).items())
+        report["grad"] = worst(lambda p: p.grad)
+        pm.zero_grad(), ref.zero_grad()
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        report["loss"] = []
+        for _ in range(3):
+            loss = pm.train_step(ids, target=labels, loss_fn=_loss, schedule="1f1b")
+            expect = _loss(ref(ids), labels)
+            expect.backward()
+            report["loss"].append(abs(loss.item() - expect.item()))
+            opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+        report["params"] = worst(lambda p: p.detach())
+        pm.close()
+    except BaseException:  # noqa: BLE001 - reported to the test process
+        report["errors"].append(traceback.format_exc())
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    os._exit(0)
+
+
+def test_pp2_tp2_gloo_1f1b(tmp_path):
+    """4 processes (pp2·tp2): activations and their gradients cross the cut as gloo
+    isend/irecv; GPipe's gradients and three 1F1B AdamW steps equal one device's."""
+    from tests.launch import launch
+    reports = launch(_gloo_worker, 4, str(tmp_path), timeout_s=240, grad=True)
+    for rank, r in reports.items():
+        assert not r["errors"], r["errors"][0]
+        assert r["forward"] < 1e-4 and r["grad"] < 1e-5 and r["params"] < 1e-5, r
+        assert max(r["loss"]) < 1e-5, r
