@@ -55,6 +55,18 @@ def assemble(blocks: list[torch.Tensor], shape: tuple, spec: tuple, mesh: MeshSp
     return out
 
 
+def direct(gm: fx.GraphModule):
+    """``gm`` called without its per-node ``OpOverload.__call__`` and ``nn.Module.__call__``
+    frames (``fxshard.compile._direct_forward``, as inference's eager stages), made once per
+    GraphModule; ``gm`` itself where its code reads attributes of the module."""
+    fn = gm.__dict__.get("_fxshard_direct")
+    if fn is None:
+        from ..compile import _direct_forward
+        fn = gm if any(n.op == "get_attr" for n in gm.graph.nodes) else _direct_forward(gm)
+        gm.__dict__["_fxshard_direct"] = fn
+    return fn
+
+
 def _bytes(tensors) -> int:
     """Bytes of the distinct storages of ``tensors`` (views of one storage count once)."""
     seen, total = set(), 0
@@ -230,7 +242,7 @@ class TrainModule:
 
         def run(rank):
             with torch.no_grad():
-                return split.forward(*self._rank_weights(program, rank), *user)
+                return direct(split.forward)(*self._rank_weights(program, rank), *user)
         results = self._world_run(run)
         outs = list(results[self.ranks[0]][:split.n_outputs])
         saved = {r: list(out[split.n_outputs:]) for r, out in results.items()}
@@ -242,8 +254,8 @@ class TrainModule:
 
         def run(rank):
             with torch.no_grad():
-                return split.backward(*self._rank_weights(program, rank), *saved[rank],
-                                      *tangents)
+                return direct(split.backward)(*self._rank_weights(program, rank),
+                                              *saved[rank], *tangents)
         results = self._world_run(run)
         by_fqn = {r: dict(zip(split.grads, out)) for r, out in results.items()}
         grads = []
