@@ -55,16 +55,20 @@ def assemble(blocks: list[torch.Tensor], shape: tuple, spec: tuple, mesh: MeshSp
     return out
 
 
-def direct(gm: fx.GraphModule):
+def direct(gm):
     """``gm`` called without its per-node ``OpOverload.__call__`` and ``nn.Module.__call__``
     frames (``fxshard.compile._direct_forward``, as inference's eager stages), made once per
-    GraphModule; ``gm`` itself where its code reads attributes of the module."""
-    fn = gm.__dict__.get("_fxshard_direct")
-    if fn is None:
+    GraphModule and its code (again after a ``recompile``); ``gm`` itself where it is no
+    GraphModule or its code reads attributes of the module."""
+    if not isinstance(gm, fx.GraphModule):
+        return gm
+    code = gm.code
+    made = gm.__dict__.get("_fxshard_direct")
+    if made is None or made[0] is not code:
         from ..compile import _direct_forward
         fn = gm if any(n.op == "get_attr" for n in gm.graph.nodes) else _direct_forward(gm)
-        gm.__dict__["_fxshard_direct"] = fn
-    return fn
+        made = gm.__dict__["_fxshard_direct"] = (code, fn)
+    return made[1]
 
 
 def _bytes(tensors) -> int:
