@@ -1,23 +1,19 @@
-"""Training step time and memory per rank: hand-written Megatron vs DTensor TP + FSDP2 (fxshard's
-row is pending: fxshard does not train yet).
+"""Training step time and memory per rank: fxshard vs hand-written Megatron vs DTensor TP + FSDP2
+(issue 19's targets: step time <= 1.05x Megatron and <= 0.7x DTensor, peak memory <= FSDP2's).
 
-Issue 19's targets, for when fxshard trains: step time (forward + backward + AdamW) <= 1.05x the
-hand-written Megatron step and <= 0.7x DTensor ``parallelize_module`` + ``fully_shard``; peak
-memory per rank <= FSDP2's.
-
-    python benchmarks/train_step.py                                  # 2 ranks: tp=2
+    python benchmarks/train_step.py --ranks 2                        # tp=2, the issue's size
     python benchmarks/train_step.py --ranks 4                        # fsdp=2 x tp=2
-    python benchmarks/train_step.py --ranks 4 --layers 8 --hidden 1024 --heads 16 \\
-        --intermediate 2816 --vocab 32000 --seq 256 --rounds 6       # the issue's size
-    python benchmarks/train_step.py --layers 1 --hidden 64 --heads 4 --kv-heads 2 \\
-        --intermediate 96 --vocab 128 --seq 16 --rounds 1 --iters 1  # does it run?
+    python benchmarks/train_step.py --small                          # does it run? (tiny)
+    python benchmarks/train_step.py --small --ranks 4
 
-One launch of ``--ranks`` processes (``benchmarks/common.launch``: spawn, gloo, fp32, CPU,
-``--threads`` torch threads each) on a ``torch`` device mesh ``(fsdp, tp)`` with ``tp =
---tp`` (default 2) and ``fsdp = ranks / tp``. Every rank builds the same bundled
-``fxshard.models.llama`` Llama (``common.bundled_llama``) and the same batch (``--batch``
-sequences of ``--seq`` tokens, labels = the ids shifted by one); the fsdp ranks each take
-``batch / fsdp`` of the sequences, the tp ranks of one fsdp index the same ones. Variants:
+The default size is issue 19's (``common.GENERATE``: 8 layers, hidden 1024, 16/4 heads,
+intermediate 2816, vocab 32000; batch 4 x seq 128). One launch of ``--ranks`` processes
+(``benchmarks/common.launch``: spawn, gloo, fp32, CPU, ``--threads`` torch threads each) on a
+``torch`` device mesh ``(fsdp, tp)`` with ``tp = --tp`` (default 2) and ``fsdp = ranks / tp``.
+Every rank builds the same bundled ``fxshard.models.llama`` Llama (``common.bundled_llama``) and
+the same batch (``--batch`` sequences of ``--seq`` tokens, labels = the ids shifted by one);
+the fsdp ranks each take ``batch / fsdp`` of the sequences, the tp ranks of one fsdp index the
+same ones. Variants:
 
   megatron      ``common.MegatronLlama(trainable=True)`` on the tp group: column/row-parallel
                 linears on weight slices, Megatron-LM's f/g all-reduces as autograd
@@ -26,26 +22,34 @@ sequences of ``--seq`` tokens, labels = the ids shifted by one); the fsdp ranks 
                 flattened all-reduce (plain data parallelism: its parameters and AdamW state
                 are not sharded over fsdp). ``torch.optim.AdamW`` on the local slices.
                 The baseline (1.00).
+  fxshard       ``fxshard.parallelize(model, mesh, example_inputs=(ids,))`` on the same
+                ``(fsdp, tp)`` DeviceMesh; a step is the README's: ``F.cross_entropy(pm(ids)
+                ...)`` on the global batch (every rank passes it; fxshard splits it over fsdp
+                and returns the whole logits), ``loss.backward()``, ``opt.step()`` of
+                ``torch.optim.AdamW(pm.parameters())`` (this rank's shards: sharded over fsdp
+                and tp). The ParallelModule keeps the model object (its initial weights,
+                whole) as its contract says: that is in its memory.
   dtensor       torchtitan's recipe (``common.dtensor_train``): ``parallelize_module`` with
                 the one DTensor plan on the tp sub-mesh (lm_head output left vocab-sharded,
                 ``loss_parallel``), then ``fully_shard`` (FSDP2) of every decoder layer and
                 the root on the fsdp sub-mesh (with fsdp = 1: a size-1 mesh), AdamW.
-  fxshard       pending: training not yet built (no number is printed until it is).
 
 Correctness first: the first ``--check-steps`` steps of every variant give losses (averaged
 over the fsdp ranks) equal to the single-device model trained by AdamW on the whole batch
 (``max |loss err|``), and global gradient norms before each step equal to its (``grad norm
-err``, relative: Adam's update hides a gradient's scale, the norm does not). Then each variant is timed in ``--rounds`` rounds of ``--iters`` steps
-after ``--warmup``, variants interleaved round by round, a barrier before each block. A sample
-is the slowest rank's wall time for that step. Columns: ``step ms`` median / ``p10`` / ``p90``
-over the samples, ``vs megatron`` (median ratio), ``CPU ms`` (median thread CPU time of rank
-0's main thread per step: compute, Python and dispatch, not the time blocked on peers),
+err``, relative: Adam's update hides a gradient's scale, the norm does not). Then each variant
+is timed in ``--rounds`` rounds of ``--iters`` steps after ``--warmup``, variants interleaved
+round by round (rotated: each round starts one variant later), a barrier before each block. A
+sample is the slowest rank's wall time for that step. Columns: ``step ms`` median / ``p10`` /
+``p90`` over the samples, ``vs megatron`` (median ratio), ``CPU ms`` (median thread CPU time of
+rank 0's main thread per step: compute, Python and dispatch, not the time blocked on peers),
 ``peak MiB`` (the largest over ranks of the process's peak resident memory during
 ``--memory-steps`` steps, minus its resident memory before the model was built: measured in a
-separate launch per variant, so one variant's memory does not hide another's; the variant's
-parameters, gradients, AdamW state, activations and communication buffers, after the
-single-device model it was built from was deleted) and ``vs dtensor`` (peak ratio).
-``--no-memory`` skips the memory launches.
+separate launch per variant, so one variant's memory does not hide another's, after one
+untimed first step (fxshard builds its training program there); the variant's parameters,
+gradients, AdamW state, activations and communication buffers, after the single-device model
+it was built from was deleted) and ``vs dtensor`` (peak ratio). ``--no-memory`` skips the
+memory launches.
 """
 from __future__ import annotations
 
@@ -65,13 +69,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (RUNTIME_TP, MegatronLlama, add_model_args,  # noqa: E402
+from benchmarks.common import (GENERATE, MegatronLlama, add_model_args,  # noqa: E402
                                bundled_llama, dtensor_step, dtensor_train, environment,
                                format_table, interleaved, launch, megatron_step, reproduce,
                                slowest_rank, stats_ms, token_ids, write_json)
 
 BASELINE = "megatron"
-PENDING = "pending: training not yet built"
+VARIANTS = ("megatron", "fxshard", "dtensor")
+#: ``--small``: the sizes of a check that it runs (seconds, not a measurement)
+SMALL = dict(layers=1, hidden=64, heads=4, kv_heads=2, intermediate=96, vocab=128, seq=16,
+             rounds=1, iters=1, warmup=1, memory_steps=1)
 
 
 def _batch(args):
@@ -120,7 +127,44 @@ def build(name: str, model, mesh, args):
         m = dtensor_train(model, mesh)
         opt = torch.optim.AdamW(m.parameters(), lr=args.lr)
         return lambda norms=None: dtensor_step(m, opt, ids, labels, norms), mean_over_fsdp
+    if name == "fxshard":
+        import fxshard
+        ids, labels = _batch(args)    # every rank passes the global batch; fxshard splits it
+        pm = fxshard.parallelize(copy.deepcopy(model).train(), mesh, example_inputs=(ids,))
+        opt = torch.optim.AdamW(pm.parameters(), lr=args.lr)
+
+        def step(norms=None) -> float:
+            loss = F.cross_entropy(pm(ids).flatten(0, 1), labels.flatten())
+            loss.backward()
+            if norms is not None:
+                norms.append(_fxshard_grad_norm(pm))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.item()
+        # the loss is already the global batch's: its mean over the fsdp ranks is itself
+        return step, mean_over_fsdp
     raise ValueError(f"train_step.build: unknown variant {name!r}")
+
+
+def _fxshard_grad_norm(pm) -> float:
+    """The global gradient norm from this rank's shards (``fxshard.clip_grad_norm_`` assembles
+    whole gradients, which a real mesh cannot yet): each shard's squared sum divided by the
+    ranks holding the same block (the product of its replicated axes), summed over the world.
+    A check-step figure only (not timed)."""
+    from torch.distributed.tensor import Replicate
+    tm = pm.trainer
+    sizes, seen = tm.spec.shape, set()
+    sq = torch.zeros((), dtype=torch.float64)
+    for name, p in tm.shards(dist.get_rank()).items():
+        if id(p) in seen or p.grad is None:
+            continue                                   # a tied parameter counts once
+        seen.add(id(p))
+        copies = 1
+        for size, placement in zip(sizes, tm._specs[name]):
+            copies *= size if isinstance(placement, Replicate) else 1
+        sq += p.grad.double().pow(2).sum() / copies
+    dist.all_reduce(sq)
+    return float(sq) ** 0.5
 
 
 def _mesh(args):
@@ -136,14 +180,14 @@ def worker(rank: int, args) -> dict:
     model = bundled_llama(args)
     want = reference(model, args) if rank == 0 else None
     variants, errors, grad_norms, notes = {}, {}, {}, {}
-    for name in ("megatron", "dtensor"):
+    for name in VARIANTS:
         step, mean = build(name, model, mesh, args)
         norms: list = []
         errors[name] = [mean(step(norms)) for _ in range(args.check_steps)]
         variants[name] = step
         grad_norms[name] = norms
     t = interleaved(variants, args.rounds, calls=args.iters, warmup=args.warmup,
-                    before=dist.barrier)
+                    order="rotate", before=dist.barrier)
     return {"samples": {n: v["wall"] for n, v in t.items()},
             "cpu": {n: v["cpu"] for n, v in t.items()}, "losses": errors,
             "grad_norms": grad_norms, "want": want, "notes": notes}
@@ -179,6 +223,7 @@ def memory_worker(rank: int, args, name: str) -> float | None:
     model = bundled_llama(args)
     step, _ = build(name, model, mesh, args)
     del model
+    step()        # a first step: fxshard builds its training program here (not step memory)
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand the freed model back to the OS
@@ -195,7 +240,7 @@ def memory_worker(rank: int, args, name: str) -> float | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(ap, **RUNTIME_TP, batch=4, seq=64)
+    add_model_args(ap, **GENERATE, batch=4, seq=128)
     ap.add_argument("--ranks", type=int, default=2, help="processes (fsdp x tp)")
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
     ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
@@ -208,7 +253,13 @@ def main() -> None:
     ap.add_argument("--no-memory", dest="memory", action="store_false")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "train_step.json"))
+    ap.add_argument("--small", action="store_true",
+                    help="a check that it runs: " + ", ".join(f"--{k.replace('_', '-')} {v}"
+                                                             for k, v in SMALL.items()))
     args = ap.parse_args()
+    if args.small:
+        for k, v in SMALL.items():
+            setattr(args, k, v)
     fsdp = args.ranks // args.tp
     if fsdp * args.tp != args.ranks or args.batch % fsdp:
         raise SystemExit(f"train_step.py: --ranks {args.ranks} must be a multiple of --tp "
@@ -239,7 +290,6 @@ def main() -> None:
                      r["cpu_ms_rank0"], r["peak_mib"],
                      r["peak_mib"] / mem_base if r["peak_mib"] and mem_base else None,
                      r["max_loss_err"], r["grad_norm_rel_err"]])
-    rows.append(["fxshard", PENDING, "", "", "", "", "", "", "", ""])
     print(__doc__.split("\n\n")[0])
     print()
     print(f"{env['date']}; torch {env['torch']}; {env['cpus']} CPUs ({env['processor']}); "
@@ -264,7 +314,7 @@ def main() -> None:
               f"the single-device model for: {', '.join(bad)}")
     out = {"env": env, "args": vars(args), "results": results, "single_device_losses": want,
            "single_device_grad_norms": want_norms,
-           "fxshard": PENDING, "correctness_failures": bad}
+           "correctness_failures": bad}
     write_json(args.json, out)
     print(f"wrote {args.json}")
 

@@ -32,7 +32,7 @@ import torch
 from torch._library.effects import EffectType
 
 from fxshard.ops.library import define_op
-from fxshard.runtime.context import Backend, current_backend
+from fxshard.runtime.context import _CURRENT, Backend, current_backend
 
 __all__ = ["COLLECTIVE_OPS", "POINT_TO_POINT_OPS", "is_communication", "is_point_to_point",
            "all_reduce_consuming", "checked_backend"]
@@ -43,14 +43,18 @@ _LIB = "fxshard"
 def checked_backend(op: str, axis: str, size: int) -> Backend:
     """The current backend, after checking that ``size`` is the size of ``axis`` on it."""
     backend = current_backend(f"torch.ops.fxshard.{op}")
-    actual = backend.axis_size(axis)
-    if size != actual:
-        raise ValueError(
-            f"torch.ops.fxshard.{op}: the program says mesh axis {axis!r} has size {size}, but "
-            f"the backend's mesh {backend.mesh.describe()} gives it size {actual}. The per-rank "
-            f"program was built for another mesh; rebuild it with fxshard.parallelize for this "
-            f"mesh.")
+    if size != backend.axis_size(axis):
+        raise size_mismatch(op, axis, size, backend)
     return backend
+
+
+def size_mismatch(op: str, axis: str, size: int, backend: Backend) -> ValueError:
+    """The error for a program built for another mesh (``size`` is not ``axis``'s size)."""
+    return ValueError(
+        f"torch.ops.fxshard.{op}: the program says mesh axis {axis!r} has size {size}, but "
+        f"the backend's mesh {backend.mesh.describe()} gives it size {backend.axis_size(axis)}. "
+        f"The per-rank program was built for another mesh; rebuild it with "
+        f"fxshard.parallelize for this mesh.")
 
 
 def _norm_dim(op: str, x: torch.Tensor, dim: int, name: str = "dim") -> int:
@@ -121,14 +125,15 @@ def all_reduce_consuming(x: torch.Tensor, axis: str, size: int) -> torch.Tensor:
     references (eager rank programs pick it per node: ``fxshard.compile.eager_stage``): the
     sum may be written into ``x``'s own memory, as hand-written Megatron does, instead of a
     fresh copy. Backends without an in-place ``all_reduce_`` (the simulated mesh) and
-    non-contiguous ``x`` take the copying path."""
+    non-contiguous ``x`` take the copying path. The in-place path checks ``size`` against the
+    mesh itself (:meth:`fxshard.runtime.distributed.DistributedBackend.all_reduce_`): one
+    frame per all-reduce, the most frequent op of a tensor-parallel step, where
+    :func:`checked_backend` costs three."""
+    inplace = getattr(_CURRENT.get(), "all_reduce_", None)
+    if inplace is not None and x.is_contiguous():
+        return inplace(x, axis, size)
     backend = checked_backend("all_reduce", axis, size)
-    if size == 1:
-        return x
-    inplace = getattr(backend, "all_reduce_", None)
-    if inplace is None or not x.is_contiguous():
-        return backend.all_reduce(x, axis)
-    return inplace(x, axis)
+    return x if size == 1 else backend.all_reduce(x, axis)
 
 
 # --- reduce_scatter -----------------------------------------------------------------------

@@ -150,10 +150,17 @@ class DistributedBackend:
     def all_reduce(self, x: torch.Tensor, axis: str) -> torch.Tensor:
         return self.all_reduce_(x.contiguous().clone(), axis)
 
-    def all_reduce_(self, x: torch.Tensor, axis: str) -> torch.Tensor:
+    def all_reduce_(self, x: torch.Tensor, axis: str, size: int | None = None) -> torch.Tensor:
         """Sum into ``x`` itself (contiguous, referenced by nobody else: see
-        ``fxshard.ops.collectives.all_reduce_consuming``) and return it. The most frequent
-        op of a tensor-parallel step: no closure, no frame beyond torch's own."""
+        ``fxshard.ops.collectives.all_reduce_consuming``) and return it; ``size``: the axis
+        size the program was built for, checked here (the op's own check, without its
+        frames; 1 returns ``x``). The most frequent op of a tensor-parallel step: no
+        closure, no frame beyond torch's own."""
+        if size is not None and self._sizes.get(axis, 1) != size:
+            from fxshard.ops.collectives import size_mismatch
+            raise size_mismatch("all_reduce", axis, size, self)
+        if size == 1:
+            return x
         group = self._groups.get(axis)
         if group is None:
             self._group("all_reduce", axis)   # raises: not an axis of this mesh

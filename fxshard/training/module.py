@@ -55,6 +55,22 @@ def assemble(blocks: list[torch.Tensor], shape: tuple, spec: tuple, mesh: MeshSp
     return out
 
 
+def direct(gm):
+    """``gm`` called without its per-node ``OpOverload.__call__`` and ``nn.Module.__call__``
+    frames (``fxshard.compile._direct_forward``, as inference's eager stages), made once per
+    GraphModule and its code (again after a ``recompile``); ``gm`` itself where it is no
+    GraphModule or its code reads attributes of the module."""
+    if not isinstance(gm, fx.GraphModule):
+        return gm
+    code = gm.code
+    made = gm.__dict__.get("_fxshard_direct")
+    if made is None or made[0] is not code:
+        from ..compile import _direct_forward
+        fn = gm if any(n.op == "get_attr" for n in gm.graph.nodes) else _direct_forward(gm)
+        made = gm.__dict__["_fxshard_direct"] = (code, fn)
+    return made[1]
+
+
 def _bytes(tensors) -> int:
     """Bytes of the distinct storages of ``tensors`` (views of one storage count once)."""
     seen, total = set(), 0
@@ -234,7 +250,7 @@ class TrainModule:
 
         def run(rank):
             with torch.no_grad():
-                return split.forward(*self._rank_weights(program, rank), *user)
+                return direct(split.forward)(*self._rank_weights(program, rank), *user)
         results = self._world_run(run)
         outs = list(results[self.ranks[0]][:split.n_outputs])
         saved = {r: list(out[split.n_outputs:]) for r, out in results.items()}
@@ -246,8 +262,8 @@ class TrainModule:
 
         def run(rank):
             with torch.no_grad():
-                return split.backward(*self._rank_weights(program, rank), *saved[rank],
-                                      *tangents)
+                return direct(split.backward)(*self._rank_weights(program, rank),
+                                              *saved[rank], *tangents)
         results = self._world_run(run)
         by_fqn = {r: dict(zip(split.grads, out)) for r, out in results.items()}
         grads = []
