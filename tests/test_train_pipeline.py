@@ -191,6 +191,9 @@ def test_schedule_orders_and_errors():
     pm = fxshard.parallelize(_llama(), _mesh(pp=2), microbatches=3)
     with pytest.raises(ValueError, match="batch 4 does not divide into microbatches=3"):
         pm(ids)
+    pm = fxshard.parallelize(_llama(), _mesh(pp=2), recompute="layers")
+    with pytest.raises(NotImplementedError, match="recompute='layers' on mesh axis 'pp'"):
+        pm(ids)
 
 
 def _gloo_worker(rank: int, port: int, out_dir: str) -> None:

@@ -121,6 +121,12 @@ class PipelineTrainer:
         self.microbatches, self.layer_stages, self.store = microbatches, stages, store
         self.options = options
         self.pp = spec.axis_size(PP)
+        if options.get("recompute") is not None:
+            raise NotImplementedError(
+                f"{_WHERE}: recompute={options['recompute']!r} on mesh axis {PP!r} of size "
+                f"{self.pp} (mesh {spec.describe()}): a pipeline stage's graph does not keep "
+                f"the layer names recomputation finds layers by; train without recompute= on "
+                f"a pp mesh, or without pp")
         self._simulated = is_simulated(mesh)
         self.sub = SimulatedMesh(tuple(1 if a == PP else n for a, n in
                                        zip(spec.axis_names, spec.shape)),
