@@ -125,7 +125,7 @@ class ParallelModule:
                                         sequence_parallel=o.sequence_parallel, plan=o.plan,
                                         embedding=o.embedding, strict=o.strict,
                                         store=self.weights, executor=self.executor,
-                                        cache=self.programs)
+                                        cache=self.programs, ring_zigzag=o.ring_zigzag)
         return self._trainer
 
     def _trained(self, what: str):

@@ -115,8 +115,9 @@ class TrainModule:
     def __init__(self, model: torch.nn.Module, mesh, *, sequence_parallel: bool = False,
                  plan: dict | None = None, embedding: str = "embed_dim", strict: bool = False,
                  fsdp_reshard_after_forward: bool = True, store=None, executor=None,
-                 cache=None):
+                 cache=None, ring_zigzag: bool = True):
         self.model = model
+        self.ring_zigzag = ring_zigzag
         self.fsdp_reshard_after_forward = fsdp_reshard_after_forward
         # fxshard.parallelize's weight store (the shards are cut from its values, then become
         # them: see fxshard.training.shards) and executor (its ranks run both programs)
@@ -149,7 +150,8 @@ class TrainModule:
 
     def _build(self, args: tuple, kwargs: dict) -> TrainProgram:
         ctx = PassCtx(mesh=self.spec, sequence_parallel=self.sequence_parallel,
-                      strict=self.strict, plan=self.plan, embedding_style=self.embedding)
+                      strict=self.strict, plan=self.plan, embedding_style=self.embedding,
+                      ring_zigzag=self.ring_zigzag)
         program = build_train_program(self.model, args, kwargs, ctx,
                                       reshard_after_forward=self.fsdp_reshard_after_forward)
         self._place(program)
@@ -343,7 +345,8 @@ def parallelize_for_training(model: torch.nn.Module, mesh, *, example_inputs: tu
                              example_kwargs: dict | None = None,
                              sequence_parallel: bool = False, plan: dict | None = None,
                              embedding: str = "embed_dim", strict: bool = False,
-                             fsdp_reshard_after_forward: bool = True) -> TrainModule:
+                             fsdp_reshard_after_forward: bool = True,
+                             ring_zigzag: bool = True) -> TrainModule:
     """Training programs for ``model`` over ``mesh`` (``dp``, ``fsdp`` and ``tp`` axes), built
     at the first call (one per input signature) or now on ``example_inputs``/``example_kwargs``
     (then :meth:`TrainModule.parameters` is there for an optimizer before the first step);
@@ -352,7 +355,8 @@ def parallelize_for_training(model: torch.nn.Module, mesh, *, example_inputs: tu
     ``reshard_after_forward``): one all-gather less per parameter, the whole of it held."""
     tm = TrainModule(model, mesh, sequence_parallel=sequence_parallel, plan=plan,
                      embedding=embedding, strict=strict,
-                     fsdp_reshard_after_forward=fsdp_reshard_after_forward)
+                     fsdp_reshard_after_forward=fsdp_reshard_after_forward,
+                     ring_zigzag=ring_zigzag)
     if example_inputs is not None or example_kwargs is not None:
         tm._program(tuple(example_inputs or ()), dict(example_kwargs or {}))
     return tm

@@ -51,6 +51,7 @@ from ..passes.rules import FallbackWarning
 from ..placement import Partial, R
 from ..passes.vocab_loss import split_loss_pass, vocab_parallel_loss_pass
 from .gqa import repeat_kv_pass
+from .context_parallel import check_context_parallel, lower_ring_pass
 from .joint import Joint, joint_graph
 from .refine import dedupe_views_pass, gathered_many_times, reduced_many_times
 from .partition import Split, partition
@@ -254,6 +255,7 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
     parameter's all-gather is done again in the backward (True, FSDP2's default) or its result
     saved by the forward (False: more memory, one all-gather less per parameter)."""
     check_training_axes(ctx.mesh)
+    check_context_parallel(ctx.mesh, _WHERE)
     joint = joint_graph(model, args, kwargs)
     shapes = {n.meta.get("fxshard_param") or n.meta.get("fxshard_buffer"):
               tuple(n.meta["val"].shape) for n in joint.gm.graph.nodes
@@ -261,7 +263,8 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
                                             n.meta.get("fxshard_buffer"))}
     specs = forward_placements(joint, ctx)
     jctx = PassCtx(mesh=ctx.mesh, sequence_parallel=ctx.sequence_parallel, strict=ctx.strict,
-                   plan=ctx.plan, embedding_style=ctx.embedding_style)
+                   plan=ctx.plan, embedding_style=ctx.embedding_style,
+                   ring_zigzag=ctx.ring_zigzag)
     gm = repeat_kv_pass(joint.gm, ctx=jctx)
     gm = dedupe_views_pass(gm, ctx=jctx)
     gm = run_passes(gm, [split_loss_pass], jctx)
@@ -269,6 +272,7 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
     _gradient_targets(gm, joint, specs, jctx)
     gm = run_passes(gm, [vocab_parallel_loss_pass, insert_collectives_pass, localize_pass], jctx)
     _localize_backward(gm, jctx)
+    gm = run_passes(gm, [lower_ring_pass], jctx)
     split = partition(gm, joint.n_outputs, joint.grads,
                       keep=set() if reshard_after_forward else _fsdp_gathers(gm))
     return TrainProgram(split=split, specs={f: specs.get(f, tuple(R for _ in ctx.mesh.shape))
