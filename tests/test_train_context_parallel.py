@@ -2,6 +2,8 @@
 gradients and AdamW steps on ring_cp / ulysses_cp meshes equal to the single device's."""
 import math
 
+import pytest
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -124,3 +126,134 @@ def test_ring_attention_backward_matches_autograd(n, zigzag, causal, segments, g
         for got, leaf in zip(grads[j], leaves):
             torch.testing.assert_close(got, _rows(leaf.grad, j, n, zigzag, segments),
                                        rtol=1e-9, atol=1e-9)
+
+
+# -- training on CP meshes: gradients and AdamW steps equal one device's ---------------------
+
+V, B, S = 96, 2, 8      # S: 2 * ring pieces (zigzag), hidden 48, intermediate 72: uneven
+
+
+def _mesh(**axes):
+    import fxshard
+    return fxshard.init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
+
+
+def _our_llama():
+    from fxshard.models.llama import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig.tiny(
+        num_hidden_layers=2, vocab_size=V, hidden_size=48, intermediate_size=72,
+        num_attention_heads=4, num_key_value_heads=2))
+
+
+def _hf(family):
+    import pytest
+    T = pytest.importorskip("transformers")
+    cls, cfg = {"llama": (T.LlamaForCausalLM, T.LlamaConfig),
+                "qwen2": (T.Qwen2ForCausalLM, T.Qwen2Config),
+                "mistral": (T.MistralForCausalLM, T.MistralConfig)}[family]
+    extra = dict(sliding_window=3) if family == "mistral" else {}   # < S: a banded mask
+    config = cfg(vocab_size=V, hidden_size=48, intermediate_size=72, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+                 max_position_embeddings=64, attn_implementation="sdpa", **extra)
+    torch.manual_seed(0)
+    return cls(config).eval()
+
+
+def _data(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (B, S), generator=g), torch.randint(0, V, (B, S), generator=g)
+
+
+def _loss(logits, labels):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _ring_ops(pm, which):
+    import collections
+    out = collections.Counter()
+    for n in pm.rank_module(0, which).graph.nodes:
+        if n.op == "call_function" and str(n.target).startswith("fxshard."):
+            out[str(n.target).split(".")[1]] += 1
+    return out
+
+
+def _check(model, mesh, *, steps=0, ring_zigzag=True, logits=lambda o: o):
+    """pm's gradients (and after ``steps`` AdamW steps its parameters) equal a copy's trained
+    on one device; returns pm."""
+    import copy
+    import fxshard
+    ref = copy.deepcopy(model)
+    ids, labels = _data()
+    pm = fxshard.parallelize(model, mesh, ring_zigzag=ring_zigzag)
+    out = pm(ids)
+    torch.testing.assert_close(logits(out), logits(ref(ids)), rtol=1e-4, atol=1e-4)
+    _loss(logits(out), labels).backward()
+    _loss(logits(ref(ids)), labels).backward()
+    grads = pm.gradients()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+    if steps:
+        pm.zero_grad()
+        ref.zero_grad()
+        for step_model, params in ((pm, pm.parameters()), (ref, ref.parameters())):
+            opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+            for _ in range(steps):
+                opt.zero_grad()
+                _loss(logits(step_model(ids)), labels).backward()
+                opt.step()
+        trained = pm.state_dict()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-5,
+                                       msg=name)
+    return pm
+
+
+def test_ring_zigzag_trains_as_one_device():
+    """ring_cp=2 (zigzag): gradients and three AdamW steps; the backward runs one ring
+    attention backward per layer and no attention gather (only the weight gradients'
+    all-reduces over the ring)."""
+    pm = _check(_our_llama(), _mesh(ring_cp=2), steps=3)
+    assert _ring_ops(pm, "forward")["ring_attention"] == 2
+    bwd = _ring_ops(pm, "backward")
+    assert bwd["ring_attention_backward"] == 2 and bwd["all_gather"] == 0
+    assert bwd["zigzag_gather"] == 0 and bwd["all_reduce"] == 21   # one per parameter
+
+
+def test_ulysses_trains_as_one_device():
+    """ulysses_cp=2: gradients and three AdamW steps; the backward's all-to-alls are the
+    forward's inverse (no activation gather)."""
+    pm = _check(_our_llama(), _mesh(ulysses_cp=2), steps=3)
+    fwd, bwd = _ring_ops(pm, "forward"), _ring_ops(pm, "backward")
+    assert fwd["all_to_all"] == 8    # q, k, v to heads, out back: per layer
+    assert bwd["all_to_all"] == 8    # grad_out to heads, dq, dk, dv back
+    assert bwd["all_gather"] == bwd["reduce_scatter"] == 0 and bwd["all_reduce"] == 21
+
+
+@pytest.mark.parametrize("axes,zigzag", [(dict(ring_cp=2), False),
+                                         (dict(tp=2, ring_cp=2), True),
+                                         (dict(dp=2, ring_cp=2), True)])
+def test_ring_with_other_axes_gradients(axes, zigzag):
+    pm = _check(_our_llama(), _mesh(**axes), ring_zigzag=zigzag)
+    assert _ring_ops(pm, "backward")["ring_attention_backward"] == 2
+
+
+@pytest.mark.parametrize("family,axes", [("llama", dict(ring_cp=2)), ("qwen2", dict(ulysses_cp=2)),
+                                         ("mistral", dict(ring_cp=2))])
+def test_hf_models_train_on_cp(family, axes):
+    """HF Llama, Qwen2 (q/k/v biases) and Mistral with a sliding window of 3 < 8 tokens (a
+    banded mask, sharded by query rows on the ring)."""
+    pm = _check(_hf(family), _mesh(**axes), logits=lambda o: o.logits)
+    if "ring_cp" in axes:
+        assert _ring_ops(pm, "backward")["ring_attention_backward"] == 2
+
+
+@pytest.mark.parametrize("axes,match", [
+    (dict(ulysses_cp=2, ring_cp=2), r"'ring_cp' of size 2 together with 'ulysses_cp'"),
+    (dict(tp=2, ulysses_cp=2), r"'ulysses_cp' of size 2 together with 'tp'"),
+    (dict(pp=2, ring_cp=2), r"'pp' of size 2")])
+def test_cp_meshes_that_do_not_train_yet_are_errors(axes, match):
+    import fxshard
+    pm = fxshard.parallelize(_our_llama(), _mesh(**axes))
+    with pytest.raises(NotImplementedError, match=match):
+        pm(_data()[0])

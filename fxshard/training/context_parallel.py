@@ -16,9 +16,19 @@ partition saves for the backward)::
 
 ``ulysses_cp`` needs no lowering: the rules trade the sequence shard for heads around the
 aten ops, and the redistribution table's all-to-alls (forward, and their inverses on the
-backward's inputs and outputs) do the rest.
+backward's inputs and outputs) do the rest. ``mark_ulysses_pass`` (before propagation) puts a
+``ulysses_out`` marker after each attention result its users read, so that they get it back
+sequence-sharded (one all-to-all) rather than computing on heads; ``drop_marks_pass`` (after
+``insert_collectives``) removes the markers::
+
+    getitem = flash[0]; transpose = transpose(getitem, 1, 2)                 # before
+    getitem = flash[0]; mark = ulysses_out(getitem); transpose = transpose(mark, 1, 2)
+    all_to_all = fxshard.all_to_all(getitem, 2, 1, 'ulysses_cp', 2)          # after both
+    transpose = transpose(all_to_all, 1, 2)
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -26,10 +36,11 @@ import torch.fx as fx
 import fxshard.ops.ring  # noqa: F401  (registers fxshard::ring_attention[_backward])
 from ..mesh import DP, FSDP, PP, RING, TP, ULYSSES, MeshSpec
 from ..passes import PassCtx
+from ..passes.rules.attention_cp import ulysses_out
 
 aten = torch.ops.aten
 
-__all__ = ["check_context_parallel", "lower_ring_pass"]
+__all__ = ["check_context_parallel", "lower_ring_pass", "mark_ulysses_pass", "drop_marks_pass"]
 
 _FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
 _FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -90,4 +101,41 @@ def lower_ring_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     if lowered:
         gm.recompile()
     ctx.report("lower_ring_pass", lowered=lowered)
+    return gm
+
+
+def mark_ulysses_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
+    """A ``ulysses_out`` marker after the output of each attention and each of its gradients
+    (not the lse, which only the backward reads) when ``ulysses_cp`` is active."""
+    marked = 0
+    if ctx.mesh.axis_size(ULYSSES) > 1:
+        graph = gm.graph
+        for node in list(graph.nodes):
+            keep = (0,) if node.target is _FLASH else (0, 1, 2) \
+                if node.target is _FLASH_BACKWARD else ()
+            for user in list(node.users):
+                if user.target is operator.getitem and user.args[1] in keep:
+                    with graph.inserting_after(user):
+                        mark = graph.call_function(ulysses_out, (user,))
+                    mark.meta.update(user.meta)
+                    # the backward's own copy of out (detach) keeps the heads layout
+                    user.replace_all_uses_with(mark, delete_user_cb=lambda n: n is not mark
+                                               and n.target is not aten.detach.default)
+                    marked += 1
+        gm.recompile()
+    ctx.report("mark_ulysses_pass", marked=marked)
+    return gm
+
+
+def drop_marks_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
+    """Remove the ``ulysses_out`` markers (their collectives are in place)."""
+    dropped = 0
+    for node in list(gm.graph.nodes):
+        if node.target is ulysses_out:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            dropped += 1
+    if dropped:
+        gm.recompile()
+    ctx.report("drop_marks_pass", dropped=dropped)
     return gm

@@ -51,7 +51,8 @@ from ..passes.rules import FallbackWarning
 from ..placement import Partial, R
 from ..passes.vocab_loss import split_loss_pass, vocab_parallel_loss_pass
 from .gqa import repeat_kv_pass
-from .context_parallel import check_context_parallel, lower_ring_pass
+from .context_parallel import (check_context_parallel, drop_marks_pass, lower_ring_pass,
+                               mark_ulysses_pass)
 from .joint import Joint, joint_graph
 from .refine import dedupe_views_pass, gathered_many_times, reduced_many_times
 from .partition import Split, partition
@@ -267,10 +268,11 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
                    ring_zigzag=ctx.ring_zigzag)
     gm = repeat_kv_pass(joint.gm, ctx=jctx)
     gm = dedupe_views_pass(gm, ctx=jctx)
-    gm = run_passes(gm, [split_loss_pass], jctx)
+    gm = run_passes(gm, [split_loss_pass, mark_ulysses_pass], jctx)
     _joint_propagate(gm, jctx, specs, joint)
     _gradient_targets(gm, joint, specs, jctx)
-    gm = run_passes(gm, [vocab_parallel_loss_pass, insert_collectives_pass, localize_pass], jctx)
+    gm = run_passes(gm, [vocab_parallel_loss_pass, insert_collectives_pass, drop_marks_pass,
+                         localize_pass], jctx)
     _localize_backward(gm, jctx)
     gm = run_passes(gm, [lower_ring_pass], jctx)
     split = partition(gm, joint.n_outputs, joint.grads,

@@ -22,6 +22,11 @@ Layout legend: q/out/grad_out ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]``, lse ``[
       _flash_for_cpu_backward(g: S(2), ...)   -> needs S(1) (g: all-to-all), out [S(1)] * 3
 
   Both heads counts (after the heads axes before it in mesh order) must divide by the axis.
+  Each result the attention's users read (out; dq, dk, dv) passes a ``ulysses_out`` marker
+  (``fxshard.training.context_parallel``, dropped after ``insert_collectives``) whose rule
+  moves it back to the sequence shard right away (``then``), as inference's SDPA rule does::
+
+      getitem(flash, 0): S(1) -> ulysses_out -> all_to_all(x, 2, 1, 'ulysses_cp', 2): S(2)
 """
 from __future__ import annotations
 
@@ -29,10 +34,23 @@ import torch.fx as fx
 
 from ...mesh import RING, TP, ULYSSES
 from ...placement import R, Shard
-from . import Decision, RuleCtx, tensor_inputs
+from . import Decision, RuleCtx, rule, tensor_inputs
 from .attention import _note
 
-__all__ = ["sequence_decision"]
+__all__ = ["sequence_decision", "ulysses_out"]
+
+
+def ulysses_out(x):
+    """Identity: marks an attention result to go back to the sequence shard on ulysses_cp."""
+    return x
+
+
+@rule(ulysses_out)
+def ulysses_out_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    p = ins[0]
+    if ctx.axis == ULYSSES and p == Shard(1) and ctx.shape(node)[2] % ctx.size == 0:
+        return Decision(ins=[p], out=p, then=Shard(2))
+    return Decision(ins=[p], out=p)
 
 
 def sequence_decision(node: fx.Node, ins: list, ctx: RuleCtx, q: fx.Node, k: fx.Node,
