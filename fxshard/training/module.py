@@ -347,12 +347,15 @@ def parallelize_for_training(model: torch.nn.Module, mesh, *, example_inputs: tu
                              embedding: str = "embed_dim", strict: bool = False,
                              fsdp_reshard_after_forward: bool = True,
                              ring_zigzag: bool = True) -> TrainModule:
-    """Training programs for ``model`` over ``mesh`` (``dp``, ``fsdp`` and ``tp`` axes), built
+    """Training programs for ``model`` over ``mesh`` (``dp``, ``fsdp``, ``tp``, ``ring_cp``,
+    ``ulysses_cp`` axes; ``fxshard.training.context_parallel`` says which CP meshes), built
     at the first call (one per input signature) or now on ``example_inputs``/``example_kwargs``
     (then :meth:`TrainModule.parameters` is there for an optimizer before the first step);
     options as for :func:`fxshard.parallelize`. ``fsdp_reshard_after_forward=False`` keeps
     each fsdp parameter's gathered value from the forward for the backward (FSDP2's
-    ``reshard_after_forward``): one all-gather less per parameter, the whole of it held."""
+    ``reshard_after_forward``): one all-gather less per parameter, the whole of it held.
+    ``ring_zigzag`` as for :func:`fxshard.parallelize` (the zigzag sequence layout on
+    ``ring_cp``)."""
     tm = TrainModule(model, mesh, sequence_parallel=sequence_parallel, plan=plan,
                      embedding=embedding, strict=strict,
                      fsdp_reshard_after_forward=fsdp_reshard_after_forward,
