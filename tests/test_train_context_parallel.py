@@ -218,6 +218,10 @@ def test_ring_zigzag_trains_as_one_device():
     bwd = _ring_ops(pm, "backward")
     assert bwd["ring_attention_backward"] == 2 and bwd["all_gather"] == 0
     assert bwd["zigzag_gather"] == 0 and bwd["all_reduce"] == 21   # one per parameter
+    # K/V of a rank [B=2, Hkv=2, S/2=4, D=12] float32: one hop, their gradients two
+    ring = [c for c in pm.trainer.collectives("backward") if c.op == "ring_attention_backward"]
+    chunk = 2 * (2 * 2 * 4 * 12) * 4
+    assert [(c.shape, c.wire_bytes) for c in ring] == [((2, 2, 4, 12), 3 * chunk)] * 2
 
 
 def test_ulysses_trains_as_one_device():
