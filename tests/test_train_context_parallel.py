@@ -234,11 +234,18 @@ def test_ulysses_trains_as_one_device():
     assert bwd["all_gather"] == bwd["reduce_scatter"] == 0 and bwd["all_reduce"] == 21
 
 
-def test_tp2_ring2_contiguous_gradients():
-    """tp2·ring2 with the contiguous layout (ring_zigzag=False); dp2·ring2: the gloo test."""
-    pm = _check(_our_llama(), _mesh(tp=2, ring_cp=2), ring_zigzag=False)
-    assert _ring_ops(pm, "backward")["ring_attention_backward"] == 2
-    assert _ring_ops(pm, "forward")["zigzag_shard"] == 0
+@pytest.mark.parametrize("axes", [dict(tp=2, ring_cp=2), dict(fsdp=2, ulysses_cp=2)],
+                         ids=["tp2_ring2", "fsdp2_ulysses2"])
+def test_cp_with_other_axes_gradients(axes):
+    """tp2·ring2 with the contiguous layout (ring_zigzag=False), fsdp2·ulysses2; dp2·ring2:
+    the gloo test."""
+    pm = _check(_our_llama(), _mesh(**axes), ring_zigzag=False)
+    fwd, bwd = _ring_ops(pm, "forward"), _ring_ops(pm, "backward")
+    assert fwd["zigzag_shard"] == 0
+    if "ring_cp" in axes:
+        assert bwd["ring_attention_backward"] == 2
+    else:
+        assert bwd["all_to_all"] == 8 and bwd["reduce_scatter"] == 21
 
 
 @pytest.mark.parametrize("family,axes", [("llama", dict(ring_cp=2)), ("qwen2", dict(ulysses_cp=2)),
