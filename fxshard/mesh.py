@@ -10,8 +10,9 @@ role sets (``BATCH_AXES``, ``SEQUENCE_AXES``, ``TRAINING_AXES``) below::
     fsdp         batch + weight storage -                      yes
     tp           weights (Megatron)     heads                  yes
     pp           layers (stages)        -                      no (not yet)
-    ulysses_cp   sequence               all-to-all to heads    yes (with dp, fsdp)
-    ring_cp      sequence               ring (K/V around)      yes (with dp, fsdp, tp)
+    ulysses_cp   sequence               all-to-all to heads    yes (with dp, fsdp, ring_cp)
+    ring_cp      sequence               ring (K/V around)      yes (with dp, fsdp, tp,
+                                                                    ulysses_cp)
 
 Ranks are laid out row-major over the mesh shape, as in ``torch.distributed.DeviceMesh``:
 on a ``(dp=2, tp=2)`` mesh rank 3 has coordinates ``(1, 1)``.

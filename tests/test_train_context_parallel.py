@@ -248,6 +248,20 @@ def test_cp_with_other_axes_gradients(axes):
         assert bwd["all_to_all"] == 8 and bwd["reduce_scatter"] == 21
 
 
+@pytest.mark.parametrize("outer", ["ring_cp", "ulysses_cp"])
+def test_usp_gradients(outer):
+    """USP (ulysses2·ring2), both mesh orders: the ring on the rank's heads. Ring outside
+    trades sequence for heads with one all-to-all each way (4 per layer and direction);
+    Ulysses outside moves them by gathers (more bytes, the same numbers)."""
+    axes = dict(ring_cp=2, ulysses_cp=2) if outer == "ring_cp" else dict(ulysses_cp=2,
+                                                                        ring_cp=2)
+    pm = _check(_our_llama(), _mesh(**axes))
+    fwd, bwd = _ring_ops(pm, "forward"), _ring_ops(pm, "backward")
+    assert fwd["ring_attention"] == bwd["ring_attention_backward"] == 2
+    if outer == "ring_cp":
+        assert fwd["all_to_all"] == bwd["all_to_all"] == 8 and bwd["all_gather"] == 0
+
+
 @pytest.mark.parametrize("family,axes", [("llama", dict(ring_cp=2)), ("qwen2", dict(ulysses_cp=2)),
                                          ("mistral", dict(ring_cp=2))])
 def test_hf_models_train_on_cp(family, axes):
@@ -259,7 +273,7 @@ def test_hf_models_train_on_cp(family, axes):
 
 
 @pytest.mark.parametrize("axes,match", [
-    (dict(ulysses_cp=2, ring_cp=2), r"'ring_cp' of size 2 together with 'ulysses_cp'"),
+    (dict(tp=2, ulysses_cp=2, ring_cp=2), r"'ulysses_cp' of size 2 together with 'tp'"),
     (dict(tp=2, ulysses_cp=2), r"'ulysses_cp' of size 2 together with 'tp'"),
     (dict(pp=2, ring_cp=2), r"'pp' of size 2")])
 def test_cp_meshes_that_do_not_train_yet_are_errors(axes, match):

@@ -47,7 +47,7 @@ _FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.defa
 
 # the axes each CP axis trains with (checked against the single device in
 # tests/test_train_context_parallel.py)
-_TRAINS_WITH = {RING: (DP, FSDP, TP), ULYSSES: (DP, FSDP)}
+_TRAINS_WITH = {RING: (DP, FSDP, TP, ULYSSES), ULYSSES: (DP, FSDP, RING)}
 
 
 def check_context_parallel(mesh: MeshSpec, where: str) -> None:

@@ -22,6 +22,11 @@ Layout legend: q/out/grad_out ``[B, Hq, S, D]``, k/v ``[B, Hkv, S, D]``, lse ``[
       _flash_for_cpu_backward(g: S(2), ...)   -> needs S(1) (g: all-to-all), out [S(1)] * 3
 
   Both heads counts (after the heads axes before it in mesh order) must divide by the axis.
+  With ``ring_cp`` too (USP) the heads shard on ``ulysses_cp`` and the sequence shard on
+  ``ring_cp`` compose: the ring runs on the rank's heads. With ``ring_cp`` before
+  ``ulysses_cp`` in the mesh the trade is one all-to-all each way; with ``ulysses_cp`` first
+  the redistribution table moves the sequence by gathers and slices (correct, more bytes:
+  inference's segmented ring layout is not used in training yet).
   Each result the attention's users read (out; dq, dk, dv) passes a ``ulysses_out`` marker
   (``fxshard.training.context_parallel``, dropped after ``insert_collectives``) whose rule
   moves it back to the sequence shard right away (``then``), as inference's SDPA rule does::
@@ -66,10 +71,6 @@ def sequence_decision(node: fx.Node, ins: list, ctx: RuleCtx, q: fx.Node, k: fx.
         _note(node, "ring", ctx.axis)
         return Decision(ins=[_mask_need(t, q, 2, ctx) if t is mask else Shard(2)
                              for t in tensors], out=[Shard(2)] * n_out)
-    if ctx.mesh.axis_size(RING) > 1:
-        raise NotImplementedError(
-            f"fxshard.training: attention {node.name} on mesh {ctx.mesh.describe()}: training "
-            f"with both {ULYSSES} and {RING} (USP) is not built yet; train on one of them")
     names = ctx.mesh.axis_names
     outer = [a for a in names[:names.index(ctx.axis)]
              if a == TP and ctx.mesh.axis_size(a) > 1]
