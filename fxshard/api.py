@@ -137,7 +137,8 @@ class ParallelModule:
                                         sequence_parallel=o.sequence_parallel, plan=o.plan,
                                         embedding=o.embedding, strict=o.strict,
                                         recompute=o.recompute, store=self.weights,
-                                        executor=self.executor, cache=self.programs)
+                                        executor=self.executor, cache=self.programs,
+                                        ring_zigzag=o.ring_zigzag)
         return self._trainer
 
     def train_step(self, *args, loss_fn=None, target=None, schedule: str = "1f1b",

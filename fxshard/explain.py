@@ -33,11 +33,12 @@ Legend
   wire bytes    what one rank moves over the links with a ring algorithm: 2(n-1)/n of it for
                 an all-reduce, (n-1)/n of the gathered or scattered size otherwise, the whole
                 message for send/recv, n-1 K/V chunks for ring attention (n = axis size);
+                its backward adds n hops of their float32 gradients;
                 local_shard / zigzag_shard take a rank's slice: no communication, 0 bytes"""
 
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "local_shard",
                "partial_from_replicate", "send", "recv", "ring_attention", "zigzag_shard",
-               "zigzag_gather", "sharded_argmax")
+               "zigzag_gather", "sharded_argmax", "ring_attention_backward")
 
 
 _LOCAL = ("local_shard", "partial_from_replicate", "zigzag_shard")  # no communication
@@ -259,6 +260,18 @@ def collectives_of(graph, mesh) -> list[CollectiveInfo]:
             nbytes = 2 * _numel(shape) * k.meta["val"].element_size()
             out.append(CollectiveInfo(node.name, op, axis, size, shape, nbytes,
                                       (size - 1) * nbytes, _module_of(node)))
+            continue
+        if op == "ring_attention_backward":   # K, V and their float32 gradients travel
+            k, v = node.args[2], node.args[3]     # n - 1 steps; the gradients one more home
+            axis = node.args[8]
+            size = mesh.axis_size(axis)
+            kv = [local_shape(tuple(t.meta["val"].shape), t.meta["fxshard_spec"], mesh)
+                  for t in (k, v)]
+            chunk = sum(_numel(s) for s in kv) * k.meta["val"].element_size()
+            grads = sum(_numel(s) for s in kv) * (8 if k.meta["val"].dtype == torch.float64
+                                                  else 4)
+            out.append(CollectiveInfo(node.name, op, axis, size, kv[0], chunk + grads,
+                                      (size - 1) * chunk + size * grads, _module_of(node)))
             continue
         if op == "sharded_argmax":  # one (value, index) float64 pair per row, all-gathered
             axis = node.args[1]

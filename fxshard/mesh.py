@@ -10,8 +10,9 @@ role sets (``BATCH_AXES``, ``SEQUENCE_AXES``, ``TRAINING_AXES``) below::
     fsdp         batch + weight storage -                      yes
     tp           weights (Megatron)     heads                  yes
     pp           layers (stages)        -                      no (not yet)
-    ulysses_cp   sequence               all-to-all to heads    no (not yet)
-    ring_cp      sequence               ring (K/V around)      no (not yet)
+    ulysses_cp   sequence               all-to-all to heads    yes (with dp, fsdp, ring_cp)
+    ring_cp      sequence               ring (K/V around)      yes (with dp, fsdp, tp,
+                                                                    ulysses_cp)
 
 Ranks are laid out row-major over the mesh shape, as in ``torch.distributed.DeviceMesh``:
 on a ``(dp=2, tp=2)`` mesh rank 3 has coordinates ``(1, 1)``.
@@ -57,8 +58,8 @@ AXIS_ROLES: dict[str, AxisRole] = {
     FSDP: AxisRole("batch, weight storage", 0, "stored", None, True),
     TP: AxisRole("weights", None, "sharded", "heads", True),
     PP: AxisRole("layers", None, "stages", None, True),
-    ULYSSES: AxisRole("sequence", 1, "whole", "all_to_all", False),
-    RING: AxisRole("sequence", 1, "whole", "ring", False),
+    ULYSSES: AxisRole("sequence", 1, "whole", "all_to_all", True),
+    RING: AxisRole("sequence", 1, "whole", "ring", True),
 }
 AXIS_NAMES = tuple(AXIS_ROLES)
 BATCH_AXES = tuple(a for a, r in AXIS_ROLES.items() if r.input_dim == 0)

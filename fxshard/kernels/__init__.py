@@ -3,7 +3,8 @@
 ``attention`` (fused attention returning logsumexp), ``decode_attention`` (a few queries
 against a static KV cache, the same ``(out, lse)`` contract; on CUDA a split-K flash-decoding
 Triton kernel, :mod:`fxshard.kernels.triton_decode`, on CPU plain torch ops) and
-``merge_attention`` (the online-softmax merge). The Triton kernels share their online-softmax
+``merge_attention`` (the online-softmax merge); ``attention_block_backward`` (the backward of
+one query chunk against one key chunk from the global logsumexp: ring attention's step). The Triton kernels share their online-softmax
 step (:mod:`fxshard.kernels.triton_softmax`). Triton is imported only when a Triton backend is
 used, so this package works without it.
 
@@ -13,6 +14,7 @@ schemas, fake impls, autograd) are defined in :mod:`fxshard.ops`; ``attention(..
 backend="auto")`` calls ``torch.ops.fxshard.attention``, which ``import fxshard`` registers.
 """
 from .attention import attention, merge_attention
+from .attention_backward import attention_block_backward
 from .decode import decode_attention
 
-__all__ = ["attention", "decode_attention", "merge_attention"]
+__all__ = ["attention", "attention_block_backward", "decode_attention", "merge_attention"]

@@ -18,6 +18,16 @@ sequence layout on ``ring_cp`` is therefore zigzag (rank j holds chunks j and 2n
 same work. ``zigzag=True`` tells the op where its two pieces sit. An explicit mask (a sliding
 window, an ALiBi bias) comes sharded by rows like q, with all key columns: step ``i`` slices
 the columns of the visiting chunk's global positions.
+
+``fxshard::ring_attention_backward`` is its gradient (training on ``ring_cp``): the same
+steps, each the block backward (``attention_block_backward``) of the local queries against the
+visiting K/V chunk with the *global* logsumexp the forward returned, so no rescaling is needed.
+dQ stays local; the visiting chunk's dK/dV (float32) travel with it and, after the last step,
+one more hop brings them home::
+
+    step i: dq += bwd(q_r, k_src, v_src).dq    dk_src += .dk, dv_src += .dv
+            send k_src, v_src, dk_src, dv_src -> r+1             (n - 1 times)
+    then:   send dk, dv -> r+1 (their owner)   recv own dk, dv from r-1
 """
 from __future__ import annotations
 
@@ -26,10 +36,11 @@ from typing import Optional
 import torch
 
 from fxshard.kernels.attention import attention, merge_attention
+from fxshard.kernels.attention_backward import attention_block_backward
 from fxshard.ops.library import define_op
 from fxshard.runtime.context import current_backend
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "ring_attention_backward"]
 
 
 @define_op("fxshard::ring_attention",
@@ -70,22 +81,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
         raise ValueError(f"fxshard.ring_attention: local sequence lengths {q.shape[2]} (q) and "
                          f"{k.shape[2]} (k/v) must divide into segments={segments}")
     r = backend.axis_index(axis)
-    per_part = 2 if zigzag else 1
-    n_pieces = segments * per_part
-    if q.shape[2] % n_pieces or k.shape[2] % n_pieces:
-        raise ValueError(f"fxshard.ring_attention: local sequence lengths {q.shape[2]} (q) and "
-                         f"{k.shape[2]} (k/v) must divide into {n_pieces} pieces")
-    sq, skv = q.shape[2] // n_pieces, k.shape[2] // n_pieces
+    n_pieces, sq, skv = _pieces(q, k, segments, zigzag)
 
-    kv_stride = stride if kv_stride < 0 else kv_stride
     if mask is not None:
         mask = _check_mask(mask, q, k, segments, size, axis)
-
-    def start(piece: int, rank: int, length: int, part_stride: int) -> int:
-        t, z = divmod(piece, per_part)
-        slot = rank if z == 0 else 2 * size - 1 - rank
-        return t * part_stride + slot * length
-
+    start = _starts(size, zigzag, stride, kv_stride)
     q_pieces = q.split(sq, dim=2)
     nxt, prv = (r + 1) % size, (r - 1) % size
     outs: list = [None] * n_pieces
@@ -98,15 +98,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
             backend.send(k_cur, axis, nxt)
             backend.send(v_cur, axis, nxt)
         for t, q_t in enumerate(q_pieces):
-            q_at = start(t, r, sq, stride)
+            q_at = start(t, r, sq, False)
             for u in range(n_pieces):
-                kv_at = start(u, src, skv, kv_stride)
+                kv_at = start(u, src, skv, True)
                 if causal and kv_at > q_at + sq - 1:
                     continue  # this key piece lies wholly after every query of the piece
-                m = None
-                if mask is not None:
-                    m = mask if mask.shape[2] == 1 else mask[:, :, t * sq:(t + 1) * sq]
-                    m = m if m.shape[3] == 1 else m[:, :, :, kv_at:kv_at + skv]
+                m = _mask_block(mask, t, sq, kv_at, skv)
                 o, l = attention(q_t, k_cur[:, :, u * skv:(u + 1) * skv],
                                  v_cur[:, :, u * skv:(u + 1) * skv], causal=causal,
                                  scale=scale, q_offset=q_at, kv_offset=kv_at,
@@ -119,6 +116,113 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
             k_cur = backend.recv(k.shape, k.dtype, k.device, axis, prv)
             v_cur = backend.recv(v.shape, v.dtype, v.device, axis, prv)
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+
+def _pieces(q: torch.Tensor, k: torch.Tensor, segments: int, zigzag: bool):
+    """``(pieces, query piece length, key piece length)`` of the local sequence."""
+    n_pieces = segments * (2 if zigzag else 1)
+    if q.shape[2] % n_pieces or k.shape[2] % n_pieces:
+        raise ValueError(f"fxshard.ring_attention: local sequence lengths {q.shape[2]} (q) and "
+                         f"{k.shape[2]} (k/v) must divide into {n_pieces} pieces "
+                         f"(segments={segments}, zigzag={zigzag})")
+    return n_pieces, q.shape[2] // n_pieces, k.shape[2] // n_pieces
+
+
+def _starts(size: int, zigzag: bool, stride: int, kv_stride: int):
+    """``start(piece, rank, length, keys)``: the absolute position of a local piece."""
+    per_part = 2 if zigzag else 1
+    kv_stride = stride if kv_stride < 0 else kv_stride
+
+    def start(piece: int, rank: int, length: int, keys: bool) -> int:
+        t, z = divmod(piece, per_part)
+        slot = rank if z == 0 else 2 * size - 1 - rank
+        return t * (kv_stride if keys else stride) + slot * length
+    return start
+
+
+def _mask_block(mask, t: int, sq: int, kv_at: int, skv: int):
+    """The mask's rows of query piece ``t`` and columns of the key piece at ``kv_at``."""
+    if mask is None:
+        return None
+    m = mask if mask.shape[2] == 1 else mask[:, :, t * sq:(t + 1) * sq]
+    return m if m.shape[3] == 1 else m[:, :, :, kv_at:kv_at + skv]
+
+
+@define_op("fxshard::ring_attention_backward",
+           "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
+           "float? scale, str axis, int size, int segments=1, int stride=0, bool zigzag=False, "
+           "int kv_stride=-1, float softcap=0.0, Tensor? mask=None) -> (Tensor, Tensor, Tensor)")
+def ring_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                            v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                            scale: Optional[float], axis: str, size: int, segments: int = 1,
+                            stride: int = 0, zigzag: bool = False, kv_stride: int = -1,
+                            softcap: float = 0.0, mask: Optional[torch.Tensor] = None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`ring_attention` (same layout arguments) for this rank's
+    chunk, from the forward's ``out`` and global ``lse`` and the output gradient ``grad_out``.
+    dK/dV are accumulated in float32 (float64 for float64) on the ring and cast at the end."""
+    backend = current_backend(f"fxshard.ring_attention_backward on axis {axis!r}")
+    if backend.axis_size(axis) != size:
+        raise ValueError(f"fxshard.ring_attention_backward: size={size} but mesh axis "
+                         f"{axis!r} has {backend.axis_size(axis)} ranks")
+    r = backend.axis_index(axis)
+    n_pieces, sq, skv = _pieces(q, k, segments, zigzag)
+    if mask is not None:
+        mask = _check_mask(mask, q, k, segments, size, axis)
+    start = _starts(size, zigzag, stride, kv_stride)
+    nxt, prv = (r + 1) % size, (r - 1) % size
+    q_p, o_p, g_p, l_p = (t.split(sq, dim=2) for t in (q, out, grad_out, lse))
+    dq = [None] * n_pieces
+    k_cur, v_cur = k.contiguous(), v.contiguous()
+    dk_cur = dv_cur = None
+    for step in range(size):
+        src = (r - step) % size
+        if step:
+            k_cur = backend.recv(k.shape, k.dtype, k.device, axis, prv)
+            v_cur = backend.recv(v.shape, v.dtype, v.device, axis, prv)
+            dk_cur = backend.recv(k.shape, _acc(k), k.device, axis, prv)
+            dv_cur = backend.recv(v.shape, _acc(v), v.device, axis, prv)
+        else:
+            dk_cur = torch.zeros(k.shape, dtype=_acc(k), device=k.device)
+            dv_cur = torch.zeros(v.shape, dtype=_acc(v), device=v.device)
+        if step < size - 1:   # the next rank computes on this chunk while ours runs
+            backend.send(k_cur, axis, nxt)
+            backend.send(v_cur, axis, nxt)
+        for t in range(n_pieces):
+            q_at = start(t, r, sq, False)
+            for u in range(n_pieces):
+                kv_at = start(u, src, skv, True)
+                if causal and kv_at > q_at + sq - 1:
+                    continue  # this key piece lies wholly after every query of the piece
+                keys = slice(u * skv, (u + 1) * skv)
+                a, b, c = attention_block_backward(
+                    q_p[t], k_cur[:, :, keys], v_cur[:, :, keys], o_p[t], g_p[t], l_p[t],
+                    causal=causal, scale=scale, q_offset=q_at, kv_offset=kv_at,
+                    softcap=softcap, mask=_mask_block(mask, t, sq, kv_at, skv))
+                dq[t] = a if dq[t] is None else dq[t] + a
+                dk_cur[:, :, keys] += b
+                dv_cur[:, :, keys] += c
+        if step < size - 1:
+            backend.send(dk_cur, axis, nxt)
+            backend.send(dv_cur, axis, nxt)
+    if size > 1:   # the chunk now here belongs to the next rank: one hop home
+        backend.send(dk_cur, axis, nxt)
+        backend.send(dv_cur, axis, nxt)
+        dk_cur = backend.recv(k.shape, _acc(k), k.device, axis, prv)
+        dv_cur = backend.recv(v.shape, _acc(v), v.device, axis, prv)
+    dq = [torch.zeros(q_p[t].shape, dtype=_acc(q), device=q.device) if d is None else d
+          for t, d in enumerate(dq)]
+    return torch.cat(dq, dim=2).to(q.dtype), dk_cur.to(k.dtype), dv_cur.to(v.dtype)
+
+
+def _acc(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+@ring_attention_backward.register_fake
+def _(grad_out, q, k, v, out, lse, causal, scale, axis, size, segments=1, stride=0,
+      zigzag=False, kv_stride=-1, softcap=0.0, mask=None):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _check_mask(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor, segments: int, size: int,

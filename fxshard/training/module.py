@@ -131,11 +131,12 @@ class TrainModule:
     def __init__(self, model: torch.nn.Module, mesh, *, sequence_parallel: bool = False,
                  plan: dict | None = None, embedding: str = "embed_dim", strict: bool = False,
                  fsdp_reshard_after_forward: bool = True, recompute: str | None = None,
-                 store=None, executor=None, cache=None):
+                 store=None, executor=None, cache=None, ring_zigzag: bool = True):
         from .recompute import check_recompute
         check_recompute(_WHERE, recompute)
         self.model = model
         self.recompute = recompute
+        self.ring_zigzag = ring_zigzag
         self.fsdp_reshard_after_forward = fsdp_reshard_after_forward
         # fxshard.parallelize's weight store (the shards are cut from its values, then become
         # them: see fxshard.training.shards) and executor (its ranks run both programs)
@@ -168,7 +169,8 @@ class TrainModule:
 
     def _build(self, args: tuple, kwargs: dict) -> TrainProgram:
         ctx = PassCtx(mesh=self.spec, sequence_parallel=self.sequence_parallel,
-                      strict=self.strict, plan=self.plan, embedding_style=self.embedding)
+                      strict=self.strict, plan=self.plan, embedding_style=self.embedding,
+                      ring_zigzag=self.ring_zigzag)
         program = build_train_program(self.model, args, kwargs, ctx,
                                       reshard_after_forward=self.fsdp_reshard_after_forward,
                                       recompute=self.recompute)
@@ -364,19 +366,22 @@ def parallelize_for_training(model: torch.nn.Module, mesh, *, example_inputs: tu
                              sequence_parallel: bool = False, plan: dict | None = None,
                              embedding: str = "embed_dim", strict: bool = False,
                              fsdp_reshard_after_forward: bool = True,
-                             recompute: str | None = None) -> TrainModule:
-    """Training programs for ``model`` over ``mesh`` (``dp``, ``fsdp`` and ``tp`` axes), built
+                             recompute: str | None = None,
+                             ring_zigzag: bool = True) -> TrainModule:
+    """Training programs for ``model`` over ``mesh`` (``dp``, ``fsdp``, ``tp``, ``ring_cp``,
+    ``ulysses_cp`` axes; ``fxshard.training.context_parallel`` says which CP meshes), built
     at the first call (one per input signature) or now on ``example_inputs``/``example_kwargs``
     (then :meth:`TrainModule.parameters` is there for an optimizer before the first step);
     options as for :func:`fxshard.parallelize`. ``fsdp_reshard_after_forward=False`` keeps
     each fsdp parameter's gathered value from the forward for the backward (FSDP2's
     ``reshard_after_forward``): one all-gather less per parameter, the whole of it held.
     ``recompute="layers"``: each repeated layer saves only its output for the backward, which
-    recomputes the rest (:mod:`fxshard.training.recompute`)."""
+    recomputes the rest (:mod:`fxshard.training.recompute`). ``ring_zigzag`` as for
+    :func:`fxshard.parallelize` (the zigzag sequence layout on ``ring_cp``)."""
     tm = TrainModule(model, mesh, sequence_parallel=sequence_parallel, plan=plan,
                      embedding=embedding, strict=strict,
                      fsdp_reshard_after_forward=fsdp_reshard_after_forward,
-                     recompute=recompute)
+                     recompute=recompute, ring_zigzag=ring_zigzag)
     if example_inputs is not None or example_kwargs is not None:
         tm._program(tuple(example_inputs or ()), dict(example_kwargs or {}))
     return tm

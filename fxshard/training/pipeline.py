@@ -32,6 +32,7 @@ from ..passes import PassCtx, PassReports
 from ..trace import _without_cache, cleanup_pass, trace
 from .joint import _untie, input_grad_name, joint_of
 from .module import TrainModule, _bytes
+from .context_parallel import check_context_parallel
 from .program import build_train_program
 from .schedules import actions, global_order
 from .shards import TrainedShard
@@ -121,6 +122,7 @@ class PipelineTrainer:
         self.microbatches, self.layer_stages, self.store = microbatches, stages, store
         self.options = options
         self.pp = spec.axis_size(PP)
+        check_context_parallel(spec, _WHERE)     # CP with pp: not built yet
         if options.get("recompute") is not None:
             raise NotImplementedError(
                 f"{_WHERE}: recompute={options['recompute']!r} on mesh axis {PP!r} of size "

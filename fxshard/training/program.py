@@ -52,6 +52,8 @@ from ..placement import Partial, R
 from ..passes.vocab_loss import split_loss_pass, vocab_parallel_loss_pass
 from .gqa import repeat_kv_pass
 from .cuda_attention import cuda_attention_backward_pass
+from .context_parallel import (check_context_parallel, drop_marks_pass, lower_ring_pass,
+                               mark_ulysses_pass)
 from .joint import Joint, joint_graph
 from .refine import dedupe_views_pass, gathered_many_times, reduced_many_times
 from .partition import Split, partition
@@ -269,6 +271,7 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
     :mod:`fxshard.training.recompute`. ``joint``: a joint graph built already (a pipeline
     stage's, :mod:`fxshard.training.pipeline`)."""
     check_training_axes(ctx.mesh)
+    check_context_parallel(ctx.mesh, _WHERE)
     if ctx.mesh.axis_size(PP) > 1:
         raise NotImplementedError(
             f"{_WHERE}: one training program over mesh axis {PP!r} of size "
@@ -283,14 +286,17 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
                                             n.meta.get("fxshard_buffer"))}
     specs = forward_placements(joint, ctx)
     jctx = PassCtx(mesh=ctx.mesh, sequence_parallel=ctx.sequence_parallel, strict=ctx.strict,
-                   plan=ctx.plan, embedding_style=ctx.embedding_style)
+                   plan=ctx.plan, embedding_style=ctx.embedding_style,
+                   ring_zigzag=ctx.ring_zigzag)
     gm = repeat_kv_pass(joint.gm, ctx=jctx)
     gm = dedupe_views_pass(gm, ctx=jctx)
-    gm = run_passes(gm, [split_loss_pass], jctx)
+    gm = run_passes(gm, [split_loss_pass, mark_ulysses_pass], jctx)
     _joint_propagate(gm, jctx, specs, joint)
     _gradient_targets(gm, joint, specs, jctx)
-    gm = run_passes(gm, [vocab_parallel_loss_pass, insert_collectives_pass, localize_pass], jctx)
+    gm = run_passes(gm, [vocab_parallel_loss_pass, insert_collectives_pass, drop_marks_pass,
+                         localize_pass], jctx)
     _localize_backward(gm, jctx)
+    gm = run_passes(gm, [lower_ring_pass], jctx)
     gm = cuda_attention_backward_pass(gm, ctx=jctx)   # on CUDA: fxshard's Triton backward
     split = partition(gm, joint.n_outputs, joint.grads,
                       keep=set() if reshard_after_forward else _fsdp_gathers(gm),

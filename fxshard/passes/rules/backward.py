@@ -29,6 +29,7 @@ import torch.fx as fx
 
 from ...placement import P, R, Partial, Shard
 from . import Decision, RuleCtx, rule, tensor_inputs
+from .attention_cp import sequence_decision
 
 aten = torch.ops.aten
 
@@ -44,6 +45,9 @@ def _attention(node: fx.Node, ins: list, ctx: RuleCtx, q: fx.Node, k: fx.Node,
         raise NotImplementedError(
             f"fxshard.training: attention {node.name} has dropout_p={dropout_p}; dropout "
             f"masks that agree across ranks are not built yet. Use dropout 0")
+    cp = sequence_decision(node, ins, ctx, q, k, mask, n_out)   # ring_cp / ulysses_cp
+    if cp is not None:
+        return cp
     tensors = tensor_inputs(node)
     anchor = next((p.dim for p in ins if isinstance(p, Shard) and p.dim in (0, 1)), None)
     if anchor is None:
