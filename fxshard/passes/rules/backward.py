@@ -17,6 +17,8 @@ redistribution table::
         ["fxshard_want"], the gradient's target placement, which the training driver sets)
     slice_backward(grad: S(0) [B, H, S, 8], [B, H, S, 16], dim=3, 8, end) -> S(0)
         (zero-padding along the sliced dim; a shard of that dim is gathered first)
+    slice_backward(grad: S(2) [B, S, 48], [B, S, 96], dim=2, 0, 48) -> S(2|48+24+24)
+        (q of a fused qkv: padded into the fused layout the forward sliced it from)
     _softmax_backward_data(grad, out, dim=-1): the softmax dim whole, others pass through
 
 Pointwise backward ops (``silu_backward``, ``threshold_backward``, ``gelu_backward``) carry
@@ -27,8 +29,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ...placement import P, R, Partial, Shard
+from ...placement import P, R, Partial, Shard, StridedShard
 from . import Decision, RuleCtx, rule, tensor_inputs
+from .linear import fused_out
 
 aten = torch.ops.aten
 
@@ -124,11 +127,35 @@ def _padded_dim(node: fx.Node) -> int:
     return node.args[2] % n
 
 
+def _slice_bounds(node: fx.Node) -> tuple[int, int]:
+    """``[start, end)`` of a ``slice_backward``'s slice, normalized to its padded dim."""
+    size = node.args[1][_padded_dim(node)]
+    start, end = node.args[3], min(node.args[4], size)
+    return (start + size if start < 0 else start), (end + size if end < 0 else end)
+
+
+def _fused_source(node: fx.Node, ctx: RuleCtx):
+    """The fused (strided) placement on this axis of the tensor the forward sliced
+    (``meta["fxshard_sliced"]``, set by ``fxshard.training.refine``), when it strides the
+    padded dim with unit steps."""
+    src = node.meta.get("fxshard_sliced")
+    spec = src.meta.get("fxshard_spec") if src is not None else None
+    if not isinstance(spec, tuple) or (len(node.args) > 5 and node.args[5] != 1):
+        return None
+    q = spec[ctx.mesh.axis_names.index(ctx.axis)]
+    return q if isinstance(q, StridedShard) and q.dim == _padded_dim(node) else None
+
+
 @rule(aten.slice_backward.default)
 def slice_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     """``slice_backward(grad, input_sizes, dim, start, end, step)``: ``grad`` zero-padded back
     to ``input_sizes`` along ``dim``; shards of other dims and partial sums pass through."""
     p = ins[0]
+    fused = _fused_source(node, ctx)
+    if fused is not None and p == fused_out(fused, *_slice_bounds(node)):
+        # the gradient of one part of a fused projection's output (q of qkv): padded to the
+        # whole fused dim in its layout, each rank its share of the part (no gather)
+        return Decision(ins=[p], out=fused)
     if isinstance(p, Shard) and p.dim != _padded_dim(node):
         return Decision(ins=[p], out=p)
     if isinstance(p, Partial):

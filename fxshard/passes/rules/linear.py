@@ -249,6 +249,18 @@ def einsum_decision(node: fx.Node, ins: list, labels_in: list[list[str]],
             if all(real(j, l) for j in range(len(ins))):
                 return Decision(ins=[Shard(labels_in[j].index(l)) for j in range(len(ins))],
                                 out=P)
+    for i, p in enumerate(ins):
+        if isinstance(p, StridedShard):   # a fused dim: its parts pass (or contract) as one
+            l = labels_in[i][p.dim]
+            if not real(i, l):
+                continue
+            if l in labels_out:
+                need = [replace(p, dim=labels_in[j].index(l)) if real(j, l) else R
+                        for j in range(len(ins))]
+                return Decision(ins=need, out=replace(p, dim=labels_out.index(l)))
+            if not p.whole and all(real(j, l) for j in range(len(ins))):
+                return Decision(ins=[replace(p, dim=labels_in[j].index(l))
+                                     for j in range(len(ins))], out=P)
     partial = [isinstance(p, Partial) for p in ins]
     if sum(partial) == 1:
         return Decision(ins=[P if q else R for q in partial], out=P)
