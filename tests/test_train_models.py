@@ -125,3 +125,16 @@ def test_fused_projections_train_on_tp(name, dp):
     if name == "phi3":   # Megatron: one all-reduce per block's input gradient, and lm_head's
         c = _collectives(tm, "backward")
         assert c["all_reduce", "tp"] == 2 * 2 + 1 and c["all_gather", "tp"] == 0, c
+
+
+@pytest.mark.parametrize("dp,tp", [(1, 2), (2, 1)])
+def test_moe_trains(dp, tp):
+    tm = _train_equal("mixtral", dp, tp, steps=2)
+    gate_up = "model.layers.0.mlp.experts.gate_up_proj"   # [E, 2I, H]: gate|up fused
+    router = [c for c in tm.collectives("backward") if c.shape == (4, 48)]   # [E, H]
+    if tp > 1:
+        assert type(tm._specs[gate_up][1]).__name__ == "StridedShard", tm._specs[gate_up]
+        assert tm.shards(1)[gate_up].shape == (4, 40, 48)
+        assert not router    # every tp rank routes every token: the router's gradient whole
+    else:   # the router's gradient is a partial sum over each rank's tokens: reduced once
+        assert [(c.op, c.axis) for c in router] == [("all_reduce", "dp")] * 2, router

@@ -21,6 +21,11 @@ redistribution table::
         (q of a fused qkv: padded into the fused layout the forward sliced it from)
     _softmax_backward_data(grad, out, dim=-1): the softmax dim whole, others pass through
 
+    grouped_mm_fallback_backward(x[S, K], w[E, K, N], offs[E], grad[S, N]) -> [grad_x, grad_w]
+        column-parallel w S(2) (gate_up S(2|I+I)), grad S(1): grad_x P, grad_w as w;
+        row-parallel w S(1), x S(1), grad R: grad_x S(1), grad_w S(1); the rank's own
+        routed rows (dp, ``token_local``): grad_x S(0), grad_w P (the experts' partial sums)
+
 Pointwise backward ops (``silu_backward``, ``threshold_backward``, ``gelu_backward``) carry
 torch's pointwise tag and use the pointwise rule; ``mm``/``t``/``sum`` are forward rules.
 """
@@ -29,8 +34,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ...placement import P, R, Partial, Shard, StridedShard
-from . import Decision, RuleCtx, rule, tensor_inputs
+from ...placement import P, R, Partial, Shard, StridedShard, shard_dim
+from . import Decision, RuleCtx, rule, tensor_inputs, token_local
 from .linear import fused_out
 
 aten = torch.ops.aten
@@ -220,3 +225,24 @@ def native_layer_norm_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> D
     if shard is None:
         return Decision(ins=[R] * len(ins), out=[R] * 3)
     return Decision(ins=[shard] * 4 + [R] * n_w, out=[shard, P, P])
+
+
+@rule("transformers::grouped_mm_fallback_backward")
+def grouped_mm_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """The experts' grouped matmul's backward, placed as its forward (``rules/experts.py``)."""
+    tensors = tensor_inputs(node)
+    whole = Decision(ins=[R] * len(ins), out=[R, R])
+    if len(tensors) != 4 or [ctx.ndim(t) for t in tensors] != [2, 3, 1, 2]:
+        return whole
+    x, w, _, g = ins
+    if token_local(node, ctx) and 0 in (shard_dim(x), shard_dim(g)):
+        return Decision(ins=[Shard(0), R, P, Shard(0)], out=[Shard(0), P])
+    if isinstance(w, StridedShard) and w.dim == 2 and not w.whole:     # fused column-parallel
+        return Decision(ins=[R, w, R, StridedShard(1, w.parts)], out=[P, w])
+    if isinstance(w, Shard) and w.dim == 2:                            # column-parallel
+        return Decision(ins=[R, w, R, Shard(1)], out=[P, w])
+    if isinstance(w, Shard) and w.dim == 1:                            # row-parallel
+        return Decision(ins=[Shard(1), w, R, R], out=[Shard(1), w])
+    if isinstance(g, Partial) and not any(isinstance(p, Partial) for p in (x, w)):
+        return Decision(ins=[R, R, R, P], out=[P, P])                  # linear in grad
+    return whole
