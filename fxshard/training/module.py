@@ -18,7 +18,7 @@ gradient (every rank is given the global one, as every rank was given the global
 fills each rank's shard gradients. Under ``torchrun`` (a torch ``DeviceMesh``) each process
 holds and runs its own rank only (same programs; collectives on the mesh's process groups).
 The model itself keeps its initial weights: :meth:`TrainModule.state_dict` assembles the
-trained ones (simulated mesh).
+trained ones (on a real mesh gathered to every rank).
 """
 from __future__ import annotations
 
@@ -272,15 +272,20 @@ class TrainModule:
         return {k: v for k, v in self._shards[rank].items() if isinstance(v, torch.nn.Parameter)}
 
     def _assembled(self, what) -> dict:
+        """Whole tensors by name from every rank's blocks; on a real mesh the blocks are
+        gathered to every process (``fxshard/training/world.py``), so every rank holds the
+        whole model's tensors."""
         program = self._require("gradients")
-        if not self._simulated:
-            raise NotImplementedError(
-                f"{_WHERE}: whole gradients / state dicts on a real mesh (mesh "
-                f"{self.spec.describe()}) need a gather across processes, not built yet; read "
-                f"this rank's shards with tm.shards(rank) (their .grad)")
         out = {}
-        for fqn in self.shards(0):
-            blocks = [what(self._shards[r][fqn]) for r in range(self.spec.world_size)]
+        for fqn in self.shards(self.ranks[0]):
+            if self._simulated:
+                blocks = [what(self._shards[r][fqn]) for r in range(self.spec.world_size)]
+            else:
+                from ..runtime.distributed import backend_for
+                from .world import gather_blocks
+                mine = what(self._shards[self.ranks[0]][fqn])
+                blocks = [None] if mine is None else \
+                    gather_blocks(backend_for(self.mesh), mine)
             if any(b is None for b in blocks):
                 out[fqn] = None
                 continue
@@ -290,11 +295,13 @@ class TrainModule:
         return out
 
     def gradients(self) -> dict:
-        """Full gradients by the model's parameter names, assembled from the shards."""
+        """Full gradients by the model's parameter names, assembled from the shards (a real
+        mesh: gathered to every rank; every rank must call it)."""
         return self._assembled(lambda p: p.grad)
 
     def state_dict(self) -> dict:
-        """The trained parameters, whole, by the model's names."""
+        """The trained parameters, whole, by the model's names (a real mesh: gathered to
+        every rank; every rank must call it)."""
         return self._assembled(lambda p: p.detach())
 
     def memory(self, rank: int) -> dict:
