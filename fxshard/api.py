@@ -125,7 +125,7 @@ class ParallelModule:
                                         sequence_parallel=o.sequence_parallel, plan=o.plan,
                                         embedding=o.embedding, strict=o.strict,
                                         store=self.weights, executor=self.executor,
-                                        cache=self.programs)
+                                        cache=self.programs, compile=o.compile)
         return self._trainer
 
     def _trained(self, what: str):

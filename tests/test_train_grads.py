@@ -344,3 +344,30 @@ def test_cross_entropy_on_returned_logits_costs_one_logits_gather():
              for c in tm.collectives(w) if c.shape[-1] in (vocab, vocab // 2)]
     assert moved == [("forward", "all_gather", (B, S, vocab // 2), B * S * vocab // 2 * 4),
                      ("backward", "local_shard", (B, S, vocab), 0)], moved
+
+
+def test_compiled_training_programs_equal_single_device():
+    # compile=True: the forward and backward rank programs are Inductor-compiled once each
+    # (every rank calls the same function with its own weights, saved values, gradients)
+    model = _llama(layers=1)
+    ids, labels = _data()
+    tm = parallelize_for_training(model, _mesh(1, 2), compile=True)
+    _check_grads(model, tm, ids, labels)
+    compiled = tm._last.compiled
+    assert set(compiled) == {"forward", "backward"}
+    assert not any(isinstance(f, torch.fx.GraphModule) for f in compiled.values())
+    ours, theirs = (torch.optim.AdamW(ps, lr=1e-3) for ps in (tm.parameters(),
+                                                              model.parameters()))
+    ours.step()
+    theirs.step()
+    for _ in range(2):
+        ours.zero_grad()
+        theirs.zero_grad()
+        _loss(tm(ids), labels).backward()
+        _loss(model(ids), labels).backward()
+        ours.step()
+        theirs.step()
+    assert set(tm._last.compiled) == {"forward", "backward"}    # compiled once, reused
+    trained = tm.state_dict()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-5, msg=name)

@@ -115,8 +115,9 @@ class TrainModule:
     def __init__(self, model: torch.nn.Module, mesh, *, sequence_parallel: bool = False,
                  plan: dict | None = None, embedding: str = "embed_dim", strict: bool = False,
                  fsdp_reshard_after_forward: bool = True, store=None, executor=None,
-                 cache=None):
+                 cache=None, compile: bool = False):
         self.model = model
+        self.compile = compile       # both rank programs Inductor-compiled (once each)
         self.fsdp_reshard_after_forward = fsdp_reshard_after_forward
         # fxshard.parallelize's weight store (the shards are cut from its values, then become
         # them: see fxshard.training.shards) and executor (its ranks run both programs)
@@ -225,12 +226,25 @@ class TrainModule:
     def _rank_weights(self, program: TrainProgram, rank: int) -> list:
         return [self._shards[rank][fqn].detach() for fqn in program.split.weights]
 
+    def _fn(self, program: TrainProgram, which: str, example) -> object:
+        """The ``which`` rank program as ranks call it: the GraphModule, or with
+        ``compile=True`` Inductor's function, compiled once on rank ``ranks[0]``'s
+        ``example`` inputs in this thread (before any rank runs) and shared by the ranks."""
+        if not self.compile:
+            return getattr(program.split, which)
+        if which not in program.compiled:
+            from ..compile import compile_graph
+            program.compiled[which] = compile_graph(getattr(program.split, which), example())
+        return program.compiled[which]
+
     def _run_forward(self, program: TrainProgram, shards, user) -> tuple[list, list]:
         split = program.split
+        forward = self._fn(program, "forward",
+                           lambda: [*self._rank_weights(program, self.ranks[0]), *user])
 
         def run(rank):
             with torch.no_grad():
-                return split.forward(*self._rank_weights(program, rank), *user)
+                return forward(*self._rank_weights(program, rank), *user)
         results = self._world_run(run)
         outs = list(results[self.ranks[0]][:split.n_outputs])
         saved = {r: list(out[split.n_outputs:]) for r, out in results.items()}
@@ -239,11 +253,13 @@ class TrainModule:
 
     def _run_backward(self, program: TrainProgram, saved: list, tangents: list) -> list:
         split = program.split
+        first = self.ranks[0]
+        backward = self._fn(program, "backward", lambda: [
+            *self._rank_weights(program, first), *saved[first], *tangents])
 
         def run(rank):
             with torch.no_grad():
-                return split.backward(*self._rank_weights(program, rank), *saved[rank],
-                                      *tangents)
+                return backward(*self._rank_weights(program, rank), *saved[rank], *tangents)
         results = self._world_run(run)
         by_fqn = {r: dict(zip(split.grads, out)) for r, out in results.items()}
         grads = []
@@ -337,29 +353,27 @@ class TrainModule:
 
 def check_trainable(where: str, mesh: MeshSpec, options) -> None:
     """Raise for what ``pm(x)`` with grad enabled cannot train yet (never a wrong gradient):
-    pipeline and context-parallel axes, Inductor-compiled training programs."""
+    pipeline and context-parallel axes."""
     check_training_axes(mesh, where, "pm(x) with grad enabled trains, and training")
-    if getattr(options, "compile", False):
-        raise NotImplementedError(
-            f"{where}: pm(x) with grad enabled trains, and compile=True training programs are "
-            f"not built yet (mesh {mesh.describe()}); call it under torch.no_grad() for the "
-            f"compiled inference program, or parallelize with compile=False to train")
 
 
 def parallelize_for_training(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = None,
                              example_kwargs: dict | None = None,
                              sequence_parallel: bool = False, plan: dict | None = None,
                              embedding: str = "embed_dim", strict: bool = False,
-                             fsdp_reshard_after_forward: bool = True) -> TrainModule:
+                             fsdp_reshard_after_forward: bool = True,
+                             compile: bool = False) -> TrainModule:
     """Training programs for ``model`` over ``mesh`` (``dp``, ``fsdp`` and ``tp`` axes), built
     at the first call (one per input signature) or now on ``example_inputs``/``example_kwargs``
     (then :meth:`TrainModule.parameters` is there for an optimizer before the first step);
     options as for :func:`fxshard.parallelize`. ``fsdp_reshard_after_forward=False`` keeps
     each fsdp parameter's gathered value from the forward for the backward (FSDP2's
-    ``reshard_after_forward``): one all-gather less per parameter, the whole of it held."""
+    ``reshard_after_forward``): one all-gather less per parameter, the whole of it held.
+    ``compile=True``: the forward and backward rank programs Inductor-compiled (simulated
+    mesh: collectives stay ``fxshard::*`` extern calls)."""
     tm = TrainModule(model, mesh, sequence_parallel=sequence_parallel, plan=plan,
                      embedding=embedding, strict=strict,
-                     fsdp_reshard_after_forward=fsdp_reshard_after_forward)
+                     fsdp_reshard_after_forward=fsdp_reshard_after_forward, compile=compile)
     if example_inputs is not None or example_kwargs is not None:
         tm._program(tuple(example_inputs or ()), dict(example_kwargs or {}))
     return tm

@@ -73,6 +73,7 @@ class TrainProgram:
     joint: Joint
     ctx: PassCtx
     reports: dict = field(default_factory=dict)   # pass -> counts (forward, then joint)
+    compiled: dict = field(default_factory=dict)  # "forward"/"backward" -> Inductor's fn
 
 
 def check_training_axes(mesh: MeshSpec, where: str = _WHERE,
