@@ -153,8 +153,6 @@ def test_axes_that_cannot_train_yet_are_errors(axis):
     pm = fxshard.parallelize(model, mesh)
     with pytest.raises(NotImplementedError, match=rf"{axis!r} of size 2.*torch\.no_grad"):
         pm(ids)
-    with pytest.raises(NotImplementedError, match=r"compile=True.*torch\.no_grad"):
-        fxshard.parallelize(model, _mesh(2, 1), compile=True)(ids)
 
 
 def test_a_model_that_does_not_require_grad_runs_inference():
