@@ -131,14 +131,14 @@ class ParallelModule:
                     self.model, self.mesh, self.spec, microbatches=o.microbatches,
                     stages=o.stages, store=self.weights, sequence_parallel=o.sequence_parallel,
                     plan=o.plan, embedding=o.embedding, strict=o.strict,
-                    recompute=o.recompute)
+                    recompute=o.recompute, compile=o.compile)
                 return self._trainer
             self._trainer = TrainModule(self.model, self.mesh,
                                         sequence_parallel=o.sequence_parallel, plan=o.plan,
                                         embedding=o.embedding, strict=o.strict,
                                         recompute=o.recompute, store=self.weights,
                                         executor=self.executor, cache=self.programs,
-                                        ring_zigzag=o.ring_zigzag)
+                                        ring_zigzag=o.ring_zigzag, compile=o.compile)
         return self._trainer
 
     def train_step(self, *args, loss_fn=None, target=None, schedule: str = "1f1b",

@@ -40,7 +40,7 @@ from .passes.emit import Program
 from .passes.pipeline import run_passes
 from .runtime.aten_bindings import aten_binding
 
-__all__ = ["CompiledStage", "compile_stage", "eager_stage", "inductor_graph"]
+__all__ = ["CompiledStage", "compile_stage", "compile_graph", "eager_stage", "inductor_graph"]
 
 
 def _weights_as_inputs(program: Program) -> tuple[fx.GraphModule, list[str]]:
@@ -160,15 +160,22 @@ def compile_stage(program: Program, example_module: fx.GraphModule,
     stage's collectives on those axes to torch's functional collectives
     (:func:`fxshard.passes.post_emit.native_collectives_pass`); without it every collective
     stays an ``fxshard::*`` op (the simulated mesh). The graph: :func:`inductor_graph`."""
+    gm, names = inductor_graph(program, groups=groups)
+    example = [*_weights_of(example_module, names), *example_inputs]
+    return CompiledStage(fn=compile_graph(gm, example), names=names, module=gm)
+
+
+def compile_graph(gm: fx.GraphModule, example: list[torch.Tensor]):
+    """Inductor's function for ``gm`` (tensor inputs only, static shapes as ``example``'s;
+    nothing runs, so no collective executes): a stage with its weights as inputs, or a
+    training rank program (``fxshard.training``: forward and backward, each compiled once
+    and called by every rank with its own weights, saved values and gradients)."""
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    gm, names = inductor_graph(program, groups=groups)
-    example = [*_weights_of(example_module, names), *example_inputs]
     # a fake mode with a shape env, as dynamo would give: Inductor's FX graph cache needs one
     # (without it every process recompiles the same stage from scratch)
     fake = FakeTensorMode(shape_env=ShapeEnv())
     with torch.no_grad(), tracing(TracingContext(fake)):
-        fn = compile_fx(gm, [fake.from_tensor(x, static_shapes=True) for x in example])
-    return CompiledStage(fn=fn, names=names, module=gm)
+        return compile_fx(gm, [fake.from_tensor(x, static_shapes=True) for x in example])

@@ -326,3 +326,48 @@ def test_partial_bias_trains_on_one_coordinate():
     for name, p in model.named_parameters():
         torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-5, msg=name)
     assert not tm.shards(1)[bias].any() and tm.shards(0)[bias].any()
+
+
+def test_cross_entropy_on_returned_logits_costs_one_logits_gather():
+    # pm(x) returns the whole logits (the PyTorch contract), so a loss outside the graph sees
+    # [B, S, V]: the forward all-gathers the column-parallel lm_head's [B, S, V/tp] once;
+    # the backward moves no logits (each rank slices its columns of the whole gradient)
+    torch.manual_seed(0)
+    vocab = 80    # V/tp = 40, unlike any other size of the model
+    model = LlamaForCausalLM(LlamaConfig.tiny(num_hidden_layers=1, vocab_size=vocab,
+                                              hidden_size=48, intermediate_size=72,
+                                              num_attention_heads=4, num_key_value_heads=2))
+    ids, labels = (t % vocab for t in _data())
+    tm = parallelize_for_training(model, _mesh(1, 2))
+    _check_grads(model, tm, ids, labels)
+    moved = [(w, c.op, c.shape, c.wire_bytes) for w in ("forward", "backward")
+             for c in tm.collectives(w) if c.shape[-1] in (vocab, vocab // 2)]
+    assert moved == [("forward", "all_gather", (B, S, vocab // 2), B * S * vocab // 2 * 4),
+                     ("backward", "local_shard", (B, S, vocab), 0)], moved
+
+
+def test_compiled_training_programs_equal_single_device():
+    # compile=True: the forward and backward rank programs are Inductor-compiled once each
+    # (every rank calls the same function with its own weights, saved values, gradients)
+    model = _llama(layers=1)
+    ids, labels = _data()
+    tm = parallelize_for_training(model, _mesh(1, 2), compile=True)
+    _check_grads(model, tm, ids, labels)
+    compiled = tm._last.compiled
+    assert set(compiled) == {"forward", "backward"}
+    assert not any(isinstance(f, torch.fx.GraphModule) for f in compiled.values())
+    ours, theirs = (torch.optim.AdamW(ps, lr=1e-3) for ps in (tm.parameters(),
+                                                              model.parameters()))
+    ours.step()
+    theirs.step()
+    for _ in range(2):
+        ours.zero_grad()
+        theirs.zero_grad()
+        _loss(tm(ids), labels).backward()
+        _loss(model(ids), labels).backward()
+        ours.step()
+        theirs.step()
+    assert set(tm._last.compiled) == {"forward", "backward"}    # compiled once, reused
+    trained = tm.state_dict()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-5, msg=name)

@@ -76,6 +76,37 @@ class _Replay(torch.nn.Module):
 def joint_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Joint:
     """Trace ``model`` on ``args``/``kwargs`` (real tensors; nothing is computed) and build
     its joint forward+backward graph."""
+    with _placeholders_for_meta(model, args, kwargs):
+        return _joint_graph(model, args, kwargs)
+
+
+@contextlib.contextmanager
+def _placeholders_for_meta(model: torch.nn.Module, args: tuple, kwargs: dict | None):
+    """A model built on ``meta`` (its weights loaded into ``pm``, not into it) is traced with
+    uninitialized parameters on the inputs' device in place of the meta ones, so the trace
+    records that device (``x.device`` in ``.to(device=x.device)``), not ``meta``; nothing
+    is computed, and the meta parameters are put back afterwards (tied ones stay tied)."""
+    import torch.utils._pytree as pytree
+    device = next((t.device for t in pytree.tree_leaves((args, kwargs))
+                   if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    swapped, made = [], {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.device.type == "meta":
+                if id(p) not in made:
+                    made[id(p)] = torch.nn.Parameter(
+                        torch.empty(p.shape, dtype=p.dtype, device=device),
+                        requires_grad=p.requires_grad)
+                swapped.append((module, name, p))
+                module._parameters[name] = made[id(p)]
+    try:
+        yield
+    finally:
+        for module, name, p in swapped:
+            module._parameters[name] = p
+
+
+def _joint_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None) -> Joint:
     traced = trace(model, args, kwargs)
     cleanup_pass(traced.gm, ctx=PassReports())
     tied = _untie(traced, model)

@@ -18,7 +18,7 @@ gradient (every rank is given the global one, as every rank was given the global
 fills each rank's shard gradients. Under ``torchrun`` (a torch ``DeviceMesh``) each process
 holds and runs its own rank only (same programs; collectives on the mesh's process groups).
 The model itself keeps its initial weights: :meth:`TrainModule.state_dict` assembles the
-trained ones (simulated mesh).
+trained ones (on a real mesh gathered to every rank).
 """
 from __future__ import annotations
 
@@ -131,12 +131,14 @@ class TrainModule:
     def __init__(self, model: torch.nn.Module, mesh, *, sequence_parallel: bool = False,
                  plan: dict | None = None, embedding: str = "embed_dim", strict: bool = False,
                  fsdp_reshard_after_forward: bool = True, recompute: str | None = None,
-                 store=None, executor=None, cache=None, ring_zigzag: bool = True):
+                 store=None, executor=None, cache=None, ring_zigzag: bool = True,
+                 compile: bool = False):
         from .recompute import check_recompute
         check_recompute(_WHERE, recompute)
         self.model = model
         self.recompute = recompute
         self.ring_zigzag = ring_zigzag
+        self.compile = compile       # both rank programs Inductor-compiled (once each)
         self.fsdp_reshard_after_forward = fsdp_reshard_after_forward
         # fxshard.parallelize's weight store (the shards are cut from its values, then become
         # them: see fxshard.training.shards) and executor (its ranks run both programs)
@@ -247,12 +249,25 @@ class TrainModule:
     def _rank_weights(self, program: TrainProgram, rank: int) -> list:
         return [self._shards[rank][fqn].detach() for fqn in program.split.weights]
 
+    def _fn(self, program: TrainProgram, which: str, example) -> object:
+        """The ``which`` rank program as ranks call it: the GraphModule, or with
+        ``compile=True`` Inductor's function, compiled once on rank ``ranks[0]``'s
+        ``example`` inputs in this thread (before any rank runs) and shared by the ranks."""
+        if not self.compile:
+            return direct(getattr(program.split, which))
+        if which not in program.compiled:
+            from ..compile import compile_graph
+            program.compiled[which] = compile_graph(getattr(program.split, which), example())
+        return program.compiled[which]
+
     def _run_forward(self, program: TrainProgram, shards, user) -> tuple[list, list]:
         split = program.split
+        forward = self._fn(program, "forward",
+                           lambda: [*self._rank_weights(program, self.ranks[0]), *user])
 
         def run(rank):
             with torch.no_grad():
-                return direct(split.forward)(*self._rank_weights(program, rank), *user)
+                return forward(*self._rank_weights(program, rank), *user)
         results = self._world_run(run)
         outs = list(results[self.ranks[0]][:split.n_outputs])
         saved = {r: list(out[split.n_outputs:]) for r, out in results.items()}
@@ -261,11 +276,13 @@ class TrainModule:
 
     def _run_backward(self, program: TrainProgram, saved: list, tangents: list) -> list:
         split = program.split
+        first = self.ranks[0]
+        backward = self._fn(program, "backward", lambda: [
+            *self._rank_weights(program, first), *saved[first], *tangents])
 
         def run(rank):
             with torch.no_grad():
-                return direct(split.backward)(*self._rank_weights(program, rank),
-                                              *saved[rank], *tangents)
+                return backward(*self._rank_weights(program, rank), *saved[rank], *tangents)
         results = self._world_run(run)
         by_fqn = {r: dict(zip(split.grads, out)) for r, out in results.items()}
         grads = []
@@ -294,15 +311,20 @@ class TrainModule:
         return {k: v for k, v in self._shards[rank].items() if isinstance(v, torch.nn.Parameter)}
 
     def _assembled(self, what) -> dict:
+        """Whole tensors by name from every rank's blocks; on a real mesh the blocks are
+        gathered to every process (``fxshard/training/world.py``), so every rank holds the
+        whole model's tensors."""
         program = self._require("gradients")
-        if not self._simulated:
-            raise NotImplementedError(
-                f"{_WHERE}: whole gradients / state dicts on a real mesh (mesh "
-                f"{self.spec.describe()}) need a gather across processes, not built yet; read "
-                f"this rank's shards with tm.shards(rank) (their .grad)")
         out = {}
-        for fqn in self.shards(0):
-            blocks = [what(self._shards[r][fqn]) for r in range(self.spec.world_size)]
+        for fqn in self.shards(self.ranks[0]):
+            if self._simulated:
+                blocks = [what(self._shards[r][fqn]) for r in range(self.spec.world_size)]
+            else:
+                from ..runtime.distributed import backend_for
+                from .world import gather_blocks
+                mine = what(self._shards[self.ranks[0]][fqn])
+                blocks = [None] if mine is None else \
+                    gather_blocks(backend_for(self.mesh), mine)
             if any(b is None for b in blocks):
                 out[fqn] = None
                 continue
@@ -312,11 +334,13 @@ class TrainModule:
         return out
 
     def gradients(self) -> dict:
-        """Full gradients by the model's parameter names, assembled from the shards."""
+        """Full gradients by the model's parameter names, assembled from the shards (a real
+        mesh: gathered to every rank; every rank must call it)."""
         return self._assembled(lambda p: p.grad)
 
     def state_dict(self) -> dict:
-        """The trained parameters, whole, by the model's names."""
+        """The trained parameters, whole, by the model's names (a real mesh: gathered to
+        every rank; every rank must call it)."""
         return self._assembled(lambda p: p.detach())
 
     def memory(self, rank: int) -> dict:
@@ -352,13 +376,8 @@ class TrainModule:
 
 def check_trainable(where: str, mesh: MeshSpec, options) -> None:
     """Raise for what ``pm(x)`` with grad enabled cannot train yet (never a wrong gradient):
-    pipeline and context-parallel axes, Inductor-compiled training programs."""
+    pipeline and context-parallel axes."""
     check_training_axes(mesh, where, "pm(x) with grad enabled trains, and training")
-    if getattr(options, "compile", False):
-        raise NotImplementedError(
-            f"{where}: pm(x) with grad enabled trains, and compile=True training programs are "
-            f"not built yet (mesh {mesh.describe()}); call it under torch.no_grad() for the "
-            f"compiled inference program, or parallelize with compile=False to train")
 
 
 def parallelize_for_training(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = None,
@@ -367,7 +386,7 @@ def parallelize_for_training(model: torch.nn.Module, mesh, *, example_inputs: tu
                              embedding: str = "embed_dim", strict: bool = False,
                              fsdp_reshard_after_forward: bool = True,
                              recompute: str | None = None,
-                             ring_zigzag: bool = True) -> TrainModule:
+                             ring_zigzag: bool = True, compile: bool = False) -> TrainModule:
     """Training programs for ``model`` over ``mesh`` (``dp``, ``fsdp``, ``tp``, ``ring_cp``,
     ``ulysses_cp`` axes; ``fxshard.training.context_parallel`` says which CP meshes), built
     at the first call (one per input signature) or now on ``example_inputs``/``example_kwargs``
@@ -377,11 +396,13 @@ def parallelize_for_training(model: torch.nn.Module, mesh, *, example_inputs: tu
     ``reshard_after_forward``): one all-gather less per parameter, the whole of it held.
     ``recompute="layers"``: each repeated layer saves only its output for the backward, which
     recomputes the rest (:mod:`fxshard.training.recompute`). ``ring_zigzag`` as for
-    :func:`fxshard.parallelize` (the zigzag sequence layout on ``ring_cp``)."""
+    :func:`fxshard.parallelize` (the zigzag sequence layout on ``ring_cp``).
+    ``compile=True``: the forward and backward rank programs Inductor-compiled (simulated
+    mesh: collectives stay ``fxshard::*`` extern calls)."""
     tm = TrainModule(model, mesh, sequence_parallel=sequence_parallel, plan=plan,
                      embedding=embedding, strict=strict,
                      fsdp_reshard_after_forward=fsdp_reshard_after_forward,
-                     recompute=recompute, ring_zigzag=ring_zigzag)
+                     recompute=recompute, ring_zigzag=ring_zigzag, compile=compile)
     if example_inputs is not None or example_kwargs is not None:
         tm._program(tuple(example_inputs or ()), dict(example_kwargs or {}))
     return tm

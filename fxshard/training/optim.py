@@ -8,6 +8,9 @@ by the same factor, as torch's clipping scales the single-device model's::
 
     total = ||(g_embed, g_q, ..., g_lm_head)||           (one device's gradient)
     every shard grad *= min(1, max_norm / (total + 1e-6))
+
+On a real mesh nothing is gathered: each rank's owned blocks' sums, all-reduced
+(``fxshard/training/world.py``).
 """
 from __future__ import annotations
 
@@ -22,12 +25,19 @@ def clip_grad_norm_(tm, max_norm: float, norm_type: float = 2.0) -> torch.Tensor
     before clipping (as ``torch.nn.utils``)."""
     tm = getattr(tm, "trainer", tm)
     tied = tm._require("clip_grad_norm_").joint.tied    # other names of one tensor: once
-    grads = [g for k, g in tm.gradients().items() if g is not None and k not in tied]
-    if not grads:
-        return torch.zeros((), device=torch.device(tm.spec.device_type))
     norm_type = float(norm_type)
-    total = torch.linalg.vector_norm(
-        torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type)
+    if not tm._simulated:     # each rank its owned blocks, the sums all-reduced
+        from ..runtime.distributed import backend_for
+        from .world import owned_norm
+        mine = tm.shards(tm.ranks[0])
+        total = owned_norm(backend_for(tm.mesh), [p.grad for p in mine.values()],
+                           [tm._specs[k] for k in mine], norm_type)
+    else:
+        grads = [g for k, g in tm.gradients().items() if g is not None and k not in tied]
+        if not grads:
+            return torch.zeros((), device=torch.device(tm.spec.device_type))
+        total = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in tm.parameters():
         if p.grad is not None:

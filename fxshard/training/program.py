@@ -55,7 +55,7 @@ from .cuda_attention import cuda_attention_backward_pass
 from .context_parallel import (check_context_parallel, drop_marks_pass, lower_ring_pass,
                                mark_ulysses_pass)
 from .joint import Joint, joint_graph
-from .refine import dedupe_views_pass, gathered_many_times, reduced_many_times
+from .refine import dedupe_views_pass, gathered_many_times, reduced_many_times, tag_sliced
 from .partition import Split, partition
 
 aten = torch.ops.aten
@@ -76,6 +76,7 @@ class TrainProgram:
     joint: Joint
     ctx: PassCtx
     reports: dict = field(default_factory=dict)   # pass -> counts (forward, then joint)
+    compiled: dict = field(default_factory=dict)  # "forward"/"backward" -> Inductor's fn
 
 
 def check_training_axes(mesh: MeshSpec, where: str = _WHERE,
@@ -207,6 +208,8 @@ def _localize_backward(gm: fx.GraphModule, ctx: PassCtx) -> int:
         if node.target in (aten.slice_backward.default, aten.select_backward.default):
             val, spec = node.meta["val"], node.meta["fxshard_spec"]
             local = list(local_shape(tuple(val.shape), spec, ctx.mesh, what=node.name))
+            if node.target is aten.slice_backward.default:
+                changed += _fused_slice_bounds(node, spec, ctx)
             if list(node.args[1]) != local:
                 node.update_arg(1, local)
                 changed += 1
@@ -215,6 +218,28 @@ def _localize_backward(gm: fx.GraphModule, ctx: PassCtx) -> int:
     if changed:
         gm.recompile()
     return changed
+
+
+def _fused_slice_bounds(node: fx.Node, spec: tuple, ctx: PassCtx) -> int:
+    """A part's gradient padded into a fused layout: its bounds where the rank's local parts
+    put them (``StridedShard.local_bound``)."""
+    from ..placement import StridedShard
+    dim = node.args[2] % len(node.args[1])
+    strided = [(n, p) for n, p in zip(ctx.mesh.shape, spec)
+               if n > 1 and isinstance(p, StridedShard) and p.dim == dim]
+    if not strided:
+        return 0
+    if len(strided) > 1:
+        raise NotImplementedError(
+            f"{_WHERE}: gradient {node.name} pads into a fused dim split by {len(strided)} "
+            f"mesh axes (mesh {ctx.mesh.describe()}); one axis (tp) is supported")
+    (n, p), = strided
+    size = node.args[1][dim]
+    start, end = node.args[3], min(node.args[4], size)
+    start, end = (start + size if start < 0 else start), (end + size if end < 0 else end)
+    node.update_arg(3, p.local_bound(start, n))
+    node.update_arg(4, p.local_bound(end, n))
+    return 1
 
 
 def _vocab_backward(node: fx.Node, ctx: PassCtx) -> int:
@@ -291,6 +316,7 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
     gm = repeat_kv_pass(joint.gm, ctx=jctx)
     gm = dedupe_views_pass(gm, ctx=jctx)
     gm = run_passes(gm, [split_loss_pass, mark_ulysses_pass], jctx)
+    jctx.report("propagate_pass", changed=False, fused_slice_gradients=tag_sliced(gm))
     _joint_propagate(gm, jctx, specs, joint)
     _gradient_targets(gm, joint, specs, jctx)
     gm = run_passes(gm, [vocab_parallel_loss_pass, insert_collectives_pass, drop_marks_pass,

@@ -15,6 +15,9 @@ collectives; each refinement finds one after a sweep and the next sweep avoids i
 - ``gathered_many_times``: a sharded value whose views are gathered separately (sequence
   parallelism's gradient ``view_15`` and its transpose ``t_12`` for the weight gradient) is
   gathered once, before the views;
+- ``tag_sliced``: each ``slice_backward`` is told the tensor its forward slice cut (the
+  same autograd ``seq_nr``), so the gradient of q, k or v is padded into the fused layout of
+  ``qkv_proj``'s output rather than gathered (``rules/backward.py``);
 - ``dedupe_views_pass``: identical views of one value (aot_autograd's decomposed ``linear``
   reshapes its input once per projection) become one node, so q, k and v share one gather.
 """
@@ -29,7 +32,7 @@ from ..placement import Partial, R, shard_dim
 
 aten = torch.ops.aten
 
-__all__ = ["reduced_many_times", "gathered_many_times", "dedupe_views_pass"]
+__all__ = ["reduced_many_times", "gathered_many_times", "dedupe_views_pass", "tag_sliced"]
 
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.t.default,
           aten.transpose.int, aten.permute.default)
@@ -126,3 +129,28 @@ def dedupe_views_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
         gm.recompile()
     ctx.report("dedupe_views_pass", changed=False, views_merged=merged)
     return gm
+
+
+def tag_sliced(gm: fx.GraphModule) -> int:
+    """``meta["fxshard_sliced"]`` of each ``slice_backward``: the input of the forward slice
+    it is the gradient of (aot_autograd gives both the op's ``seq_nr``; the slice's dim,
+    bounds and input shape must match too)."""
+    forward: dict = {}
+    for node in gm.graph.nodes:
+        if node.target is aten.slice.Tensor and node.meta.get("seq_nr") is not None:
+            forward.setdefault(node.meta["seq_nr"], []).append(node)
+    tagged = 0
+    for node in gm.graph.nodes:
+        if node.target is not aten.slice_backward.default:
+            continue
+        sizes, dim, start, end = list(node.args[1]), node.args[2], node.args[3], node.args[4]
+        for f in forward.get(node.meta.get("seq_nr"), []):
+            x = f.args[0]
+            args = list(f.args) + [0, 0, None][len(f.args) - 1:]
+            if list(x.meta["val"].shape) == sizes and args[1] % len(sizes) == dim % len(sizes) \
+                    and (args[2] or 0) == start and min(args[3] or sizes[dim], sizes[dim]) == \
+                    min(end, sizes[dim]):
+                node.meta["fxshard_sliced"] = x
+                tagged += 1
+                break
+    return tagged

@@ -118,15 +118,11 @@ def check_model_unchanged(changed: dict) -> None:
 
 
 def check_on_device(store, model) -> None:
-    """Training traces the model's own parameters: raise for a model built on the meta
-    device (its weights not loaded: what to load; loaded from a checkpoint: not built yet)."""
+    """Training a model built on the meta device (``fxshard.init_empty_weights()``) cuts its
+    shards from what ``pm.load_state_dict`` / ``fxshard.load_safetensors`` loaded (each rank
+    reads only its own blocks): raise unless every weight is loaded (what to load)."""
     meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
     if not meta:
         return
     from types import SimpleNamespace
     store.check_loaded([SimpleNamespace(slots=dict.fromkeys(store.expected))])
-    raise NotImplementedError(
-        f"{_WHERE}: pm(x) with grad enabled trains, and training a model built on the meta "
-        f"device ({meta[0]!r} and {len(meta) - 1} more; weights loaded into pm only) is not "
-        f"built yet; build the model with its weights (e.g. on the CPU) to train it, or call "
-        f"pm(x) under torch.no_grad() for inference")

@@ -17,7 +17,14 @@ redistribution table::
         ["fxshard_want"], the gradient's target placement, which the training driver sets)
     slice_backward(grad: S(0) [B, H, S, 8], [B, H, S, 16], dim=3, 8, end) -> S(0)
         (zero-padding along the sliced dim; a shard of that dim is gathered first)
+    slice_backward(grad: S(2) [B, S, 48], [B, S, 96], dim=2, 0, 48) -> S(2|48+24+24)
+        (q of a fused qkv: padded into the fused layout the forward sliced it from)
     _softmax_backward_data(grad, out, dim=-1): the softmax dim whole, others pass through
+
+    grouped_mm_fallback_backward(x[S, K], w[E, K, N], offs[E], grad[S, N]) -> [grad_x, grad_w]
+        column-parallel w S(2) (gate_up S(2|I+I)), grad S(1): grad_x P, grad_w as w;
+        row-parallel w S(1), x S(1), grad R: grad_x S(1), grad_w S(1); the rank's own
+        routed rows (dp, ``token_local``): grad_x S(0), grad_w P (the experts' partial sums)
 
 Pointwise backward ops (``silu_backward``, ``threshold_backward``, ``gelu_backward``) carry
 torch's pointwise tag and use the pointwise rule; ``mm``/``t``/``sum`` are forward rules.
@@ -27,8 +34,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ...placement import P, R, Partial, Shard
-from . import Decision, RuleCtx, rule, tensor_inputs
+from ...placement import P, R, Partial, Shard, StridedShard, shard_dim
+from . import Decision, RuleCtx, rule, tensor_inputs, token_local
+from .linear import fused_out
 from .attention_cp import sequence_decision
 
 aten = torch.ops.aten
@@ -128,11 +136,35 @@ def _padded_dim(node: fx.Node) -> int:
     return node.args[2] % n
 
 
+def _slice_bounds(node: fx.Node) -> tuple[int, int]:
+    """``[start, end)`` of a ``slice_backward``'s slice, normalized to its padded dim."""
+    size = node.args[1][_padded_dim(node)]
+    start, end = node.args[3], min(node.args[4], size)
+    return (start + size if start < 0 else start), (end + size if end < 0 else end)
+
+
+def _fused_source(node: fx.Node, ctx: RuleCtx):
+    """The fused (strided) placement on this axis of the tensor the forward sliced
+    (``meta["fxshard_sliced"]``, set by ``fxshard.training.refine``), when it strides the
+    padded dim with unit steps."""
+    src = node.meta.get("fxshard_sliced")
+    spec = src.meta.get("fxshard_spec") if src is not None else None
+    if not isinstance(spec, tuple) or (len(node.args) > 5 and node.args[5] != 1):
+        return None
+    q = spec[ctx.mesh.axis_names.index(ctx.axis)]
+    return q if isinstance(q, StridedShard) and q.dim == _padded_dim(node) else None
+
+
 @rule(aten.slice_backward.default)
 def slice_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     """``slice_backward(grad, input_sizes, dim, start, end, step)``: ``grad`` zero-padded back
     to ``input_sizes`` along ``dim``; shards of other dims and partial sums pass through."""
     p = ins[0]
+    fused = _fused_source(node, ctx)
+    if fused is not None and p == fused_out(fused, *_slice_bounds(node)):
+        # the gradient of one part of a fused projection's output (q of qkv): padded to the
+        # whole fused dim in its layout, each rank its share of the part (no gather)
+        return Decision(ins=[p], out=fused)
     if isinstance(p, Shard) and p.dim != _padded_dim(node):
         return Decision(ins=[p], out=p)
     if isinstance(p, Partial):
@@ -197,3 +229,24 @@ def native_layer_norm_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> D
     if shard is None:
         return Decision(ins=[R] * len(ins), out=[R] * 3)
     return Decision(ins=[shard] * 4 + [R] * n_w, out=[shard, P, P])
+
+
+@rule("transformers::grouped_mm_fallback_backward")
+def grouped_mm_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """The experts' grouped matmul's backward, placed as its forward (``rules/experts.py``)."""
+    tensors = tensor_inputs(node)
+    whole = Decision(ins=[R] * len(ins), out=[R, R])
+    if len(tensors) != 4 or [ctx.ndim(t) for t in tensors] != [2, 3, 1, 2]:
+        return whole
+    x, w, _, g = ins
+    if token_local(node, ctx) and 0 in (shard_dim(x), shard_dim(g)):
+        return Decision(ins=[Shard(0), R, P, Shard(0)], out=[Shard(0), P])
+    if isinstance(w, StridedShard) and w.dim == 2 and not w.whole:     # fused column-parallel
+        return Decision(ins=[R, w, R, StridedShard(1, w.parts)], out=[P, w])
+    if isinstance(w, Shard) and w.dim == 2:                            # column-parallel
+        return Decision(ins=[R, w, R, Shard(1)], out=[P, w])
+    if isinstance(w, Shard) and w.dim == 1:                            # row-parallel
+        return Decision(ins=[Shard(1), w, R, R], out=[Shard(1), w])
+    if isinstance(g, Partial) and not any(isinstance(p, Partial) for p in (x, w)):
+        return Decision(ins=[R, R, R, P], out=[P, P])                  # linear in grad
+    return whole

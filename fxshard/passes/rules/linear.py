@@ -249,17 +249,18 @@ def einsum_decision(node: fx.Node, ins: list, labels_in: list[list[str]],
             if all(real(j, l) for j in range(len(ins))):
                 return Decision(ins=[Shard(labels_in[j].index(l)) for j in range(len(ins))],
                                 out=P)
-    for i, p in enumerate(ins):   # a merged [B*S] dim, S sharded (context parallelism): the
-        if isinstance(p, StridedShard) and not p.whole:   # same parts on every operand of it
+    for i, p in enumerate(ins):   # a fused dim, or a merged [B*S] dim with S sharded (context
+        if isinstance(p, StridedShard):   # parallelism): its parts pass (or contract) as one
             l = labels_in[i][p.dim]
-            if not all(real(j, l) for j in range(len(ins)) if l in labels_in[j]):
+            if not real(i, l):
                 continue
-            need = [replace(p, dim=labels_in[j].index(l)) if l in labels_in[j] else R
-                    for j in range(len(ins))]
             if l in labels_out:
+                need = [replace(p, dim=labels_in[j].index(l)) if real(j, l) else R
+                        for j in range(len(ins))]
                 return Decision(ins=need, out=replace(p, dim=labels_out.index(l)))
-            if all(l in labels_in[j] for j in range(len(ins))):
-                return Decision(ins=need, out=P)
+            if not p.whole and all(real(j, l) for j in range(len(ins))):
+                return Decision(ins=[replace(p, dim=labels_in[j].index(l))
+                                     for j in range(len(ins))], out=P)
     partial = [isinstance(p, Partial) for p in ins]
     if sum(partial) == 1:
         return Decision(ins=[P if q else R for q in partial], out=P)

@@ -228,6 +228,13 @@ def cat_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
             return Decision(ins=[Shard(p.dim) if o else R for o in live], out=Shard(p.dim))
     if all(isinstance(p, Partial) for p in ins):
         return Decision(ins=[P] * len(ins), out=P)
+    sizes = tuple(ctx.shape(t)[dim] for t, ok in zip(tensors, live) if ok)
+    if ctx.is_tp and len(sizes) > 1 and all(k % ctx.size == 0 for k in sizes) and \
+            all(p == Shard(dim) for p, ok in zip(ins, live) if ok):
+        # parts each split on the cat dim (the gradient of a fused projection's q, k, v or
+        # gate, up): the local cat is the fused layout, part by part, with no gather
+        return Decision(ins=[Shard(dim) if o else R for o in live],
+                        out=StridedShard(dim, sizes))
     return Decision(ins=[R] * len(ins), out=R)
 
 

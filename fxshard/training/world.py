@@ -1,0 +1,66 @@
+"""Collectives over a whole real mesh for looking inside training (``torchrun``).
+
+On a real mesh each process holds its own rank's shards. ``pm.gradients()`` and
+``pm.state_dict()`` gather every rank's block to *every* rank (one all-gather per mesh axis,
+innermost first, so the blocks arrive in rank order) and assemble them as on a simulated
+mesh: each rank then holds the whole tensors (for tests, debugging, logging; a checkpoint is
+``fxshard.save_safetensors``, which writes each rank's own part). ``clip_grad_norm_`` gathers
+nothing: each rank sums ``|g|^p`` of the blocks it owns (coordinate 0 of every axis that
+replicates the parameter, so a replica counts once; a Partial gradient is reduced over its
+axes first), and the sums are all-reduced over every axis::
+
+    mesh (dp=2, tp=2), norm's weight R,R: only rank 0 counts it; q_proj R,S(0): ranks 0, 1
+    local = sum_p owned(p) * sum |g_p|^2;  total = all_reduce(all_reduce(local, tp), dp)^(1/2)
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..placement import Partial, shard_dim
+
+__all__ = ["gather_blocks", "owned_norm"]
+
+
+def _axes(backend) -> list[str]:
+    return [a for a, n in zip(backend.mesh.axis_names, backend.mesh.shape) if n > 1]
+
+
+def gather_blocks(backend, block: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``block`` (equal shapes), indexed by mesh rank, on every rank."""
+    x = block.detach().contiguous().unsqueeze(0)
+    for axis in reversed(_axes(backend)):      # innermost first: rank-major order
+        x = backend.all_gather(x, 0, axis)
+    return list(x.unbind(0)) if _axes(backend) else [block.detach()]
+
+
+def owned_norm(backend, grads: list, specs: list, norm_type: float) -> torch.Tensor:
+    """The global ``norm_type``-norm of the model's gradient from this rank's shard gradients
+    ``grads`` placed as ``specs``: each element counted once over the mesh."""
+    mesh, coords = backend.mesh, backend.coords
+    inf = norm_type == float("inf")
+    local = None
+    for g, spec in zip(grads, specs):
+        if g is None:
+            continue
+        g = g.detach()
+        for axis, n, p in zip(mesh.axis_names, mesh.shape, spec):
+            if n > 1 and isinstance(p, Partial):      # the rank's share of a partial sum
+                g = backend.all_reduce(g, axis)
+        owner = all(c == 0 for n, c, p in zip(mesh.shape, coords, spec)
+                    if n > 1 and shard_dim(p) is None)
+        part = g.abs().amax() if inf else g.abs().pow(norm_type).sum()
+        part = part.float() if owner else torch.zeros((), dtype=torch.float32,
+                                                      device=g.device)
+        local = part if local is None else (torch.maximum(local, part) if inf
+                                            else local + part)
+    if local is None:
+        local = torch.zeros((), dtype=torch.float32,
+                            device=torch.device(mesh.device_type))
+    for axis in _axes(backend):
+        if inf:
+            local = local.clone()
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=backend.device_mesh.get_group(axis))
+        else:
+            local = backend.all_reduce(local, axis)
+    return local if inf else local.pow(1.0 / norm_type)

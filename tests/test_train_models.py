@@ -1,0 +1,140 @@
+"""Training HF models with fused projections and experts: GPT-2 (``Conv1D`` ``c_attn``, tied
+embeddings), Phi-3 (fused ``qkv_proj`` and ``gate_up_proj``), Mixtral (MoE). On tp the fused
+weights are strided shards (each rank its share of every part) and so are their gradients: the
+backward of the forward's split is a local cat / a pad into the fused layout, never a gather.
+Every parameter's gradient and three AdamW steps with ``clip_grad_norm_`` equal one device's."""
+import collections
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxshard
+from fxshard.training import clip_grad_norm_, parallelize_for_training
+
+transformers = pytest.importorskip("transformers")
+
+V, B, S = 96, 4, 6
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(vocab_size=V, n_positions=16, n_embd=48, n_layer=2, n_head=4,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _phi3():
+    cfg = transformers.Phi3Config(vocab_size=V, hidden_size=48, intermediate_size=72,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=32,
+                                  pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    return transformers.Phi3ForCausalLM(cfg)
+
+
+def _mixtral():
+    cfg = transformers.MixtralConfig(vocab_size=V, hidden_size=48, intermediate_size=40,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=32,
+                                     pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    return transformers.MixtralForCausalLM(cfg)
+
+
+_MODELS = {"gpt2": _gpt2, "phi3": _phi3, "mixtral": _mixtral}
+
+
+def _model(name):
+    torch.manual_seed(0)
+    return _MODELS[name]().train()
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return (torch.randint(0, V, (B, S), generator=g),
+            torch.randint(0, V, (B, S), generator=g))
+
+
+def _mesh(dp, tp):
+    return fxshard.init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def _loss(out, labels):
+    return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+
+
+def _collectives(tm, which):
+    out = collections.Counter()
+    for n in tm.rank_module(0, which).graph.nodes:
+        if n.op == "call_function" and str(n.target).startswith("fxshard."):
+            out[str(n.target).split(".")[1], next(a for a in n.args if isinstance(a, str))] += 1
+    return out
+
+
+def _train_equal(name, dp, tp, steps=3):
+    """Gradients of the first step, then ``steps`` AdamW steps with clipping: equal one
+    device's. Returns the TrainModule."""
+    model = _model(name)
+    ref = copy.deepcopy(model)
+    ids, labels = _data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tm = parallelize_for_training(model, _mesh(dp, tp), example_inputs=(ids,))
+    # eps 1e-6: GPT-2's key bias has a gradient of zero in exact arithmetic (softmax is
+    # shift-invariant), rounding noise of ~1e-10 on one device and on ours; Adam's
+    # m / (sqrt(v) + eps) with the default eps 1e-8 turns that noise into an update of
+    # arbitrary sign, with 1e-6 into one below 1e-4 * lr
+    ours = torch.optim.AdamW(tm.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.1)
+    theirs = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.1)
+    for step in range(steps):
+        ours.zero_grad()
+        theirs.zero_grad()
+        out, want = tm(ids), ref(ids)
+        torch.testing.assert_close(out.logits, want.logits, rtol=1e-4, atol=1e-4)
+        _loss(out, labels).backward()
+        _loss(want, labels).backward()
+        if step == 0:
+            grads = tm.gradients()
+            for n, p in ref.named_parameters():
+                torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-5, msg=n)
+        norm = clip_grad_norm_(tm, 0.5)
+        torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5),
+                                   rtol=1e-5, atol=1e-6)
+        ours.step()
+        theirs.step()
+    trained = tm.state_dict()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(trained[n], p.detach(), rtol=1e-5, atol=1e-5, msg=n)
+    return tm
+
+
+@pytest.mark.parametrize("name,dp", [("gpt2", 1), ("gpt2", 2), ("phi3", 1), ("phi3", 2)])
+def test_fused_projections_train_on_tp(name, dp):
+    tm = _train_equal(name, dp, 2)
+    fused = "transformer.h.0.attn.c_attn.weight" if name == "gpt2" else \
+        "model.layers.0.self_attn.qkv_proj.weight"
+    assert type(tm._specs[fused][1]).__name__ == "StridedShard", tm._specs[fused]
+    # no gather of a fused tensor in either program: q, k, v (gate, up) and their gradients
+    # stay split per rank (the fused dim is 144 = 3 x 48 whole, 72 per rank)
+    for which in ("forward", "backward"):
+        for c in tm.collectives(which):
+            assert c.op in ("all_reduce", "all_gather", "local_shard", "partial_from_replicate")
+            assert c.op != "all_gather" or c.shape[-1] not in (72, 144), (which, c)
+    if name == "phi3":   # Megatron: one all-reduce per block's input gradient, and lm_head's
+        c = _collectives(tm, "backward")
+        assert c["all_reduce", "tp"] == 2 * 2 + 1 and c["all_gather", "tp"] == 0, c
+
+
+@pytest.mark.parametrize("dp,tp", [(1, 2), (2, 1)])
+def test_moe_trains(dp, tp):
+    tm = _train_equal("mixtral", dp, tp, steps=2)
+    gate_up = "model.layers.0.mlp.experts.gate_up_proj"   # [E, 2I, H]: gate|up fused
+    router = [c for c in tm.collectives("backward") if c.shape == (4, 48)]   # [E, H]
+    if tp > 1:
+        assert type(tm._specs[gate_up][1]).__name__ == "StridedShard", tm._specs[gate_up]
+        assert tm.shards(1)[gate_up].shape == (4, 40, 48)
+        assert not router    # every tp rank routes every token: the router's gradient whole
+    else:   # the router's gradient is a partial sum over each rank's tokens: reduced once
+        assert [(c.op, c.axis) for c in router] == [("all_reduce", "dp")] * 2, router
