@@ -13,6 +13,7 @@ import torch
 
 import fxshard
 from fxshard.passes.rules import FallbackWarning
+from tests import families
 from tests.families import FAMILIES, collectives_by_kind, layer_param_fraction
 
 # each model is built once and exported once for all the meshes it runs (tests/conftest.py)
@@ -20,13 +21,12 @@ pytestmark = pytest.mark.usefixtures("export_once")
 _models: dict = {}
 
 
-def built(name: str, layers: int, **kwargs):
-    """``tests.families.<name>(layers, **kwargs)``, built once for the module (no test here
-    changes a model)."""
-    from tests import families
-    key = (name, layers, tuple(sorted(kwargs.items())))
+def built(make, layers: int, **kwargs):
+    """``make(layers, **kwargs)`` (a builder of ``tests.families``), built once for the module
+    (no test here changes a model)."""
+    key = (make.__name__, layers, tuple(sorted(kwargs.items())))
     if key not in _models:
-        _models[key] = getattr(families, name)(layers, **kwargs)
+        _models[key] = make(layers, **kwargs)
     return _models[key]
 
 
@@ -51,7 +51,7 @@ def _parallel(model, axes: dict, sp: bool, ids, strict: bool = False):
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_matches_single_device(family, mesh_name):
-    model = built(FAMILIES[family][1].__name__, 2)
+    model = built(FAMILIES[family][1], 2)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(ids).logits
@@ -76,7 +76,7 @@ def test_family_collectives_per_layer_are_the_megatron_minimum(family, sp):
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     counts = []
     for layers in (1, 2):
-        pm, _ = _parallel(built(build.__name__, layers), dict(tp=2), sp, ids)
+        pm, _ = _parallel(built(build, layers), dict(tp=2), sp, ids)
         counts.append(collectives_by_kind(pm))
         pm.close()
     grown = {k: counts[1][k] - counts[0][k] for k in counts[1] | counts[0]}
@@ -86,7 +86,7 @@ def test_family_collectives_per_layer_are_the_megatron_minimum(family, sp):
 @pytest.mark.parametrize("axes", [dict(ring_cp=2), dict(ulysses_cp=2), dict(tp=2, ring_cp=2)],
                          ids=["ring2", "ulysses2", "tp2_ring2"])
 def test_eager_attention_is_lowered_like_sdpa(axes):
-    model = built("llama_eager", 2)
+    model = built(families.llama_eager, 2)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(ids).logits
@@ -109,7 +109,7 @@ def test_eager_attention_is_lowered_like_sdpa(axes):
 def test_soft_capped_eager_attention_is_lowered_like_sdpa(axes):
     """Gemma-2's ``tanh(s / cap) * cap`` scores: ring / Ulysses attention with the cap, no
     gather of K/V along the sequence."""
-    model = built("gemma2", 1)
+    model = built(families.gemma2, 1)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(ids).logits
@@ -136,7 +136,7 @@ def test_soft_capped_eager_attention_is_lowered_like_sdpa(axes):
 def test_sliding_window_attention_runs_ring_attention_with_its_mask():
     """A sliding-window mask (not causal) rides the ring sharded by query rows: both layers run
     ring attention (one with the mask, one causal), no K/V gathered, strict=True accepts it."""
-    model = built("gemma2", 2, sliding_window=5)
+    model = built(families.gemma2, 2, sliding_window=5)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(ids).logits
@@ -155,7 +155,7 @@ def test_sliding_window_attention_runs_ring_attention_with_its_mask():
 def test_generate_refuses_soft_capped_attention():
     """The decode kernel has no soft-cap: generation says so instead of dropping the cap."""
     mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    pm = fxshard.parallelize(built("gemma2", 1), mesh)
+    pm = fxshard.parallelize(built(families.gemma2, 1), mesh)
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
     with pytest.raises(NotImplementedError, match=r"fxshard.generate: attention \S+ soft-caps "
                                                   r"its scores \(tanh, cap 5.0, as Gemma-2\)"):
@@ -168,7 +168,7 @@ def test_bloom_alibi_shards_heads(mesh_name):
     """BLOOM's heads-merged ``baddbmm`` attention with ALiBi becomes SDPA with the bias in the
     mask: query_key_value and dense split on tp (each rank's ALiBi slopes are its heads'), the
     values equal single device; on ring_cp the bias rides the ring by query rows (strict)."""
-    model = built("bloom", 2)
+    model = built(families.bloom, 2)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(ids).logits
@@ -219,7 +219,7 @@ def test_masked_attention_under_usp_runs_ring_attention(case):
     mask, no q/K/V gathered along the sequence, no collective for the mask, values equal to
     one device."""
     family, axes, all_to_all, all_gather = USP_MASKED[case]
-    model = built(family, 2)
+    model = built(getattr(families, family), 2)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(ids).logits

@@ -145,16 +145,6 @@ def test_explain_and_rank_modules_of_a_training_program():
     assert f"all_reduce      dp             {len(dp)}" in text
 
 
-def test_meshes_that_cannot_train_yet_are_errors():
-    model = _llama(layers=2)
-    ids, _ = _data()
-    mesh = fxshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ring_cp"))
-    pm = fxshard.parallelize(model, mesh)
-    with pytest.raises(NotImplementedError, match=r"'ring_cp' of size 2 together with 'pp'.*"
-                                                  r"torch\.no_grad"):
-        pm(ids)
-
-
 def test_a_model_that_does_not_require_grad_runs_inference():
     model = _llama(layers=1).requires_grad_(False)
     ids, _ = _data()
