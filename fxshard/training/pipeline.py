@@ -220,7 +220,8 @@ class PipelineTrainer:
                     0 if me is None else self._sub_rank(me),
                     sequence_parallel=self.options.get("sequence_parallel", False),
                     plan=self.options.get("plan"), strict=self.options.get("strict", False),
-                    embedding=self.options.get("embedding", "embed_dim"), store=self.store))
+                    embedding=self.options.get("embedding", "embed_dim"), store=self.store,
+                    compile=self.options.get("compile", False)))
         programs = []
         for k, (sf, tm) in enumerate(zip(forwards, self.stage_modules)):
             if not self._mine(k):
