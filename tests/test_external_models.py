@@ -59,9 +59,6 @@ def _xfail(reason: str):
 
 
 # the pieces still missing, named once (issue 21); the marks below use them
-PARALLEL_REASSOC = ("parallel block written (attention + x) + mlp: the replicated residual "
-                    "joins the first partial sum before the second, so each is all-reduced "
-                    "(one all-reduce needs the partial sums re-associated past the add)")
 MOE_LOOP_COLLECTIVES = ("MoE as a per-expert loop with torch.where(mask): each expert's "
                         "row-parallel output is reduced on its own (one all-reduce per expert, "
                         "not one per layer)")
@@ -79,8 +76,6 @@ LITGPT_DECODE = ("litgpt's GPT.forward(idx, input_pos=...) needs its KV cache se
 
 # name -> {test[:mesh]: reason} of the targets that fail today
 XFAIL: dict[str, dict[str, str]] = {
-    "litgpt_phi2": {"collectives": PARALLEL_REASSOC},
-    "litgpt_falcon": {"collectives": PARALLEL_REASSOC},
     "litgpt_mixtral": {"collectives": MOE_LOOP_COLLECTIVES},
     "litgpt_mistral": {"generate:tp2": LITGPT_MASK},
     "litgpt_gemma2": {"generate:tp2": SOFTCAP_DECODE, "generate:tp2_ring2": LITGPT_DECODE},

@@ -478,3 +478,36 @@ def test_repeat_interleave_kv_reaches_attention_unrepeated(axes):
     if "tp" not in axes:   # (Ulysses over tp's 1 KV head a rank repeats it for its own heads)
         assert "repeat_interleave" not in pm.rank_module(0).code
     pm.close()
+
+
+class ParallelBlock(Block):
+    """Attention and MLP side by side on one norm, written ``mlp(h) + (attn(h) + x)``: the
+    residual joins the first row-parallel partial sum before the second arrives."""
+
+    def forward(self, x, *rope):
+        h = self.attn_norm(x)
+        y = self.attn(h, *rope) + x
+        return self.w2(F.silu(self.w1(h)) * self.w3(h)) + y
+
+
+class ParallelLM(TinyLM):
+    def __init__(self):
+        super().__init__(FusedQKVAttention)
+        self.layers = nn.ModuleList(ParallelBlock(FusedQKVAttention()) for _ in range(LAYERS))
+
+
+@pytest.mark.parametrize("axes,sp", [(dict(tp=2), False), (dict(tp=2), True),
+                                     (dict(dp=2, tp=2), False)],
+                         ids=["tp2", "tp2_sp", "dp2_tp2"])
+def test_parallel_block_reduces_its_two_partial_sums_once(axes, sp):
+    """``m + (a + x)`` with ``a``, ``m`` row-parallel partial sums is computed ``(a + m) + x``:
+    one all-reduce (or reduce-scatter) per layer, equal to one device up to rounding."""
+    torch.manual_seed(0)
+    model = ParallelLM().eval()
+    pm = run(model, axes, sequence_parallel=sp)
+    code = pm.rank_module(0).code
+    assert pm.explain().passes["reassociate_partials_pass"] == \
+        {"partial_sums_added_first": LAYERS}
+    assert all_reduces(pm) == (0 if sp else LAYERS), code
+    assert code.count("fxshard.reduce_scatter") == (LAYERS if sp else 0), code
+    pm.close()
