@@ -78,7 +78,6 @@ LITGPT_DECODE = ("litgpt's GPT.forward(idx, input_pos=...) needs its KV cache se
 XFAIL: dict[str, dict[str, str]] = {
     "litgpt_mixtral": {"collectives": MOE_LOOP_COLLECTIVES},
     "litgpt_mistral": {"generate:tp2": LITGPT_MASK},
-    "litgpt_gemma2": {"generate:tp2": SOFTCAP_DECODE, "generate:tp2_ring2": LITGPT_DECODE},
     "torchtune_gemma2": {"cp:ring2": SOFTCAP_ORDER, "cp:ulysses2": SOFTCAP_ORDER,
                          "generate:tp2": SOFTCAP_DECODE, "generate:tp2_ring2": SOFTCAP_DECODE},
     "torchtitan_deepseek_v3": {"params": DEEPSEEK_WHOLE, "fallbacks:tp2": DEEPSEEK_FALLBACK,
