@@ -66,9 +66,6 @@ DEEPSEEK_WHOLE = ("torchtitan DeepSeek-V3: MLA's latent wkv_a projection, the ro
                   "routed experts (cast by _to_copy before use) stay whole on tp")
 DEEPSEEK_FALLBACK = ("torchtitan DeepSeek-V3's MoE: aten.argsort.stable and torchtitan's "
                      "deterministic_scatter_add have no sharding rule (run replicated)")
-SOFTCAP_ORDER = ("torchtune Gemma-2's soft-cap is not recognised as attention by "
-                 "eager_attention, so ring/Ulysses gather K/V")
-SOFTCAP_DECODE = "generate refuses a soft-capped attention: the decode kernel has no soft-cap"
 LITGPT_MASK = ("litgpt Mistral builds an explicit sliding-window mask in the prompt's forward; "
                "generate needs causal attention without an explicit mask")
 LITGPT_DECODE = ("litgpt's GPT.forward(idx, input_pos=...) needs its KV cache set up "
@@ -78,8 +75,6 @@ LITGPT_DECODE = ("litgpt's GPT.forward(idx, input_pos=...) needs its KV cache se
 XFAIL: dict[str, dict[str, str]] = {
     "litgpt_mixtral": {"collectives": MOE_LOOP_COLLECTIVES},
     "litgpt_mistral": {"generate:tp2": LITGPT_MASK},
-    "torchtune_gemma2": {"cp:ring2": SOFTCAP_ORDER, "cp:ulysses2": SOFTCAP_ORDER,
-                         "generate:tp2": SOFTCAP_DECODE, "generate:tp2_ring2": SOFTCAP_DECODE},
     "torchtitan_deepseek_v3": {"params": DEEPSEEK_WHOLE, "fallbacks:tp2": DEEPSEEK_FALLBACK,
                                "fallbacks:dp2_tp2": DEEPSEEK_FALLBACK},
 }

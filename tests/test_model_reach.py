@@ -143,7 +143,9 @@ class ComplexRopeAttention(nn.Module):
 
 
 class SoftcapAttention(nn.Module):
-    """Eager attention soft-capped in orders other than Gemma-2's ``tanh(s * scale / c) * c``."""
+    """Eager attention soft-capped in orders other than Gemma-2's ``tanh(s * scale / c) * c``
+    (``q_scaled``: the queries scaled in place before ``q @ k^T``, the probabilities cast back
+    by ``type_as``)."""
 
     def __init__(self, dim=DIM, heads=HEADS, cap=5.0, order="mul_first"):
         super().__init__()
@@ -156,13 +158,19 @@ class SoftcapAttention(nn.Module):
         q, k, v = (p(x).view(b, t, self.h, self.d).transpose(1, 2)
                    for p in (self.q, self.k, self.v))
         q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+        if self.order == "q_scaled":       # the scale on q in place, then tanh(s / c) * c
+            q.mul_(self.d ** -0.5)
         s = q @ k.transpose(-2, -1)
         if self.order == "mul_first":      # c * tanh(s * (1 / c)), then the scale
             s = self.cap * torch.tanh(s * (1.0 / self.cap)) / math.sqrt(self.d)
-        else:                              # tanh((s * scale) / c) * c: the scale first
+        elif self.order == "scale_first":  # tanh((s * scale) / c) * c: the scale first
             s = torch.tanh(s * self.d ** -0.5 / self.cap) * self.cap
+        else:
+            s = torch.tanh(s / self.cap) * self.cap
         mask = torch.full((t, t), float("-inf"), device=x.device).triu(1)
-        p = torch.softmax(s + mask, dim=-1)
+        # (q_scaled: the softmax in float32, cast back to the queries' dtype)
+        p = torch.softmax((s + mask).float(), dim=-1).type_as(q) if self.order == "q_scaled" \
+            else torch.softmax(s + mask, dim=-1)
         return self.o((p @ v).transpose(1, 2).reshape(b, t, -1))
 
 
@@ -279,7 +287,7 @@ def test_pattern_on_bigger_meshes(name, axes, sp):
     pm.close()
 
 
-@pytest.mark.parametrize("order", ["mul_first", "scale_first"])
+@pytest.mark.parametrize("order", ["mul_first", "scale_first", "q_scaled"])
 @pytest.mark.parametrize("axes", [dict(ring_cp=2), dict(ulysses_cp=2), dict(tp=2)],
                          ids=["ring2", "ulysses2", "tp2"])
 def test_softcap_in_another_order_runs_ring_attention(order, axes):

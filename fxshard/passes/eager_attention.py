@@ -43,8 +43,9 @@ aten = torch.ops.aten
 
 __all__ = ["eager_attention_pass"]
 
+# copies and casts of the probabilities (``type_as(p, q)``: back to the queries' dtype)
 _PASS_THROUGH = (aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.clone.default,
-                 aten.contiguous.default, aten.detach.default)
+                 aten.contiguous.default, aten.detach.default, aten.type_as.default)
 
 
 def _only_user(node: fx.Node) -> fx.Node | None:
