@@ -66,15 +66,12 @@ DEEPSEEK_WHOLE = ("torchtitan DeepSeek-V3: MLA's latent wkv_a projection, the ro
                   "routed experts (cast by _to_copy before use) stay whole on tp")
 DEEPSEEK_FALLBACK = ("torchtitan DeepSeek-V3's MoE: aten.argsort.stable and torchtitan's "
                      "deterministic_scatter_add have no sharding rule (run replicated)")
-LITGPT_MASK = ("litgpt Mistral builds an explicit sliding-window mask in the prompt's forward; "
-               "generate needs causal attention without an explicit mask")
 LITGPT_DECODE = ("litgpt's GPT.forward(idx, input_pos=...) needs its KV cache set up "
                  "(set_kv_cache) to take input_pos: the one-token decode step does not trace")
 
 # name -> {test[:mesh]: reason} of the targets that fail today
 XFAIL: dict[str, dict[str, str]] = {
     "litgpt_mixtral": {"collectives": MOE_LOOP_COLLECTIVES},
-    "litgpt_mistral": {"generate:tp2": LITGPT_MASK},
     "torchtitan_deepseek_v3": {"params": DEEPSEEK_WHOLE, "fallbacks:tp2": DEEPSEEK_FALLBACK,
                                "fallbacks:dp2_tp2": DEEPSEEK_FALLBACK},
 }

@@ -519,3 +519,44 @@ def test_parallel_block_reduces_its_two_partial_sums_once(axes, sp):
     assert all_reduces(pm) == (0 if sp else LAYERS), code
     assert code.count("fxshard.reduce_scatter") == (LAYERS if sp else 0), code
     pm.close()
+
+
+class WindowMaskAttention(nn.Module):
+    """litgpt's sliding window: the prompt's forward fills a ``[T, T]`` mask with ``-inf`` and
+    zeroes each row's window in a Python loop (the plain causal mask while ``T <= window``);
+    the window is an attribute of the module (no config)."""
+
+    def __init__(self, window, dim=DIM, heads=HEADS):
+        super().__init__()
+        self.h, self.d, self.sliding_window_size = heads, dim // heads, window
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, self.h, self.d).transpose(1, 2)
+                   for p in (self.q, self.k, self.v))
+        q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+        mask = torch.full((t, t), float("-inf"), dtype=q.dtype, device=q.device)
+        for i in range(t):
+            mask[i, max(0, i - self.sliding_window_size + 1):i + 1] = 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.view(1, 1, t, t))
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def test_window_mask_built_in_the_prompt_folds_to_causal_and_bounds_generate():
+    """A window at least the prompt + new tokens: the prompt's additive mask is the causal one
+    (folded), and generate equals greedy on tp2. Past the window generate refuses, as the KV
+    cache would attend tokens the model does not."""
+    from tests.plain_lms import greedy_reference
+    torch.manual_seed(0)
+    model = TinyLM(lambda: WindowMaskAttention(window=12)).eval()
+    pm = fxshard.parallelize(model, mesh(tp=2), example_inputs=(IDS,))
+    try:
+        assert torch.equal(pm.generate(IDS, max_new_tokens=4),
+                           greedy_reference(model, IDS, 4))
+        assert pm.explain().passes["fold_causal_mask_pass"]["folded_masks"] == LAYERS
+        with pytest.raises(NotImplementedError, match=r"sliding window of 12 tokens, and the "
+                                                      r"prompt plus max_new_tokens needs 13"):
+            pm.generate(IDS, max_new_tokens=5)
+    finally:
+        pm.close()
