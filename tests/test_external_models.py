@@ -66,8 +66,6 @@ DEEPSEEK_WHOLE = ("torchtitan DeepSeek-V3: MLA's latent wkv_a projection, the ro
                   "routed experts (cast by _to_copy before use) stay whole on tp")
 DEEPSEEK_FALLBACK = ("torchtitan DeepSeek-V3's MoE: aten.argsort.stable and torchtitan's "
                      "deterministic_scatter_add have no sharding rule (run replicated)")
-LITGPT_DECODE = ("litgpt's GPT.forward(idx, input_pos=...) needs its KV cache set up "
-                 "(set_kv_cache) to take input_pos: the one-token decode step does not trace")
 
 # name -> {test[:mesh]: reason} of the targets that fail today
 XFAIL: dict[str, dict[str, str]] = {
