@@ -59,9 +59,6 @@ def _xfail(reason: str):
 
 
 # the pieces still missing, named once (issue 21); the marks below use them
-MOE_LOOP_COLLECTIVES = ("MoE as a per-expert loop with torch.where(mask): each expert's "
-                        "row-parallel output is reduced on its own (one all-reduce per expert, "
-                        "not one per layer)")
 DEEPSEEK_WHOLE = ("torchtitan DeepSeek-V3: MLA's latent wkv_a projection, the router and the "
                   "routed experts (cast by _to_copy before use) stay whole on tp")
 DEEPSEEK_FALLBACK = ("torchtitan DeepSeek-V3's MoE: aten.argsort.stable and torchtitan's "
@@ -69,7 +66,6 @@ DEEPSEEK_FALLBACK = ("torchtitan DeepSeek-V3's MoE: aten.argsort.stable and torc
 
 # name -> {test[:mesh]: reason} of the targets that fail today
 XFAIL: dict[str, dict[str, str]] = {
-    "litgpt_mixtral": {"collectives": MOE_LOOP_COLLECTIVES},
     "torchtitan_deepseek_v3": {"params": DEEPSEEK_WHOLE, "fallbacks:tp2": DEEPSEEK_FALLBACK,
                                "fallbacks:dp2_tp2": DEEPSEEK_FALLBACK},
 }

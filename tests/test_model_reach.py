@@ -328,10 +328,10 @@ class WhereRoutedMoE(nn.Module):
 
 
 class WhereMoELM(nn.Module):
-    def __init__(self):
+    def __init__(self, **moe):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.moe = WhereRoutedMoE()
+        self.moe = WhereRoutedMoE(**moe)
         self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, ids):
@@ -380,16 +380,23 @@ def test_rules_give_each_rank_its_block(op, data):
 
 def test_where_routing_under_dp_and_tp_explains_data_dependent_sizes():
     """``torch.where(ids == e)`` per expert: the positions need the whole mask (a rule says so,
-    no fallback), and ``explain()`` reports the collectives of data-dependent size instead of
-    failing on them."""
+    no fallback); on tp the loop's ``out[tok] += ...`` of row-parallel outputs stays a partial
+    sum and is reduced once, after the loop. With one expert (one step: its rows are reduced)
+    ``explain()`` reports the collective of data-dependent size instead of failing on it."""
     torch.manual_seed(0)
     model = WhereMoELM().eval()
     for axes in (dict(dp=2), dict(tp=2), dict(dp=2, tp=2)):
         pm = run(model, axes)
-        text = str(pm.explain())
+        str(pm.explain())
         if "tp" in axes:
-            assert "data-dependent sizes" in text and "(u" in text, text
+            assert all_reduces(pm) == 1, pm.rank_module(0).code   # not one per expert (4)
+            assert pm.explain().passes["reassociate_partials_pass"][
+                "accumulations_reduced_once"] == 1
         pm.close()
+    pm = run(WhereMoELM(experts=1, top=1).eval(), dict(dp=2, tp=2))
+    text = str(pm.explain())
+    assert "data-dependent sizes" in text and "(u" in text, text
+    pm.close()
 
 
 def test_whole_layer_weights_are_warned_once_with_the_real_reason():
@@ -514,8 +521,7 @@ def test_parallel_block_reduces_its_two_partial_sums_once(axes, sp):
     model = ParallelLM().eval()
     pm = run(model, axes, sequence_parallel=sp)
     code = pm.rank_module(0).code
-    assert pm.explain().passes["reassociate_partials_pass"] == \
-        {"partial_sums_added_first": LAYERS}
+    assert pm.explain().passes["reassociate_partials_pass"]["partial_sums_added_first"] == LAYERS
     assert all_reduces(pm) == (0 if sp else LAYERS), code
     assert code.count("fxshard.reduce_scatter") == (LAYERS if sp else 0), code
     pm.close()

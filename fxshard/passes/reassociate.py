@@ -16,13 +16,27 @@ Only where the result's placement stays what it was, with each partial sum used 
 alone, of one shape and dtype with the result. The sum is the same up to rounding:
 ``(a + x) + m`` and ``(a + m) + x`` round differently in floating point (one ulp of the
 addends, per element), like any change of a reduction's order.
+
+The same pass keeps an accumulation of partial sums partial: an MoE written as a loop over
+experts, ``y = zeros_like(x); for e: y[idx_e] += w_e * expert_e(x[idx_e])``, reads and writes
+rows of ``y`` by replicated indices, which is linear in ``y`` and the expert's row-parallel
+output ``v_e``. Each ``v_e`` would be reduced before it is added; instead every rank
+accumulates its addends and ``y`` is reduced once, after the loop (on the axis where every
+``v_e`` is a partial sum)::
+
+    before: index = index(zeros_like, [i0]); add = add(index, v0)       # v0 all-reduced
+            index_put = index_put(zeros_like, [i0], add); ... (each expert)
+    after:  the same ops on partial sums; one all-reduce of the last index_put
+
+(Indices repeated within one expert's rows write one of the rows, as ``index_put`` does on one
+device; ``torch.where`` over a top-k routing mask gives each token once per expert.)
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 
-from ..placement import Partial
+from ..placement import Partial, Replicate
 from . import PassCtx
 
 aten = torch.ops.aten
@@ -78,9 +92,71 @@ def _match(outer: fx.Node):
     return None
 
 
+_ZEROS = (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default)
+
+
+def _with(spec: tuple, axis: int, p) -> tuple:
+    return spec[:axis] + (p,) + spec[axis + 1:]
+
+
+def _accumulation(y: fx.Node, axis: int) -> list[tuple]:
+    """The steps ``(index, add, index_put)`` of ``y = index_put(y, idx, index(y, idx) + v)``
+    from the zeros ``y``, each ``v`` a partial sum on ``axis`` where the rest is whole."""
+    steps = []
+    while len(y.users) == 2:
+        get = next((u for u in y.users if u.target is aten.index.Tensor and u.args[0] is y),
+                   None)
+        put = next((u for u in y.users if u.target is aten.index_put.default and
+                    u.args[0] is y and not (len(u.args) > 3 and u.args[3]) and not u.kwargs),
+                   None)
+        if get is None or put is None or list(put.args[1]) != list(get.args[1]):
+            break
+        add = put.args[2]
+        if not isinstance(add, fx.Node) or not _plain_add(add) or get not in add.args or \
+                add.args[0] is add.args[1] or len(get.users) != 1 or len(add.users) != 1:
+            break
+        v = add.args[1] if add.args[0] is get else add.args[0]
+        idx = [i for i in get.args[1] if i is not None]
+        whole = [y, get, add, put] + idx
+        if any(not isinstance(n, fx.Node) or _spec(n) is None or
+               not isinstance(_spec(n)[axis], Replicate) for n in whole) or \
+                _spec(v) is None or not isinstance(_spec(v)[axis], Partial):
+            break
+        steps.append((get, add, put))
+        y = put
+    return steps
+
+
+def _keep_partial(zeros: fx.Node, steps: list, axis: int) -> None:
+    """Mark the accumulation partial on ``axis`` (the needs of its inputs with it)."""
+    zeros.meta["fxshard_spec"] = _with(zeros.meta["fxshard_spec"], axis, Partial())
+    for get, add, put in steps:
+        for node, partial_inputs in ((get, {0}), (add, {0, 1}), (put, {0, len(put.meta[
+                "fxshard_need"]) - 1})):
+            node.meta["fxshard_spec"] = _with(node.meta["fxshard_spec"], axis, Partial())
+            node.meta["fxshard_need"] = [_with(nd, axis, Partial()) if k in partial_inputs
+                                         else nd for k, nd in enumerate(node.meta[
+                                             "fxshard_need"])]
+
+
+def _accumulate_partials(gm: fx.GraphModule) -> int:
+    done = 0
+    for node in list(gm.graph.nodes):
+        spec = _spec(node)
+        if node.op != "call_function" or node.target not in _ZEROS or spec is None:
+            continue
+        for axis in range(len(spec)):
+            steps = _accumulation(node, axis)
+            if len(steps) >= 2:   # one step: one reduction either way (of fewer rows so)
+                _keep_partial(node, steps, axis)
+                done += 1
+    return done
+
+
 def reassociate_partials_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
-    """``m + (a + x)`` with ``a``, ``m`` partial sums becomes ``(a + m) + x`` (see the module
-    docstring); the placement annotations are updated in place (no new propagation)."""
+    """``m + (a + x)`` with ``a``, ``m`` partial sums becomes ``(a + m) + x``, and an
+    accumulation of partial sums into zeros stays partial (see the module docstring); the
+    placement annotations are updated in place (no new propagation)."""
     done = 0
     for outer in list(gm.graph.nodes):
         found = _match(outer)
@@ -96,5 +172,6 @@ def reassociate_partials_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphMo
         # the outer add now meets (partial, x) exactly as the inner one did
         outer.meta["fxshard_need"] = [need_inner[a], need_inner[x]]
         done += 1
-    ctx.report("reassociate_partials_pass", partial_sums_added_first=done)
+    ctx.report("reassociate_partials_pass", partial_sums_added_first=done,
+               accumulations_reduced_once=_accumulate_partials(gm))
     return gm
