@@ -196,10 +196,12 @@ def collect() -> dict[str, dict]:
     generate_families = importlib.import_module("tests.test_generate").FAMILIES
     for path in sorted((ROOT / "tests").glob("test_*.py")):
         module = importlib.import_module(f"tests.{path.stem}")
-        kind = "generate" if path.stem == "test_generate" else "forward"
         for fname, fn in vars(module).items():
             if not (fname.startswith("test_") and inspect.isfunction(fn)):
                 continue
+            # generation: test_generate.py, and any test_generate*equal* test elsewhere
+            kind = "generate" if path.stem == "test_generate" or (
+                fname.startswith("test_generate") and "equal" in fname) else "forward"
             refs = _referenced(fn, module)
             literal = _literal_meshes(fn)
             for params in _params(fn) or [{}]:

@@ -29,8 +29,9 @@ from fxshard.kernels import decode_attention, merge_attention
 REPO = Path(__file__).resolve().parents[1]
 
 
-def reference_decode(q, k, v, lengths, *, causal, scale=None):
-    """Float64 (out, lse) by a plain loop over (b, h, i)."""
+def reference_decode(q, k, v, lengths, *, causal, scale=None, softcap=0.0):
+    """Float64 (out, lse) by a plain loop over (b, h, i); ``softcap``: each scaled score ``s``
+    becomes ``softcap * tanh(s / softcap)``."""
     batch, heads_q, seq_q, head_dim = q.shape
     group = heads_q // k.shape[1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
@@ -46,6 +47,8 @@ def reference_decode(q, k, v, lengths, *, causal, scale=None):
                     continue
                 k_TD = k[b, h // group, keys].double()
                 s_T = (k_TD @ q[b, h, i].double()) * scale
+                if softcap:
+                    s_T = softcap * torch.tanh(s_T / softcap)
                 out[b, h, i] = torch.softmax(s_T, 0) @ v[b, h // group, keys].double()
                 lse[b, h, i] = torch.logsumexp(s_T, 0)
     return out, lse
@@ -144,6 +147,21 @@ def test_torch_path_value_head_size_differs(head_dim_v, causal, lengths):
     assert fake[0].shape == out.shape
 
 
+@given(decode_cases(), st.sampled_from([0.7, 2.0, 30.0]))
+def test_torch_path_soft_cap_matches_reference(case, softcap):
+    """The soft-cap on the torch path (fused CPU path not taken) and in eager programs."""
+    from fxshard.ops.library import direct_kernel
+    q, k, v, lengths = inputs_of(case)
+    ref_out, ref_lse = reference_decode(3 * q, k, v, lengths, causal=case["causal"],
+                                        scale=case["scale"], softcap=softcap)
+    out, lse = decode_attention(3 * q, k, v, lengths, causal=case["causal"],
+                                scale=case["scale"], softcap=softcap, backend="torch")
+    assert_matches(out, lse, ref_out, ref_lse, tol=1e-4)
+    attend = direct_kernel(torch.ops.fxshard.decode_attention.default)
+    out, lse = attend(3 * q, k, v, lengths, case["scale"], case["causal"], softcap)
+    assert_matches(out, lse, ref_out, ref_lse, tol=1e-4)
+
+
 def test_torch_path_rows_without_keys():
     """lengths 0 and 1, causal with Sq > length: those rows are exactly 0 and -inf; on CPU
     'auto' is the torch path."""
@@ -210,6 +228,8 @@ def test_error_messages():
         decode_attention(q, k, v, torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match=name + r"scale=nan; expected a finite float or None"):
         decode_attention(q, k, v, lengths, scale=float("nan"))
+    with pytest.raises(ValueError, match=name + r"softcap=-1.0; expected a finite float >= 0"):
+        decode_attention(q, k, v, lengths, softcap=-1.0)
 
 
 @pytest.mark.grad   # the forward-only check is about inputs that require grad
@@ -294,7 +314,7 @@ def triton_interpret():
 def test_triton_decode_kernel_subprocess():
     """Run the test_triton_interp_* tests in a TRITON_INTERPRET=1 process; all must pass (the
     bf16 one is an expected failure of Triton's interpreter)."""
-    run_interpreter_tests(__file__, min_passed=9, xfailed=1)
+    run_interpreter_tests(__file__, min_passed=11, xfailed=1)
 
 
 # (B, Hq, Hkv, Sq, L, D, lengths, causal, n_splits): GQA groups 1/2/4/24 (24 x 3 rows: two
@@ -341,6 +361,22 @@ def test_triton_interp_value_head_size_differs(triton_interpret, batch, heads_q,
     assert out.shape == (batch, heads_q, seq_q, head_dim_v)
     ref_out, ref_lse = reference_decode(q, k, v, lengths, causal=causal, scale=0.3)
     assert_matches(out, lse, ref_out, ref_lse, tol=1e-4)
+
+
+@pytest.mark.parametrize("causal, lengths, n_splits", [(True, [37, 4], 3), (False, [20, 0], 1)])
+def test_triton_interp_soft_cap(triton_interpret, causal, lengths, n_splits):
+    """Gemma-2's soft-cap of the scaled scores, with scores large enough (x4) to bend the
+    tanh at cap 2: the kernel equals the capped reference (and differs from the uncapped)."""
+    from fxshard.kernels.triton_decode import decode_fwd
+
+    q, k, v = make_inputs(2, 4, 2, 2, 37, 16, seed=7)
+    lengths = torch.tensor(lengths)
+    out, lse = decode_fwd(4 * q, k, v, lengths, scale=0.3, causal=causal, softcap=2.0,
+                          n_splits=n_splits)
+    ref_out, ref_lse = reference_decode(4 * q, k, v, lengths, causal=causal, scale=0.3,
+                                        softcap=2.0)
+    assert_matches(out, lse, ref_out, ref_lse, tol=1e-4)
+    assert (out - decode_fwd(4 * q, k, v, lengths, scale=0.3, causal=causal)[0]).abs().max() > .1
 
 
 def test_triton_interp_every_length(triton_interpret):

@@ -143,7 +143,9 @@ class ComplexRopeAttention(nn.Module):
 
 
 class SoftcapAttention(nn.Module):
-    """Eager attention soft-capped in orders other than Gemma-2's ``tanh(s * scale / c) * c``."""
+    """Eager attention soft-capped in orders other than Gemma-2's ``tanh(s * scale / c) * c``
+    (``q_scaled``: the queries scaled in place before ``q @ k^T``, the probabilities cast back
+    by ``type_as``)."""
 
     def __init__(self, dim=DIM, heads=HEADS, cap=5.0, order="mul_first"):
         super().__init__()
@@ -156,13 +158,19 @@ class SoftcapAttention(nn.Module):
         q, k, v = (p(x).view(b, t, self.h, self.d).transpose(1, 2)
                    for p in (self.q, self.k, self.v))
         q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+        if self.order == "q_scaled":       # the scale on q in place, then tanh(s / c) * c
+            q.mul_(self.d ** -0.5)
         s = q @ k.transpose(-2, -1)
         if self.order == "mul_first":      # c * tanh(s * (1 / c)), then the scale
             s = self.cap * torch.tanh(s * (1.0 / self.cap)) / math.sqrt(self.d)
-        else:                              # tanh((s * scale) / c) * c: the scale first
+        elif self.order == "scale_first":  # tanh((s * scale) / c) * c: the scale first
             s = torch.tanh(s * self.d ** -0.5 / self.cap) * self.cap
+        else:
+            s = torch.tanh(s / self.cap) * self.cap
         mask = torch.full((t, t), float("-inf"), device=x.device).triu(1)
-        p = torch.softmax(s + mask, dim=-1)
+        # (q_scaled: the softmax in float32, cast back to the queries' dtype)
+        p = torch.softmax((s + mask).float(), dim=-1).type_as(q) if self.order == "q_scaled" \
+            else torch.softmax(s + mask, dim=-1)
         return self.o((p @ v).transpose(1, 2).reshape(b, t, -1))
 
 
@@ -279,7 +287,7 @@ def test_pattern_on_bigger_meshes(name, axes, sp):
     pm.close()
 
 
-@pytest.mark.parametrize("order", ["mul_first", "scale_first"])
+@pytest.mark.parametrize("order", ["mul_first", "scale_first", "q_scaled"])
 @pytest.mark.parametrize("axes", [dict(ring_cp=2), dict(ulysses_cp=2), dict(tp=2)],
                          ids=["ring2", "ulysses2", "tp2"])
 def test_softcap_in_another_order_runs_ring_attention(order, axes):
@@ -320,10 +328,10 @@ class WhereRoutedMoE(nn.Module):
 
 
 class WhereMoELM(nn.Module):
-    def __init__(self):
+    def __init__(self, **moe):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.moe = WhereRoutedMoE()
+        self.moe = WhereRoutedMoE(**moe)
         self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, ids):
@@ -372,16 +380,23 @@ def test_rules_give_each_rank_its_block(op, data):
 
 def test_where_routing_under_dp_and_tp_explains_data_dependent_sizes():
     """``torch.where(ids == e)`` per expert: the positions need the whole mask (a rule says so,
-    no fallback), and ``explain()`` reports the collectives of data-dependent size instead of
-    failing on them."""
+    no fallback); on tp the loop's ``out[tok] += ...`` of row-parallel outputs stays a partial
+    sum and is reduced once, after the loop. With one expert (one step: its rows are reduced)
+    ``explain()`` reports the collective of data-dependent size instead of failing on it."""
     torch.manual_seed(0)
     model = WhereMoELM().eval()
     for axes in (dict(dp=2), dict(tp=2), dict(dp=2, tp=2)):
         pm = run(model, axes)
-        text = str(pm.explain())
+        str(pm.explain())
         if "tp" in axes:
-            assert "data-dependent sizes" in text and "(u" in text, text
+            assert all_reduces(pm) == 1, pm.rank_module(0).code   # not one per expert (4)
+            assert pm.explain().passes["reassociate_partials_pass"][
+                "accumulations_reduced_once"] == 1
         pm.close()
+    pm = run(WhereMoELM(experts=1, top=1).eval(), dict(dp=2, tp=2))
+    text = str(pm.explain())
+    assert "data-dependent sizes" in text and "(u" in text, text
+    pm.close()
 
 
 def test_whole_layer_weights_are_warned_once_with_the_real_reason():
@@ -478,3 +493,76 @@ def test_repeat_interleave_kv_reaches_attention_unrepeated(axes):
     if "tp" not in axes:   # (Ulysses over tp's 1 KV head a rank repeats it for its own heads)
         assert "repeat_interleave" not in pm.rank_module(0).code
     pm.close()
+
+
+class ParallelBlock(Block):
+    """Attention and MLP side by side on one norm, written ``mlp(h) + (attn(h) + x)``: the
+    residual joins the first row-parallel partial sum before the second arrives."""
+
+    def forward(self, x, *rope):
+        h = self.attn_norm(x)
+        y = self.attn(h, *rope) + x
+        return self.w2(F.silu(self.w1(h)) * self.w3(h)) + y
+
+
+class ParallelLM(TinyLM):
+    def __init__(self):
+        super().__init__(FusedQKVAttention)
+        self.layers = nn.ModuleList(ParallelBlock(FusedQKVAttention()) for _ in range(LAYERS))
+
+
+@pytest.mark.parametrize("axes,sp", [(dict(tp=2), False), (dict(tp=2), True),
+                                     (dict(dp=2, tp=2), False)],
+                         ids=["tp2", "tp2_sp", "dp2_tp2"])
+def test_parallel_block_reduces_its_two_partial_sums_once(axes, sp):
+    """``m + (a + x)`` with ``a``, ``m`` row-parallel partial sums is computed ``(a + m) + x``:
+    one all-reduce (or reduce-scatter) per layer, equal to one device up to rounding."""
+    torch.manual_seed(0)
+    model = ParallelLM().eval()
+    pm = run(model, axes, sequence_parallel=sp)
+    code = pm.rank_module(0).code
+    assert pm.explain().passes["reassociate_partials_pass"]["partial_sums_added_first"] == LAYERS
+    assert all_reduces(pm) == (0 if sp else LAYERS), code
+    assert code.count("fxshard.reduce_scatter") == (LAYERS if sp else 0), code
+    pm.close()
+
+
+class WindowMaskAttention(nn.Module):
+    """litgpt's sliding window: the prompt's forward fills a ``[T, T]`` mask with ``-inf`` and
+    zeroes each row's window in a Python loop (the plain causal mask while ``T <= window``);
+    the window is an attribute of the module (no config)."""
+
+    def __init__(self, window, dim=DIM, heads=HEADS):
+        super().__init__()
+        self.h, self.d, self.sliding_window_size = heads, dim // heads, window
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, self.h, self.d).transpose(1, 2)
+                   for p in (self.q, self.k, self.v))
+        q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
+        mask = torch.full((t, t), float("-inf"), dtype=q.dtype, device=q.device)
+        for i in range(t):
+            mask[i, max(0, i - self.sliding_window_size + 1):i + 1] = 0.0
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.view(1, 1, t, t))
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def test_window_mask_built_in_the_prompt_folds_to_causal_and_bounds_generate():
+    """A window at least the prompt + new tokens: the prompt's additive mask is the causal one
+    (folded), and generate equals greedy on tp2. Past the window generate refuses, as the KV
+    cache would attend tokens the model does not."""
+    from tests.plain_lms import greedy_reference
+    torch.manual_seed(0)
+    model = TinyLM(lambda: WindowMaskAttention(window=12)).eval()
+    pm = fxshard.parallelize(model, mesh(tp=2), example_inputs=(IDS,))
+    try:
+        assert torch.equal(pm.generate(IDS, max_new_tokens=4),
+                           greedy_reference(model, IDS, 4))
+        assert pm.explain().passes["fold_causal_mask_pass"]["folded_masks"] == LAYERS
+        with pytest.raises(NotImplementedError, match=r"sliding window of 12 tokens, and the "
+                                                      r"prompt plus max_new_tokens needs 13"):
+            pm.generate(IDS, max_new_tokens=5)
+    finally:
+        pm.close()

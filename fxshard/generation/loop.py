@@ -128,14 +128,24 @@ def _vocab_size(model) -> int | None:
     return v if isinstance(v, int) else None
 
 
+_WINDOW_NAMES = ("sliding_window", "sliding_window_size")
+
+
 def _sliding_window(model) -> int | None:
-    config = getattr(model, "config", None)
-    window = getattr(config, "sliding_window", None)
-    if not isinstance(window, int) or window <= 0:
-        return None
-    if getattr(config, "use_sliding_window", True) is False:
-        return None
-    return window
+    """The narrowest sliding window the model declares, on its config or on any submodule
+    (``sliding_window`` / ``sliding_window_size``, an int > 0; a config saying
+    ``use_sliding_window=False`` declares none). Conservative: a window on some layers only
+    counts for all. A prompt that fits the window has a plain causal mask, so the decode
+    steps past the window are what this guards."""
+    windows = []
+    for holder in [getattr(model, "config", None), *model.modules()]:
+        if holder is None or getattr(holder, "use_sliding_window", True) is False:
+            continue
+        for name in _WINDOW_NAMES:
+            window = getattr(holder, name, None)
+            if isinstance(window, int) and not isinstance(window, bool) and window > 0:
+                windows.append(window)
+    return min(windows, default=None)
 
 
 def _last_logits_only(model) -> dict:

@@ -43,7 +43,7 @@ _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      lengths: torch.Tensor, *, scale: Optional[float] = None,
-                     causal: bool = True, backend: str = "auto"):
+                     causal: bool = True, softcap: float = 0.0, backend: str = "auto"):
     """Attention of ``q`` to the valid part of a KV cache, returning ``(out, lse)``.
 
     Args:
@@ -55,6 +55,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scale: multiplies ``q @ k^T``; defaults to ``1 / sqrt(D)``.
         causal: the queries are the last ``Sq`` valid keys' positions (see the module doc);
             ``False``: every query sees all ``lengths[b]`` keys.
+        softcap: ``> 0``: each scaled score ``s`` becomes ``softcap * tanh(s / softcap)``
+            before the mask (Gemma-2), as in :func:`fxshard.kernels.attention`; 0: off.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
 
     Returns:
@@ -63,7 +65,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     if backend not in _BACKENDS:
         raise ValueError(f"{_NAME}: backend={backend!r}; choose one of {_BACKENDS}.")
-    check_decode_inputs(q, k_cache, v_cache, lengths, scale)
+    check_decode_inputs(q, k_cache, v_cache, lengths, scale, softcap)
+    softcap = float(softcap or 0.0)
     if backend == "auto":
         fits = q.dtype in (torch.float16, torch.bfloat16, torch.float32) and \
             max(q.shape[-1], v_cache.shape[-1]) <= 256 and not (torch.is_grad_enabled() and any(
@@ -71,16 +74,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         backend = "triton" if q.device.type == "cuda" and fits and \
             _triton_module() is not None else "torch"
     if backend == "torch":
-        return _torch_decode(q, k_cache, v_cache, lengths, scale, causal)
+        return _torch_decode(q, k_cache, v_cache, lengths, scale, causal, softcap)
     module = _triton_module()
     if module is None:
         raise ValueError(f"{_NAME}: backend='triton' needs the triton package, which is not "
                          f"installed; install triton or use backend='torch'.")
     return module.decode_fwd(q, k_cache, v_cache, lengths, scale=_scale_of(q, scale),
-                             causal=bool(causal))
+                             causal=bool(causal), softcap=softcap)
 
 
-def decode_attention_unchecked(q, k_cache, v_cache, lengths, scale, causal):
+def decode_attention_unchecked(q, k_cache, v_cache, lengths, scale, causal, softcap=0.0):
     """:func:`decode_attention` with ``backend="auto"`` minus the argument checks, for callers
     whose inputs are right by construction (the decode programs of ``pm.generate``: their
     caches are allocated from the shapes the program declares, ``lengths`` by the runner)."""
@@ -88,11 +91,12 @@ def decode_attention_unchecked(q, k_cache, v_cache, lengths, scale, causal):
             q.dtype in (torch.float16, torch.bfloat16, torch.float32) and \
             max(q.shape[-1], v_cache.shape[-1]) <= 256:
         return _triton_module().decode_fwd(q, k_cache, v_cache, lengths,
-                                           scale=_scale_of(q, scale), causal=bool(causal))
-    return _torch_decode(q, k_cache, v_cache, lengths, scale, causal)
+                                           scale=_scale_of(q, scale), causal=bool(causal),
+                                           softcap=float(softcap))
+    return _torch_decode(q, k_cache, v_cache, lengths, scale, causal, float(softcap))
 
 
-def check_decode_inputs(q, k_cache, v_cache, lengths, scale) -> None:
+def check_decode_inputs(q, k_cache, v_cache, lengths, scale, softcap=0.0) -> None:
     """Shape, dtype and device checks shared by the backends."""
     for arg, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.dtype.is_floating_point:
@@ -125,13 +129,17 @@ def check_decode_inputs(q, k_cache, v_cache, lengths, scale) -> None:
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
                               or not math.isfinite(scale)):
         raise ValueError(f"{_NAME}: scale={scale!r}; expected a finite float or None.")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
+                                or not math.isfinite(softcap) or softcap < 0):
+        raise ValueError(f"{_NAME}: softcap={softcap!r}; expected a finite float >= 0 (the "
+                         f"cap of softcap * tanh(score / softcap)) or None / 0 for no cap.")
 
 
 def _scale_of(q: torch.Tensor, scale: Optional[float]) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
-def _torch_decode(q_BHSD, k_BKLD, v_BKLD, lengths_B, scale, causal):
+def _torch_decode(q_BHSD, k_BKLD, v_BKLD, lengths_B, scale, causal, softcap=0.0):
     batch, heads_q, seq_q, head_dim = q_BHSD.shape
     heads_kv, head_dim_v = k_BKLD.shape[1], v_BKLD.shape[3]
     group = heads_q // heads_kv
@@ -144,7 +152,8 @@ def _torch_decode(q_BHSD, k_BKLD, v_BKLD, lengths_B, scale, causal):
                 torch.full(q_BHSD.shape[:3], -math.inf, dtype=torch.float32,
                            device=q_BHSD.device))
     if q_BHSD.device.type == "cpu" and q_BHSD.dtype in (torch.float32, torch.float64) and \
-            (seq_q == 1 or not causal) and min(lens) == n_keys and head_dim_v == head_dim:
+            (seq_q == 1 or not causal) and min(lens) == n_keys and head_dim_v == head_dim and \
+            not softcap:
         # every sequence sees the same n_keys keys: torch's fused CPU flash attention on the
         # valid prefix, the G query heads of each KV head (times Sq) as its query rows
         q_BKMD = q_BHSD.reshape(batch, heads_kv, group * seq_q, head_dim)
@@ -157,6 +166,8 @@ def _torch_decode(q_BHSD, k_BKLD, v_BKLD, lengths_B, scale, causal):
     q_BKMD = q_BHSD.to(cdtype).reshape(batch, heads_kv, group * seq_q, head_dim)
     s_BKGST = (torch.matmul(q_BKMD, k_c.transpose(-1, -2)) * _scale_of(q_BHSD, scale)).view(
         batch, heads_kv, group, seq_q, n_keys)
+    if softcap:
+        s_BKGST = torch.tanh(s_BKGST / softcap) * softcap
     pos_T = torch.arange(n_keys, device=q_BHSD.device)
     # the last key each query sees: causal, query i of Sq is at position lengths - Sq + i
     len_B1 = lengths_B.to(torch.int64).view(batch, 1)

@@ -57,10 +57,10 @@ def _decode_split(Q, K, V, Lengths, OutPart, LsePart,
                   stride_vz, stride_vh, stride_vn, stride_vk,
                   stride_pz, stride_ph, stride_pm, stride_ps, stride_pk,
                   stride_lz, stride_lh, stride_lm, stride_ls,
-                  H_KV, GROUP, SEQ_Q, CAPACITY, SPLIT_KEYS, qk_scale,
+                  H_KV, GROUP, SEQ_Q, CAPACITY, SPLIT_KEYS, qk_scale, cap_log2,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                  BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                  BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     off_zk = tl.program_id(0)
     split = tl.program_id(1)
     block_m = tl.program_id(2)
@@ -126,8 +126,8 @@ def _decode_split(Q, K, V, Lengths, OutPart, LsePart,
                 v = tl.load(v_ptrs, mask=key_ok & dv_ok[None, :], other=0.0)
             # non-causal rows need no "<= last" check: key < stop <= length already says it
             m_i, l_i, acc = online_softmax_step(
-                q, k, v, m_i, l_i, acc, qk_scale, 1.0, offs_kv, stop, last,
-                MASKED=phase == 1, CAUSAL=CAUSAL, SOFTCAP=False,
+                q, k, v, m_i, l_i, acc, qk_scale, cap_log2, offs_kv, stop, last,
+                MASKED=phase == 1, CAUSAL=CAUSAL, SOFTCAP=SOFTCAP,
                 INPUT_PRECISION=INPUT_PRECISION)
 
     out, lse = online_softmax_finish(m_i, l_i, acc)
@@ -227,7 +227,7 @@ def _check_block(name: str, value) -> None:
 
 
 def decode_fwd(q_BHSD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor,
-               lengths_B: torch.Tensor, *, scale: float, causal: bool,
+               lengths_B: torch.Tensor, *, scale: float, causal: bool, softcap: float = 0.0,
                n_splits: int | None = None, block_n: int | None = None,
                num_warps: int | None = None, num_stages: int | None = None):
     """Launch ``_decode_split`` then ``_decode_merge``; returns ``(out_BHSD, lse_BHS)``.
@@ -236,6 +236,7 @@ def decode_fwd(q_BHSD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor,
     :func:`fxshard.kernels.decode.decode_attention` first; here are the kernel's own.
     ``n_splits`` and the launch options default to :func:`num_splits` and ``_GPU_CONFIGS``
     (``_INTERPRETER_CONFIG`` in the interpreter); they are exposed for tests and benchmarks.
+    ``softcap > 0`` caps the scaled scores at ``softcap * tanh(s / softcap)``; 0 is off.
     """
     head_dim, head_dim_v = q_BHSD.shape[-1], v_BKLD.shape[-1]
     for what, d in (("head_dim", head_dim), ("v's head_dim", head_dim_v)):
@@ -305,8 +306,9 @@ def decode_fwd(q_BHSD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor,
         *q_BHSD.stride(), *k_BKLD.stride(), *v_BKLD.stride(), *o_BHSPD.stride(),
         *lse_BHSP.stride(),
         heads_kv, heads_q // heads_kv, seq_q, capacity, split_keys, float(scale) * _LOG2E,
+        float(softcap) * _LOG2E if softcap else 1.0,
         HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv,
-        BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal),
+        BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=bool(causal), SOFTCAP=bool(softcap),
         INPUT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
     o_RPD = o_BHSPD.view(-1, n_splits, head_dim_v)
     lse_RP = lse_BHSP.view(-1, n_splits)

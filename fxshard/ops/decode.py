@@ -1,9 +1,10 @@
 """The ops of decode programs (``fxshard.passes.kv_cache`` puts them in rank programs).
 
 ``fxshard::decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths,
-float? scale, bool causal) -> (Tensor, Tensor)``
+float? scale, bool causal, float softcap=0.0) -> (Tensor, Tensor)``
     :func:`fxshard.kernels.decode.decode_attention` (Triton on CUDA, torch on CPU): the new
-    queries against the first ``lengths[b]`` slots of the cache, ``(out, lse)``. Eager rank
+    queries against the first ``lengths[b]`` slots of the cache, ``(out, lse)``; ``softcap``
+    (Gemma-2's ``cap * tanh(s / cap)`` of each scaled score) 0 is off. Eager rank
     programs call :func:`fxshard.kernels.decode.decode_attention_unchecked` directly.
 
 ``fxshard::merge_pieces(Tensor outs, Tensor lses) -> Tensor``
@@ -39,17 +40,19 @@ __all__ = ["decode_attention", "merge_pieces", "sharded_argmax"]
 
 @define_op("fxshard::decode_attention",
            "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, float? scale, "
-           "bool causal) -> (Tensor, Tensor)")
+           "bool causal, float softcap=0.0) -> (Tensor, Tensor)")
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     lengths: torch.Tensor, scale: Optional[float], causal: bool):
-    return _decode_attention(q, k_cache, v_cache, lengths, scale=scale, causal=causal)
+                     lengths: torch.Tensor, scale: Optional[float], causal: bool,
+                     softcap: float = 0.0):
+    return _decode_attention(q, k_cache, v_cache, lengths, scale=scale, causal=causal,
+                             softcap=softcap)
 
 
 decode_attention.register_direct(decode_attention_unchecked)
 
 
 @decode_attention.register_fake
-def _(q, k_cache, v_cache, lengths, scale, causal):   # out has v's head size (MLA)
+def _(q, k_cache, v_cache, lengths, scale, causal, softcap=0.0):   # out: v's head size (MLA)
     return q.new_empty((*q.shape[:3], v_cache.shape[3])), \
         q.new_empty(q.shape[:3], dtype=torch.float32)
 

@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 
 from . import PassCtx
-from .fold_mask import MetaBuffer, _constant_value
+from .fold_mask import MetaBuffer, _constant_value, is_additive_causal
 from .rules.attention import SOFTCAP
 from ..mesh import SEQUENCE_AXES
 
@@ -43,8 +43,9 @@ aten = torch.ops.aten
 
 __all__ = ["eager_attention_pass"]
 
+# copies and casts of the probabilities (``type_as(p, q)``: back to the queries' dtype)
 _PASS_THROUGH = (aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.clone.default,
-                 aten.contiguous.default, aten.detach.default)
+                 aten.contiguous.default, aten.detach.default, aten.type_as.default)
 
 
 def _only_user(node: fx.Node) -> fx.Node | None:
@@ -69,14 +70,6 @@ def _key_of(kt: fx.Node) -> fx.Node | None:
         want = list(range(nd - 2)) + [nd - 1, nd - 2]
         return kt.args[0] if perm == want else None
     return None
-
-
-def _additive_causal(value: torch.Tensor, sq: int, skv: int) -> bool:
-    if not value.is_floating_point() or value.shape[-2:] != (sq, skv):
-        return False
-    below = torch.ones(sq, skv, dtype=torch.bool, device=value.device).tril()
-    huge = value <= torch.finfo(value.dtype).min / 2
-    return bool((value[..., below] == 0).all() and huge[..., ~below].all())
 
 
 def _scalar_factor(node: fx.Node) -> tuple[fx.Node, float] | None:
@@ -337,7 +330,7 @@ def eager_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
                 except MetaBuffer:  # fold_causal_mask_pass warns about it on the SDPA node
                     value = None
                 additive[mask, sq, skv] = value is not None and \
-                    _additive_causal(value, sq, skv)
+                    is_additive_causal(value, sq, skv)
             if additive[mask, sq, skv]:
                 mask, causal = None, True
                 causal_n += 1

@@ -1,9 +1,11 @@
 """Fold constant causal masks into ``is_causal=True`` before placements are chosen.
 
-HuggingFace builds its attention mask from ``arange`` and constants (no input, no weight). The
-mask is evaluated once at trace time, reading buffers from ``ctx.constants`` (the trace's
-constants and the buffers as loaded); when it is the plain causal mask the attention call gets
-``is_causal=True`` and no mask, so the fused kernel runs without it and context parallelism
+HuggingFace builds its attention mask from ``arange`` and constants (no input, no weight);
+others fill a ``[S, S]`` tensor with ``-inf`` and zero each row's visible keys (a sliding
+window wider than the sequence). The mask is evaluated once at trace time, reading buffers from
+``ctx.constants`` (the trace's constants and the buffers as loaded); when it is the plain causal
+mask, boolean (True where a key is seen) or additive (0 there, ``-inf`` or below half the
+dtype's lowest value elsewhere), the attention call gets ``is_causal=True`` and no mask, so the fused kernel runs without it and context parallelism
 sees causal attention rather than an opaque ``[B, 1, S, S]`` tensor.
 
 The evaluation runs on CPU whatever device the model was traced on: the mask's subgraph bakes
@@ -29,10 +31,13 @@ from .rules.attention import sdpa_args
 
 aten = torch.ops.aten
 
-__all__ = ["fold_causal_mask_pass"]
+__all__ = ["fold_causal_mask_pass", "is_additive_causal"]
 
 
 _CPU = torch.device("cpu")
+# a mask's subgraph evaluated at most this big (a mask filled row by row in a Python loop
+# unrolls into a few nodes per row of the sequence)
+_MAX_MASK_NODES = 8192
 
 
 def _on_cpu(a):
@@ -75,7 +80,7 @@ def _constant_value(node: fx.Node, constants: dict):
         order.append(n)
         return True
 
-    if not visit(node) or len(order) > 200:
+    if not visit(node) or len(order) > _MAX_MASK_NODES:
         return None
     env: dict[fx.Node, object] = {}
     for n in order:
@@ -90,7 +95,19 @@ def _constant_value(node: fx.Node, constants: dict):
     return env[node]
 
 
+def is_additive_causal(value: torch.Tensor, sq: int, skv: int) -> bool:
+    """``value`` (broadcast over leading dims) is 0 on and below the diagonal and ``-inf`` or
+    at most half the dtype's lowest value above it: softmax gives the causal weights."""
+    if not value.is_floating_point() or value.shape[-2:] != (sq, skv):
+        return False
+    below = torch.ones(sq, skv, dtype=torch.bool, device=value.device).tril()
+    huge = value <= torch.finfo(value.dtype).min / 2
+    return bool((value[..., below] == 0).all() and huge[..., ~below].all())
+
+
 def _is_causal_mask(mask: torch.Tensor, sq: int, skv: int) -> bool:
+    if mask.is_floating_point():
+        return is_additive_causal(mask, sq, skv)
     if mask.dtype != torch.bool or mask.shape[-2:] != (sq, skv):
         return False
     causal = torch.ones(sq, skv, dtype=torch.bool, device=mask.device).tril()  # top-left

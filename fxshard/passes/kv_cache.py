@@ -195,12 +195,6 @@ def decode_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule
                 f"fxshard.generate: the decode step's attention {node.name} has query/key "
                 f"shapes {tuple(q.meta['val'].shape)} / {tuple(k.meta['val'].shape)}; a decode "
                 f"step attends one new token [B, H, 1, D]")
-        if node.meta.get(SOFTCAP):
-            raise NotImplementedError(
-                f"fxshard.generate: attention {node.name} soft-caps its scores (tanh, cap "
-                f"{node.meta[SOFTCAP]}, as Gemma-2), which the decode kernel does not apply; "
-                f"run the model's forward with fxshard.parallelize, or generate with a model "
-                f"whose attention has no soft-cap (config attn_logit_softcapping=None)")
         if isinstance(mask, fx.Node) and tuple(mask.meta["val"].shape[-2:]) != (1, 1):
             _check_generation_model(node, f"given a mask of shape "
                                           f"{tuple(mask.meta['val'].shape)}")
@@ -224,8 +218,10 @@ def decode_attention_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule
             batch = _local(q, ctx)[0]
             lengths = state.get(READ_LEN, (batch,), torch.int64)
             n_r = mesh.axis_size(RING)
+            softcap = float(node.meta.get(SOFTCAP, 0.0))
+            capped = (softcap,) if softcap else ()   # uncapped calls keep the short signature
             att = _call(graph, torch.ops.fxshard.decode_attention.default,
-                        (q, k_cache, v_cache, lengths, a["scale"], n_r == 1),
+                        (q, k_cache, v_cache, lengths, a["scale"], n_r == 1, *capped),
                         (node.meta["val"], None), None, node)
             out_spec = q.meta["fxshard_spec"]
             out = _call(graph, operator.getitem, (att, 0), node.meta["val"], out_spec, node)

@@ -17,8 +17,8 @@ same ending first). ``emit_pass`` appends the stage's :class:`fxshard.passes.emi
 ``ctx.programs``, which :func:`build_programs` returns (one program per stage). The lists::
 
     FORWARD  = [cleanup, eager_attention, fold_causal_mask, unrepeat_kv, moe_routing, split_loss,
-                propagate, vocab_parallel_loss, insert_collectives, lower_attention, localize,
-                split_stages, emit]
+                propagate, reassociate_partials, vocab_parallel_loss, insert_collectives,
+                lower_attention, localize, split_stages, emit]
     PREFILL  = FORWARD + prefill_cache after lower_attention
     DECODE   = FORWARD + decode_positions after moe_routing, decode_attention before
                lower_attention
@@ -47,6 +47,7 @@ from .localize import localize_pass
 from .lower_attention import lower_attention_pass
 from .moe_routing import moe_routing_pass
 from .propagate import propagate_pass
+from .reassociate import reassociate_partials_pass
 from .split_stages import assign_layers_to_stages, find_layer_stack, split_stages_pass
 from .vocab_loss import split_loss_pass, vocab_parallel_loss_pass
 from ..mesh import PP
@@ -65,8 +66,9 @@ def _with(passes: list, new: GraphPass, *, before: GraphPass | None = None,
 
 FORWARD: list[GraphPass] = [
     cleanup_pass, eager_attention_pass, fold_causal_mask_pass, unrepeat_kv_pass,
-    moe_routing_pass, split_loss_pass, propagate_pass, vocab_parallel_loss_pass,
-    insert_collectives_pass, lower_attention_pass, localize_pass, split_stages_pass, emit_pass]
+    moe_routing_pass, split_loss_pass, propagate_pass, reassociate_partials_pass,
+    vocab_parallel_loss_pass, insert_collectives_pass, lower_attention_pass, localize_pass,
+    split_stages_pass, emit_pass]
 PREFILL = _with(FORWARD, prefill_cache_pass, after=lower_attention_pass)
 DECODE = _with(_with(FORWARD, decode_attention_pass, before=lower_attention_pass),
                decode_positions_pass, after=moe_routing_pass)
