@@ -64,3 +64,17 @@ def our_llama(*, seed=0, **overrides):
     from fxshard.models.llama import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig.tiny(**overrides)).eval()
+
+
+def model_cache():
+    """A test module's ``built(make, **kwargs)``: ``make(**kwargs)`` built once for that module
+    and handed out again (for models that are only parallelized, never changed; with the
+    ``export_once`` fixture of tests/conftest.py each is also exported once)."""
+    models: dict = {}
+
+    def built(make, **kwargs):
+        key = (make.__name__, tuple(sorted(kwargs.items())))
+        if key not in models:
+            models[key] = make(**kwargs)
+        return models[key]
+    return built

@@ -13,22 +13,13 @@ import fxshard.ops.ring  # noqa: F401  (registers fxshard::ring_attention)
 from fxshard.kernels.attention import attention
 from fxshard.mesh import MeshSpec
 from fxshard.runtime.simulated import SimulatedWorld
-from tests.models import hf_llama, our_llama
+from tests.models import hf_llama, our_llama, model_cache
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 # the mesh families below parallelize each model over many meshes: built and exported once
 # each (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("export_once")
-_models: dict = {}
-
-
-def built(make, **kwargs):
-    """``make(**kwargs)`` (``our_llama``, ``hf_llama``), built once for the module; only
-    parallelized, never changed."""
-    key = (make.__name__, tuple(sorted(kwargs.items())))
-    if key not in _models:
-        _models[key] = make(**kwargs)
-    return _models[key]
+built = model_cache()   # each model built once for this module
 
 
 def mesh(**axes):

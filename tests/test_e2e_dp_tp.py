@@ -6,21 +6,13 @@ import pytest
 import torch
 
 import fxshard
-from tests.models import TransformerBlock, hf_llama, our_llama
+from tests.models import TransformerBlock, hf_llama, our_llama, model_cache
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 # the families below parallelize each model over many meshes: built and exported once each
 # (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("export_once")
-_models: dict = {}
-
-
-def built(make, **kwargs):
-    """``make(**kwargs)``, built once for the module; only parallelized, never changed."""
-    key = (make.__name__, tuple(sorted(kwargs.items())))
-    if key not in _models:
-        _models[key] = make(**kwargs)
-    return _models[key]
+built = model_cache()   # each model built once for this module
 MESHES = [(dp, tp) for dp in (1, 2) for tp in (1, 2, 4) if dp * tp > 1]
 
 

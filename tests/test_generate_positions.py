@@ -11,6 +11,7 @@ import fxshard
 from fxshard.generation.positions import position_candidates
 from fxshard.passes.decode_positions import POSITION
 from tests.plain_lms import TinyLM, greedy_reference
+from tests.models import model_cache
 
 MESHES = {"tp2": dict(tp=2), "tp2ring2": dict(tp=2, ring_cp=2)}
 SOURCES = ["input_pos", "arange", "wpe", "table"]
@@ -19,15 +20,7 @@ NEW = 5
 
 # each model is parallelized over several meshes: built and exported once (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("export_once")
-_models: dict = {}
-
-
-def built(make, **kwargs):
-    """``make(**kwargs)``, built once for the module; only parallelized, never changed."""
-    key = (make.__name__, tuple(sorted(kwargs.items())))
-    if key not in _models:
-        _models[key] = make(**kwargs)
-    return _models[key]
+built = model_cache()   # each model built once for this module
 
 
 def parallel(model, axes):

@@ -8,6 +8,7 @@ import torch
 
 import fxshard
 from tests.plain_lms import TinyLM, greedy_reference
+from tests.models import model_cache
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 MESHES = {"tp2": dict(tp=2), "ring2": dict(ring_cp=2), "ulysses2": dict(ulysses_cp=2),
@@ -16,15 +17,7 @@ MESHES = {"tp2": dict(tp=2), "ring2": dict(ring_cp=2), "ulysses2": dict(ulysses_
 
 # each model is parallelized over several meshes: built and exported once (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("export_once")
-_models: dict = {}
-
-
-def built(make, **kwargs):
-    """``make(**kwargs)``, built once for the module; only parallelized, never changed."""
-    key = (make.__name__, tuple(sorted(kwargs.items())))
-    if key not in _models:
-        _models[key] = make(**kwargs)
-    return _models[key]
+built = model_cache()   # each model built once for this module
 
 
 def parallel(model, axes):
