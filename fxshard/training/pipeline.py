@@ -123,12 +123,6 @@ class PipelineTrainer:
         self.options = options
         self.pp = spec.axis_size(PP)
         check_context_parallel(spec, _WHERE)     # CP with pp: not built yet
-        if options.get("recompute") is not None:
-            raise NotImplementedError(
-                f"{_WHERE}: recompute={options['recompute']!r} on mesh axis {PP!r} of size "
-                f"{self.pp} (mesh {spec.describe()}): a pipeline stage's graph does not keep "
-                f"the layer names recomputation finds layers by; train without recompute= on "
-                f"a pp mesh, or without pp")
         self._simulated = is_simulated(mesh)
         self.sub = SimulatedMesh(tuple(1 if a == PP else n for a, n in
                                        zip(spec.axis_names, spec.shape)),
@@ -221,7 +215,8 @@ class PipelineTrainer:
                     sequence_parallel=self.options.get("sequence_parallel", False),
                     plan=self.options.get("plan"), strict=self.options.get("strict", False),
                     embedding=self.options.get("embedding", "embed_dim"), store=self.store,
-                    compile=self.options.get("compile", False)))
+                    compile=self.options.get("compile", False),
+                    recompute=self.options.get("recompute")))
         programs = []
         for k, (sf, tm) in enumerate(zip(forwards, self.stage_modules)):
             if not self._mine(k):
