@@ -131,7 +131,7 @@ class ParallelModule:
                     self.model, self.mesh, self.spec, microbatches=o.microbatches,
                     stages=o.stages, store=self.weights, sequence_parallel=o.sequence_parallel,
                     plan=o.plan, embedding=o.embedding, strict=o.strict,
-                    recompute=o.recompute, compile=o.compile)
+                    recompute=o.recompute, compile=o.compile, ring_zigzag=o.ring_zigzag)
                 return self._trainer
             self._trainer = TrainModule(self.model, self.mesh,
                                         sequence_parallel=o.sequence_parallel, plan=o.plan,

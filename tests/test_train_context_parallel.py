@@ -275,7 +275,7 @@ def test_hf_models_train_on_cp(family, axes):
 @pytest.mark.parametrize("axes,match", [
     (dict(tp=2, ulysses_cp=2, ring_cp=2), r"'ulysses_cp' of size 2 together with 'tp'"),
     (dict(tp=2, ulysses_cp=2), r"'ulysses_cp' of size 2 together with 'tp'"),
-    (dict(pp=2, ring_cp=2), r"'ring_cp' of size 2 together with 'pp'")])
+    (dict(pp=2, tp=2, ulysses_cp=2), r"'ulysses_cp' of size 2 together with 'tp'")])
 def test_cp_meshes_that_do_not_train_yet_are_errors(axes, match):
     import fxshard
     pm = fxshard.parallelize(_our_llama(), _mesh(**axes))

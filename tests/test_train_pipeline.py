@@ -117,15 +117,17 @@ def test_1f1b_holds_at_most_pp_microbatches():
     assert all(o[r] < g[r] for r in g)
 
 
-@pytest.mark.parametrize("axes,layers,stages", [
-    (dict(pp=4), 5, None),                    # 5 layers over 4 stages: [0, 0, 1, 2, 3]
-    (dict(dp=2, pp=2), 3, [0, 1, 1]),         # uneven stages given
-    (dict(pp=2, tp=2), 2, None),
-    (dict(fsdp=2, pp=2), 2, None),
+@pytest.mark.parametrize("axes,layers,stages,opts", [
+    (dict(pp=4), 5, None, {}),                    # 5 layers over 4 stages: [0, 0, 1, 2, 3]
+    (dict(dp=2, pp=2), 3, [0, 1, 1], {}),         # uneven stages given
+    (dict(pp=2, tp=2), 2, None, {}),
+    (dict(fsdp=2, pp=2), 2, None, {}),
+    (dict(pp=2, ulysses_cp=2), 2, None, {}),
+    (dict(tp=2, pp=2, ring_cp=2), 2, None, dict(ring_zigzag=False)),   # S=6: not 4 chunks
 ])
-def test_meshes_with_pp_train_as_one_device(axes, layers, stages):
+def test_meshes_with_pp_train_as_one_device(axes, layers, stages, opts):
     model, (ids, labels) = _llama(layers), _data()
-    pm = fxshard.parallelize(model, _mesh(**axes), microbatches=2, stages=stages)
+    pm = fxshard.parallelize(model, _mesh(**axes), microbatches=2, stages=stages, **opts)
     loss = pm.train_step(ids, target=labels, loss_fn=_loss, schedule="1f1b")
     ref = _loss(model(ids), labels)
     ref.backward()

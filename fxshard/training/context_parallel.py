@@ -47,12 +47,12 @@ _FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.defa
 
 # the axes each CP axis trains with (checked against the single device in
 # tests/test_train_context_parallel.py)
-_TRAINS_WITH = {RING: (DP, FSDP, TP, ULYSSES), ULYSSES: (DP, FSDP, RING)}
+# and tests/test_train_pipeline.py (with pp)
+_TRAINS_WITH = {RING: (DP, FSDP, TP, PP, ULYSSES), ULYSSES: (DP, FSDP, PP, RING)}
 
 
 def check_context_parallel(mesh: MeshSpec, where: str) -> None:
-    """A NotImplementedError for a CP mesh whose training is not built: USP, CP with pp, and
-    Ulysses with tp."""
+    """A NotImplementedError for a CP mesh whose training is not built: Ulysses with tp."""
     active = [a for a, n in zip(mesh.axis_names, mesh.shape) if n > 1]
     for axis in (RING, ULYSSES):
         if axis not in active:

@@ -216,7 +216,8 @@ class PipelineTrainer:
                     plan=self.options.get("plan"), strict=self.options.get("strict", False),
                     embedding=self.options.get("embedding", "embed_dim"), store=self.store,
                     compile=self.options.get("compile", False),
-                    recompute=self.options.get("recompute")))
+                    recompute=self.options.get("recompute"),
+                    ring_zigzag=self.options.get("ring_zigzag", True)))
         programs = []
         for k, (sf, tm) in enumerate(zip(forwards, self.stage_modules)):
             if not self._mine(k):
@@ -230,7 +231,8 @@ class PipelineTrainer:
                     if any(n.meta.get("fxshard_param") == t for n in sf.traced.gm.graph.nodes)}
             joint = joint_of(sf.traced, self.model, stage_flat, kept, grad_in)
             ctx = PassCtx(mesh=self.sub, sequence_parallel=tm.sequence_parallel,
-                          strict=tm.strict, plan=tm.plan, embedding_style=tm.embedding)
+                          strict=tm.strict, plan=tm.plan, embedding_style=tm.embedding,
+                          ring_zigzag=tm.ring_zigzag)
             program = build_train_program(
                 self.model, (), {}, ctx, joint=joint, recompute=tm.recompute,
                 reshard_after_forward=tm.fsdp_reshard_after_forward)
