@@ -138,12 +138,12 @@ def _mesh(**axes):
     return fxshard.init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
 
 
-def _our_llama():
+def _our_llama(heads=4, kv_heads=2):
     from fxshard.models.llama import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig.tiny(
         num_hidden_layers=2, vocab_size=V, hidden_size=48, intermediate_size=72,
-        num_attention_heads=4, num_key_value_heads=2))
+        num_attention_heads=heads, num_key_value_heads=kv_heads))
 
 
 def _hf(family):
@@ -272,14 +272,22 @@ def test_hf_models_train_on_cp(family, axes):
         assert _ring_ops(pm, "backward")["ring_attention_backward"] == 1
 
 
-@pytest.mark.parametrize("axes,match", [
-    (dict(tp=2, ulysses_cp=2, ring_cp=2), r"'ulysses_cp' of size 2 together with 'tp'"),
-    (dict(tp=2, ulysses_cp=2), r"'ulysses_cp' of size 2 together with 'tp'"),
-    (dict(pp=2, tp=2, ulysses_cp=2), r"'ulysses_cp' of size 2 together with 'tp'")])
-def test_cp_meshes_that_do_not_train_yet_are_errors(axes, match):
+def test_tp_ulysses_and_the_seed_mesh_train_as_one_device():
+    """Ulysses with tp (KV heads split over both: 4 KV heads, tp2·ulysses2), and the seed's
+    16-rank dp2·tp2·pp2·ulysses_cp2 (GPipe behind loss.backward)."""
+    pm = _check(_our_llama(heads=8, kv_heads=4), _mesh(tp=2, ulysses_cp=2))
+    assert _ring_ops(pm, "backward")["all_to_all"] == 8
+    _check(_our_llama(heads=8, kv_heads=4), _mesh(dp=2, tp=2, pp=2, ulysses_cp=2))
+
+
+@pytest.mark.parametrize("axes", [dict(tp=2, ulysses_cp=2), dict(pp=2, tp=2, ulysses_cp=2)],
+                         ids=["tp2_ulysses2", "pp2_tp2_ulysses2"])
+def test_ulysses_without_kv_heads_to_split_is_an_error(axes):
+    """2 KV heads over tp=2 leave one per rank, which Ulysses cannot split further."""
     import fxshard
     pm = fxshard.parallelize(_our_llama(), _mesh(**axes))
-    with pytest.raises(NotImplementedError, match=match):
+    with pytest.raises(NotImplementedError, match=r"1 key/value heads per rank, which mesh "
+                                                  r"axis 'ulysses_cp' of size 2"):
         pm(_data()[0])
 
 

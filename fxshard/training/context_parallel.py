@@ -1,4 +1,4 @@
-"""Context-parallel training: which meshes train, and ring attention in the joint graph.
+"""Context-parallel training: ring attention and Ulysses marks in the joint graph.
 
 On ``ring_cp`` the rules (``passes/rules/attention_cp.py``) keep CPU flash attention and its
 backward sequence-sharded and note ``ring``; after ``localize`` this pass swaps both for the
@@ -34,39 +34,16 @@ import torch
 import torch.fx as fx
 
 import fxshard.ops.ring  # noqa: F401  (registers fxshard::ring_attention[_backward])
-from ..mesh import DP, FSDP, PP, RING, TP, ULYSSES, MeshSpec
+from ..mesh import ULYSSES
 from ..passes import PassCtx
 from ..passes.rules.attention_cp import ulysses_out
 
 aten = torch.ops.aten
 
-__all__ = ["check_context_parallel", "lower_ring_pass", "mark_ulysses_pass", "drop_marks_pass"]
+__all__ = ["lower_ring_pass", "mark_ulysses_pass", "drop_marks_pass"]
 
 _FLASH = aten._scaled_dot_product_flash_attention_for_cpu.default
 _FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-
-# the axes each CP axis trains with (checked against the single device in
-# tests/test_train_context_parallel.py)
-# and tests/test_train_pipeline.py (with pp)
-_TRAINS_WITH = {RING: (DP, FSDP, TP, PP, ULYSSES), ULYSSES: (DP, FSDP, PP, RING)}
-
-
-def check_context_parallel(mesh: MeshSpec, where: str) -> None:
-    """A NotImplementedError for a CP mesh whose training is not built: Ulysses with tp."""
-    active = [a for a, n in zip(mesh.axis_names, mesh.shape) if n > 1]
-    for axis in (RING, ULYSSES):
-        if axis not in active:
-            continue
-        other = [a for a in active if a != axis and a not in _TRAINS_WITH[axis]]
-        if other:
-            ok = ", ".join(_TRAINS_WITH[axis])
-            raise NotImplementedError(
-                f"{where}: training on mesh axis {axis!r} of size {mesh.axis_size(axis)} "
-                f"together with {', '.join(repr(a) for a in other)} (mesh {mesh.describe()}) "
-                f"is not built yet; {axis} trains alone or with {ok}. Drop "
-                f"{' and '.join(other)} (or run the forward under torch.no_grad() for "
-                f"inference on this mesh)")
-
 
 def lower_ring_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     """CPU flash attention (and its backward) noted ``ring`` -> the ring ops."""

@@ -32,7 +32,6 @@ from ..passes import PassCtx, PassReports
 from ..trace import _without_cache, cleanup_pass, trace
 from .joint import _untie, input_grad_name, joint_of
 from .module import TrainModule, _bytes
-from .context_parallel import check_context_parallel
 from .program import build_train_program
 from .schedules import actions, global_order
 from .shards import TrainedShard
@@ -122,7 +121,6 @@ class PipelineTrainer:
         self.microbatches, self.layer_stages, self.store = microbatches, stages, store
         self.options = options
         self.pp = spec.axis_size(PP)
-        check_context_parallel(spec, _WHERE)     # CP with pp: not built yet
         self._simulated = is_simulated(mesh)
         self.sub = SimulatedMesh(tuple(1 if a == PP else n for a, n in
                                        zip(spec.axis_names, spec.shape)),

@@ -52,8 +52,7 @@ from ..placement import Partial, R
 from ..passes.vocab_loss import split_loss_pass, vocab_parallel_loss_pass
 from .gqa import repeat_kv_pass
 from .cuda_attention import cuda_attention_backward_pass
-from .context_parallel import (check_context_parallel, drop_marks_pass, lower_ring_pass,
-                               mark_ulysses_pass)
+from .context_parallel import drop_marks_pass, lower_ring_pass, mark_ulysses_pass
 from .joint import Joint, joint_graph
 from .refine import dedupe_views_pass, gathered_many_times, reduced_many_times, tag_sliced
 from .partition import Split, partition
@@ -296,7 +295,6 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
     :mod:`fxshard.training.recompute`. ``joint``: a joint graph built already (a pipeline
     stage's, :mod:`fxshard.training.pipeline`)."""
     check_training_axes(ctx.mesh)
-    check_context_parallel(ctx.mesh, _WHERE)
     if ctx.mesh.axis_size(PP) > 1:
         raise NotImplementedError(
             f"{_WHERE}: one training program over mesh axis {PP!r} of size "
