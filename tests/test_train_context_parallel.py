@@ -280,6 +280,23 @@ def test_tp_ulysses_and_the_seed_mesh_train_as_one_device():
     _check(_our_llama(heads=8, kv_heads=4), _mesh(dp=2, tp=2, pp=2, ulysses_cp=2))
 
 
+def test_six_axis_mesh_trains_as_one_device():
+    """dp2·fsdp2·tp2·pp2·ring2·ulysses2: 64 ranks, every axis at once (batch 4, sequence 8)."""
+    import copy
+    import fxshard
+    model = _our_llama(heads=8, kv_heads=4)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    ids, labels = (torch.randint(0, V, (4, 8), generator=g) for _ in range(2))
+    mesh = _mesh(dp=2, fsdp=2, tp=2, pp=2, ring_cp=2, ulysses_cp=2)
+    pm = fxshard.parallelize(model, mesh, ring_zigzag=False)
+    _loss(pm(ids), labels).backward()
+    _loss(ref(ids), labels).backward()
+    grads = pm.gradients()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("axes", [dict(tp=2, ulysses_cp=2), dict(pp=2, tp=2, ulysses_cp=2)],
                          ids=["tp2_ulysses2", "pp2_tp2_ulysses2"])
 def test_ulysses_without_kv_heads_to_split_is_an_error(axes):
