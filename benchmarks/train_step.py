@@ -29,6 +29,9 @@ same ones. Variants:
                 ``torch.optim.AdamW(pm.parameters())`` (this rank's shards: sharded over fsdp
                 and tp). The ParallelModule keeps the model object (its initial weights,
                 whole) as its contract says: that is in its memory.
+  fxshard-loss  the same with the cross-entropy inside the parallelized module (``WithLoss``:
+                ``pm(ids, labels)`` returns the loss, as HF's ``labels=``): vocab-parallel on
+                tp (max and sum-exp all-reduced), the logits never gathered, as Megatron's.
   dtensor       torchtitan's recipe (``common.dtensor_train``): ``parallelize_module`` with
                 the one DTensor plan on the tp sub-mesh (lm_head output left vocab-sharded,
                 ``loss_parallel``), then ``fully_shard`` (FSDP2) of every decoder layer and
@@ -75,7 +78,7 @@ from benchmarks.common import (GENERATE, MegatronLlama, add_model_args,  # noqa:
                                slowest_rank, stats_ms, token_ids, write_json)
 
 BASELINE = "megatron"
-VARIANTS = ("megatron", "fxshard", "dtensor")
+VARIANTS = ("megatron", "fxshard", "fxshard-loss", "dtensor")
 #: ``--small``: the sizes of a check that it runs (seconds, not a measurement)
 SMALL = dict(layers=1, hidden=64, heads=4, kv_heads=2, intermediate=96, vocab=128, seq=16,
              rounds=1, iters=1, warmup=1, memory_steps=1)
@@ -127,17 +130,23 @@ def build(name: str, model, mesh, args):
         m = dtensor_train(model, mesh)
         opt = torch.optim.AdamW(m.parameters(), lr=args.lr)
         return lambda norms=None: dtensor_step(m, opt, ids, labels, norms), mean_over_fsdp
-    if name == "fxshard":
+    if name in ("fxshard", "fxshard-loss"):
         import fxshard
         ids, labels = _batch(args)    # every rank passes the global batch; fxshard splits it
-        pm = fxshard.parallelize(copy.deepcopy(model).train(), mesh, example_inputs=(ids,))
+        if name == "fxshard":         # the loss on pm's (whole) logits
+            pm = fxshard.parallelize(copy.deepcopy(model).train(), mesh, example_inputs=(ids,))
+            loss_of = lambda: F.cross_entropy(pm(ids).flatten(0, 1), labels.flatten())  # noqa
+        else:                         # the loss inside the traced module: vocab-parallel
+            pm = fxshard.parallelize(WithLoss(copy.deepcopy(model).train()), mesh,
+                                     example_inputs=(ids, labels))
+            loss_of = lambda: pm(ids, labels)  # noqa: E731
         opt = torch.optim.AdamW(pm.parameters(), lr=args.lr)
 
         def step(norms=None) -> float:
-            loss = F.cross_entropy(pm(ids).flatten(0, 1), labels.flatten())
+            loss = loss_of()
             loss.backward()
             if norms is not None:
-                norms.append(_fxshard_grad_norm(pm))
+                norms.append(float(fxshard.clip_grad_norm_(pm, float("inf"))))
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss.item()
@@ -146,25 +155,16 @@ def build(name: str, model, mesh, args):
     raise ValueError(f"train_step.build: unknown variant {name!r}")
 
 
-def _fxshard_grad_norm(pm) -> float:
-    """The global gradient norm from this rank's shards (``fxshard.clip_grad_norm_`` assembles
-    whole gradients, which a real mesh cannot yet): each shard's squared sum divided by the
-    ranks holding the same block (the product of its replicated axes), summed over the world.
-    A check-step figure only (not timed)."""
-    from torch.distributed.tensor import Replicate
-    tm = pm.trainer
-    sizes, seen = tm.spec.shape, set()
-    sq = torch.zeros((), dtype=torch.float64)
-    for name, p in tm.shards(dist.get_rank()).items():
-        if id(p) in seen or p.grad is None:
-            continue                                   # a tied parameter counts once
-        seen.add(id(p))
-        copies = 1
-        for size, placement in zip(sizes, tm._specs[name]):
-            copies *= size if isinstance(placement, Replicate) else 1
-        sq += p.grad.double().pow(2).sum() / copies
-    dist.all_reduce(sq)
-    return float(sq) ** 0.5
+class WithLoss(torch.nn.Module):
+    """``model`` and its cross-entropy in one module, so the loss is in fxshard's graph (as
+    HF's ``labels=``): vocab-parallel on tp, the logits never gathered."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, labels):
+        return F.cross_entropy(self.model(ids).flatten(0, 1), labels.flatten())
 
 
 def _mesh(args):
