@@ -277,7 +277,20 @@ def test_tp_ulysses_and_the_seed_mesh_train_as_one_device():
     16-rank dp2·tp2·pp2·ulysses_cp2 (GPipe behind loss.backward)."""
     pm = _check(_our_llama(heads=8, kv_heads=4), _mesh(tp=2, ulysses_cp=2))
     assert _ring_ops(pm, "backward")["all_to_all"] == 8
-    _check(_our_llama(heads=8, kv_heads=4), _mesh(dp=2, tp=2, pp=2, ulysses_cp=2))
+    _check(_our_llama(heads=8, kv_heads=4), _mesh(dp=2, tp=2, pp=2, ulysses_cp=2), steps=3)
+
+
+@settings(max_examples=6, deadline=None)
+@given(axes=st.sampled_from([
+    dict(pp=2, ring_cp=2), dict(pp=2, ulysses_cp=2), dict(dp=2, pp=2, ring_cp=2),
+    dict(fsdp=2, ring_cp=2, ulysses_cp=2), dict(tp=2, pp=2, ring_cp=2),
+    dict(pp=2, ring_cp=2, ulysses_cp=2), dict(fsdp=2, tp=2, ulysses_cp=2),
+    dict(dp=2, tp=2, ring_cp=2), dict(ulysses_cp=2, pp=2, fsdp=2)]), zigzag=st.booleans())
+def test_meshes_with_pp_and_cp_train_as_one_device(axes, zigzag):
+    """Random meshes mixing the CP axes with pp and the others (product 8): gradients equal
+    one device (Ulysses under tp with 4 KV heads so both can split them)."""
+    heads, kv = (8, 4) if "tp" in axes and "ulysses_cp" in axes else (4, 2)
+    _check(_our_llama(heads, kv), _mesh(**axes), ring_zigzag=zigzag)
 
 
 def test_six_axis_mesh_trains_as_one_device():
