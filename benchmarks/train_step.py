@@ -32,6 +32,9 @@ same ones. Variants:
   fxshard-loss  the same with the cross-entropy inside the parallelized module (``WithLoss``:
                 ``pm(ids, labels)`` returns the loss, as HF's ``labels=``): vocab-parallel on
                 tp (max and sum-exp all-reduced), the logits never gathered, as Megatron's.
+  fxshard-recompute  ``fxshard`` with ``recompute="layers"`` (each decoder layer saves only
+                its input; the backward recomputes the rest): recompute on/off in time and
+                peak memory against the ``fxshard`` row.
   dtensor       torchtitan's recipe (``common.dtensor_train``): ``parallelize_module`` with
                 the one DTensor plan on the tp sub-mesh (lm_head output left vocab-sharded,
                 ``loss_parallel``), then ``fully_shard`` (FSDP2) of every decoder layer and
@@ -78,7 +81,7 @@ from benchmarks.common import (GENERATE, MegatronLlama, add_model_args,  # noqa:
                                slowest_rank, stats_ms, token_ids, write_json)
 
 BASELINE = "megatron"
-VARIANTS = ("megatron", "fxshard", "fxshard-loss", "dtensor")
+VARIANTS = ("megatron", "fxshard", "fxshard-loss", "fxshard-recompute", "dtensor")
 #: ``--small``: the sizes of a check that it runs (seconds, not a measurement)
 SMALL = dict(layers=1, hidden=64, heads=4, kv_heads=2, intermediate=96, vocab=128, seq=16,
              rounds=1, iters=1, warmup=1, memory_steps=1)
@@ -130,11 +133,13 @@ def build(name: str, model, mesh, args):
         m = dtensor_train(model, mesh)
         opt = torch.optim.AdamW(m.parameters(), lr=args.lr)
         return lambda norms=None: dtensor_step(m, opt, ids, labels, norms), mean_over_fsdp
-    if name in ("fxshard", "fxshard-loss"):
+    if name in ("fxshard", "fxshard-loss", "fxshard-recompute"):
         import fxshard
         ids, labels = _batch(args)    # every rank passes the global batch; fxshard splits it
-        if name == "fxshard":         # the loss on pm's (whole) logits
-            pm = fxshard.parallelize(copy.deepcopy(model).train(), mesh, example_inputs=(ids,))
+        if name != "fxshard-loss":    # the loss on pm's (whole) logits
+            recompute = "layers" if name == "fxshard-recompute" else None
+            pm = fxshard.parallelize(copy.deepcopy(model).train(), mesh, example_inputs=(ids,),
+                                     recompute=recompute)
             loss_of = lambda: F.cross_entropy(pm(ids).flatten(0, 1), labels.flatten())  # noqa
         else:                         # the loss inside the traced module: vocab-parallel
             pm = fxshard.parallelize(WithLoss(copy.deepcopy(model).train()), mesh,
