@@ -48,17 +48,23 @@ def test_all_reduce_copies_an_input_that_is_read_again_a_view_or_a_graph_input()
     a = g.call_function(aten.linear.default, (x, w))             # read again below: copy
     ra = g.call_function(ops.all_reduce.default, (a, "tp", 2))
     b = g.call_function(aten.linear.default, (x, w))
-    view = g.call_function(aten.reshape.default, (b, [-1]))      # aliases b: copy
+    view = g.call_function(aten.reshape.default, (b, [-1]))      # aliases b, read again: copy
     rv = g.call_function(ops.all_reduce.default, (view, "tp", 2))
     rx = g.call_function(ops.all_reduce.default, (x, "tp", 2))   # the user's input: copy
+    vx = g.call_function(aten.reshape.default, (x, [-1]))        # a view of the input: copy
+    rvx = g.call_function(ops.all_reduce.default, (vx, "tp", 2))
     c = g.call_function(aten.mul.Tensor, (x, 2.0))               # fresh, read once: in place
     rc = g.call_function(ops.all_reduce.default, (c, "tp", 2))
+    d = g.call_function(aten.mul.Tensor, (x, 3.0))               # a view of a fresh value
+    vd = g.call_function(aten.reshape.default, (d, [-1]))        # read by it only: in place
+    rvd = g.call_function(ops.all_reduce.default, (vd, "tp", 2))
     out = g.call_function(aten.add.Tensor, (ra, a))
-    g.output((out, rv, rx, rc))
+    g.output((out, rv, rx, rvx, rc, rvd, b))
     stage = eager_stage(Program(graph=g))
     targets = {n.name: n.target for n in stage.module.graph.nodes if n.op == "call_function"}
-    assert [targets[n.name] for n in (ra, rv, rx)] == [ops.all_reduce.default] * 3
+    assert [targets[n.name] for n in (ra, rv, rx, rvx)] == [ops.all_reduce.default] * 4
     assert targets[rc.name] is all_reduce_consuming
+    assert targets[rvd.name] is all_reduce_consuming
 
 
 def test_fxshard_ops_run_their_python_kernels_directly():

@@ -36,14 +36,23 @@ class PostEmitCtx(PassReports):
         self.groups = groups
 
 
+_VIEWS = (torch.ops.aten.reshape.default, torch.ops.aten.view.default)
+
+
 def _fresh_and_dead(node: fx.Node, user: fx.Node) -> bool:
     """Whether ``node``'s value is a tensor of its own (made by an op whose schema returns no
-    alias of an input) that ``user`` is the only reader of, so ``user`` may overwrite it."""
+    alias of an input) that ``user`` is the only reader of, so ``user`` may overwrite it; or
+    a reshape/view whose base is such a tensor read by nothing but that view (a backward's
+    ``view = reshape(mm); all_reduce(view)``: the storage is reachable through the view
+    only)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
+    if list(node.users) != [user]:
+        return False
+    if node.target in _VIEWS:
+        return isinstance(node.args[0], fx.Node) and _fresh_and_dead(node.args[0], node)
     returns = node.target._schema.returns
-    return (len(returns) == 1 and returns[0].alias_info is None
-            and list(node.users) == [user])
+    return len(returns) == 1 and returns[0].alias_info is None
 
 
 def consume_dead_inputs_pass(gm: fx.GraphModule, *, ctx: PostEmitCtx) -> fx.GraphModule:

@@ -59,15 +59,27 @@ def direct(gm):
     """``gm`` called without its per-node ``OpOverload.__call__`` and ``nn.Module.__call__``
     frames (``fxshard.compile._direct_forward``, as inference's eager stages), made once per
     GraphModule and its code (again after a ``recompile``); ``gm`` itself where it is no
-    GraphModule or its code reads attributes of the module."""
+    GraphModule or its code reads attributes of the module. As inference's eager stages, an
+    all-reduce of a value nothing else reads (a row-parallel matmul's output, a gradient
+    sum) sums in place, without a copy (``fxshard.passes.post_emit.consume_dead_inputs_pass``
+    on a copy of the graph: ``gm`` itself, what ``rank_module`` shows, is unchanged)."""
     if not isinstance(gm, fx.GraphModule):
         return gm
     code = gm.code
     made = gm.__dict__.get("_fxshard_direct")
     if made is None or made[0] is not code:
         from ..compile import _direct_forward
-        fn = gm if any(n.op == "get_attr" for n in gm.graph.nodes) else _direct_forward(gm)
-        made = gm.__dict__["_fxshard_direct"] = (code, fn)
+        run = None
+        if any(n.op == "get_attr" for n in gm.graph.nodes):
+            fn = gm
+        else:
+            from ..passes import post_emit
+            graph = fx.Graph()
+            graph.output(graph.graph_copy(gm.graph, {}))
+            run = fx.GraphModule(torch.nn.Module(), graph, class_name=type(gm).__name__)
+            fn = _direct_forward(post_emit.consume_dead_inputs_pass(
+                run, ctx=post_emit.PostEmitCtx()))
+        made = gm.__dict__["_fxshard_direct"] = (code, fn, run)   # run: the graph fn runs
     return made[1]
 
 
