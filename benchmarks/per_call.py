@@ -28,7 +28,8 @@ megatron`` (ratio of the medians), ``rounds p10 / med / p90`` (the spread of the
 ratio: that round's median over Megatron's median of the same round), ``CPU ms`` (median
 thread CPU time of rank 0's main thread per forward: compute, Python and dispatch, not the time
 blocked on the peer). ``--profile N``: afterwards, N calls each of fxshard and Megatron under
-cProfile (CPU time) on rank 0: Python calls and CPU per call, the top entries by own time.
+cProfile (CPU time) on rank 0, in alternating blocks of 10: Python calls and CPU per call, the
+top entries by own time.
 ``--runs N``: N launches one after another (fresh processes), a table each, then fxshard /
 Megatron of every run, their median (the target: <= 1.05 over ``--runs 5``), min and max.
 """
@@ -49,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (MegatronBlocks, add_model_args, dtensor_tp,  # noqa: E402
                                environment, format_table, interleaved, launch, percentile,
-                               reproduce,
+                               reproduce, rotated,
                                slowest_rank, stats_ms, tutorial_blocks, write_json)
 
 TP = 2
@@ -72,9 +73,9 @@ def worker(rank: int, args) -> dict:
         errors = {name: (fn() - want).abs().max().item() for name, fn in variants.items()}
         t = interleaved(variants, args.rounds, calls=args.iters, warmup=args.warmup,
                         order=args.order, before=dist.barrier)
-        profiles = {name: profile_calls(variants[name], args.profile, rank == 0,
-                                        args.profile_top)
-                    for name in ("fxshard", BASELINE)} if args.profile else {}
+        profiles = profile_calls({name: variants[name] for name in ("fxshard", BASELINE)},
+                                 args.profile, rank == 0, args.profile_top) \
+            if args.profile else {}
     pm.close()
     n = args.iters
     return {"rounds": {k: [v["wall"][i:i + n] for i in range(0, len(v["wall"]), n)]
@@ -83,31 +84,40 @@ def worker(rank: int, args) -> dict:
             "profiles": profiles}
 
 
-def profile_calls(fn, calls: int, profiled: bool, top: int) -> str | None:
-    """``calls`` calls of ``fn`` after a barrier, under cProfile where ``profiled`` (rank 0;
-    the other ranks make the same calls unprofiled, so the collectives pair up): the Python
-    calls and CPU time per call, and the top ``top`` entries by own time."""
+def profile_calls(fns: dict, calls: int, profiled: bool, top: int,
+                  block: int = 10) -> dict:
+    """``calls`` calls of each of ``fns`` (name -> callable) after a barrier, in alternating
+    blocks of ``block`` calls (so a burst of other load, or the cache state one leaves for the
+    next, hits them alike: profiling one after the other once showed a +8 % "linear" cost
+    that reversed when the order did), each under its own cProfile where ``profiled`` (rank
+    0; the other ranks make the same calls unprofiled, so the collectives pair up): name ->
+    the Python calls and CPU time per call, and the top ``top`` entries by own time."""
     import cProfile
     import io
     import pstats
-    dist.barrier()
+    profs = {name: cProfile.Profile(time.thread_time) for name in fns}  # CPU: waits don't count
+    names = list(fns)
+    for i in range(0, calls, block):
+        for name in rotated(names, i // block):
+            dist.barrier()
+            if profiled:
+                profs[name].enable()
+            for _ in range(min(block, calls - i)):
+                fns[name]()
+            if profiled:
+                profs[name].disable()
     if not profiled:
-        for _ in range(calls):
-            fn()
-        return None
-    prof = cProfile.Profile(time.thread_time)   # CPU time: waits on the peer don't count
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    stats = pstats.Stats(prof, stream=io.StringIO())
-    text = io.StringIO()
-    stats.stream = text
-    print(f"{stats.total_calls / calls:.0f} Python function calls and "
-          f"{stats.total_tt / calls * 1e6:.0f} us CPU per call (profiled, {calls} calls)",
-          file=text)
-    stats.sort_stats("tottime").print_stats(top)
-    return text.getvalue()
+        return {}
+    out = {}
+    for name, prof in profs.items():
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        print(f"{stats.total_calls / calls:.0f} Python function calls and "
+              f"{stats.total_tt / calls * 1e6:.0f} us CPU per call (profiled, {calls} calls "
+              f"in blocks of {block}, alternating)", file=text)
+        stats.sort_stats("tottime").print_stats(top)
+        out[name] = text.getvalue()
+    return out
 
 
 def summarize(gathered: list, args) -> dict:

@@ -176,3 +176,43 @@ def test_wrapper_python_calls_are_few_and_do_not_grow_with_the_model(tmp_path):
         assert "axis 'tp' has size 4" in report["size_check"], report["size_check"]
         assert "gives it size 2" in report["size_check"], report["size_check"]
         assert report["size_one"] == [1.0, 1.0, 1.0]
+
+
+
+def test_rank_program_runs_the_hand_written_matmuls_on_weights_laid_out_for_them():
+    """Rank 0's program for the seed lesson's blocks runs the hand-written Megatron loop's
+    matmuls (``benchmarks.common.MegatronBlocks``) on the same operands: every weight is its
+    own contiguous ``[out, in]`` block (not a view of the whole weight, not transposed), equal
+    to Megatron's slice in shape, strides and values; the eager stage copies nothing and sums
+    each row-parallel output in place. (The one difference: wo's and w2's biases are added
+    inside the row-parallel ``addmm``, on rank 0 only, zero elsewhere, where Megatron adds
+    them after the all-reduce: the same work.)"""
+    import fxshard
+    from benchmarks.common import MegatronBlocks
+    from fxshard.compile import eager_stage
+    from fxshard.ops.collectives import all_reduce_consuming
+
+    torch.manual_seed(0)
+    model = nn.Sequential(TransformerBlock(32, 4), TransformerBlock(32, 4)).eval()
+    x = torch.randn(2, 3, 32)
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    pm = fxshard.parallelize(model, mesh, example_inputs=(x,))
+    pm(x)
+    for rank in (0, 1):
+        weights = dict(pm.rank_module(rank).named_parameters())
+        weights.update(pm.rank_module(rank).named_buffers())
+        mega = MegatronBlocks(model, rank, 2)
+        for i, (wq, _, _, _, _, _, wo, _, w1, _, w2, _) in enumerate(mega.blocks):
+            for name, theirs in ((f"{i}.attention.wq.weight", wq), (f"{i}.attention.wo.weight", wo),
+                                 (f"{i}.mlp.w1.weight", w1), (f"{i}.mlp.w2.weight", w2)):
+                got = weights[name]
+                assert got.storage_offset() == 0, name
+                assert got.untyped_storage().nbytes() == got.numel() * got.element_size(), name
+                assert (got.shape, got.stride()) == (theirs.shape, theirs.stride()), name
+                torch.testing.assert_close(got, theirs, rtol=0, atol=0)
+    graph = eager_stage(pm.programs.last.programs[0]).module.graph
+    copies = {"clone", "contiguous", "_to_copy", "copy", "copy_", "expand_copy"}
+    assert not [n for n in graph.nodes if n.op == "call_function"
+                and getattr(n.target, "__name__", "").split(".")[0] in copies]
+    assert sum(n.target is all_reduce_consuming for n in graph.nodes) == 4
+    pm.close()
