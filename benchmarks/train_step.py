@@ -5,6 +5,7 @@
     python benchmarks/train_step.py --ranks 4                        # fsdp=2 x tp=2
     python benchmarks/train_step.py --small                          # does it run? (tiny)
     python benchmarks/train_step.py --small --ranks 4
+    python benchmarks/train_step.py --ranks 2 --time-meta             # fxshard-meta timed too
 
 The default size is issue 19's (``common.GENERATE``: 8 layers, hidden 1024, 16/4 heads,
 intermediate 2816, vocab 32000; batch 4 x seq 128). One launch of ``--ranks`` processes
