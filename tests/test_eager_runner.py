@@ -58,11 +58,14 @@ def test_all_reduce_copies_an_input_that_is_read_again_a_view_or_a_graph_input()
     d = g.call_function(aten.mul.Tensor, (x, 3.0))               # a view of a fresh value
     vd = g.call_function(aten.reshape.default, (d, [-1]))        # read by it only: in place
     rvd = g.call_function(ops.all_reduce.default, (vd, "tp", 2))
+    e = g.call_function(aten.mul.Tensor, (x, 4.0))               # read again below
+    ue = g.call_function(aten._unsafe_view.default, (e, [-1]))   # a view (no alias in schema)
+    rue = g.call_function(ops.all_reduce.default, (ue, "tp", 2))  # of e: copy
     out = g.call_function(aten.add.Tensor, (ra, a))
-    g.output((out, rv, rx, rvx, rc, rvd, b))
+    g.output((out, rv, rx, rvx, rc, rvd, b, rue, e))
     stage = eager_stage(Program(graph=g))
     targets = {n.name: n.target for n in stage.module.graph.nodes if n.op == "call_function"}
-    assert [targets[n.name] for n in (ra, rv, rx, rvx)] == [ops.all_reduce.default] * 4
+    assert [targets[n.name] for n in (ra, rv, rx, rvx, rue)] == [ops.all_reduce.default] * 5
     assert targets[rc.name] is all_reduce_consuming
     assert targets[rvd.name] is all_reduce_consuming
 

@@ -36,7 +36,10 @@ class PostEmitCtx(PassReports):
         self.groups = groups
 
 
-_VIEWS = (torch.ops.aten.reshape.default, torch.ops.aten.view.default)
+# ops whose result may share its input's memory: followed to the base, which must be fresh
+# and read by the view alone (``_unsafe_view``'s schema declares no alias, but it is a view)
+_VIEWS = (torch.ops.aten.reshape.default, torch.ops.aten.view.default,
+          torch.ops.aten._unsafe_view.default)
 
 
 def _fresh_and_dead(node: fx.Node, user: fx.Node) -> bool:
