@@ -76,6 +76,7 @@ class TrainProgram:
     ctx: PassCtx
     reports: dict = field(default_factory=dict)   # pass -> counts (forward, then joint)
     compiled: dict = field(default_factory=dict)  # "forward"/"backward" -> Inductor's fn
+    training: bool = False      # the model's train mode when traced (dropout's sites)
 
 
 def check_training_axes(mesh: MeshSpec, where: str = _WHERE,
@@ -329,4 +330,4 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
     return TrainProgram(split=split, specs={f: specs.get(f, tuple(R for _ in ctx.mesh.shape))
                                             for f in split.weights},
                         shapes=shapes, joint=joint, ctx=jctx,
-                        reports={**ctx.reports, **jctx.reports})
+                        reports={**ctx.reports, **jctx.reports}, training=model.training)
