@@ -41,7 +41,7 @@ from ..placement import R
 
 aten = torch.ops.aten
 
-__all__ = ["add_dropout_sites", "draw_mask", "dropout_mask", "same_masks", "step_seed",
+__all__ = ["add_dropout_sites", "check_dropout_mesh", "draw_mask", "dropout_mask", "same_masks", "step_seed",
            "pack_seed"]
 
 _WHERE = "fxshard.training"
@@ -235,11 +235,30 @@ def add_dropout_sites(gm: fx.GraphModule, n_flat: int, where: str = _WHERE) -> i
             out = _sdpa(emit, node, seed, site, where)
         else:
             out = _apply(emit, node.args[0], seed, site, _active(node))
+        if node.target is _SDPA:
+            out.meta["fxshard_dropout_attention"] = node.name
         node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
     gm.graph.lint()
     gm.recompile()
     return n_flat
+
+
+def check_dropout_mesh(gm: fx.GraphModule, mesh, where: str = _WHERE) -> None:
+    """SDPA with ``dropout_p`` is written out as matmul / softmax / matmul: on a CP axis that
+    would gather the whole sequence's keys where ring / Ulysses attention moves blocks; a
+    clear error instead."""
+    from ..mesh import RING, ULYSSES
+    cp = [(a, n) for a, n in zip(mesh.axis_names, mesh.shape) if n > 1 and a in (RING, ULYSSES)]
+    att = next((n.meta["fxshard_dropout_attention"] for n in gm.graph.nodes
+                if n.meta.get("fxshard_dropout_attention")), None)
+    if cp and att is not None:
+        raise NotImplementedError(
+            f"{where}: attention {att} (aten.scaled_dot_product_attention) has dropout_p > 0 "
+            f"on mesh {mesh.describe()} (axis {cp[0][0]!r} of size {cp[0][1]}); ring and "
+            f"Ulysses attention have no dropout on their probabilities. Set the attention "
+            f"dropout to 0 (e.g. attn_pdrop=0.0 / attention_dropout=0.0; other dropouts may "
+            f"stay) or train without {cp[0][0]}")
 
 
 # -- the single-device reference ------------------------------------------------------------

@@ -52,6 +52,7 @@ from ..placement import Partial, R
 from ..passes.vocab_loss import split_loss_pass, vocab_parallel_loss_pass
 from .gqa import repeat_kv_pass
 from .cuda_attention import cuda_attention_backward_pass
+from .dropout import check_dropout_mesh
 from .context_parallel import drop_marks_pass, lower_ring_pass, mark_ulysses_pass
 from .joint import Joint, joint_graph
 from .refine import dedupe_views_pass, gathered_many_times, reduced_many_times, tag_sliced
@@ -304,6 +305,7 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
             f"pm.train_step (fxshard.training.pipeline)")
     if joint is None:
         joint = joint_graph(model, args, kwargs)
+    check_dropout_mesh(joint.traced.gm, ctx.mesh)
     shapes = {n.meta.get("fxshard_param") or n.meta.get("fxshard_buffer"):
               tuple(n.meta["val"].shape) for n in joint.gm.graph.nodes
               if n.op == "placeholder" and (n.meta.get("fxshard_param") or
