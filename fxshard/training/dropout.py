@@ -42,7 +42,7 @@ from ..placement import R
 aten = torch.ops.aten
 
 __all__ = ["add_dropout_sites", "check_dropout_mesh", "draw_mask", "dropout_mask", "same_masks", "step_seed",
-           "pack_seed"]
+           "pack_seed", "seeded"]
 
 _WHERE = "fxshard.training"
 _MB = 1 << 12          # microbatch index and count are packed below the step seed
@@ -66,6 +66,13 @@ def step_seed(mesh=None) -> int:
         seed = seed.to(device)
         dist.broadcast(seed, src=0)
     return int(seed.item())
+
+
+def seeded(flats: list, mesh=None) -> list:
+    """A pipeline step's microbatches' flat inputs, each with the seed input: one step seed
+    for them all, each told its microbatch (its rows of the whole batch's masks)."""
+    step = step_seed(mesh)
+    return [[*f, pack_seed(step, i, len(flats))] for i, f in enumerate(flats)]
 
 
 def _generator_seed(step: int, site: int) -> int:

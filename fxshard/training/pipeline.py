@@ -30,7 +30,7 @@ import torch.fx._pytree as fx_pytree
 from ..mesh import PP, SimulatedMesh, is_simulated
 from ..passes import PassCtx, PassReports
 from ..trace import _without_cache, cleanup_pass, trace
-from .dropout import add_dropout_sites, pack_seed, step_seed
+from .dropout import add_dropout_sites, pack_seed, seeded
 from .joint import _untie, input_grad_name, joint_of
 from .module import TrainModule, _bytes
 from .program import build_train_program
@@ -264,13 +264,10 @@ class PipelineTrainer:
             (tuple(args), _without_cache(self.model, dict(kwargs))), staged.traced.in_spec)
 
     def _micro(self, staged: _Staged, micro: list) -> list:
-        """Each microbatch's flat inputs; with dropout, one step seed for them all, each
-        told its microbatch (its rows of the whole batch's masks)."""
+        """Each microbatch's flat inputs (+ dropout's seed, fxshard.training.dropout)."""
         flats = [list(self._flat(staged, a, k)) for a, k in micro]
-        if staged.seed is None:
-            return flats
-        step = step_seed(None if self._simulated else self.mesh)
-        return [[*f, pack_seed(step, i, len(flats))] for i, f in enumerate(flats)]
+        return flats if staged.seed is None else \
+            seeded(flats, None if self._simulated else self.mesh)
 
     def _stage_forward(self, k, staged, flat, values):
         tm, program = self.stage_modules[k], staged.programs[k]
