@@ -5,6 +5,7 @@ logits flows back into every rank's backward program. Sizes are uneven on purpos
 intermediate 72, vocab 96, sequence 6).
 """
 import collections
+import copy
 import warnings
 
 import pytest
@@ -244,7 +245,7 @@ def test_assemble_sums_partial_and_places_shards():
         assert torch.equal(assemble(blocks, (4, 6), spec, spec_mesh), t), spec
 
 
-def test_unsupported_axes_and_dropout_are_errors():
+def test_unsupported_axes_are_errors_dropout_trains():
     model = _llama(layers=1)
     ids, _ = _data()
     mesh = fxshard.init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "tp"))
@@ -259,8 +260,16 @@ def test_unsupported_axes_and_dropout_are_errors():
         def forward(self, x):
             return F.dropout(self.lin(x), p=0.1, training=True)
 
-    with pytest.raises(NotImplementedError, match="dropout with p > 0"):
-        parallelize_for_training(Drop(), _mesh(2, 1), example_inputs=(torch.randn(2, 8),))
+    # dropout trains now (tests/test_train_dropout.py): the same masks as one device
+    from fxshard.training.dropout import same_masks
+    x, model = torch.randn(2, 8), Drop()
+    tm = parallelize_for_training(copy.deepcopy(model), _mesh(2, 1), example_inputs=(x,))
+    torch.manual_seed(5)
+    tm(x).sum().backward()
+    torch.manual_seed(5)
+    with same_masks():
+        model(x).sum().backward()
+    torch.testing.assert_close(tm.gradients()["lin.weight"], model.lin.weight.grad)
 
 
 class _BackwardOps(torch.nn.Module):

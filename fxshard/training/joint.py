@@ -30,6 +30,7 @@ import torch.fx as fx
 
 from ..passes import PassReports
 from ..trace import Traced, _without_cache, cleanup_pass, trace
+from .dropout import add_dropout_sites, pack_seed
 
 __all__ = ["Joint", "input_grad_name", "joint_graph", "joint_of"]
 
@@ -44,6 +45,7 @@ class Joint:
     grads: list                   # per later output: the FQN whose gradient it is, or None
     params: list                  # parameter FQNs in placeholder order
     tied: dict                    # a tied parameter's other names -> the name kept
+    seed: int | None = None       # the dropout step seed's user input index (dropout.py)
 
 
 class _Replay(torch.nn.Module):
@@ -112,8 +114,10 @@ def _joint_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None) -> Jo
     tied = _untie(traced, model)
     # the user's tensors in the export's input order (non-tensor inputs are baked in)
     import torch.fx._pytree as fx_pytree
-    flat = fx_pytree.tree_flatten_spec((tuple(args), _without_cache(model, dict(kwargs or {}))),
-                                       traced.in_spec)
+    flat = list(fx_pytree.tree_flatten_spec(
+        (tuple(args), _without_cache(model, dict(kwargs or {}))), traced.in_spec))
+    if add_dropout_sites(traced.gm, len(flat)) is not None:
+        flat.append(pack_seed(0))
     return joint_of(traced, model, flat, tied)
 
 
@@ -180,8 +184,10 @@ def joint_of(traced: Traced, model: torch.nn.Module, flat: list, tied: dict,
         raise AssertionError((descs, out.args))
     _no_dropout(gm, model)
     gm.recompile()
+    seed = next((n.meta["fxshard_input"] for n in traced.gm.graph.nodes
+                 if n.op == "placeholder" and n.meta.get("fxshard_seed")), None)
     return Joint(gm=gm, traced=traced, n_outputs=n_outputs, grads=grads, params=params,
-                 tied=tied)
+                 tied=tied, seed=seed)
 
 
 def _untie(traced: Traced, model: torch.nn.Module) -> dict:
@@ -217,15 +223,16 @@ _RANDOM = ("native_dropout", "bernoulli", "rand", "randn", "randint", "rand_like
 
 
 def _no_dropout(gm: fx.GraphModule, model: torch.nn.Module) -> None:
-    """Random ops (dropout with ``p > 0`` in train mode) would draw different masks per rank:
-    a clear error until masks agree across ranks (a model-parallel RNG)."""
+    """A random op left in the joint graph (not one of the forward export's dropout sites,
+    which :mod:`fxshard.training.dropout` rewrites to masks drawn alike on every mesh) would
+    draw different numbers per rank: a clear error."""
     for node in gm.graph.nodes:
         name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
         if name == "native_dropout" and node.args[1] == 0:
             continue   # p = 0: an all-ones mask, the same on every rank
         if node.op == "call_function" and name in _RANDOM:
             raise NotImplementedError(
-                f"fxshard.training: {type(model).__name__}'s forward draws random numbers "
-                f"({node.target} at {node.name}: dropout with p > 0 in train mode); masks that "
-                f"agree across ranks are not built yet. Set every dropout probability to 0 "
-                f"or call model.eval() before parallelizing for training")
+                f"fxshard.training: {type(model).__name__}'s joint graph draws random "
+                f"numbers ({node.target} at {node.name}) outside the dropout sites fxshard "
+                f"draws alike on every rank (aten.dropout, SDPA's dropout_p in the forward "
+                f"export). Use torch.nn.functional.dropout for it, or call model.eval()")

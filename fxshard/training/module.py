@@ -170,12 +170,15 @@ class TrainModule:
 
     # -- building ------------------------------------------------------------------------
     def _program(self, args: tuple, kwargs: dict) -> TrainProgram:
+        mode = self.model.training    # train mode traces dropout's sites, eval mode none
         if self.cache is not None:    # fxshard.parallelize's program cache
-            self._last = self.cache.train_program(args, kwargs, self._build)
-            return self._last
+            program = self.cache.train_program(args, kwargs, self._build)
+            if program.training == mode:
+                self._last = program
+                return program
         flat, _ = pytree.tree_flatten((args, kwargs))
-        key = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
-                    for x in flat)
+        key = (mode,) + tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor)
+                              else repr(x) for x in flat)
         if key not in self._programs:
             self._programs[key] = self._build(args, kwargs)
         self._last = self._programs[key]
@@ -223,8 +226,11 @@ class TrainModule:
         program = self._program(args, kwargs)
         split = program.split
         # the export's order of the user's inputs (HF's use_cache=False added, as traced)
-        flat = fx_pytree.tree_flatten_spec((args, _without_cache(self.model, dict(kwargs))),
-                                           program.joint.traced.in_spec)
+        flat = list(fx_pytree.tree_flatten_spec(
+            (args, _without_cache(self.model, dict(kwargs))), program.joint.traced.in_spec))
+        if program.joint.seed is not None:   # dropout: this step's seed, fxshard.training.dropout
+            from .dropout import pack_seed, step_seed
+            flat.append(pack_seed(step_seed(None if self._simulated else self.mesh)))
         user = [flat[i] for i in split.inputs]
         shards = [self._shards[r][fqn] for r in self.ranks for fqn in split.weights]
         # buffers (no gradient) ride along as inputs too; only parameters are autograd leaves

@@ -30,6 +30,7 @@ import torch.fx._pytree as fx_pytree
 from ..mesh import PP, SimulatedMesh, is_simulated
 from ..passes import PassCtx, PassReports
 from ..trace import _without_cache, cleanup_pass, trace
+from .dropout import add_dropout_sites, pack_seed, seeded
 from .joint import _untie, input_grad_name, joint_of
 from .module import TrainModule, _bytes
 from .program import build_train_program
@@ -81,9 +82,9 @@ class _StageShard(TrainedShard):
 class _Staged:
     """The stage programs of one (microbatch) input signature."""
 
-    def __init__(self, forwards, programs, traced, tied, n_flat):
+    def __init__(self, forwards, programs, traced, tied, n_flat, seed=None):
         self.forwards, self.programs, self.traced = forwards, programs, traced
-        self.n_flat = n_flat
+        self.n_flat, self.seed = n_flat, seed   # seed: dropout's step seed input, or None
         self.joint = type("JointInfo", (), {"tied": tied})()
 
 
@@ -181,8 +182,9 @@ class PipelineTrainer:
                 f"{_WHERE}: the stages were built with virtual_stages={self.virtual} (their "
                 f"shards are placed so); this call asks for {virtual}. Pass the same "
                 f"virtual_stages= on every call")
-        key = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
-                    for x in pytree.tree_leaves((args, kwargs)))
+        key = (self.model.training,) + tuple(
+            (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
+            for x in pytree.tree_leaves((args, kwargs)))
         if key not in self._programs:
             self._programs[key] = self._build(args, kwargs, virtual)
             self.virtual = virtual
@@ -200,8 +202,12 @@ class PipelineTrainer:
         traced = trace(self.model, args, kwargs)
         cleanup_pass(traced.gm, ctx=PassReports())
         tied = _untie(traced, self.model)
-        flat = fx_pytree.tree_flatten_spec(
-            (tuple(args), _without_cache(self.model, dict(kwargs))), traced.in_spec)
+        flat = list(fx_pytree.tree_flatten_spec(
+            (tuple(args), _without_cache(self.model, dict(kwargs))), traced.in_spec))
+        # dropout: the whole model's sites (their indices survive the split) and a seed input
+        seed = add_dropout_sites(traced.gm, len(flat), _WHERE)
+        if seed is not None:
+            flat.append(pack_seed(0))
         forwards = split_forward(traced, stack, names, layer_stages, n_stages)
         device = torch.device(self.spec.device_type)
         if not self.stage_modules:
@@ -239,7 +245,7 @@ class PipelineTrainer:
             programs.append(program)
         if self.store is not None:
             self._install()
-        return _Staged(forwards, programs, traced, tied, len(flat))
+        return _Staged(forwards, programs, traced, tied, len(flat), seed)
 
     def _install(self) -> None:
         """The stages' shards as the weight store's values, read by global rank (an
@@ -256,6 +262,12 @@ class PipelineTrainer:
     def _flat(self, staged: _Staged, args, kwargs) -> list:
         return fx_pytree.tree_flatten_spec(
             (tuple(args), _without_cache(self.model, dict(kwargs))), staged.traced.in_spec)
+
+    def _micro(self, staged: _Staged, micro: list) -> list:
+        """Each microbatch's flat inputs (+ dropout's seed, fxshard.training.dropout)."""
+        flats = [list(self._flat(staged, a, k)) for a, k in micro]
+        return flats if staged.seed is None else \
+            seeded(flats, None if self._simulated else self.mesh)
 
     def _stage_forward(self, k, staged, flat, values):
         tm, program = self.stage_modules[k], staged.programs[k]
@@ -330,7 +342,7 @@ class PipelineTrainer:
     def __call__(self, *args, **kwargs):
         micro = self._split_inputs(args, kwargs)
         staged = self._staged(*micro[0], virtual=self.virtual or 1)
-        self._micro_flats = [self._flat(staged, a, k) for a, k in micro]
+        self._micro_flats = self._micro(staged, micro)
         params = self.parameters()
         user = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         outs = _Pipe.apply(self, staged, len(params), *params, *user)
@@ -361,7 +373,7 @@ class PipelineTrainer:
         targets = self._split_inputs((target,), {}) if target is not None else None
         staged = self._staged(*micro[0], virtual=v)
         from .run import StepRun
-        run = StepRun(self, staged, [self._flat(staged, a, k) for a, k in micro])
+        run = StepRun(self, staged, self._micro(staged, micro))
         run.loss_fn, run.weights = loss_fn, weights
         run.targets = [t[0][0] for t in targets] if targets is not None else None
         per_rank = actions(schedule, self.pp, self.microbatches, v)

@@ -52,6 +52,7 @@ from ..placement import Partial, R
 from ..passes.vocab_loss import split_loss_pass, vocab_parallel_loss_pass
 from .gqa import repeat_kv_pass
 from .cuda_attention import cuda_attention_backward_pass
+from .dropout import check_dropout_mesh
 from .context_parallel import drop_marks_pass, lower_ring_pass, mark_ulysses_pass
 from .joint import Joint, joint_graph
 from .refine import dedupe_views_pass, gathered_many_times, reduced_many_times, tag_sliced
@@ -76,6 +77,7 @@ class TrainProgram:
     ctx: PassCtx
     reports: dict = field(default_factory=dict)   # pass -> counts (forward, then joint)
     compiled: dict = field(default_factory=dict)  # "forward"/"backward" -> Inductor's fn
+    training: bool = False      # the model's train mode when traced (dropout's sites)
 
 
 def check_training_axes(mesh: MeshSpec, where: str = _WHERE,
@@ -303,6 +305,7 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
             f"pm.train_step (fxshard.training.pipeline)")
     if joint is None:
         joint = joint_graph(model, args, kwargs)
+    check_dropout_mesh(joint.traced.gm, ctx.mesh)
     shapes = {n.meta.get("fxshard_param") or n.meta.get("fxshard_buffer"):
               tuple(n.meta["val"].shape) for n in joint.gm.graph.nodes
               if n.op == "placeholder" and (n.meta.get("fxshard_param") or
@@ -329,4 +332,4 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
     return TrainProgram(split=split, specs={f: specs.get(f, tuple(R for _ in ctx.mesh.shape))
                                             for f in split.weights},
                         shapes=shapes, joint=joint, ctx=jctx,
-                        reports={**ctx.reports, **jctx.reports})
+                        reports={**ctx.reports, **jctx.reports}, training=model.training)

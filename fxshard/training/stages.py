@@ -65,7 +65,8 @@ def split_forward(traced: Traced, stack: str, names: tuple, layer_stages: list,
         const[n] = _is_constant(n, const) or n.op == "get_attr"
     stage = _stage_of_nodes(nodes, prefix, index, layer_stages)
     output = nodes[-1]
-    n_flat = traced.in_spec.num_leaves
+    # the user's flat inputs (+ dropout's step seed, fxshard.training.dropout), then received
+    n_flat = traced.in_spec.num_leaves + any(n.meta.get("fxshard_seed") for n in nodes)
     last = n_stages - 1
 
     def stage_of_user(u):

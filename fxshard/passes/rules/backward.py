@@ -51,8 +51,11 @@ def _attention(node: fx.Node, ins: list, ctx: RuleCtx, q: fx.Node, k: fx.Node,
     the mask is ``[B, H, ...]``; a mask follows where it has that dim whole."""
     if dropout_p:
         raise NotImplementedError(
-            f"fxshard.training: attention {node.name} has dropout_p={dropout_p}; dropout "
-            f"masks that agree across ranks are not built yet. Use dropout 0")
+            f"fxshard.training: attention {node.name} has dropout_p={dropout_p} in the joint "
+            f"graph; dropout trains where the forward export holds it (aten.dropout, "
+            f"aten.scaled_dot_product_attention's dropout_p: fxshard/training/dropout.py "
+            f"draws those masks alike on every rank), not a fused attention op's own. "
+            f"Call F.scaled_dot_product_attention or use dropout 0")
     cp = sequence_decision(node, ins, ctx, q, k, mask, n_out)   # ring_cp / ulysses_cp
     if cp is not None:
         return cp
