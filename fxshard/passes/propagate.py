@@ -54,6 +54,7 @@ __all__ = ["propagate_pass", "input_spec"]
 _OWNS_WEIGHTS = (linear_rule, embedding_rule, addmm_rule, grouped_mm_rule, matmul_rule)
 _WEIGHT_VIEWS = (torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
                  torch.ops.aten.t.default, torch.ops.aten.numpy_T.default)
+_WEIGHT_CASTS = (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype)
 _MAX_REFINEMENTS = 8
 
 
@@ -86,19 +87,43 @@ def _spec_of(node: fx.Node, param_spec: dict) -> object:
     return then if then is not None else node.meta.get("fxshard_spec")
 
 
-def _weight_view(node: fx.Node, param_spec: dict) -> fx.Node | None:
-    """The parameter ``node`` transposes/permutes when only weight-owning rules use the result
-    (MoE experts: ``grouped_mm(x, w.transpose(-2, -1), offs)``): the parameter is then placed
-    by that rule, through the view, like a weight the rule takes directly."""
-    if node.target not in _WEIGHT_VIEWS or not node.users:
+def _is_weight_cast(node: fx.Node) -> bool:
+    """A dtype cast that keeps shape and device (``w.bfloat16()`` before an expert matmul)."""
+    if node.target not in _WEIGHT_CASTS or any(isinstance(a, fx.Node) for a in node.args[1:]):
+        return False
+    src, val = node.args[0], node.meta.get("val")
+    return isinstance(src, fx.Node) and isinstance(val, torch.Tensor) and \
+        isinstance(src.meta.get("val"), torch.Tensor) and \
+        val.shape == src.meta["val"].shape and val.device == src.meta["val"].device
+
+
+def _feeds_owners(node: fx.Node) -> bool:
+    """Every use of ``node`` is a weight-owning rule, directly or through weight views/casts."""
+    return bool(node.users) and all(
+        u.op == "call_function" and (lookup(u.target) in _OWNS_WEIGHTS or (
+            (u.target in _WEIGHT_VIEWS or _is_weight_cast(u)) and _feeds_owners(u)))
+        for u in node.users)
+
+
+def _root(node: fx.Node, views: dict) -> fx.Node:
+    """The parameter under a chain of weight views."""
+    while node.name in views:
+        node = views[node.name]
+    return node
+
+
+def _weight_view(node: fx.Node, param_spec: dict, views: dict) -> fx.Node | None:
+    """The parameter (or weight view) ``node`` transposes/permutes/casts when only
+    weight-owning rules use the result (MoE experts: ``grouped_mm(x, w.bfloat16()
+    .transpose(-2, -1), offs)``): the parameter is then placed by that rule, through the views,
+    like a weight the rule takes directly."""
+    if node.target not in _WEIGHT_VIEWS and not _is_weight_cast(node):
         return None
     src = node.args[0]
-    if src.name not in param_spec or src.meta.get("fxshard_param") is None or \
+    if src.name not in param_spec or _root(src, views).meta.get("fxshard_param") is None or \
             len(src.users) != 1 or UNDECIDED not in param_spec[src.name]:
         return None
-    if any(u.op != "call_function" or lookup(u.target) not in _OWNS_WEIGHTS for u in node.users):
-        return None
-    return src
+    return src if _feeds_owners(node) else None
 
 
 def _moved(p, dim_map):
@@ -110,14 +135,22 @@ def _moved(p, dim_map):
     return p
 
 
+def _dim_map(node: fx.Node, src: fx.Node):
+    """How ``node`` (a weight view or cast of ``src``) renumbers dims: a permutation or none."""
+    if _is_weight_cast(node):
+        return list(range(src.meta["val"].dim()))
+    return _permutation(node, src.meta["val"].dim())
+
+
 def _place_through_views(gm: fx.GraphModule, views: dict, param_spec: dict) -> None:
-    """Each weight view's placement, decided by its consumer, back to its parameter."""
-    for node in gm.graph.nodes:
+    """Each weight view's placement, decided by its consumer, back to its parameter (the
+    views nearest the consumer first: a chain hands it down one link at a time)."""
+    for node in reversed(gm.graph.nodes):
         src = views.get(node.name)
         if src is None:
             continue
         spec = [R if p is UNDECIDED else p for p in param_spec.pop(node.name)]
-        perm = _permutation(node, src.meta["val"].dim())
+        perm = _dim_map(node, src)
         have = param_spec[src.name]
         for i, p in enumerate(spec):
             if have[i] is UNDECIDED:
@@ -191,10 +224,10 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
             continue
         val = node.meta.get("val")
         ins_nodes = tensor_inputs(node)
-        src = _weight_view(node, param_spec)
+        src = _weight_view(node, param_spec, views)
         if src is not None:
             views[node.name] = src
-            perm = _permutation(node, src.meta["val"].dim())
+            perm = _dim_map(node, src)
             param_spec[node.name] = [_moved(p, perm.index) for p in param_spec[src.name]]
             continue
         if not isinstance(val, (torch.Tensor, list, tuple)):
@@ -237,7 +270,7 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
                     if ps[i] is UNDECIDED:
                         ps[i] = d.ins[k]
                         if a == TP and _column_weight(rule_fn, k, d.ins[k]):
-                            fqn = (views[t.name] if t.name in views else t).meta["fxshard_param"]
+                            fqn = _root(t, views).meta["fxshard_param"]
                             auto_colwise[fqn] = node
             if n_out is not None:
                 for k in range(n_out):
@@ -389,8 +422,13 @@ def _report_experts(gm: fx.GraphModule, ctx: PassCtx, tp: int) -> None:
         fqn = node.meta.get("fxshard_param")
         if fqn is None or node.meta["val"].dim() != 3:
             continue
-        users = [v for u in node.users for v in ([u] if u.target not in _WEIGHT_VIEWS
-                                                 else u.users)]
+        users, stack = [], list(node.users)
+        while stack:   # through the weight's views and casts
+            u = stack.pop()
+            if u.target in _WEIGHT_VIEWS or _is_weight_cast(u):
+                stack.extend(u.users)
+            else:
+                users.append(u)
         p = node.meta["fxshard_spec"][tp]
         if users and all(lookup(u.target) is grouped_mm_rule for u in users) and \
                 shard_dim(p) is not None:

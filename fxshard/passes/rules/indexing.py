@@ -6,8 +6,8 @@ gives ``x.shape[:a] + broadcast(idx shapes) + x.shape[b+1:]``::
     index(table: R [P, D], [pos: S(1) [B, S]])      -> S(1) [B, S, D]   (RoPE table by position)
     index(x: S(0) [B, S, D], [None, idx: R [K]])    -> S(0) [B, K, D]
 
-``gather(x, dim, idx)``, ``topk(x, k, dim)`` and ``sort`` keep a shard of any dim but ``dim``;
-the looked-up / sorted dim must be whole. ``repeat_interleave(x, n, dim)`` keeps a shard of
+``gather(x, dim, idx)``, ``topk(x, k, dim)``, ``sort`` and ``argsort`` keep a shard of any dim
+but ``dim``; the looked-up / sorted dim must be whole. ``repeat_interleave(x, n, dim)`` keeps a shard of
 ``dim`` too (each entry's copies stay next to it: a rank's KV heads become its query heads).
 A partial sum indexed by replicated indices stays partial (a Partial MoE output un-permuted
 by expert).
@@ -111,6 +111,21 @@ def topk_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     if shard_dim(p) is not None and p.dim != dim:
         return Decision(ins=[p], out=[p, p])
     return Decision(ins=[R], out=[R, R])
+
+
+@rule(aten.argsort.default, aten.argsort.stable)
+def argsort_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``argsort`` along ``dim`` (default last; ``stable`` takes it as a keyword): like ``sort``,
+    whose indices it returns."""
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 and
+                          node.target is aten.argsort.default else -1)
+    dim %= max(ctx.ndim(node.args[0]), 1)
+    p = ins[0]
+    if token_local(node, ctx) and shard_dim(p) == dim == 0:
+        return Decision(ins=[p], out=p)        # each rank sorts its own routing pairs
+    if shard_dim(p) is not None and p.dim != dim:
+        return Decision(ins=[p], out=p)
+    return Decision(ins=[R], out=R)
 
 
 @rule(aten.repeat_interleave.self_int)
