@@ -186,6 +186,19 @@ def index_put_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     return Decision(ins=[R] * len(ins), out=R)
 
 
+def _added_back(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision | None:
+    """Inside an expert-routing region (``passes/moe_routing.py``) on an axis that shards the
+    tokens, ``scatter_add`` / ``index_add`` along dim 0 adds the rank's own sorted rows back to
+    the rank's own tokens: ``self`` (the tokens) takes the rows' token shard."""
+    if not token_local(node, ctx) or node.args[1] != 0 or len(ins) != 3 or \
+            shard_dim(ins[1]) != 0:
+        return None
+    need = rows_like(ins[1], ctx.shape(node.args[2])[0], ctx.shape(node.args[0])[0])
+    if need is None:
+        return None
+    return Decision(ins=[need, ins[1], ins[1]], out=need)
+
+
 @rule(aten.index_add.default)
 def index_add_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     """``index_add(self, dim, index, source)``: ``self[index[i]] += source[i]`` along ``dim``."""
@@ -193,6 +206,9 @@ def index_add_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     x, idx, src = tensor_inputs(node)[:3]
     if len(ins) != 3 or node.kwargs.get("alpha", 1) != 1 or len(node.args) > 4:
         return Decision(ins=[R] * len(ins), out=R)
+    back = _added_back(node, ins, ctx)
+    if back is not None:
+        return back
     ps, pi, psrc = ins
     for p in (ps, psrc):
         if isinstance(p, Shard) and p.dim != dim and \
@@ -210,6 +226,9 @@ def scatter_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     """``scatter(self, dim, index, src | value)``: a shard of any other dim of all three (same
     size there) passes; ``scatter_add`` of partial sources onto a partial self stays partial."""
     dim = _written_dim(node, 1)
+    back = _added_back(node, ins, ctx)
+    if back is not None:
+        return back
     tensors = tensor_inputs(node)
     shapes = [ctx.shape(t) for t in tensors]
     for p in ins:

@@ -159,6 +159,8 @@ def identity_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     one rounds nothing: each addend is cast, the sum stays partial)."""
     p = ins[0]
     need = [p] + [R] * (len(ins) - 1)
+    if node.target is aten.type_as.default and len(ins) == 2:
+        need[1] = ins[1]   # ``other`` lends its dtype only: taken as it is, never moved
     if isinstance(p, Partial):
         if node.target in _PARTIAL_SAFE and not (
                 node.target is aten.dropout.default and _dropout_active(node)) or \
@@ -166,7 +168,7 @@ def identity_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
             return Decision(ins=need, out=P)   # a copy of each rank's addend
         need[0] = R
         return Decision(ins=need, out=R)
-    if node.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.type_as.default):
+    if node.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
         tensors = _tensors(node)
         return pointwise_decision(node, ins, ctx, tensors)
     return Decision(ins=need, out=p if isinstance(p, (Shard, StridedShard, Replicate)) else R)
