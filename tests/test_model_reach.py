@@ -342,7 +342,8 @@ class WhereMoELM(nn.Module):
 
 
 @pytest.mark.parametrize("op", ["slice_scatter", "select_scatter", "complex", "outer",
-                                "repeat_interleave_heads", "x_at_w_T", "fill", "new_zeros"])
+                                "repeat_interleave_heads", "x_at_w_T", "fill", "new_zeros",
+                                "argsort", "upcast"])
 @given(data=st.data())
 @settings(deadline=None, max_examples=15)
 def test_rules_give_each_rank_its_block(op, data):
@@ -375,6 +376,11 @@ def test_rules_give_each_rank_its_block(op, data):
         check(lambda a: torch.fill(a, 3.0) + a, (x,), m, [sx])
     elif op == "new_zeros":
         check(lambda a: a.new_zeros(b, s, 6) + 2 * a, (x,), m, [sx])
+    elif op == "argsort":
+        d = data.draw(st.sampled_from([1, 2]))
+        check(lambda a: torch.argsort(a, dim=d, stable=True), (x,), m, [specs(data.draw, m, 3)])
+    elif op == "upcast":   # a partial sum stays partial through bf16 -> fp32 -> fp64
+        check(lambda a: (a.bfloat16().float() * 2).double() + 1, (x,), m, [sx])
     else:
         w = torch.randn(4, 6)
         check(lambda a, c: a @ c.T, (x, w), m, [sx, specs(data.draw, m, 2)])
@@ -602,8 +608,9 @@ class SortedMoE(nn.Module):
         top_s, ids = scores.topk(self.top, dim=-1)
         counts = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, ids, True).sum((0, 1))
         xt = x.view(-1, d)
-        order = torch.argsort(ids.view(-1), stable=True)
-        s_sorted = top_s.view(-1)[order]
+        # [T, K] first, then flat (as torchtitan writes it)
+        order = torch.argsort(ids.view(-1, self.top).view(-1), stable=True)
+        s_sorted = top_s.view(-1, self.top).view(-1)[order]
         tok = order // self.top
         rows = xt[tok]
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
@@ -622,7 +629,8 @@ class SortedMoELM(WhereMoELM):
         self.moe = SortedMoE()
 
 
-@pytest.mark.parametrize("axes", [dict(tp=2), dict(dp=2, tp=2)], ids=["tp2", "dp2_tp2"])
+@pytest.mark.parametrize("axes", [dict(tp=2), dict(dp=2, tp=2), dict(ring_cp=2)],
+                         ids=["tp2", "dp2_tp2", "ring2"])
 def test_sorted_moe_with_cast_experts_and_a_custom_op_is_megatron(axes):
     """The cast ``w.bfloat16().transpose(-2, -1)`` hands the expert weights' placement through
     to the grouped matmul (split on each expert's hidden dim); argsort has a rule; the custom
@@ -636,10 +644,15 @@ def test_sorted_moe_with_cast_experts_and_a_custom_op_is_megatron(axes):
     # the experts run in bf16: the split changes their rounding (by a bf16 ulp)
     pm = run(model, axes, tol=2e-2)
     e = pm.explain()
+    code = pm.rank_module(0).code
+    if "tp" not in axes:   # the zigzag sequence shard of each rank routed by itself too
+        assert e.passes["moe_routing_pass"]["routing_sorts"] == 1
+        assert e.passes["propagate_pass"]["routing_regions_gathered"] == 0, code
+        pm.close()
+        return
     placed = {f: s for f, s, _, _ in e.placements}
     assert "tp:S(1)" in placed["moe.w1"] and "tp:S(2)" in placed["moe.w2"], placed
     assert [f for f, _ in e.replicated] == ["moe.gate.weight"], e.replicated
-    code = pm.rank_module(0).code
     assert all_reduces(pm) == 1 and "scatter_add" in code and "add_rows" not in code, code
     if "dp" in axes:
         # each dp rank sorts, multiplies and adds back its own tokens (a routing region):
