@@ -629,9 +629,10 @@ class SortedMoELM(WhereMoELM):
         self.moe = SortedMoE()
 
 
-@pytest.mark.parametrize("axes", [dict(tp=2), dict(dp=2, tp=2), dict(ring_cp=2)],
-                         ids=["tp2", "dp2_tp2", "ring2"])
-def test_sorted_moe_with_cast_experts_and_a_custom_op_is_megatron(axes):
+@pytest.mark.parametrize("axes,sp", [(dict(tp=2), False), (dict(dp=2, tp=2), False),
+                                     (dict(ring_cp=2), False), (dict(tp=2), True)],
+                         ids=["tp2", "dp2_tp2", "ring2", "tp2_sp"])
+def test_sorted_moe_with_cast_experts_and_a_custom_op_is_megatron(axes, sp):
     """The cast ``w.bfloat16().transpose(-2, -1)`` hands the expert weights' placement through
     to the grouped matmul (split on each expert's hidden dim); argsort has a rule; the custom
     op is traced to ``scatter_add``, whose rule keeps the partial sum; the bf16 expert output
@@ -642,7 +643,7 @@ def test_sorted_moe_with_cast_experts_and_a_custom_op_is_megatron(axes):
     torch.manual_seed(0)
     model = SortedMoELM().eval()
     # the experts run in bf16: the split changes their rounding (by a bf16 ulp)
-    pm = run(model, axes, tol=2e-2)
+    pm = run(model, axes, tol=2e-2, sequence_parallel=sp)
     e = pm.explain()
     code = pm.rank_module(0).code
     if "tp" not in axes:   # the zigzag sequence shard of each rank routed by itself too
@@ -653,6 +654,12 @@ def test_sorted_moe_with_cast_experts_and_a_custom_op_is_megatron(axes):
     placed = {f: s for f, s, _, _ in e.placements}
     assert "tp:S(1)" in placed["moe.w1"] and "tp:S(2)" in placed["moe.w2"], placed
     assert [f for f, _ in e.replicated] == ["moe.gate.weight"], e.replicated
+    if sp:   # the MoE input gathered once (router, routing and shared expert), reduce-scattered
+        # gathers: the MoE input, the residual before lm_head, the logits
+        assert code.count("all_gather.default(") == 3 and all_reduces(pm) == 0 and \
+            code.count("reduce_scatter.default(") == 1, code
+        pm.close()
+        return
     assert all_reduces(pm) == 1 and "scatter_add" in code and "add_rows" not in code, code
     if "dp" in axes:
         # each dp rank sorts, multiplies and adds back its own tokens (a routing region):

@@ -315,6 +315,38 @@ def _gathered_for_routing(gm: fx.GraphModule, tp: int) -> set[tuple[str, int]]:
         if any(isinstance(q, Replicate) and u.meta.get(TAG) is not None for u, q in needs) and \
                 any(not isinstance(q, Replicate) for _, q in needs):
             out.add((node.name, tp))
+        elif node.meta.get(TAG) is None and any(
+                isinstance(q, Replicate) and u.meta.get(TAG) is not None for u, q in needs):
+            out |= _gathered_above(node, tp)
+    return out
+
+
+def _needs_of(node: fx.Node, tp: int) -> list:
+    return [nd[tp] for u in node.users if u.op != "output"
+            for t, nd in zip(tensor_inputs(u), u.meta.get("fxshard_need") or []) if t is node]
+
+
+def _gathered_above(node: fx.Node, tp: int, depth: int = 12) -> set[tuple[str, int]]:
+    """The nearest sharded values above ``node`` (the routing's ids, weights, rows: gathered
+    one by one for a region) that another consumer gathers anyway (the MoE input, which the
+    shared expert's column-parallel linear reads whole, under sequence parallelism): handed
+    gathered to all their consumers, the router runs on every token and the routing needs
+    no gather of its own."""
+    out, seen, frontier = set(), {node}, [node]
+    for _ in range(depth):
+        up = []
+        for n in frontier:
+            for a in n.all_input_nodes:
+                spec = a.meta.get("fxshard_spec")
+                if a in seen or not isinstance(spec, tuple) or shard_dim(spec[tp]) is None or \
+                        a.meta.get("fxshard_param") is not None:
+                    continue
+                seen.add(a)
+                if any(isinstance(q, Replicate) for q in _needs_of(a, tp)):
+                    out.add((a.name, tp))
+                else:
+                    up.append(a)
+        frontier = up
     return out
 
 
