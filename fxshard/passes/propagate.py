@@ -22,7 +22,9 @@ once (a post-norm block: ``o = o_proj(a)`` feeds both the norm's ``pow`` and its
 A third does the same for a shard that an MoE routing region gathers while another consumer
 keeps using it sharded (the router, under sequence parallelism): it is handed gathered to all
 its consumers, so the router runs on every token and its ids and weights need no gather of
-their own (one all-gather of the tokens instead of three).
+their own (one all-gather of the tokens instead of three); where the routing's inputs are
+each gathered alone, the nearest value above them that another consumer gathers anyway (the
+MoE input, read whole by a shared expert) is (torchtitan's MoE: four gathers to one).
 
 Before (tp=2)::  linear(x, w_q) -> view [B,S,H,D] -> sdpa ... -> linear(a, w_o) -> add(res, .)
 After::          w_q: S(0) out S(2) -> S(2) -> S(1) ... w_o: S(1) out P -> add needs (R, R)
