@@ -87,7 +87,8 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
             raise NotImplementedError(
                 f"fxshard.parallelize: {type(model).__name__}'s forward mutates state in place "
                 f"({bad[0].target} at {bad[0].name}); fxshard runs pure inference graphs")
-    return _from_exported(ep, model)
+    from .decompose import decompose_custom_ops
+    return _from_exported(decompose_custom_ops(ep), model)
 
 
 class _RealInputs(Exception):

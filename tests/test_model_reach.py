@@ -7,7 +7,9 @@
 - weights applied as ``x @ w.T`` (``t`` / ``transpose`` / ``permute`` of the weight);
 - complex RoPE (``view_as_complex``, complex multiply, ``view_as_real``, ``polar``);
 - a soft-capped eager attention written in another op order;
-- data-dependent sizes (``torch.where(mask)`` routing) under dp.
+- data-dependent sizes (``torch.where(mask)`` routing) under dp;
+- torchtitan's MoE: ``argsort`` of the routing, expert weights cast to bf16 before the grouped
+  matmul, the rows added back by a library custom op (``scatter_add`` inside).
 
 Each model: equal to the single-device model, at most 0.55 of the layer matrices per rank at
 tp=2, the Megatron minimum of activation all-reduces per layer, no FallbackWarning."""
@@ -240,7 +242,7 @@ PATTERNS = {
 IDS = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
 
 
-def run(model, axes, ids=IDS, **options):
+def run(model, axes, ids=IDS, tol=1e-4, **options):
     """The parallel logits (checked against the model's) with FallbackWarnings as errors."""
     with torch.no_grad():
         want = model(ids)
@@ -249,7 +251,7 @@ def run(model, axes, ids=IDS, **options):
         pm = fxshard.parallelize(model, mesh(**axes), **options)
         with torch.no_grad():
             got = pm(ids)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     assert not pm.explain().fallbacks
     return pm
 
@@ -340,7 +342,8 @@ class WhereMoELM(nn.Module):
 
 
 @pytest.mark.parametrize("op", ["slice_scatter", "select_scatter", "complex", "outer",
-                                "repeat_interleave_heads", "x_at_w_T", "fill", "new_zeros"])
+                                "repeat_interleave_heads", "x_at_w_T", "fill", "new_zeros",
+                                "argsort", "upcast"])
 @given(data=st.data())
 @settings(deadline=None, max_examples=15)
 def test_rules_give_each_rank_its_block(op, data):
@@ -373,6 +376,11 @@ def test_rules_give_each_rank_its_block(op, data):
         check(lambda a: torch.fill(a, 3.0) + a, (x,), m, [sx])
     elif op == "new_zeros":
         check(lambda a: a.new_zeros(b, s, 6) + 2 * a, (x,), m, [sx])
+    elif op == "argsort":
+        d = data.draw(st.sampled_from([1, 2]))
+        check(lambda a: torch.argsort(a, dim=d, stable=True), (x,), m, [specs(data.draw, m, 3)])
+    elif op == "upcast":   # a partial sum stays partial through bf16 -> fp32 -> fp64
+        check(lambda a: (a.bfloat16().float() * 2).double() + 1, (x,), m, [sx])
     else:
         w = torch.randn(4, 6)
         check(lambda a, c: a @ c.T, (x, w), m, [sx, specs(data.draw, m, 2)])
@@ -566,3 +574,96 @@ def test_window_mask_built_in_the_prompt_folds_to_causal_and_bounds_generate():
             pm.generate(IDS, max_new_tokens=5)
     finally:
         pm.close()
+
+
+@torch.library.custom_op("fxshard_tests::add_rows", mutates_args=())
+def add_rows(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """A library's own op around plain tensor code (torchtitan's deterministic scatter_add)."""
+    return out.scatter_add(0, index, src)
+
+
+@add_rows.register_fake
+def _(out, index, src):
+    return torch.empty_like(out)
+
+
+class SortedMoE(nn.Module):
+    """torchtitan's MoE: top-k routing, ``argsort(stable=True)`` of the flat expert ids, the
+    rows gathered in expert order, grouped matmuls with the ``[E, F, D]`` weights cast to bf16,
+    the outputs scaled, added back to their tokens by a custom op; a shared expert."""
+
+    def __init__(self, dim=DIM, experts=4, top=2, hidden=32):
+        super().__init__()
+        self.top = top
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(experts, hidden, dim) * dim ** -0.5)
+        self.w3 = nn.Parameter(torch.randn(experts, hidden, dim) * dim ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(experts, dim, hidden) * hidden ** -0.5)
+        self.s1 = nn.Linear(dim, hidden, bias=False)
+        self.s2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        scores = self.gate(x).softmax(-1)
+        top_s, ids = scores.topk(self.top, dim=-1)
+        counts = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, ids, True).sum((0, 1))
+        xt = x.view(-1, d)
+        # [T, K] first, then flat (as torchtitan writes it)
+        order = torch.argsort(ids.view(-1, self.top).view(-1), stable=True)
+        s_sorted = top_s.view(-1, self.top).view(-1)[order]
+        tok = order // self.top
+        rows = xt[tok]
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+
+        def mm(a, w):
+            return torch._grouped_mm(a, w.bfloat16().transpose(-2, -1), offs=offs)
+        h = F.silu(mm(rows.bfloat16(), self.w1)) * mm(rows.bfloat16(), self.w3)
+        y = mm(h, self.w2).type_as(xt) * s_sorted.reshape(-1, 1)
+        out = add_rows(torch.zeros_like(xt), tok.reshape(-1, 1).expand(-1, d), y)
+        return out.view(b, t, d) + self.s2(F.silu(self.s1(x)))
+
+
+class SortedMoELM(WhereMoELM):
+    def __init__(self):
+        super().__init__()
+        self.moe = SortedMoE()
+
+
+@pytest.mark.parametrize("axes,sp", [(dict(tp=2), False), (dict(dp=2, tp=2), False),
+                                     (dict(ring_cp=2), False), (dict(tp=2), True)],
+                         ids=["tp2", "dp2_tp2", "ring2", "tp2_sp"])
+def test_sorted_moe_with_cast_experts_and_a_custom_op_is_megatron(axes, sp):
+    """The cast ``w.bfloat16().transpose(-2, -1)`` hands the expert weights' placement through
+    to the grouped matmul (split on each expert's hidden dim); argsort has a rule; the custom
+    op is traced to ``scatter_add``, whose rule keeps the partial sum; the bf16 expert output
+    cast back to fp32 stays partial (a widening cast rounds nothing): one all-reduce for the
+    routed and the shared experts together. Only the ``[E, D]`` router stays whole (said). On
+    dp the tokens stay split through the routing (the add-back by ``scatter_add`` closes the
+    region)."""
+    torch.manual_seed(0)
+    model = SortedMoELM().eval()
+    # the experts run in bf16: the split changes their rounding (by a bf16 ulp)
+    pm = run(model, axes, tol=2e-2, sequence_parallel=sp)
+    e = pm.explain()
+    code = pm.rank_module(0).code
+    if "tp" not in axes:   # the zigzag sequence shard of each rank routed by itself too
+        assert e.passes["moe_routing_pass"]["routing_sorts"] == 1
+        assert e.passes["propagate_pass"]["routing_regions_gathered"] == 0, code
+        pm.close()
+        return
+    placed = {f: s for f, s, _, _ in e.placements}
+    assert "tp:S(1)" in placed["moe.w1"] and "tp:S(2)" in placed["moe.w2"], placed
+    assert [f for f, _ in e.replicated] == ["moe.gate.weight"], e.replicated
+    if sp:   # the MoE input gathered once (router, routing and shared expert), reduce-scattered
+        # gathers: the MoE input, the residual before lm_head, the logits
+        assert code.count("all_gather.default(") == 3 and all_reduces(pm) == 0 and \
+            code.count("reduce_scatter.default(") == 1, code
+        pm.close()
+        return
+    assert all_reduces(pm) == 1 and "scatter_add" in code and "add_rows" not in code, code
+    if "dp" in axes:
+        # each dp rank sorts, multiplies and adds back its own tokens (a routing region):
+        # nothing moves on dp but the logits at the end
+        assert e.passes["moe_routing_pass"]["routing_sorts"] == 1
+        assert code.count("'dp', 2)") == 2, code   # local_shard of the ids, the logits' gather
+    pm.close()

@@ -73,31 +73,84 @@ def _rowwise(u: fx.Node, src: fx.Node) -> bool:
     if u.target in _ROWWISE_VIEWS:
         dim = u.args[2] if len(u.args) > 2 else u.kwargs.get("dim", 0)
         return dim % nd != 0
+    if u.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        # the first dim kept: row i is the same block of the row-major data
+        return nd > 0 and u.meta["val"].dim() > 0 and \
+            u.meta["val"].shape[0] == src.meta["val"].shape[0]
     return False
 
 
-def _region(sort: fx.Node) -> tuple[set[fx.Node], fx.Node] | None:
-    """The nodes of the routing region of ``sort`` and the arange to rewrite, or None."""
-    if sort.meta["val"][0].dim() != 1:
-        return None
-    outs = _getitems(sort)
-    if set(outs) != {0, 1}:
-        return None
-    ids_g, perm = outs[0], outs[1]
+_INDEX_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                aten.unsqueeze.default, aten.expand.default)
+_ADD_BACK = (aten.scatter_add.default, aten.index_add.default)
+
+
+def _add_back(g: fx.Node, region: set, chain: list) -> fx.Node | None:
+    """The ``scatter_add`` / ``index_add`` along dim 0 whose index is ``g`` (the token of each
+    sorted row, through views and an expand over the hidden dim): it adds the rows back to
+    their tokens. ``chain`` collects the views."""
+    while g.target in _INDEX_VIEWS and len(g.users) == 1 and g.args[0] in region | set(chain):
+        chain.append(g)
+        g = next(iter(g.users))
+    if g.target in _ADD_BACK and chain and g.args[2] is chain[-1] and g.args[1] == 0 and \
+            not g.kwargs and len(g.args) == 4:
+        return g
+    return None
+
+
+def _derives_from(node: fx.Node, base: fx.Node, depth: int = 8) -> bool:
+    """``base`` is among ``node``'s inputs within ``depth`` ops (the expert counts come from the
+    ids that are sorted)."""
+    frontier = {node}
+    for _ in range(depth):
+        if base in frontier:
+            return True
+        frontier = {t for n in frontier for t in n.all_input_nodes}
+    return base in frontier
+
+
+def _ids_source(n: fx.Node) -> fx.Node:
+    while n.target in _INDEX_VIEWS:
+        n = n.args[0]
+    return n
+
+
+def _region(sort: fx.Node) -> tuple[set[fx.Node], fx.Node | None] | None:
+    """The nodes of the routing region of ``sort`` (``sort`` or ``argsort`` of the flat expert
+    ids) and the arange to rewrite (None when the rows are added back by ``scatter_add``)."""
+    if sort.target in (aten.argsort.default, aten.argsort.stable):
+        if sort.meta["val"].dim() != 1:
+            return None
+        ids_g, perm = None, sort
+        region = {sort}
+    else:
+        if sort.meta["val"][0].dim() != 1:
+            return None
+        outs = _getitems(sort)
+        if set(outs) != {0, 1}:
+            return None
+        ids_g, perm = outs[0], outs[1]
+        region = {sort, ids_g, perm}
     n = _rows(perm)
-    region = {sort, ids_g, perm}
     gathered: list[fx.Node] = []   # index(x, [perm-derived]) -> sorted rows
+    add_backs: set[fx.Node] = set()   # scatter_add(out, 0, token of each row, rows)
     inverse = None
     for u in list(perm.users):
         if u.target is aten.floor_divide.default and not isinstance(u.args[1], fx.Node):
             region.add(u)
             for g in u.users:
-                if g.target is not aten.index.Tensor or list(g.args[1]) != [u]:
+                if g.target is aten.index.Tensor and list(g.args[1]) == [u]:
+                    gathered.append(g)
+                    continue
+                chain: list[fx.Node] = []
+                back = _add_back(g, region | {u}, chain)
+                if back is None:
                     return None
-                gathered.append(g)
+                region.update(chain)
+                add_backs.add(back)
         elif u.target is aten.index.Tensor and list(u.args[1]) == [perm]:
             gathered.append(u)
-        elif u.target is aten.empty_like.default:
+        elif u.target is aten.empty_like.default and ids_g is not None:
             region.add(u)
         elif u.target is aten.index_put.default and list(u.args[1]) == [perm] and \
                 u.args[0].target is aten.empty_like.default and u.args[0].args[0] is perm and \
@@ -106,12 +159,13 @@ def _region(sort: fx.Node) -> tuple[set[fx.Node], fx.Node] | None:
             inverse = u
         else:
             return None
-    if inverse is None or not gathered:
+    if inverse is None and not add_backs or not gathered:
         return None
-    region.add(inverse)
+    if inverse is not None:
+        region.add(inverse)
     # the sorted ids feed only the expert counts: histc -> cumsum -> grouped_mm offsets
     counts = []
-    stack = [ids_g]
+    stack = [ids_g] if ids_g is not None else []
     while stack:
         cur = stack.pop()
         for u in cur.users:
@@ -123,7 +177,7 @@ def _region(sort: fx.Node) -> tuple[set[fx.Node], fx.Node] | None:
                 counts.append(u)
             else:
                 return None
-    # rows from the gathers to the un-permuting index: row-wise ops only
+    # rows from the gathers to the un-permuting index / add-back: row-wise ops only
     unpermute: set[fx.Node] = set()
     rows: set[fx.Node] = set(gathered)
     stack = list(gathered)
@@ -132,8 +186,11 @@ def _region(sort: fx.Node) -> tuple[set[fx.Node], fx.Node] | None:
         for u in cur.users:
             if u in rows or u in unpermute:
                 continue
-            if u.target is aten.index.Tensor and list(u.args[1]) == [inverse] and \
-                    u.args[0] is cur:
+            if inverse is not None and u.target is aten.index.Tensor and \
+                    list(u.args[1]) == [inverse] and u.args[0] is cur:
+                unpermute.add(u)
+                continue
+            if u in add_backs and u.args[3] is cur:
                 unpermute.add(u)
                 continue
             vals = u.meta.get("val")
@@ -144,26 +201,43 @@ def _region(sort: fx.Node) -> tuple[set[fx.Node], fx.Node] | None:
             rows.add(u)
             stack.append(u)
     for u in rows | unpermute:   # every other per-row input comes from the region as well
-        ins = [u.args[0]] if lookup(u.target) is grouped_mm_rule else u.all_input_nodes
+        ins = [u.args[0]] if lookup(u.target) is grouped_mm_rule or \
+            u.target is aten.type_as.default else \
+            [u.args[2], u.args[3]] if u in add_backs else u.all_input_nodes
         if any(t not in rows and t not in region for t in ins if t not in gathered and
                t.op != "get_attr" and t.meta.get("fxshard_param") is None) and \
                 u not in gathered:
             return None
     region |= rows | unpermute
-    if not unpermute or not set(counts) <= region:
+    if not unpermute or add_backs - unpermute:
+        return None
+    if ids_g is None:
+        # the counts come from the routing (a one-hot sum), not the sorted ids: they must
+        # derive from the ids sorted, so that each rank's own counts are its rows'
+        counts = [u for u in rows if lookup(u.target) is grouped_mm_rule]
+        source = _ids_source(sort.args[0])
+        if not all(_derives_from(u.args[2], source) for u in counts):
+            return None
+        return region, None
+    if not set(counts) <= region:
         return None
     return region, inverse.args[2]
 
 
 def moe_routing_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     tagged = 0
-    sorts = [n for n in gm.graph.nodes
-             if n.op == "call_function" and n.target in (aten.sort.default, aten.sort.stable)]
+    sorts = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (
+        aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable)]
     for sort in sorts:
         found = _region(sort)
         if found is None:
             continue
         region, arange = found
+        if arange is None:   # rows added back by scatter_add: no positions to rewrite
+            for node in region:
+                node.meta[TAG] = sort.name
+            tagged += 1
+            continue
         perm = _getitems(sort)[1]
         with gm.graph.inserting_before(arange):
             ones = gm.graph.call_function(aten.ones_like.default, (perm,))

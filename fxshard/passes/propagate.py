@@ -22,7 +22,9 @@ once (a post-norm block: ``o = o_proj(a)`` feeds both the norm's ``pow`` and its
 A third does the same for a shard that an MoE routing region gathers while another consumer
 keeps using it sharded (the router, under sequence parallelism): it is handed gathered to all
 its consumers, so the router runs on every token and its ids and weights need no gather of
-their own (one all-gather of the tokens instead of three).
+their own (one all-gather of the tokens instead of three); where the routing's inputs are
+each gathered alone, the nearest value above them that another consumer gathers anyway (the
+MoE input, read whole by a shared expert) is (torchtitan's MoE: four gathers to one).
 
 Before (tp=2)::  linear(x, w_q) -> view [B,S,H,D] -> sdpa ... -> linear(a, w_o) -> add(res, .)
 After::          w_q: S(0) out S(2) -> S(2) -> S(1) ... w_o: S(1) out P -> add needs (R, R)
@@ -30,7 +32,6 @@ After::          w_q: S(0) out S(2) -> S(2) -> S(1) ... w_o: S(1) out P -> add n
 from __future__ import annotations
 
 import operator
-from dataclasses import replace
 
 import torch
 import torch.fx as fx
@@ -41,19 +42,16 @@ from .fsdp import fsdp_storage_pass
 from .moe_routing import TAG
 from .rules import (UNDECIDED, Decision, RuleCtx, fallback, lookup, tensor_inputs,
                     warn_fallback)
-from .rules.embedding import embedding_rule
 from .rules.experts import grouped_mm_rule
 from .rules.linear import addmm_rule, linear_rule, matmul_rule
-from .rules.views import _permutation
+from .weight_views import (_OWNS_WEIGHTS, _WEIGHT_VIEWS, _dim_map, _is_weight_cast, _moved,
+                           _place_through_views, _root, _weight_view)
 from .whole_weights import (_gathered_before_use, _list_replicated, _parts_to_keep_whole,
                             _why_gathered)
 from ..mesh import BATCH_AXES, FSDP, SEQUENCE_AXES, TP
 
 __all__ = ["propagate_pass", "input_spec"]
 
-_OWNS_WEIGHTS = (linear_rule, embedding_rule, addmm_rule, grouped_mm_rule, matmul_rule)
-_WEIGHT_VIEWS = (torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
-                 torch.ops.aten.t.default, torch.ops.aten.numpy_T.default)
 _MAX_REFINEMENTS = 8
 
 
@@ -84,46 +82,6 @@ def _spec_of(node: fx.Node, param_spec: dict) -> object:
         return param_spec[node.name]
     then = node.meta.get("fxshard_then")
     return then if then is not None else node.meta.get("fxshard_spec")
-
-
-def _weight_view(node: fx.Node, param_spec: dict) -> fx.Node | None:
-    """The parameter ``node`` transposes/permutes when only weight-owning rules use the result
-    (MoE experts: ``grouped_mm(x, w.transpose(-2, -1), offs)``): the parameter is then placed
-    by that rule, through the view, like a weight the rule takes directly."""
-    if node.target not in _WEIGHT_VIEWS or not node.users:
-        return None
-    src = node.args[0]
-    if src.name not in param_spec or src.meta.get("fxshard_param") is None or \
-            len(src.users) != 1 or UNDECIDED not in param_spec[src.name]:
-        return None
-    if any(u.op != "call_function" or lookup(u.target) not in _OWNS_WEIGHTS for u in node.users):
-        return None
-    return src
-
-
-def _moved(p, dim_map):
-    """``p`` with its sharded dim renamed by ``dim_map`` (a transpose/permute of the tensor)."""
-    if isinstance(p, StridedShard):
-        return replace(p, dim=dim_map(p.dim))
-    if isinstance(p, Shard):
-        return Shard(dim_map(p.dim))
-    return p
-
-
-def _place_through_views(gm: fx.GraphModule, views: dict, param_spec: dict) -> None:
-    """Each weight view's placement, decided by its consumer, back to its parameter."""
-    for node in gm.graph.nodes:
-        src = views.get(node.name)
-        if src is None:
-            continue
-        spec = [R if p is UNDECIDED else p for p in param_spec.pop(node.name)]
-        perm = _permutation(node, src.meta["val"].dim())
-        have = param_spec[src.name]
-        for i, p in enumerate(spec):
-            if have[i] is UNDECIDED:
-                have[i] = _moved(p, perm.__getitem__)
-        node.meta["fxshard_spec"] = tuple(spec)
-        node.meta["fxshard_need"] = [tuple(R if p is UNDECIDED else p for p in have)]
 
 
 def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
@@ -191,10 +149,10 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
             continue
         val = node.meta.get("val")
         ins_nodes = tensor_inputs(node)
-        src = _weight_view(node, param_spec)
+        src = _weight_view(node, param_spec, views)
         if src is not None:
             views[node.name] = src
-            perm = _permutation(node, src.meta["val"].dim())
+            perm = _dim_map(node, src)
             param_spec[node.name] = [_moved(p, perm.index) for p in param_spec[src.name]]
             continue
         if not isinstance(val, (torch.Tensor, list, tuple)):
@@ -237,7 +195,7 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
                     if ps[i] is UNDECIDED:
                         ps[i] = d.ins[k]
                         if a == TP and _column_weight(rule_fn, k, d.ins[k]):
-                            fqn = (views[t.name] if t.name in views else t).meta["fxshard_param"]
+                            fqn = _root(t, views).meta["fxshard_param"]
                             auto_colwise[fqn] = node
             if n_out is not None:
                 for k in range(n_out):
@@ -359,6 +317,38 @@ def _gathered_for_routing(gm: fx.GraphModule, tp: int) -> set[tuple[str, int]]:
         if any(isinstance(q, Replicate) and u.meta.get(TAG) is not None for u, q in needs) and \
                 any(not isinstance(q, Replicate) for _, q in needs):
             out.add((node.name, tp))
+        elif node.meta.get(TAG) is None and any(
+                isinstance(q, Replicate) and u.meta.get(TAG) is not None for u, q in needs):
+            out |= _gathered_above(node, tp)
+    return out
+
+
+def _needs_of(node: fx.Node, tp: int) -> list:
+    return [nd[tp] for u in node.users if u.op != "output"
+            for t, nd in zip(tensor_inputs(u), u.meta.get("fxshard_need") or []) if t is node]
+
+
+def _gathered_above(node: fx.Node, tp: int, depth: int = 12) -> set[tuple[str, int]]:
+    """The nearest sharded values above ``node`` (the routing's ids, weights, rows: gathered
+    one by one for a region) that another consumer gathers anyway (the MoE input, which the
+    shared expert's column-parallel linear reads whole, under sequence parallelism): handed
+    gathered to all their consumers, the router runs on every token and the routing needs
+    no gather of its own."""
+    out, seen, frontier = set(), {node}, [node]
+    for _ in range(depth):
+        up = []
+        for n in frontier:
+            for a in n.all_input_nodes:
+                spec = a.meta.get("fxshard_spec")
+                if a in seen or not isinstance(spec, tuple) or shard_dim(spec[tp]) is None or \
+                        a.meta.get("fxshard_param") is not None:
+                    continue
+                seen.add(a)
+                if any(isinstance(q, Replicate) for q in _needs_of(a, tp)):
+                    out.add((a.name, tp))
+                else:
+                    up.append(a)
+        frontier = up
     return out
 
 
@@ -389,8 +379,13 @@ def _report_experts(gm: fx.GraphModule, ctx: PassCtx, tp: int) -> None:
         fqn = node.meta.get("fxshard_param")
         if fqn is None or node.meta["val"].dim() != 3:
             continue
-        users = [v for u in node.users for v in ([u] if u.target not in _WEIGHT_VIEWS
-                                                 else u.users)]
+        users, stack = [], list(node.users)
+        while stack:   # through the weight's views and casts
+            u = stack.pop()
+            if u.target in _WEIGHT_VIEWS or _is_weight_cast(u):
+                stack.extend(u.users)
+            else:
+                users.append(u)
         p = node.meta["fxshard_spec"][tp]
         if users and all(lookup(u.target) is grouped_mm_rule for u in users) and \
                 shard_dim(p) is not None:

@@ -6,8 +6,8 @@ gives ``x.shape[:a] + broadcast(idx shapes) + x.shape[b+1:]``::
     index(table: R [P, D], [pos: S(1) [B, S]])      -> S(1) [B, S, D]   (RoPE table by position)
     index(x: S(0) [B, S, D], [None, idx: R [K]])    -> S(0) [B, K, D]
 
-``gather(x, dim, idx)``, ``topk(x, k, dim)`` and ``sort`` keep a shard of any dim but ``dim``;
-the looked-up / sorted dim must be whole. ``repeat_interleave(x, n, dim)`` keeps a shard of
+``gather(x, dim, idx)``, ``topk(x, k, dim)``, ``sort`` and ``argsort`` keep a shard of any dim
+but ``dim``; the looked-up / sorted dim must be whole. ``repeat_interleave(x, n, dim)`` keeps a shard of
 ``dim`` too (each entry's copies stay next to it: a rank's KV heads become its query heads).
 A partial sum indexed by replicated indices stays partial (a Partial MoE output un-permuted
 by expert).
@@ -113,6 +113,21 @@ def topk_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     return Decision(ins=[R], out=[R, R])
 
 
+@rule(aten.argsort.default, aten.argsort.stable)
+def argsort_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``argsort`` along ``dim`` (default last; ``stable`` takes it as a keyword): like ``sort``,
+    whose indices it returns."""
+    dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 and
+                          node.target is aten.argsort.default else -1)
+    dim %= max(ctx.ndim(node.args[0]), 1)
+    p = ins[0]
+    if token_local(node, ctx) and shard_dim(p) == dim == 0:
+        return Decision(ins=[p], out=p)        # each rank sorts its own routing pairs
+    if shard_dim(p) is not None and p.dim != dim:
+        return Decision(ins=[p], out=p)
+    return Decision(ins=[R], out=R)
+
+
 @rule(aten.repeat_interleave.self_int)
 def repeat_interleave_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     """``repeat_interleave(x, n, dim)`` repeats each entry of ``dim`` ``n`` times in place, so
@@ -171,6 +186,19 @@ def index_put_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     return Decision(ins=[R] * len(ins), out=R)
 
 
+def _added_back(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision | None:
+    """Inside an expert-routing region (``passes/moe_routing.py``) on an axis that shards the
+    tokens, ``scatter_add`` / ``index_add`` along dim 0 adds the rank's own sorted rows back to
+    the rank's own tokens: ``self`` (the tokens) takes the rows' token shard."""
+    if not token_local(node, ctx) or node.args[1] != 0 or len(ins) != 3 or \
+            shard_dim(ins[1]) != 0:
+        return None
+    need = rows_like(ins[1], ctx.shape(node.args[2])[0], ctx.shape(node.args[0])[0])
+    if need is None:
+        return None
+    return Decision(ins=[need, ins[1], ins[1]], out=need)
+
+
 @rule(aten.index_add.default)
 def index_add_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     """``index_add(self, dim, index, source)``: ``self[index[i]] += source[i]`` along ``dim``."""
@@ -178,6 +206,9 @@ def index_add_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     x, idx, src = tensor_inputs(node)[:3]
     if len(ins) != 3 or node.kwargs.get("alpha", 1) != 1 or len(node.args) > 4:
         return Decision(ins=[R] * len(ins), out=R)
+    back = _added_back(node, ins, ctx)
+    if back is not None:
+        return back
     ps, pi, psrc = ins
     for p in (ps, psrc):
         if isinstance(p, Shard) and p.dim != dim and \
@@ -195,6 +226,9 @@ def scatter_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     """``scatter(self, dim, index, src | value)``: a shard of any other dim of all three (same
     size there) passes; ``scatter_add`` of partial sources onto a partial self stays partial."""
     dim = _written_dim(node, 1)
+    back = _added_back(node, ins, ctx)
+    if back is not None:
+        return back
     tensors = tensor_inputs(node)
     shapes = [ctx.shape(t) for t in tensors]
     for p in ins:

@@ -8,8 +8,9 @@ sliced locally, which is how RoPE tables line up with sequence-sharded queries):
     mul(q: S(2) [B,H,S,D], cos: R [1,1,S,D])  ->  needs (S(2), S(2)), out S(2)
 
 ``Partial`` survives only where the op is linear in it: ``add``/``sub`` of partials, ``neg``,
-``mul`` by a replicated factor, ``div`` by a replicated divisor. Casts reduce first (the
-rounding of a sum differs from the sum of roundings). A partial meeting a sharded input is
+``mul`` by a replicated factor, ``div`` by a replicated divisor. Narrowing casts reduce
+first (the rounding of a sum differs from the sum of roundings); a widening one (bf16 -> fp32)
+casts each addend exactly and stays partial. A partial meeting a sharded input is
 reduce-scattered to that shard (sequence parallelism's residual add).
 """
 from __future__ import annotations
@@ -135,19 +136,39 @@ def pointwise_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     return pointwise_decision(node, ins, ctx, tensors, partial_ok=ok)
 
 
+def _widening(node: fx.Node) -> bool:
+    """A cast to a float type that holds every value of the source's exactly (bf16 -> fp32):
+    the cast addends sum to the value itself, with no rounding of the sum in the narrow type
+    (so no reduction is needed before it: a bf16 expert output reduced once, in fp32, later)."""
+    src, val = node.args[0], node.meta.get("val")
+    if node.target not in (aten._to_copy.default, aten.to.dtype, aten.type_as.default) or \
+            not isinstance(val, torch.Tensor) or not isinstance(src, fx.Node):
+        return False
+    a, b = src.meta["val"].dtype, val.dtype
+    if not (a.is_floating_point and b.is_floating_point) or a == b:
+        return False
+    fa, fb = torch.finfo(a), torch.finfo(b)
+    return fb.bits > fa.bits and fb.eps <= fa.eps and fb.max >= fa.max and \
+        fb.smallest_normal <= fa.smallest_normal
+
+
 @rule(*_IDENTITY)
 def identity_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
-    """Casts, copies and aliases: the placement passes through; a float->float cast of a partial
-    value is reduced first so that rounding matches the single-device model."""
+    """Casts, copies and aliases: the placement passes through; a narrowing float cast of a
+    partial value is reduced first so that rounding matches the single-device model (a widening
+    one rounds nothing: each addend is cast, the sum stays partial)."""
     p = ins[0]
     need = [p] + [R] * (len(ins) - 1)
+    if node.target is aten.type_as.default and len(ins) == 2:
+        need[1] = ins[1]   # ``other`` lends its dtype only: taken as it is, never moved
     if isinstance(p, Partial):
         if node.target in _PARTIAL_SAFE and not (
-                node.target is aten.dropout.default and _dropout_active(node)):
+                node.target is aten.dropout.default and _dropout_active(node)) or \
+                _widening(node):
             return Decision(ins=need, out=P)   # a copy of each rank's addend
         need[0] = R
         return Decision(ins=need, out=R)
-    if node.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.type_as.default):
+    if node.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
         tensors = _tensors(node)
         return pointwise_decision(node, ins, ctx, tensors)
     return Decision(ins=need, out=p if isinstance(p, (Shard, StridedShard, Replicate)) else R)

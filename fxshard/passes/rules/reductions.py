@@ -70,15 +70,17 @@ def reduction_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
 
 @rule(aten.cumsum.default)
 def cumsum_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
-    """Shards of other dims pass; a partial sum of integer counts (``histc``) stays partial
-    (cumsum is linear, and a cast of whole numbers rounds nothing). Inside an expert-routing
+    """Shards of other dims pass; a partial sum of counts (``histc``, an integer ``sum``) stays
+    partial (cumsum is linear, and a cast of whole numbers rounds nothing). Inside an expert-routing
     region the rank's own positions are wanted: a local cumsum along the token shard."""
     p = ins[0]
     dim = node.args[1] % ctx.ndim(node.args[0])
     if token_local(node, ctx) and shard_dim(p) == dim:
         return Decision(ins=[p], out=p)
-    if isinstance(p, Partial) and node.args[0].target is aten.histc.default:
-        return Decision(ins=[P], out=P)
+    if isinstance(p, Partial) and (node.args[0].target is aten.histc.default or not (
+            node.args[0].meta["val"].is_floating_point() or node.meta["val"].is_floating_point()
+            or node.meta["val"].is_complex())):
+        return Decision(ins=[P], out=P)   # integer sums: exact (wrapping is linear too)
     return softmax_rule(node, ins, ctx)
 
 

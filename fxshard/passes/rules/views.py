@@ -144,11 +144,12 @@ def expand_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     p = ins[0]
     if isinstance(p, Partial):
         return Decision(ins=[P], out=P)
-    if isinstance(p, Shard):
+    if isinstance(p, (Shard, StridedShard)):
         in_shape, out_shape = ctx.shape(node.args[0]), ctx.shape(node)
         e = p.dim + len(out_shape) - len(in_shape)
-        if in_shape[p.dim] == out_shape[e]:
-            return Decision(ins=[p], out=Shard(e))
+        if in_shape[p.dim] == out_shape[e]:   # a dim not expanded keeps its (strided) shard
+            return Decision(ins=[p], out=replace(p, dim=e) if isinstance(p, StridedShard)
+                            else Shard(e))
     return Decision(ins=[R], out=R)
 
 
