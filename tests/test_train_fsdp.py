@@ -8,10 +8,6 @@ Sizes: hidden 48, intermediate 72, vocab 96 (every dim a shard can take divides)
 (odd), batch 4; a tiny MLP whose dim 0 does not divide shards its dim 1.
 """
 import collections
-import datetime
-import json
-import os
-import traceback
 
 import pytest
 import torch
@@ -23,7 +19,7 @@ import fxshard
 from fxshard.models.llama import LlamaConfig, LlamaForCausalLM
 from fxshard.placement import Shard
 from fxshard.training import clip_grad_norm_, parallelize_for_training
-from tests.launch import launch
+from tests.launch import gloo_job, worst_block
 
 V, B, S = 96, 4, 5
 FSDP = "fsdp"
@@ -265,55 +261,34 @@ def test_inference_forward_on_fsdp(axes):
     assert total / ways <= per_rank <= 1.02 * total / ways
 
 
-def _worker(rank: int, port: int, out_dir: str, axes: dict) -> None:
-    report = {"rank": rank, "errors": []}
+def _body(rank: int, report: dict, axes: dict) -> None:
+    from fxshard.mesh import mesh_spec
     world = 1
     for n in axes.values():
         world *= n
-    log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
-    os.dup2(log.fileno(), 1)
-    os.dup2(log.fileno(), 2)
-    try:
-        import warnings
-        warnings.simplefilter("ignore")
-        torch.set_num_threads(1)
-        import torch.distributed as dist
-        from fxshard.mesh import mesh_spec
-        from fxshard.placement import local_block
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=60))
-        mesh = _mesh(**axes)
-        model = _llama(layers=1)
-        ids, labels = _data()
-        tm = parallelize_for_training(model, mesh, example_inputs=(ids,))
-        report["ranks"] = tm.ranks
-        opt = torch.optim.AdamW(tm.parameters(), lr=1e-3)
-        out = tm(ids)
-        report["forward"] = (out - model(ids)).abs().max().item()
-        _loss(out, labels).backward()
-        _loss(model(ids), labels).backward()
-        spec, specs = mesh_spec(mesh), tm._specs
-        params = dict(model.named_parameters())
-        report["grad"] = max((p.grad - local_block(params[n].grad, specs[n], spec, rank))
-                             .abs().max().item() for n, p in tm.shards(rank).items())
-        report["sharded"] = all(p.numel() * world == params[n].numel()
-                                for n, p in tm.shards(rank).items())
-        opt.step()
-        ref = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        ref.step()
-        report["params"] = max((p.detach() - local_block(params[n].detach(), specs[n], spec,
-                                                         rank)).abs().max().item()
-                               for n, p in tm.shards(rank).items())
-    except BaseException:  # noqa: BLE001 - reported to the test process
-        report["errors"].append(traceback.format_exc())
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
-    os._exit(0)
+    mesh = _mesh(**axes)
+    model = _llama(layers=1)
+    ids, labels = _data()
+    tm = parallelize_for_training(model, mesh, example_inputs=(ids,))
+    report["ranks"] = tm.ranks
+    opt = torch.optim.AdamW(tm.parameters(), lr=1e-3)
+    out = tm(ids)
+    report["forward"] = (out - model(ids)).abs().max().item()
+    _loss(out, labels).backward()
+    _loss(model(ids), labels).backward()
+    spec, specs = mesh_spec(mesh), tm._specs
+    params = dict(model.named_parameters())
+    report["grad"] = worst_block(tm.shards(rank), params, specs, spec, rank, of=lambda p: p.grad)
+    report["sharded"] = all(p.numel() * world == params[n].numel()
+                            for n, p in tm.shards(rank).items())
+    opt.step()
+    ref = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref.step()
+    report["params"] = worst_block(tm.shards(rank), params, specs, spec, rank)
 
 
 def test_fsdp2_gloo_gradients_and_step(tmp_path):
-    reports = launch(_worker, 2, str(tmp_path), {"fsdp": 2}, timeout_s=240, grad=True)
+    reports = gloo_job(_body, 2, str(tmp_path), {"fsdp": 2}, timeout_s=240, grad=True)
     for rank, r in reports.items():
-        assert not r["errors"], r["errors"][0]
         assert r["ranks"] == [rank] and r["sharded"]
         assert r["forward"] < 1e-4 and r["grad"] < 1e-5 and r["params"] < 1e-5, r
