@@ -11,25 +11,17 @@ import collections
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fxshard
-from fxshard.models.llama import LlamaConfig, LlamaForCausalLM
 from fxshard.placement import Shard
 from fxshard.training import clip_grad_norm_, parallelize_for_training
 from tests.launch import gloo_job, worst_block
+from tests.test_train_grads import _check_grads, _llama, _loss
 
 V, B, S = 96, 4, 5
 FSDP = "fsdp"
-
-
-def _llama(layers=2):
-    torch.manual_seed(0)
-    cfg = LlamaConfig.tiny(num_hidden_layers=layers, vocab_size=V, hidden_size=48,
-                           intermediate_size=72, num_attention_heads=4, num_key_value_heads=2)
-    return LlamaForCausalLM(cfg)
 
 
 def _data(seed=1, seq=S, batch=B):
@@ -38,23 +30,8 @@ def _data(seed=1, seq=S, batch=B):
             torch.randint(0, V, (batch, seq), generator=g))
 
 
-def _loss(logits, labels):
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-
 def _mesh(**axes):
     return fxshard.init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
-
-
-def _check_grads(model, tm, ids, labels, logits_of=lambda o: o):
-    out = tm(ids)
-    ref = model(ids)
-    torch.testing.assert_close(logits_of(out), logits_of(ref), rtol=1e-4, atol=1e-4)
-    _loss(logits_of(out), labels).backward()
-    _loss(logits_of(ref), labels).backward()
-    grads = tm.gradients()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def _is(node, op: str, axis: str) -> bool:
