@@ -120,7 +120,7 @@ def test_1f1b_holds_at_most_pp_microbatches():
 @pytest.mark.parametrize("axes,layers,stages,opts", [
     (dict(pp=4), 5, None, {}),                    # 5 layers over 4 stages: [0, 0, 1, 2, 3]
     (dict(dp=2, pp=2), 3, [0, 1, 1], {}),         # uneven stages given
-    (dict(pp=2, tp=2), 2, None, {}),
+    # pp2·tp2: the gloo test below and test_hf_llama_pipeline_gradients
     (dict(fsdp=2, pp=2), 2, None, {}),
     (dict(pp=2, ulysses_cp=2), 2, None, {}),
     (dict(tp=2, pp=2, ring_cp=2), 2, None, dict(ring_zigzag=False)),   # S=6: not 4 chunks
