@@ -1,15 +1,13 @@
-import pytest
 """save_safetensors on real processes (gloo, tp2): each rank writes only its files, the
 owners' shards sent to each tensor's writer; the index is complete and the checkpoint equals
 the single-device model trained the same way."""
-import datetime
 import json
 import os
-import traceback
 
+import pytest
 import torch
 
-from tests.launch import launch
+from tests.launch import gloo_job, mesh
 
 WORLD = 2
 
@@ -34,41 +32,21 @@ def _step(params, forward, labels):
     opt.step()
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    report = {"rank": rank, "errors": []}
-    log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
-    os.dup2(log.fileno(), 1)
-    os.dup2(log.fileno(), 2)
-    try:
-        import warnings
-        warnings.simplefilter("ignore")
-        torch.set_num_threads(1)
-        import torch.distributed as dist
-        import fxshard
-        from fxshard.training import parallelize_for_training
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-        mesh = fxshard.init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
-        ids, labels = _data()
-        tm = parallelize_for_training(_model(), mesh, example_inputs=(ids,))
-        _step(tm.parameters(), lambda: tm(ids), labels)
-        written = fxshard.save_safetensors(tm, os.path.join(out_dir, "ckpt"),
-                                           max_shard_size="20KB")
-        report["written"] = sorted(os.path.basename(f) for f in written)
-    except BaseException:  # noqa: BLE001 - reported to the test process
-        report["errors"].append(traceback.format_exc())
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
-    os._exit(0)
+def _body(rank: int, report: dict, ckpt: str) -> None:
+    import fxshard
+    from fxshard.training import parallelize_for_training
+    ids, labels = _data()
+    tm = parallelize_for_training(_model(), mesh(tp=WORLD), example_inputs=(ids,))
+    _step(tm.parameters(), lambda: tm(ids), labels)
+    written = fxshard.save_safetensors(tm, ckpt, max_shard_size="20KB")
+    report["written"] = sorted(os.path.basename(f) for f in written)
 
 
 @pytest.mark.grad   # the single-device reference trains
 def test_tp2_gloo_each_rank_writes_its_files_index_complete(tmp_path):
     from safetensors.torch import load_file
-    reports = launch(_worker, WORLD, str(tmp_path), timeout_s=240, grad=True)
-    for rank, r in reports.items():
-        assert not r["errors"], r["errors"][0]
     ckpt = tmp_path / "ckpt"
+    reports = gloo_job(_body, WORLD, str(tmp_path), str(ckpt), timeout_s=240, grad=True)
     index = json.load(open(ckpt / "model.safetensors.index.json"))
     files = sorted(set(index["weight_map"].values()))
     data = [f for r in reports.values() for f in r["written"] if f.endswith(".safetensors")]

@@ -10,25 +10,22 @@ without Inductor (cheaper): the lowered graph Inductor would get, run eagerly on
 """
 from __future__ import annotations
 
-import datetime
-import faulthandler
-import json
-import os
 import time
-import traceback
 
 import pytest
 import torch
 
-from tests.launch import launch
+from tests.launch import gloo_job
 
 LAUNCH_TIMEOUT_S = 420   # two cold Inductor compiles per process on a loaded 2-core machine
 TOL = dict(rtol=1e-4, atol=1e-4)
 
 
 def _cases(rank: int, report: dict) -> None:
+    """On each of 2 gloo ranks (grad off)."""
     import fxshard
     from tests.models import our_llama
+    report["seconds"] = {}
 
     model = our_llama(num_hidden_layers=1)
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3))
@@ -127,32 +124,10 @@ def _ulysses_lowered(model, ids, want, rank: int) -> dict:
     return {"vs_model": float((got - want).abs().max()), "code": gm.code}
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    report = {"rank": rank, "seconds": {}, "errors": []}
-    log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
-    os.dup2(log.fileno(), 1)
-    os.dup2(log.fileno(), 2)
-    faulthandler.dump_traceback_later(LAUNCH_TIMEOUT_S - 15, file=log)
-    try:
-        import warnings
-        warnings.simplefilter("ignore")
-        torch.set_num_threads(1)
-        import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=2, timeout=datetime.timedelta(seconds=120))
-        with torch.no_grad():
-            _cases(rank, report)
-    except BaseException:  # noqa: BLE001 - reported to the test process
-        report["errors"].append(traceback.format_exc())
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
-    os._exit(0)
-
-
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    return launch(_worker, 2, str(tmp_path_factory.mktemp("compile_gloo")),
-                  timeout_s=LAUNCH_TIMEOUT_S)
+    return gloo_job(_cases, 2, str(tmp_path_factory.mktemp("compile_gloo")),
+                    timeout_s=LAUNCH_TIMEOUT_S, pg_timeout_s=120, check_errors=False)
 
 
 def test_compiled_programs_on_gloo_match_model_and_eager(reports):

@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from tests.generate_checks import check_greedy, check_sampling, generate_case
-from tests.launch import free_port, launch
+from tests.launch import free_port, init_gloo, launch
 
 LAUNCH_TIMEOUT_S = 300
 PG_TIMEOUT_S = 30        # default group: generous, ranks trace at different speeds
@@ -271,13 +271,11 @@ def _worker(rank: int, port: int, out_dir: str, world: int, job: str) -> None:
         import warnings
         warnings.simplefilter("ignore")
         torch.set_num_threads(1)
-        import torch.distributed as dist
+        import torch.distributed as dist  # noqa: F401 - timed with the imports
         import fxshard  # noqa: F401 - imports first, to time them apart
         import transformers  # noqa: F401
         report["seconds"]["imports"] = round(time.monotonic() - start, 2)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world,
-                                timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+        init_gloo(rank, port, world, PG_TIMEOUT_S)
         cases = _two_proc_cases if job == "two" else _four_proc_cases
         cases(rank, report, out_dir)
     except BaseException:  # noqa: BLE001 - reported to the test process

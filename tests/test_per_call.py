@@ -7,17 +7,12 @@
    (counted by cProfile: deterministic, unlike timings) stay within a small fixed budget and do
    not grow with the number of weight tensors (1 vs 3 blocks).
 """
-import datetime
-import json
-import os
-import traceback
-
 import pytest
 import torch
 import torch.nn as nn
 
 from fxshard.runtime.weight_store import WeightWatch
-from tests.launch import launch
+from tests.launch import gloo_job
 from tests.models import TransformerBlock
 
 LAUNCH_TIMEOUT_S = 240
@@ -105,7 +100,9 @@ def _calls_per_call(fn, n: int = 10) -> float:
 
 
 def _cases(rank: int, report: dict) -> None:
+    """On 2 gloo ranks (grad off): the calls of pm(x) for 1 and 3 blocks."""
     import fxshard
+    report["cases"] = []
     from fxshard.runtime.context import use_backend
     from fxshard.runtime.distributed import backend_for
     mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
@@ -139,32 +136,9 @@ def _cases(rank: int, report: dict) -> None:
         report["size_one"] = all_reduce_consuming(torch.ones(3), "dp", 1).tolist()
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    report = {"rank": rank, "cases": [], "errors": []}
-    log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
-    os.dup2(log.fileno(), 1)
-    os.dup2(log.fileno(), 2)
-    try:
-        import warnings
-        warnings.simplefilter("ignore")
-        torch.set_num_threads(1)
-        import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=2, timeout=datetime.timedelta(seconds=120))
-        with torch.no_grad():
-            _cases(rank, report)
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the test process
-        report["errors"].append(traceback.format_exc())
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
-    os._exit(0)
-
-
 def test_wrapper_python_calls_are_few_and_do_not_grow_with_the_model(tmp_path):
-    reports = launch(_worker, 2, str(tmp_path), timeout_s=LAUNCH_TIMEOUT_S)
+    reports = gloo_job(_cases, 2, str(tmp_path), timeout_s=LAUNCH_TIMEOUT_S, pg_timeout_s=120)
     for rank, report in reports.items():
-        assert not report["errors"], f"rank {rank}: {report['errors']}"
         small, big = report["cases"]
         assert big["tensors"] == 3 * small["tensors"]
         for case in (small, big):

@@ -23,7 +23,7 @@ import traceback
 import pytest
 import torch
 
-from tests.launch import launch
+from tests.launch import init_gloo, launch
 
 LAUNCH_TIMEOUT_S = 120
 GLOO_TIMEOUT_S = 5
@@ -130,9 +130,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
     try:
         import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=WORLD,
-                                timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
+        init_gloo(rank, port, WORLD, GLOO_TIMEOUT_S)
         from fxshard.mesh import init_device_mesh
         from fxshard.runtime import use_backend
         from fxshard.runtime.distributed import backend_for

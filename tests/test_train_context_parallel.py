@@ -323,65 +323,40 @@ def test_ulysses_without_kv_heads_to_split_is_an_error(axes):
 
 # -- real processes: gloo, dp2·ring2 -------------------------------------------------------
 
-def _gloo_worker(rank: int, port: int, out_dir: str) -> None:
+def _gloo_body(rank: int, report: dict) -> None:
     import copy
-    import datetime
-    import json
-    import os
-    import traceback
-    report = {"rank": rank, "errors": []}
-    log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
-    os.dup2(log.fileno(), 1)
-    os.dup2(log.fileno(), 2)
-    try:
-        import warnings
-        warnings.simplefilter("ignore")
-        torch.set_num_threads(1)
-        import torch.distributed as dist
-        import fxshard
-        from fxshard.mesh import mesh_spec
-        from fxshard.placement import local_block
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=4, timeout=datetime.timedelta(seconds=60))
-        mesh = _mesh(dp=2, ring_cp=2)
-        model = _our_llama()
-        ref = copy.deepcopy(model)
-        ids, labels = _data()
-        pm = fxshard.parallelize(model, mesh, example_inputs=(ids,))
-        report["ranks"] = pm.trainer.ranks
-        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-        spec, specs = mesh_spec(mesh), pm.trainer._specs
-        for step in range(2):
-            opt.zero_grad()
-            ref_opt.zero_grad()
-            out = pm(ids)
-            report.setdefault("forward", (out - ref(ids)).abs().max().item())
-            _loss(out, labels).backward()
-            _loss(ref(ids), labels).backward()
-            if step == 0:
-                named = dict(ref.named_parameters())
-                report["grad"] = max(
-                    (p.grad - local_block(named[n].grad, specs[n], spec, rank)).abs().max().item()
-                    for n, p in pm.shards(rank).items())
-            opt.step()
-            ref_opt.step()
-        named = dict(ref.named_parameters())
-        report["params"] = max((p.detach() - local_block(named[n].detach(), specs[n], spec,
-                                                         rank)).abs().max().item()
-                               for n, p in pm.shards(rank).items())
-        report["ring_backward"] = _ring_ops(pm, "backward")["ring_attention_backward"]
-    except BaseException:  # noqa: BLE001 - reported to the test process
-        report["errors"].append(traceback.format_exc())
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
-    os._exit(0)
+    import fxshard
+    from fxshard.mesh import mesh_spec
+    from tests.launch import worst_block
+    mesh = _mesh(dp=2, ring_cp=2)
+    model = _our_llama()
+    ref = copy.deepcopy(model)
+    ids, labels = _data()
+    pm = fxshard.parallelize(model, mesh, example_inputs=(ids,))
+    report["ranks"] = pm.trainer.ranks
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    spec, specs = mesh_spec(mesh), pm.trainer._specs
+    named = dict(ref.named_parameters())
+    for step in range(2):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        out = pm(ids)
+        report.setdefault("forward", (out - ref(ids)).abs().max().item())
+        _loss(out, labels).backward()
+        _loss(ref(ids), labels).backward()
+        if step == 0:
+            report["grad"] = worst_block(pm.shards(rank), named, specs, spec, rank,
+                                         of=lambda p: p.grad)
+        opt.step()
+        ref_opt.step()
+    report["params"] = worst_block(pm.shards(rank), named, specs, spec, rank)
+    report["ring_backward"] = _ring_ops(pm, "backward")["ring_attention_backward"]
 
 
 def test_dp2_ring2_gloo_gradients_and_steps(tmp_path):
-    from tests.launch import launch
-    reports = launch(_gloo_worker, 4, str(tmp_path), timeout_s=240, grad=True)
+    from tests.launch import gloo_job
+    reports = gloo_job(_gloo_body, 4, str(tmp_path), timeout_s=240, grad=True)
     for rank, r in reports.items():
-        assert not r["errors"], r["errors"][0]
         assert r["ranks"] == [rank] and r["ring_backward"] == 2, r
         assert r["forward"] < 1e-4 and r["grad"] < 1e-5 and r["params"] < 1e-5, r

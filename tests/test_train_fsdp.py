@@ -2,38 +2,26 @@
 as a shard over the axis, all-gathered before use (again in the backward), its gradient
 reduce-scattered to the shard. Gradients, AdamW steps and inference equal one device; the rank
 programs hold one gather per parameter in each direction and one reduce-scatter; a rank holds
-1/(fsdp·tp) of the parameters, gradients and optimizer state.
+1/(fsdp·tp) of the parameters, gradients and optimizer state. (On real processes: fsdp2·tp2 in
+tests/test_train_distributed.py.)
 
 Sizes: hidden 48, intermediate 72, vocab 96 (every dim a shard can take divides), sequence 5
 (odd), batch 4; a tiny MLP whose dim 0 does not divide shards its dim 1.
 """
 import collections
-import datetime
-import json
-import os
-import traceback
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fxshard
-from fxshard.models.llama import LlamaConfig, LlamaForCausalLM
 from fxshard.placement import Shard
 from fxshard.training import clip_grad_norm_, parallelize_for_training
-from tests.launch import launch
+from tests.test_train_grads import _check_grads, _llama, _loss
 
 V, B, S = 96, 4, 5
 FSDP = "fsdp"
-
-
-def _llama(layers=2):
-    torch.manual_seed(0)
-    cfg = LlamaConfig.tiny(num_hidden_layers=layers, vocab_size=V, hidden_size=48,
-                           intermediate_size=72, num_attention_heads=4, num_key_value_heads=2)
-    return LlamaForCausalLM(cfg)
 
 
 def _data(seed=1, seq=S, batch=B):
@@ -42,23 +30,8 @@ def _data(seed=1, seq=S, batch=B):
             torch.randint(0, V, (batch, seq), generator=g))
 
 
-def _loss(logits, labels):
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-
 def _mesh(**axes):
     return fxshard.init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
-
-
-def _check_grads(model, tm, ids, labels, logits_of=lambda o: o):
-    out = tm(ids)
-    ref = model(ids)
-    torch.testing.assert_close(logits_of(out), logits_of(ref), rtol=1e-4, atol=1e-4)
-    _loss(logits_of(out), labels).backward()
-    _loss(logits_of(ref), labels).backward()
-    grads = tm.gradients()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def _is(node, op: str, axis: str) -> bool:
@@ -263,57 +236,3 @@ def test_inference_forward_on_fsdp(axes):
     total = sum(p.numel() for p in model.parameters())
     ways = axes["fsdp"] * axes.get("tp", 1)
     assert total / ways <= per_rank <= 1.02 * total / ways
-
-
-def _worker(rank: int, port: int, out_dir: str, axes: dict) -> None:
-    report = {"rank": rank, "errors": []}
-    world = 1
-    for n in axes.values():
-        world *= n
-    log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
-    os.dup2(log.fileno(), 1)
-    os.dup2(log.fileno(), 2)
-    try:
-        import warnings
-        warnings.simplefilter("ignore")
-        torch.set_num_threads(1)
-        import torch.distributed as dist
-        from fxshard.mesh import mesh_spec
-        from fxshard.placement import local_block
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=60))
-        mesh = _mesh(**axes)
-        model = _llama(layers=1)
-        ids, labels = _data()
-        tm = parallelize_for_training(model, mesh, example_inputs=(ids,))
-        report["ranks"] = tm.ranks
-        opt = torch.optim.AdamW(tm.parameters(), lr=1e-3)
-        out = tm(ids)
-        report["forward"] = (out - model(ids)).abs().max().item()
-        _loss(out, labels).backward()
-        _loss(model(ids), labels).backward()
-        spec, specs = mesh_spec(mesh), tm._specs
-        params = dict(model.named_parameters())
-        report["grad"] = max((p.grad - local_block(params[n].grad, specs[n], spec, rank))
-                             .abs().max().item() for n, p in tm.shards(rank).items())
-        report["sharded"] = all(p.numel() * world == params[n].numel()
-                                for n, p in tm.shards(rank).items())
-        opt.step()
-        ref = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        ref.step()
-        report["params"] = max((p.detach() - local_block(params[n].detach(), specs[n], spec,
-                                                         rank)).abs().max().item()
-                               for n, p in tm.shards(rank).items())
-    except BaseException:  # noqa: BLE001 - reported to the test process
-        report["errors"].append(traceback.format_exc())
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
-    os._exit(0)
-
-
-def test_fsdp2_gloo_gradients_and_step(tmp_path):
-    reports = launch(_worker, 2, str(tmp_path), {"fsdp": 2}, timeout_s=240, grad=True)
-    for rank, r in reports.items():
-        assert not r["errors"], r["errors"][0]
-        assert r["ranks"] == [rank] and r["sharded"]
-        assert r["forward"] < 1e-4 and r["grad"] < 1e-5 and r["params"] < 1e-5, r

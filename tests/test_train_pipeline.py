@@ -120,7 +120,7 @@ def test_1f1b_holds_at_most_pp_microbatches():
 @pytest.mark.parametrize("axes,layers,stages,opts", [
     (dict(pp=4), 5, None, {}),                    # 5 layers over 4 stages: [0, 0, 1, 2, 3]
     (dict(dp=2, pp=2), 3, [0, 1, 1], {}),         # uneven stages given
-    (dict(pp=2, tp=2), 2, None, {}),
+    # pp2·tp2: the gloo test below and test_hf_llama_pipeline_gradients
     (dict(fsdp=2, pp=2), 2, None, {}),
     (dict(pp=2, ulysses_cp=2), 2, None, {}),
     (dict(tp=2, pp=2, ring_cp=2), 2, None, dict(ring_zigzag=False)),   # S=6: not 4 chunks
@@ -195,65 +195,43 @@ def test_schedule_orders_and_errors():
         pm(ids)
 
 
-def _gloo_worker(rank: int, port: int, out_dir: str) -> None:
-    import datetime
-    import json
-    import os
-    import traceback
-    report = {"rank": rank, "errors": []}
-    log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
-    os.dup2(log.fileno(), 1)
-    os.dup2(log.fileno(), 2)
-    try:
-        import warnings
-        warnings.simplefilter("ignore")
-        torch.set_num_threads(1)
-        import torch.distributed as dist
-        from fxshard.placement import local_block
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=4, timeout=datetime.timedelta(seconds=60))
-        mesh = fxshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
-        model, (ids, labels) = _llama(2), _data()
-        ref = copy.deepcopy(model)
-        pm = fxshard.parallelize(model, mesh, microbatches=2)
-        out = pm(ids)                                  # GPipe behind loss.backward()
-        report["forward"] = (out - ref(ids)).abs().max().item()
-        _loss(out, labels).backward()
-        _loss(ref(ids), labels).backward()
-        t = pm.trainer
-        tms, sub = t._where(rank)
-        named = dict(ref.named_parameters())
+def _gloo_body(rank: int, report: dict) -> None:
+    from tests.launch import worst_block
+    model, (ids, labels) = _llama(2), _data()
+    ref = copy.deepcopy(model)
+    pm = fxshard.parallelize(model, _mesh(pp=2, tp=2), microbatches=2)
+    out = pm(ids)                                  # GPipe behind loss.backward()
+    report["forward"] = (out - ref(ids)).abs().max().item()
+    _loss(out, labels).backward()
+    _loss(ref(ids), labels).backward()
+    t = pm.trainer
+    tms, sub = t._where(rank)
+    named = dict(ref.named_parameters())
 
-        def worst(what):
-            return max((what(p) - local_block(what(named[n]), tm._specs[n], t.sub, sub))
-                       .abs().max().item() for tm in tms for n, p in tm.shards(sub).items())
-        report["grad"] = worst(lambda p: p.grad)
-        pm.zero_grad(), ref.zero_grad()
-        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-        report["loss"] = []
-        for _ in range(3):
-            loss = pm.train_step(ids, target=labels, loss_fn=_loss, schedule="1f1b")
-            expect = _loss(ref(ids), labels)
-            expect.backward()
-            report["loss"].append(abs(loss.item() - expect.item()))
-            opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
-        report["params"] = worst(lambda p: p.detach())
-        pm.close()
-    except BaseException:  # noqa: BLE001 - reported to the test process
-        report["errors"].append(traceback.format_exc())
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
-    os._exit(0)
+    def worst(what):
+        return max(worst_block(tm.shards(sub), named, tm._specs, t.sub, sub, of=what)
+                   for tm in tms)
+    report["grad"] = worst(lambda p: p.grad)
+    pm.zero_grad(), ref.zero_grad()
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    report["loss"] = []
+    for _ in range(3):
+        loss = pm.train_step(ids, target=labels, loss_fn=_loss, schedule="1f1b")
+        expect = _loss(ref(ids), labels)
+        expect.backward()
+        report["loss"].append(abs(loss.item() - expect.item()))
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    report["params"] = worst(lambda p: p.detach())
+    pm.close()
 
 
 def test_pp2_tp2_gloo_1f1b(tmp_path):
     """4 processes (pp2·tp2): activations and their gradients cross the cut as gloo
     isend/irecv; GPipe's gradients and three 1F1B AdamW steps equal one device's."""
-    from tests.launch import launch
-    reports = launch(_gloo_worker, 4, str(tmp_path), timeout_s=240, grad=True)
+    from tests.launch import gloo_job
+    reports = gloo_job(_gloo_body, 4, str(tmp_path), timeout_s=240, grad=True)
     for rank, r in reports.items():
-        assert not r["errors"], r["errors"][0]
         assert r["forward"] < 1e-4 and r["grad"] < 1e-5 and r["params"] < 1e-5, r
         assert max(r["loss"]) < 1e-5, r
 

@@ -42,6 +42,22 @@ def reduced_many_times(gm: fx.GraphModule, ctx: PassCtx) -> dict:
     """(node, axis index) -> placement for each Partial value whose partial sum reaches more
     than one reduction through Partial consumers, taking the latest such value (none of its
     consumers reaches all of its reductions)."""
+    return _reaching_many(gm, ctx, held=lambda p: isinstance(p, Partial),
+                          ends=lambda need: not isinstance(need, Partial), views_only=False)
+
+
+def gathered_many_times(gm: fx.GraphModule, ctx: PassCtx) -> dict:
+    """(node, axis index) -> Replicate for each sharded value that, itself and through views
+    that keep a shard, is gathered more than once; the latest such value."""
+    return _reaching_many(gm, ctx, held=lambda p: shard_dim(p) is not None,
+                          ends=lambda need: need == R, views_only=True)
+
+
+def _reaching_many(gm: fx.GraphModule, ctx: PassCtx, *, held, ends, views_only: bool) -> dict:
+    """Per mesh axis: each value whose placement is ``held`` reaches, directly or through
+    consumers that hold it too (only views if ``views_only``), the uses whose need ``ends``
+    it; the latest value reaching two or more, and no other value reaching all of them, gets
+    the placement its uses need (Replicate when they differ)."""
     out = {}
     nodes = list(gm.graph.nodes)
     for i, n in enumerate(ctx.mesh.shape):
@@ -50,8 +66,7 @@ def reduced_many_times(gm: fx.GraphModule, ctx: PassCtx) -> dict:
         sinks: dict = {}
         for node in reversed(nodes):
             spec = node.meta.get("fxshard_spec")
-            if not isinstance(spec, tuple) or not isinstance(spec[i], Partial) or \
-                    node.op == "placeholder":
+            if not isinstance(spec, tuple) or not held(spec[i]) or node.op == "placeholder":
                 continue
             found = set()
             for u in node.users:
@@ -59,9 +74,10 @@ def reduced_many_times(gm: fx.GraphModule, ctx: PassCtx) -> dict:
                 for t, need in zip(tensor_inputs(u), u.meta.get("fxshard_need") or []):
                     if t is not node or need is None:
                         continue
-                    if not isinstance(need[i], Partial):   # one reduction of node
+                    if ends(need[i]):          # one reduction / gather of node
                         found.add((node.name, tuple(need)))
-                    elif isinstance(uspec, tuple) and isinstance(uspec[i], Partial):
+                    elif (not views_only or u.target in _VIEWS) and \
+                            isinstance(uspec, tuple) and held(uspec[i]):
                         found |= sinks.get(u, frozenset())
             sinks[node] = frozenset(found)
         chosen: list = []
@@ -72,42 +88,6 @@ def reduced_many_times(gm: fx.GraphModule, ctx: PassCtx) -> dict:
             chosen.append((node, reached))
             wants = {x[1][i] for x in reached}
             out[(node.name, i)] = wants.pop() if len(wants) == 1 else R
-    return out
-
-
-def gathered_many_times(gm: fx.GraphModule, ctx: PassCtx) -> dict:
-    """(node, axis index) -> Replicate for each sharded value that, itself and through views
-    that keep a shard, is gathered more than once; the latest such value."""
-    out = {}
-    nodes = list(gm.graph.nodes)
-    for i, n in enumerate(ctx.mesh.shape):
-        if n == 1:
-            continue
-        sinks: dict = {}
-        for node in reversed(nodes):
-            spec = node.meta.get("fxshard_spec")
-            if not isinstance(spec, tuple) or shard_dim(spec[i]) is None or \
-                    node.op == "placeholder":
-                continue
-            found = set()
-            for u in node.users:
-                uspec = u.meta.get("fxshard_spec")
-                for t, need in zip(tensor_inputs(u), u.meta.get("fxshard_need") or []):
-                    if t is not node or need is None:
-                        continue
-                    if need[i] == R:
-                        found.add((node.name, tuple(need)))
-                    elif u.target in _VIEWS and isinstance(uspec, tuple) and \
-                            shard_dim(uspec[i]) is not None:
-                        found |= sinks.get(u, frozenset())
-            sinks[node] = frozenset(found)
-        chosen: list = []
-        for node, reached in sorted(sinks.items(), key=lambda kv: -len(kv[1])):
-            if len(reached) < 2 or any(u in sinks and sinks[u] >= reached for u in node.users) \
-                    or any(reached <= other for _, other in chosen):
-                continue
-            chosen.append((node, reached))
-            out[(node.name, i)] = R
     return out
 
 
