@@ -13,13 +13,14 @@ Importing this package registers them all (``import fxshard`` does): one module 
     decode.py       decode_attention, merge_pieces, sharded_argmax
     training.py     vocab_embedding_backward (training programs: the rank's rows of the gradient)
     loss.py         vocab_nll_loss_forward / _backward (the vocab-parallel loss's own targets)
+    dropout.py      dropout_mask (training's dropout: a site's mask, the same on every mesh)
 
 Imports flow one way: the graph passes, the compiler and the runtime's runners import this
 package; it imports ``fxshard.kernels`` (pure math) and ``fxshard.runtime.context`` (the
 current backend); neither imports it back.
 """
-from fxshard.ops import (attention, cache, collectives, decode, library, local, loss, ring,
-                         training)
+from fxshard.ops import (attention, cache, collectives, decode, dropout, library, local, loss,
+                         ring, training)
 from fxshard.ops.collectives import (COLLECTIVE_OPS, POINT_TO_POINT_OPS, all_reduce_consuming,
                                      is_communication, is_point_to_point)
 from fxshard.ops.library import define_op, direct_kernel

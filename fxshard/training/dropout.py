@@ -35,7 +35,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..ops.library import define_op
+from ..ops.dropout import _MB, draw_mask, dropout_mask  # noqa: F401 (re-exported)
 from ..passes.rules import Decision, rule
 from ..placement import R
 
@@ -45,7 +45,6 @@ __all__ = ["add_dropout_sites", "check_dropout_mesh", "draw_mask", "dropout_mask
            "pack_seed", "seeded"]
 
 _WHERE = "fxshard.training"
-_MB = 1 << 12          # microbatch index and count are packed below the step seed
 _SDPA = aten.scaled_dot_product_attention.default
 _RANDOM = ("bernoulli", "rand", "randn", "randint", "rand_like", "randn_like", "randperm",
            "normal", "uniform", "exponential", "multinomial", "native_dropout")
@@ -53,13 +52,14 @@ _RANDOM = ("bernoulli", "rand", "randn", "randint", "rand_like", "randn_like", "
 
 def pack_seed(step: int, microbatch: int = 0, microbatches: int = 1) -> torch.Tensor:
     """The program's seed input: a 0-d int64 (so no batch or sequence axis splits it)."""
-    return torch.tensor((step * _MB + microbatch) * _MB + microbatches, dtype=torch.int64)
+    return torch.tensor((step * _MB + microbatch) * _MB + microbatches, dtype=torch.int64,
+                        device="cpu")   # read on the host by fxshard::dropout_mask
 
 
 def step_seed(mesh=None) -> int:
     """One step seed from torch's default generator; on a real (torch.distributed) mesh the
     global rank 0's, broadcast to every process."""
-    seed = torch.randint(0, 1 << 38, (1,), dtype=torch.int64)
+    seed = torch.randint(0, 1 << 38, (1,), dtype=torch.int64, device="cpu")  # the default CPU generator
     if mesh is not None:
         import torch.distributed as dist
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -73,38 +73,6 @@ def seeded(flats: list, mesh=None) -> list:
     for them all, each told its microbatch (its rows of the whole batch's masks)."""
     step = step_seed(mesh)
     return [[*f, pack_seed(step, i, len(flats))] for i, f in enumerate(flats)]
-
-
-def _generator_seed(step: int, site: int) -> int:
-    """(step seed, site) mixed into one 63-bit generator seed (splitmix64's finalizer)."""
-    z = (step * 0x9E3779B97F4A7C15 + (site + 1) * 0xBF58476D1CE4E5B9) % (1 << 64)
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % (1 << 64)
-    return (z ^ (z >> 31)) >> 1
-
-
-def draw_mask(step: int, site: int, shape, p: float, device) -> torch.Tensor:
-    """Site ``site``'s keep-mask (bool, ``shape``) of step ``step``: what every mesh draws."""
-    g = torch.Generator(device=device)
-    g.manual_seed(_generator_seed(step, site))
-    return torch.rand(tuple(shape), generator=g, device=device) >= p
-
-
-@define_op("fxshard::dropout_mask",
-           "(Tensor seed, int site, int[] shape, float p, Device device) -> Tensor")
-def dropout_mask(seed: torch.Tensor, site: int, shape: list, p: float,
-                 device: torch.device) -> torch.Tensor:
-    packed = int(seed.item())
-    step, rest = divmod(packed, _MB * _MB)
-    i, m = divmod(rest, _MB)
-    rows = shape[0] if shape else 1
-    whole = draw_mask(step, site, [rows * m, *shape[1:]] if shape else [], p, device)
-    return whole[i * rows:(i + 1) * rows] if shape and m > 1 else whole
-
-
-@dropout_mask.register_fake
-def _(seed, site, shape, p, device):
-    return torch.empty(tuple(shape), dtype=torch.bool, device=device)
 
 
 @rule(torch.ops.fxshard.dropout_mask.default)
@@ -235,7 +203,7 @@ def add_dropout_sites(gm: fx.GraphModule, n_flat: int, where: str = _WHERE) -> i
     seed.meta.update(fxshard_input=n_flat, fxshard_seed=True)
     mode = _Emit(gm.graph, sites[0]).mode
     with mode or contextlib.nullcontext():
-        seed.meta["val"] = torch.empty((), dtype=torch.int64)
+        seed.meta["val"] = torch.empty((), dtype=torch.int64, device="cpu")
     for site, node in enumerate(sites):
         emit = _Emit(gm.graph, node)
         if node.target is _SDPA:
