@@ -260,18 +260,23 @@ def now() -> tuple[float, float]:
     return time.perf_counter(), time.thread_time()
 
 
-def time_calls(fn, n: int, cpu: list | None = None) -> list[float]:
+def time_calls(fn, n: int, cpu: list | None = None,
+               proc: list | None = None) -> list[float]:
     """Wall seconds of each of ``n`` calls of ``fn``; with a list ``cpu``, also appends each
     call's CPU seconds on this thread (compute + Python + dispatch; not the time spent blocked
-    on a peer, nor gloo's own threads)."""
+    on a peer, nor gloo's own threads); with a list ``proc``, each call's CPU seconds of the
+    whole process (every thread: gloo's spinning waits included)."""
     out = []
     for _ in range(n):
+        p0 = time.process_time()
         c0 = time.thread_time()
         t0 = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t0)
         if cpu is not None:
             cpu.append(time.thread_time() - c0)
+        if proc is not None:
+            proc.append(time.process_time() - p0)
     return out
 
 
@@ -322,14 +327,15 @@ def interleaved(variants: dict, rounds: int, *, calls: int = 1, warmup: int = 1,
     calls of every variant, after ``warmup`` untimed calls each. ``order``: ``"fixed"``,
     ``"alternate"`` (reversed every other round) or ``"rotate"`` (:func:`rotated`).
     ``before()`` runs before each block (e.g. ``dist.barrier``). Returns name ->
-    ``{"wall": [...], "cpu": [...]}`` in seconds: every call's (``per_call``) or each block's
-    mean per call."""
+    ``{"wall": [...], "cpu": [...], "proc": [...]}`` in seconds (``cpu``: this thread's,
+    ``proc``: the whole process's, see :func:`time_calls`): every call's (``per_call``) or
+    each block's mean per call."""
     for fn in variants.values():
         for _ in range(warmup):
             if before is not None:
                 before()
             fn()
-    out = {name: {"wall": [], "cpu": []} for name in variants}
+    out = {name: {"wall": [], "cpu": [], "proc": []} for name in variants}
     names = list(variants)
     for rnd in range(rounds):
         seq = {"fixed": names, "alternate": names if rnd % 2 == 0 else names[::-1],
@@ -338,13 +344,13 @@ def interleaved(variants: dict, rounds: int, *, calls: int = 1, warmup: int = 1,
             if before is not None:
                 before()
             cpu: list = []
-            wall = time_calls(variants[name], calls, cpu)
-            if per_call:
-                out[name]["wall"] += wall
-                out[name]["cpu"] += cpu
-            else:
-                out[name]["wall"].append(sum(wall) / calls)
-                out[name]["cpu"].append(sum(cpu) / calls)
+            proc: list = []
+            wall = time_calls(variants[name], calls, cpu, proc)
+            for key, xs in (("wall", wall), ("cpu", cpu), ("proc", proc)):
+                if per_call:
+                    out[name][key] += xs
+                else:
+                    out[name][key].append(sum(xs) / calls)
     return out
 
 

@@ -27,7 +27,9 @@ wall time for that forward. Columns: ``median ms`` / ``p10`` / ``p90`` over all 
 megatron`` (ratio of the medians), ``rounds p10 / med / p90`` (the spread of the per-round
 ratio: that round's median over Megatron's median of the same round), ``CPU ms`` (median
 thread CPU time of rank 0's main thread per forward: compute, Python and dispatch, not the time
-blocked on the peer). ``--profile N``: afterwards, N calls each of fxshard and Megatron under
+blocked on the peer), ``process CPU ms by rank`` (median CPU time of each rank's whole
+process per forward: every thread, gloo's own included; on a machine with as many cores as
+ranks this is what the ranks take from each other). ``--profile N``: afterwards, N calls each of fxshard and Megatron under
 cProfile (CPU time) on rank 0, in alternating blocks of 10: Python calls and CPU per call, the
 top entries by own time.
 ``--runs N``: N launches one after another (fresh processes), a table each, then fxshard /
@@ -80,7 +82,8 @@ def worker(rank: int, args) -> dict:
     n = args.iters
     return {"rounds": {k: [v["wall"][i:i + n] for i in range(0, len(v["wall"]), n)]
                        for k, v in t.items()},
-            "cpu": {k: v["cpu"] for k, v in t.items()}, "errors": errors,
+            "cpu": {k: v["cpu"] for k, v in t.items()},
+            "proc": {k: v["proc"] for k, v in t.items()}, "errors": errors,
             "profiles": profiles}
 
 
@@ -129,6 +132,7 @@ def summarize(gathered: list, args) -> dict:
     for name, rounds in per_round.items():
         r = results[name] = stats_ms([t for rnd in rounds for t in rnd])
         r["cpu_ms_rank0"] = statistics.median(gathered[0]["cpu"][name]) * 1e3
+        r["proc_cpu_ms_by_rank"] = [statistics.median(g["proc"][name]) * 1e3 for g in gathered]
         r["max_abs_err"] = max(g["errors"][name] for g in gathered)
         r["round_ratios"] = [statistics.median(a) / statistics.median(b)
                              for a, b in zip(rounds, per_round[BASELINE])]
@@ -144,11 +148,12 @@ def summarize(gathered: list, args) -> dict:
 def table(results: dict) -> str:
     rows = [[name, r["median_ms"], r["p10_ms"], r["p90_ms"], r["vs_megatron"],
              " / ".join(f"{v:.2f}" for v in r["round_ratio_p10_median_p90"]),
-             r["cpu_ms_rank0"], r["max_abs_err"]] for name, r in results.items()]
+             r["cpu_ms_rank0"], " / ".join(f"{v:.2f}" for v in r["proc_cpu_ms_by_rank"]),
+             r["max_abs_err"]] for name, r in results.items()]
     return format_table([("variant", "<9"), ("median ms", ">9.3f"), ("p10", ">7.3f"),
                          ("p90", ">7.3f"), ("vs megatron", ">11.3f"),
                          ("rounds p10 / med / p90", ">22"), ("CPU ms", ">7.3f"),
-                         ("max |err|", ">9.2e")], rows)
+                         ("process CPU ms by rank", ">22"), ("max |err|", ">9.2e")], rows)
 
 
 def main() -> None:
