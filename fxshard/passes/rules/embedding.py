@@ -13,9 +13,16 @@ column-parallel on the vocab (its ``[B, S, V/tp]`` logits gathered only where th
 them) and both uses' gradients are the rank's ``[V/tp, E]`` rows, added locally. A vocab that
 ``tp`` does not divide keeps ``embed_dim`` (shards are even). ``embed_dim``
 would make the lm_head row-parallel: an all-reduce of the whole ``[B, S, V]`` logits in the
-forward and the ``[V, E]`` gradient computed whole on every rank. Per step on tp (n ranks, ring
-wire bytes): ``vocab`` moves 2(n-1)/n·BSE (lookup) + (n-1)/n·BSV (logits gathered), ``embed_dim``
-(n-1)/n·BSE + 2(n-1)/n·BSV; one collective each, in inference as in training.
+forward and the ``[V, E]`` gradient computed whole on every rank. Wire bytes per rank and step
+(n tp ranks, ring; the forward alone is inference's)::
+
+    vocab:      fwd 2(n-1)/n·BSE (lookup) + (n-1)/n·BSV (logits gathered, only when returned)
+                bwd 2(n-1)/n·BSE (the lm_head's input gradient)
+    embed_dim:  fwd (n-1)/n·BSE (lookup) + 2(n-1)/n·BSV (row-parallel logits)
+                bwd (n-1)/n·BSE (the lm_head's input gradient gathered)
+
+``vocab`` moves less in inference when V > E, in training when V > 2E (every LM: GPT-2 65E),
+and with the loss inside the graph (``labels=``) its logits never move.
 
 With ``sequence_parallel`` the output goes to the sequence shard S(1) instead of R (an
 all-to-all for ``embed_dim``, a reduce-scatter for ``vocab``). On other axes the weight is
