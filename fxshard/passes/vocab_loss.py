@@ -24,8 +24,16 @@ that holds it (``fxshard::vocab_nll_loss_forward``) and the partial sums all-red
     _log_softmax_backward_data(g, logp, 1):  g - exp(logp) * all_reduce(sum(g, [1], True))
     nll_loss_backward(..):                   fxshard::vocab_nll_loss_backward (own targets)
 
-Nothing ``[N, V]``-sized moves: per row ``tp`` maxima and one sum (forward), one sum
-(backward), and the scalar loss.
+and when the NLL's gradient is all the log-softmax's backward sees (a cross-entropy), the two
+backward ops are one pass over the rank's logits with no collective
+(``fxshard::vocab_cross_entropy_backward`` on the forward's ``e`` and ``lse``)::
+
+    before: g = vocab_nll_loss_backward(grad, logp, t, ..)
+            dx = sub(g, mul(exp(logp), all_reduce(sum(g, [1], True))))
+    after:  dx = vocab_cross_entropy_backward(grad, e, lse, t, ..)  # e * w/exp(lse), -w at t
+
+Nothing ``[N, V]``-sized moves: per row ``tp`` maxima and one sum (forward), nothing
+(backward; one sum when the log-probabilities have other uses), and the scalar loss.
 """
 from __future__ import annotations
 
