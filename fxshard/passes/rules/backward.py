@@ -241,6 +241,10 @@ def native_layer_norm_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> D
     tensors = tensor_inputs(node)
     x = node.args[1]
     n_w = len(tensors) - 4          # weight and bias, when given
+    if isinstance(ins[0], Partial) and ctx.is_tp:
+        # the input gradient of a column-parallel block (or lm_head): reduced before, once
+        # (Megatron's), not after as three partial sums (grad_x and two [E] gradients)
+        return Decision(ins=[R] * len(ins), out=[R] * 3)
     if isinstance(ins[0], Partial) and not any(isinstance(p, Partial) for p in ins[1:]):
         return Decision(ins=[P] + [R] * (len(ins) - 1), out=[P] * 3)
     shard = _norm_leading(node, ins[:2], ctx, x, list(node.args[2]))
