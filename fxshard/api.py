@@ -304,7 +304,9 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
             ``1/tp`` of the table; the lookup's output is all-gathered), ``"vocab"`` (rows
             split; an all-reduce) or ``"replicate"`` (the whole table on every rank: no
             collective, e.g. one fewer per decode step of ``generate``, for ``tp - 1``
-            tables' worth of memory per rank).
+            tables' worth of memory per rank). Under ``"embed_dim"`` a table tied to the
+            lm_head is split on the vocab (``"vocab"``, the lm_head column-parallel) when
+            ``tp`` divides it; ``plan=`` places it otherwise.
         stages: the pipeline stage of each layer of the model's layer stack (default
             :func:`fxshard.passes.split_stages.assign_layers_to_stages`).
         ring_zigzag: shard the sequence zigzag on ``ring_cp`` (rank j holds chunks j and

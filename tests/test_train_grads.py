@@ -111,7 +111,7 @@ def test_gradients_equal_single_device(dp, tp, sp):
         assert f["all_gather", "tp"] == 2 * layers + 2 and f["reduce_scatter", "tp"] == 2 * layers
 
 
-@pytest.mark.parametrize("dp,tp", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("dp,tp", [(2, 1), (1, 2), (2, 2)])
 def test_tied_embedding_gradient_sums_both_uses(dp, tp):
     model = _llama(layers=1, tied=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -119,6 +119,10 @@ def test_tied_embedding_gradient_sums_both_uses(dp, tp):
     tm = parallelize_for_training(model, _mesh(dp, tp))
     _check_grads(model, tm, ids, labels)
     assert "lm_head.weight" not in tm.shards(0)    # one shard per rank for the one tensor
+    if tp > 1:   # vocab-parallel: both uses' gradients local, Megatron's all-reduces only
+        assert tm.shards(0)["model.embed_tokens.weight"].shape == (V // tp, 48)
+        c = _collectives(tm, "backward")
+        assert c["all_reduce", "tp"] == 2 + 1 and c["all_gather", "tp"] == 0, c
 
 
 def test_rank_programs_are_readable_and_split():

@@ -1,8 +1,11 @@
 """Training HF models with fused projections and experts: GPT-2 (``Conv1D`` ``c_attn``, tied
-embeddings), Phi-3 (fused ``qkv_proj`` and ``gate_up_proj``), Mixtral (MoE). On tp the fused
-weights are strided shards (each rank its share of every part) and so are their gradients: the
-backward of the forward's split is a local cat / a pad into the fused layout, never a gather.
-Every parameter's gradient and three AdamW steps with ``clip_grad_norm_`` equal one device's."""
+embeddings), Phi-3 (fused ``qkv_proj`` and ``gate_up_proj``), Mixtral (MoE), Qwen2 with tied
+embeddings. On tp the fused weights are strided shards (each rank its share of every part) and
+so are their gradients: the backward of the forward's split is a local cat / a pad into the
+fused layout, never a gather. A tied table is vocab-sharded for both uses (the lookup and the
+column-parallel lm_head): each rank's gradient is its ``[V/tp, H]`` rows, both uses' added
+locally. Every parameter's gradient and three AdamW steps with ``clip_grad_norm_`` equal one
+device's."""
 import collections
 import copy
 import warnings
@@ -17,10 +20,11 @@ from fxshard.training import clip_grad_norm_, parallelize_for_training
 transformers = pytest.importorskip("transformers")
 
 V, B, S = 96, 4, 6
+TV = 90     # the tied models' vocab: 45 rows per tp rank, unlike any other size
 
 
-def _gpt2():
-    cfg = transformers.GPT2Config(vocab_size=V, n_positions=16, n_embd=48, n_layer=2, n_head=4,
+def _gpt2(vocab=TV):
+    cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=16, n_embd=48, n_layer=2, n_head=4,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                   bos_token_id=0, eos_token_id=0)
     return transformers.GPT2LMHeadModel(cfg)
@@ -43,7 +47,17 @@ def _mixtral():
     return transformers.MixtralForCausalLM(cfg)
 
 
-_MODELS = {"gpt2": _gpt2, "phi3": _phi3, "mixtral": _mixtral}
+def _qwen2():
+    cfg = transformers.Qwen2Config(vocab_size=TV, hidden_size=48, intermediate_size=72,
+                                   num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=32,
+                                   tie_word_embeddings=True, pad_token_id=0, bos_token_id=0,
+                                   eos_token_id=0)
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+_MODELS = {"gpt2": _gpt2, "phi3": _phi3, "mixtral": _mixtral, "qwen2": _qwen2,
+           "gpt2_odd": lambda: _gpt2(vocab=TV + 1)}    # 91 rows: tp=2 cannot split them
 
 
 def _model(name):
@@ -73,12 +87,12 @@ def _collectives(tm, which):
     return out
 
 
-def _train_equal(name, dp, tp, steps=3):
+def _train_equal(name, dp, tp, steps=3, lr=1e-2):
     """Gradients of the first step, then ``steps`` AdamW steps with clipping: equal one
     device's. Returns the TrainModule."""
     model = _model(name)
     ref = copy.deepcopy(model)
-    ids, labels = _data()
+    ids, labels = (t % model.config.vocab_size for t in _data())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tm = parallelize_for_training(model, _mesh(dp, tp), example_inputs=(ids,))
@@ -86,8 +100,11 @@ def _train_equal(name, dp, tp, steps=3):
     # shift-invariant), rounding noise of ~1e-10 on one device and on ours; Adam's
     # m / (sqrt(v) + eps) with the default eps 1e-8 turns that noise into an update of
     # arbitrary sign, with 1e-6 into one below 1e-4 * lr
-    ours = torch.optim.AdamW(tm.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.1)
-    theirs = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.1)
+    # (the same goes for any element whose gradient is near eps: GPT-2 with vocab 90 has a
+    # c_proj element of 3.5e-7 whose 1.5e-8 of fp32 rounding (on one device as on ours) moves
+    # Adam's first update by 0.3%, 2.6e-5 at lr 1e-2: the tied models step at lr 1e-3)
+    ours = torch.optim.AdamW(tm.parameters(), lr=lr, eps=1e-6, weight_decay=0.1)
+    theirs = torch.optim.AdamW(ref.parameters(), lr=lr, eps=1e-6, weight_decay=0.1)
     for step in range(steps):
         ours.zero_grad()
         theirs.zero_grad()
@@ -112,7 +129,7 @@ def _train_equal(name, dp, tp, steps=3):
 
 @pytest.mark.parametrize("name,dp", [("gpt2", 1), ("gpt2", 2), ("phi3", 1), ("phi3", 2)])
 def test_fused_projections_train_on_tp(name, dp):
-    tm = _train_equal(name, dp, 2)
+    tm = _train_equal(name, dp, 2, lr=1e-3 if name == "gpt2" else 1e-2)
     fused = "transformer.h.0.attn.c_attn.weight" if name == "gpt2" else \
         "model.layers.0.self_attn.qkv_proj.weight"
     assert type(tm._specs[fused][1]).__name__ == "StridedShard", tm._specs[fused]
@@ -122,9 +139,58 @@ def test_fused_projections_train_on_tp(name, dp):
         for c in tm.collectives(which):
             assert c.op in ("all_reduce", "all_gather", "local_shard", "partial_from_replicate")
             assert c.op != "all_gather" or c.shape[-1] not in (72, 144), (which, c)
-    if name == "phi3":   # Megatron: one all-reduce per block's input gradient, and lm_head's
-        c = _collectives(tm, "backward")
-        assert c["all_reduce", "tp"] == 2 * 2 + 1 and c["all_gather", "tp"] == 0, c
+    if name == "gpt2":
+        _assert_vocab_parallel(tm, "transformer.wte.weight", dp)
+    # Megatron: one all-reduce per block's input gradient, and the lm_head's (GPT-2's
+    # LayerNorm backward takes it reduced: its weight and bias gradients need no more)
+    c = _collectives(tm, "backward")
+    assert c["all_reduce", "tp"] == 2 * 2 + 1 and c["all_gather", "tp"] == 0, c
+
+
+def _assert_vocab_parallel(tm, table, dp):
+    """The tied ``table`` [TV, 48] vocab-sharded on tp, both uses' gradients the rank's rows:
+    no op of the backward names V (the whole table's gradient, its slice), no collective
+    moves vocab-sized data; the lookup's backward and the lm_head's gradient matmul have
+    V/2 rows, and the table's gradient is their local sum."""
+    V = TV
+    assert tm._specs[table][1] == fxshard.Shard(0) and tm.shards(1)[table].shape == (V // 2, 48)
+    g = tm.rank_module(0, "backward").graph
+    for n in g.nodes:
+        ints = [a for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs))
+                if isinstance(a, int)]
+        assert V not in ints, n.format_node()
+    for which in ("forward", "backward"):
+        moved = [c for c in tm.collectives(which)
+                 if c.axis == "tp" and (V in c.shape or V // 2 in c.shape)]
+        # the forward gathers the returned logits [B, S, V/2] once; the backward slices them
+        want = [("all_gather", (B // dp, S, V // 2))] if which == "forward" else \
+            [("local_shard", (B // dp, S, V))]
+        assert [(c.op, c.shape) for c in moved] == want, (which, moved)
+    lookup = [n for n in g.nodes if n.target is torch.ops.fxshard.vocab_embedding_backward.default]
+    assert len(lookup) == 1 and lookup[0].args[2] == V // 2, lookup
+    (tied_sum,) = lookup[0].users
+    assert tied_sum.target is torch.ops.aten.add.Tensor
+    # the lm_head's gradient: t(mm(t(grad [B*S, V/2]), x)) -> [V/2, H]
+    mm = next(a for a in tied_sum.args if a is not lookup[0])
+    while mm.target is torch.ops.aten.t.default:
+        mm = mm.args[0]
+    assert mm.target is torch.ops.aten.mm.default, mm.format_node()
+    grad_view = mm.args[0].args[0]
+    assert list(grad_view.args[1]) == [B // dp * S, V // 2], grad_view.format_node()
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gpt2_odd"])
+def test_tied_embeddings_train_on_dp_tp(name):
+    # dp2·tp2: a tied Qwen2 vocab-parallel; GPT-2 with 91 rows keeps the table's hidden dim
+    # split on tp (no even vocab shard), and trains equal too
+    tm = _train_equal(name, 2, 2, steps=2, lr=1e-3)
+    table = "model.embed_tokens.weight" if name == "qwen2" else "transformer.wte.weight"
+    assert "lm_head.weight" not in tm.shards(0)
+    if name == "qwen2":
+        _assert_vocab_parallel(tm, table, 2)
+    else:
+        assert tm._specs[table][1] == fxshard.Shard(1), tm._specs[table]
+        assert tm.shards(3)[table].shape == (TV + 1, 24)
 
 
 @pytest.mark.parametrize("dp,tp", [(1, 2), (2, 1)])

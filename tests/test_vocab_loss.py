@@ -110,8 +110,26 @@ def test_training_with_the_loss_inside_gradients_equal_one_device(shape):
     for which in ("forward", "backward"):
         assert _vocab_sized(tm.rank_module(0, which), tm.spec) == [], which
     backward = _targets(tm.rank_module(0, "backward"))
-    assert "fxshard.vocab_nll_loss_backward.default" in backward
     assert "aten._log_softmax_backward_data.default" not in backward   # rewritten, sharded
+    # the cross-entropy's backward is one op over the [B*S, V/tp] logits (softmax recomputed
+    # from the saved exp and log-sum-exp, times the row's weight, minus it at the target) and
+    # moves nothing: the NLL gradient's row sum is known (it was zeros + scatter, a sum, its
+    # all-reduce, exp, mul and sub: five passes)
+    g = tm.rank_module(0, "backward").graph
+    over_logits = [n.name for n in g.nodes if n.op == "call_function" and n.target not in
+                   _MOVES_NOTHING and any(_logits_like(a) for a in (n, *n.all_input_nodes))]
+    assert over_logits == ["vocab_cross_entropy_backward_default"], over_logits
+    assert not [c for c in collectives_of(g, tm.spec) if c.shape == (B * S // shape[0], 1)]
+
+
+_MOVES_NOTHING = (torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+                  torch.ops.aten._unsafe_view.default, torch.ops.aten.t.default,
+                  torch.ops.aten.mm.default)   # views, and the lm_head's gradient matmuls
+
+
+def _logits_like(n: fx.Node) -> bool:
+    v = n.meta.get("val")
+    return isinstance(v, torch.Tensor) and tuple(v.shape) == (B * S, V)
 
 
 class _Head(torch.nn.Module):

@@ -12,6 +12,20 @@ following all-reduce adds (Megatron's vocab-parallel cross-entropy)::
 replicated over the vocab axes). ``vocab_nll_loss_backward`` writes ``-grad`` (``/ total``
 for ``reduction=mean``) at the rank's own targets and zero elsewhere: its shard of
 ``nll_loss_backward``.
+
+``vocab_cross_entropy_backward`` is both backward ops in one, when the log-softmax feeds only
+the NLL: the NLL's gradient has one entry per row (``-w``, ``w`` the row's weight: ``grad``,
+``/ total`` for a mean, 0 if ignored), so the log-softmax's ``sum(g)`` is ``-w`` on every rank
+and needs no all-reduce, and the gradient of the logits is ``softmax * w`` minus ``w`` at the
+rank's own target (Megatron's)::
+
+    before: g = vocab_nll_loss_backward(grad, logp, target, ..)     # zeros + scatter  [N, C]
+            s = all_reduce(sum(g, [1], True)); dx = g - exp(logp) * s  # 4 more over [N, C]
+    after:  dx = vocab_cross_entropy_backward(grad, e, lse, target, ..)
+            # e * (w / exp(lse)), scatter_add -w at the own targets: one pass over [N, C]
+
+``e = exp(logits - max)`` and ``lse = log(sum(e))`` (all-reduced) are the forward's, saved
+instead of ``logp``.
 """
 from __future__ import annotations
 
@@ -20,7 +34,7 @@ import torch
 from fxshard.ops.library import define_op
 from fxshard.runtime.context import current_backend
 
-__all__ = ["vocab_nll_loss_forward", "vocab_nll_loss_backward"]
+__all__ = ["vocab_nll_loss_forward", "vocab_nll_loss_backward", "vocab_cross_entropy_backward"]
 
 
 def _start(axes, sizes, classes: int) -> int:
@@ -76,3 +90,28 @@ def vocab_nll_loss_backward(grad, logp, target, reduction: int, ignore_index: in
 @vocab_nll_loss_backward.register_fake
 def _(grad, logp, target, reduction, ignore_index, total_weight, axes, sizes):
     return torch.empty_like(logp)
+
+
+def _row_weight(grad, target, reduction: int, ignore_index: int, total_weight):
+    g = grad if reduction == 0 else grad.expand(target.shape)
+    if reduction == 1:
+        g = g / total_weight
+    return torch.where(target != ignore_index, g, torch.zeros_like(g))
+
+
+@define_op("fxshard::vocab_cross_entropy_backward",
+           "(Tensor grad, Tensor e, Tensor lse, Tensor target, int reduction, int ignore_index, "
+           "Tensor total_weight, str[] axes, int[] sizes) -> Tensor")
+def vocab_cross_entropy_backward(grad, e, lse, target, reduction: int, ignore_index: int,
+                                 total_weight, axes, sizes):
+    classes = e.shape[1]
+    local, mine = _local_targets(target, ignore_index, _start(axes, sizes, classes), classes)
+    w = _row_weight(grad, target, reduction, ignore_index, total_weight).to(e.dtype)
+    out = e * (w.unsqueeze(1) / lse.exp())
+    at_target = torch.where(mine, -w, torch.zeros_like(w))
+    return out.scatter_add_(1, local.unsqueeze(1), at_target.unsqueeze(1))
+
+
+@vocab_cross_entropy_backward.register_fake
+def _(grad, e, lse, target, reduction, ignore_index, total_weight, axes, sizes):
+    return torch.empty_like(e)

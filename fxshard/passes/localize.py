@@ -212,11 +212,15 @@ def _vocab_embedding(node: fx.Node, ctx: PassCtx) -> int:
             if n > 1 and isinstance(p, Shard) and p.dim == 0]
     if not axes:
         return 0
-    if len(axes) > 1 or len(node.args) > 2:
+    # padding_idx shapes only the gradient (a training program's embedding_dense_backward
+    # carries it: fxshard::vocab_embedding_backward); the lookup itself ignores it
+    extra = [a for a in node.args[3:] if a is not False]
+    if len(axes) > 1 or extra:
         raise NotImplementedError(
             f"fxshard.parallelize: embedding {node.name} is vocab-sharded over {axes} with "
-            f"extra arguments {node.args[2:]}; only one vocab axis without padding_idx is "
-            f"supported. Use plan={{...: 'embed_dim'}} for this embedding.")
+            f"extra arguments {node.args[2:]}; only one vocab axis without "
+            f"scale_grad_by_freq or sparse is supported. Use plan={{...: 'embed_dim'}} for "
+            f"this embedding.")
     import fxshard.ops  # noqa: F401  (registers fxshard::vocab_embedding)
     axis = axes[0]
     node.target = torch.ops.fxshard.vocab_embedding.default

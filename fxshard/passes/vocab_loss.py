@@ -24,8 +24,16 @@ that holds it (``fxshard::vocab_nll_loss_forward``) and the partial sums all-red
     _log_softmax_backward_data(g, logp, 1):  g - exp(logp) * all_reduce(sum(g, [1], True))
     nll_loss_backward(..):                   fxshard::vocab_nll_loss_backward (own targets)
 
-Nothing ``[N, V]``-sized moves: per row ``tp`` maxima and one sum (forward), one sum
-(backward), and the scalar loss.
+and when the NLL's gradient is all the log-softmax's backward sees (a cross-entropy), the two
+backward ops are one pass over the rank's logits with no collective
+(``fxshard::vocab_cross_entropy_backward`` on the forward's ``e`` and ``lse``)::
+
+    before: g = vocab_nll_loss_backward(grad, logp, t, ..)
+            dx = sub(g, mul(exp(logp), all_reduce(sum(g, [1], True))))
+    after:  dx = vocab_cross_entropy_backward(grad, e, lse, t, ..)  # e * w/exp(lse), -w at t
+
+Nothing ``[N, V]``-sized moves: per row ``tp`` maxima and one sum (forward), nothing
+(backward; one sum when the log-probabilities have other uses), and the scalar loss.
 """
 from __future__ import annotations
 
@@ -139,7 +147,7 @@ def _empty(val, dim: int, size: int):
     return _fake(lambda v: v.new_empty(shape), val)
 
 
-def _log_softmax(graph: fx.Graph, node: fx.Node, ctx: PassCtx) -> bool:
+def _log_softmax(graph: fx.Graph, node: fx.Node, ctx: PassCtx, saved: dict) -> bool:
     dim, spec = log_softmax_dim(node), node.meta.get("fxshard_spec")
     axes = _axes(spec, dim, ctx) if isinstance(spec, tuple) else []
     if not axes or not sharded_dim_ok(node):
@@ -159,16 +167,19 @@ def _log_softmax(graph: fx.Graph, node: fx.Node, ctx: PassCtx) -> bool:
         out = _node(graph, node, aten.sub.Tensor, (z, lse), node.meta["val"], s, [s, sr])
     node.replace_all_uses_with(out)
     graph.erase_node(node)
+    saved[out] = (e, lse)
     return True
 
 
-def _log_softmax_backward(graph: fx.Graph, node: fx.Node, ctx: PassCtx) -> bool:
+def _log_softmax_backward(graph: fx.Graph, node: fx.Node, ctx: PassCtx, saved: dict) -> bool:
     g, y, dim, dtype = node.args
     spec = node.meta.get("fxshard_spec")
     dim %= node.meta["val"].dim()
     axes = _axes(spec, dim, ctx) if isinstance(spec, tuple) else []
     if not axes:
         return False
+    if _fused_backward(graph, node, saved):
+        return True
     if dtype != node.meta["val"].dtype or g.meta["val"].dtype != dtype:
         raise NotImplementedError(
             f"fxshard: {node.name} (_log_softmax_backward_data over the sharded dim {dim}, "
@@ -183,6 +194,36 @@ def _log_softmax_backward(graph: fx.Graph, node: fx.Node, ctx: PassCtx) -> bool:
         out = _node(graph, node, aten.sub.Tensor, (g, prod), node.meta["val"], s, [s, s])
     node.replace_all_uses_with(out)
     graph.erase_node(node)
+    return True
+
+
+def _fused_backward(graph: fx.Graph, node: fx.Node, saved: dict) -> bool:
+    """``node`` (the log-softmax's backward over the class dim) of the gradient of an NLL only
+    (``vocab_nll_loss_backward``, its one user), on rows of a log-softmax this pass rewrote:
+    both become ``fxshard::vocab_cross_entropy_backward`` on the forward's ``e`` and ``lse``."""
+    from ..ops.loss import vocab_cross_entropy_backward, vocab_nll_loss_backward
+    g, y = node.args[0], node.args[1]
+    while y.target is aten.detach.default and y not in saved:
+        y = y.args[0]
+    if g.target is not vocab_nll_loss_backward.default or len(g.users) != 1 or y not in saved:
+        return False
+    e, lse = saved[y]
+    grad, _, target, reduction, ignore, total, names, sizes = g.args
+    need = g.meta["fxshard_need"]           # grad, logp, target, total
+    with graph.inserting_before(node):
+        out = _node(graph, node, vocab_cross_entropy_backward.default,
+                    (grad, e, lse, target, reduction, ignore, total, names, sizes),
+                    node.meta["val"], node.meta["fxshard_spec"],
+                    [need[0], e.meta["fxshard_spec"], lse.meta["fxshard_spec"], need[2],
+                     need[3]])
+    node.replace_all_uses_with(out)
+    for dead in (node, g, node.args[1]):
+        while dead.op == "call_function" and not dead.users:
+            up = dead.args[0] if dead.target is aten.detach.default else None
+            graph.erase_node(dead)
+            if not isinstance(up, fx.Node):
+                break
+            dead = up
     return True
 
 
@@ -209,13 +250,14 @@ def _nll(node: fx.Node, ctx: PassCtx) -> bool:
 
 def vocab_parallel_loss_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     graph, counts = gm.graph, {"log_softmax": 0, "log_softmax_backward": 0, "nll": 0}
+    saved: dict = {}    # rewritten log-softmax output -> its (e, lse)
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         if node.target in LOG_SOFTMAX:
-            counts["log_softmax"] += _log_softmax(graph, node, ctx)
+            counts["log_softmax"] += _log_softmax(graph, node, ctx, saved)
         elif node.target is aten._log_softmax_backward_data.default:
-            counts["log_softmax_backward"] += _log_softmax_backward(graph, node, ctx)
+            counts["log_softmax_backward"] += _log_softmax_backward(graph, node, ctx, saved)
         elif node.target in (aten.nll_loss_forward.default, aten.nll_loss_backward.default):
             counts["nll"] += _nll(node, ctx)
     ctx.report("vocab_parallel_loss_pass", **counts)

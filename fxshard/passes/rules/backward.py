@@ -126,12 +126,27 @@ def embedding_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     if token is not None and not by_freq:
         # every rank scatters its own tokens' rows: a partial sum of the table's gradient
         return Decision(ins=[token, token], out=P)
-    if want is not None and want[ctx.mesh.axis_names.index(ctx.axis)] == Shard(0) and \
-            not by_freq:
+    if (want is not None and want[ctx.mesh.axis_names.index(ctx.axis)] == Shard(0) or
+            _forward_table(node, i, ctx) == Shard(0)) and not by_freq:
         # a vocab-sharded table: each rank the gradient of its rows (fxshard.training's
-        # localize makes it fxshard::vocab_embedding_backward)
+        # localize makes it fxshard::vocab_embedding_backward); a tied table's gradient is
+        # not the program's output itself (the lm_head's is added to it): the forward
+        # lookup's table says where it lives
         return Decision(ins=[R, R], out=Shard(0))
     return Decision(ins=[R, R], out=R)
+
+
+def _forward_table(node: fx.Node, ids: fx.Node, ctx: RuleCtx):
+    """The placement on ``ctx.axis`` that the forward's lookup with ``ids`` (and as many rows
+    as ``node``, an ``embedding_dense_backward``) reads its table in, or None."""
+    for u in ids.users:
+        if u.target is aten.embedding.default and u.args[1] is ids and \
+                isinstance(u.args[0], fx.Node) and \
+                tuple(u.args[0].meta["val"].shape)[0] == node.args[2]:
+            need = u.meta.get("fxshard_need")   # set: the forward lookup came first
+            if need:
+                return need[0][ctx.mesh.axis_names.index(ctx.axis)]
+    return None
 
 
 def _padded_dim(node: fx.Node) -> int:
@@ -226,6 +241,10 @@ def native_layer_norm_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> D
     tensors = tensor_inputs(node)
     x = node.args[1]
     n_w = len(tensors) - 4          # weight and bias, when given
+    if isinstance(ins[0], Partial) and ctx.is_tp:
+        # the input gradient of a column-parallel block (or lm_head): reduced before, once
+        # (Megatron's), not after as three partial sums (grad_x and two [E] gradients)
+        return Decision(ins=[R] * len(ins), out=[R] * 3)
     if isinstance(ins[0], Partial) and not any(isinstance(p, Partial) for p in ins[1:]):
         return Decision(ins=[P] + [R] * (len(ins) - 1), out=[P] * 3)
     shard = _norm_leading(node, ins[:2], ctx, x, list(node.args[2]))
