@@ -129,6 +129,7 @@ def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint
     whole = tuple(R for _ in ctx.mesh.shape)
     given, tags, tangents = {}, {}, {}
     fresh = 1 + max([n.meta["fxshard_input"] for n in users] or [0])
+    moe_routing_pass(gm, ctx=ctx)   # (the tangents still tagged: it tells the backward apart)
     for node in placeholders:
         fqn = node.meta.get("fxshard_param") or node.meta.get("fxshard_buffer")
         if node in users:
@@ -150,7 +151,6 @@ def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint
         if fqn is not None and isinstance(g, fx.Node):
             g.meta["fxshard_want"] = specs.get(fqn, whole)   # rules may aim for it
     ctx.input_specs = given
-    moe_routing_pass(gm, ctx=ctx)
     reduced: dict = {}
     gathered: dict = {}
     for round_ in range(_MAX_ROUNDS):

@@ -167,8 +167,13 @@ def index_put_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     tensors = tensor_inputs(node)
     m = len(indices)
     if token_local(node, ctx) and m == 1 and len(ins) == 3 and shard_dim(ins[1]) == 0:
-        p = ins[1]   # the inverse permutation of the rank's own sort
-        return Decision(ins=[p, p, p], out=p)
+        # the inverse permutation of the rank's own sort; in a backward, a gradient added
+        # back to the rank's own rows (of the routing pairs, or of the tokens: ``self``'s rows
+        # laid out like the pairs')
+        p = ins[1]
+        need = rows_like(p, ctx.shape(indices[0])[0], ctx.shape(node.args[0])[0])
+        if need is not None:
+            return Decision(ins=[need, p, p], out=need)
     if any(not isinstance(t, fx.Node) for t in indices) or len(tensors) != m + 2:
         return Decision(ins=[R] * len(ins), out=R)
     px, pv = ins[0], ins[-1]
