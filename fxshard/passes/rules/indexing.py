@@ -177,6 +177,11 @@ def index_put_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     if any(not isinstance(t, fx.Node) for t in indices) or len(tensors) != m + 2:
         return Decision(ins=[R] * len(ins), out=R)
     px, pv = ins[0], ins[-1]
+    if isinstance(pv, Partial) and not any(isinstance(p, Shard) for p in ins[1:-1]) and \
+            len(node.args) > 3 and node.args[3] is True:
+        # self + the values added at the indices: linear in both (an MoE gradient added back
+        # to its tokens is reduced once, on [T, H], not on the [T * k, H] rows)
+        return Decision(ins=[P] + [R] * m + [P], out=P)
     values = node.args[2]
     if isinstance(pv, Shard) and not isinstance(px, Shard):   # self follows the values' shard
         d = pv.dim + ctx.ndim(node.args[0]) - ctx.ndim(values)
