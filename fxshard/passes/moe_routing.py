@@ -133,10 +133,14 @@ def _region(sort: fx.Node, bwd: set) -> tuple[set[fx.Node], fx.Node | None] | No
         if sort.meta["val"][0].dim() != 1:
             return None
         outs = _getitems(sort)
-        if set(outs) != {0, 1}:
+        if set(outs) == {1}:   # only the order (an argsort, decomposed in a joint graph)
+            ids_g, perm = None, outs[1]
+            region = {sort, perm}
+        elif set(outs) != {0, 1}:
             return None
-        ids_g, perm = outs[0], outs[1]
-        region = {sort, ids_g, perm}
+        else:
+            ids_g, perm = outs[0], outs[1]
+            region = {sort, ids_g, perm}
     n = _rows(perm)
     gathered: list[fx.Node] = []   # index(x, [perm-derived]) -> sorted rows
     add_backs: set[fx.Node] = set()   # scatter_add(out, 0, token of each row, rows)
@@ -285,6 +289,7 @@ def _backward(region: set, bwd: set, n: int, gm: fx.GraphModule) -> set | None:
     inverse = {u for u in region if u.target is aten.index_put.default and
                list(u.args[3:4]) in ([], [False])}
     inside = set(region)   # the values in the region's (sorted) order
+    counts = {u.args[2] for u in region if lookup(u.target) is grouped_mm_rule}   # offsets
     back: set[fx.Node] = set()
     multi: set[fx.Node] = set()   # the experts' backward: rows, and the weights' gradient
     for u in gm.graph.nodes:
@@ -313,7 +318,7 @@ def _backward(region: set, bwd: set, n: int, gm: fx.GraphModule) -> set | None:
                 return None              # (an expert weight's gradient: a partial sum)
         elif _grouped_mm_backward(u):
             x, _, offs, g = args
-            if x not in inside or g not in inside or offs not in region:
+            if x not in inside or g not in inside or offs not in counts:
                 return None
             multi.add(u)
         elif _keeps_rows(u, inside, n):

@@ -91,6 +91,11 @@ def gather_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     """``gather(x, dim, idx)``: out has idx's shape; a shard of another dim of both passes."""
     dim = _dim_arg(node, 1, 0)
     x, idx = tensor_inputs(node)[:2]
+    if token_local(node, ctx) and dim == 0 and len(ins) == 2 and shard_dim(ins[1]) == 0:
+        # an MoE backward takes each routed row's gradient from its token (the rank's own)
+        need = rows_like(ins[1], ctx.shape(idx)[0], ctx.shape(x)[0])
+        if need is not None:
+            return Decision(ins=[need, ins[1]], out=ins[1])
     for p in ins[:2]:
         if isinstance(p, Shard) and p.dim != dim and \
                 ctx.shape(x)[p.dim] == ctx.shape(idx)[p.dim]:
