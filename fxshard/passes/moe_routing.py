@@ -19,6 +19,14 @@ multiplies and un-sorts its own rows: inside the region values are in the rank's
 inside the region on such an axis; propagation checks that and otherwise propagates the region
 again without the tag (the routing is then gathered: correct, slower).
 
+In a joint forward+backward graph (``fxshard.training``) the region takes its backward along,
+or the region is not tagged: ``index_put(zeros, [inv], g, True)`` brings the gradient into the
+rank's sorted order, the experts' backward (``grouped_mm_fallback_backward``: the weights'
+gradients are partial sums, reduced over the token axis outside the region) and row-wise ops
+keep it there, and ``index_put(zeros, [perm // k], gx, True)`` / ``[perm]`` (or a ``gather``
+of the add-back's token index) bring it back to the rank's own tokens. The joint
+propagation checks those regions like ``propagate_pass``.
+
 This pass tags the region's nodes with ``node.meta["fxshard_token_local"]`` (the sort's name)
 after checking that everything between the sort and the un-permuting index is row-wise; the
 rules of ``sort``, ``index``, ``index_put``, ``cumsum`` and ``grouped_mm`` read the tag (it
