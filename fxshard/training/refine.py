@@ -5,7 +5,9 @@ collectives; each refinement finds one after a sweep and the next sweep avoids i
 
 - ``reduced_many_times``: a partial sum flowing through linear ops into several reductions
   (the input gradient of a column-parallel block, summed over q, k, v, then the norm's
-  backward) is reduced once, at the latest value every path passes through::
+  backward) is reduced once, at the latest value every path passes through, where that moves
+  no more bytes than the reductions it replaces (an MoE expert output ``[T * k, H]`` is not:
+  its ``[T, H]`` top-k sum and its ``[T * k]`` router gradient are reduced apart)::
 
       add_16 = add(add_15, view_31)          # P: q, k and v input gradients
       mul_35 = mul(add_16, w_norm); sum_6 = sum(mul(mul_35, x), [2]); mul_38 = ...

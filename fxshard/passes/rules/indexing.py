@@ -15,7 +15,9 @@ by expert).
 The writing side (MoE routing, HF's eager experts) mirrors it: ``index_put``, ``index_add``,
 ``scatter``/``scatter_add`` keep a shard of a dim they do not write along; ``index_add`` and
 ``scatter_add`` of rows sharded along the written dim give a partial sum (``self`` added on one
-rank); ``histc`` of a shard is the partial sum of the shards' counts::
+rank); ``index_put(.., accumulate=True)`` of partial values stays partial (an MoE input
+gradient added back to its tokens: reduced on ``[T, H]``); ``histc`` of a shard is the partial
+sum of the shards' counts::
 
     index_add(out: R [T, H], 0, idx: S(0) [N], src: S(0) [N, H])  -> out P (ins P, S(0), S(0))
     histc(ids: S(0) [N], bins=E)                                   -> counts P [E]
