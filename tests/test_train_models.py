@@ -71,8 +71,8 @@ def _data():
             torch.randint(0, V, (B, S), generator=g))
 
 
-def _mesh(dp, tp):
-    return fxshard.init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+def _mesh(dp, tp, batch="dp"):
+    return fxshard.init_device_mesh("cpu", (dp, tp), mesh_dim_names=(batch, "tp"))
 
 
 def _loss(out, labels):
@@ -87,7 +87,7 @@ def _collectives(tm, which):
     return out
 
 
-def _train_equal(name, dp, tp, steps=3, lr=1e-2):
+def _train_equal(name, dp, tp, steps=3, lr=1e-2, batch="dp"):
     """Gradients of the first step, then ``steps`` AdamW steps with clipping: equal one
     device's. Returns the TrainModule."""
     model = _model(name)
@@ -95,7 +95,7 @@ def _train_equal(name, dp, tp, steps=3, lr=1e-2):
     ids, labels = (t % model.config.vocab_size for t in _data())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tm = parallelize_for_training(model, _mesh(dp, tp), example_inputs=(ids,))
+        tm = parallelize_for_training(model, _mesh(dp, tp, batch), example_inputs=(ids,))
     # eps 1e-6: GPT-2's key bias has a gradient of zero in exact arithmetic (softmax is
     # shift-invariant), rounding noise of ~1e-10 on one device and on ours; Adam's
     # m / (sqrt(v) + eps) with the default eps 1e-8 turns that noise into an update of
@@ -193,14 +193,53 @@ def test_tied_embeddings_train_on_dp_tp(name):
         assert tm.shards(3)[table].shape == (TV + 1, 24)
 
 
-@pytest.mark.parametrize("dp,tp", [(1, 2), (2, 1)])
-def test_moe_trains(dp, tp):
-    tm = _train_equal("mixtral", dp, tp, steps=2)
+def _expert_rows(tm, which):
+    """Rows of each expert grouped matmul's input on rank 0 (forward / backward program)."""
+    from fxshard.placement import local_shape
+    out = []
+    for n in tm.rank_module(0, which).graph.nodes:
+        if n.op == "call_function" and "grouped_mm" in str(n.target):
+            x = n.args[0]
+            out.append(local_shape(tuple(x.meta["val"].shape), x.meta["fxshard_spec"],
+                                   tm.mesh)[0])
+    return out
+
+
+@pytest.mark.parametrize("dp,tp,batch", [(1, 2, "dp"), (2, 1, "dp"), (2, 2, "dp"),
+                                         (2, 1, "fsdp")])
+def test_moe_trains(dp, tp, batch):
+    """Mixtral (2 layers, T = 24 tokens, top-2, H = 48): on a batch axis each rank sorts,
+    multiplies and adds back its own T*k/dp routed rows in forward and backward (no gather
+    of the tokens); on tp the experts' partial output is reduced once per layer on [T, H]
+    (after the un-permute and the sum over top-k), its gradient on [T, H] and the router's
+    [T, k] gradient, never on the [T*k, H] rows."""
+    tm = _train_equal("mixtral", dp, tp, steps=2, batch=batch)
     gate_up = "model.layers.0.mlp.experts.gate_up_proj"   # [E, 2I, H]: gate|up fused
     router = [c for c in tm.collectives("backward") if c.shape == (4, 48)]   # [E, H]
     if tp > 1:
         assert type(tm._specs[gate_up][1]).__name__ == "StridedShard", tm._specs[gate_up]
         assert tm.shards(1)[gate_up].shape == (4, 40, 48)
-        assert not router    # every tp rank routes every token: the router's gradient whole
-    else:   # the router's gradient is a partial sum over each rank's tokens: reduced once
+        # every tp rank routes every token: the router's gradient whole on tp
+        assert all(c.axis != "tp" for c in router), router
+    if batch == "dp" and dp > 1:   # the router's gradient is a partial sum over each rank's tokens
         assert [(c.op, c.axis) for c in router] == [("all_reduce", "dp")] * 2, router
+    T, k, H = B * S, 2, 48
+    rows = {"forward": _expert_rows(tm, "forward"), "backward": _expert_rows(tm, "backward")}
+    assert rows == {w: [T * k // dp] * 4 for w in rows}, rows   # 2 layers x (gate_up, down)
+    for which in ("forward", "backward"):
+        cs = tm.collectives(which)
+        if dp > 1:   # nothing gathered on the batch axis but the logits (and fsdp's weights)
+            gathers = [n.args[0] for n in tm.rank_module(0, which).graph.nodes
+                       if "all_gather" in str(n.target) and batch in n.args and
+                       n.args[0].meta.get("fxshard_param") is None]
+            assert [tuple(x.meta["val"].shape) for x in gathers] == \
+                [(B, S, V)][:which == "forward"], (which, gathers)
+        if tp > 1:
+            reduced = collections.Counter(c.shape for c in cs if c.axis == "tp" and
+                                          c.op == "all_reduce")
+            t = T // dp   # a rank's tokens (shapes per rank)
+            assert (t * k, H) not in reduced, (which, reduced)
+            if which == "forward":   # o_proj and the experts, per layer, on [B, S, H]
+                assert reduced == {(B // dp, S, H): 4}, reduced
+            else:   # + each MoE layer's [T, H] input gradient and [T, k] router gradient
+                assert reduced[t, H] == reduced[t, k] == 2, reduced

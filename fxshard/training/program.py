@@ -44,9 +44,9 @@ from ..passes.fsdp import AXIS as FSDP, used_spec
 from ..passes.gqa import unrepeat_kv_pass
 from ..passes.insert_collectives import insert_collectives_pass
 from ..passes.localize import localize_pass
-from ..passes.moe_routing import moe_routing_pass
+from ..passes.moe_routing import TAG, moe_routing_pass
 from ..passes.pipeline import run_passes
-from ..passes.propagate import _run_once, input_spec, propagate_pass
+from ..passes.propagate import _moved_inside_region, _run_once, input_spec, propagate_pass
 from ..passes.rules import FallbackWarning
 from ..placement import Partial, R
 from ..passes.vocab_loss import split_loss_pass, vocab_parallel_loss_pass
@@ -129,6 +129,7 @@ def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint
     whole = tuple(R for _ in ctx.mesh.shape)
     given, tags, tangents = {}, {}, {}
     fresh = 1 + max([n.meta["fxshard_input"] for n in users] or [0])
+    moe_routing_pass(gm, ctx=ctx)   # (the tangents still tagged: it tells the backward apart)
     for node in placeholders:
         fqn = node.meta.get("fxshard_param") or node.meta.get("fxshard_buffer")
         if node in users:
@@ -150,7 +151,6 @@ def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint
         if fqn is not None and isinstance(g, fx.Node):
             g.meta["fxshard_want"] = specs.get(fqn, whole)   # rules may aim for it
     ctx.input_specs = given
-    moe_routing_pass(gm, ctx=ctx)
     reduced: dict = {}
     gathered: dict = {}
     for round_ in range(_MAX_ROUNDS):
@@ -158,6 +158,14 @@ def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint
             if round_:
                 warnings.simplefilter("ignore", FallbackWarning)
             _run_once(gm, ctx, set(), reduced, gathered)
+            moved = _moved_inside_region(gm, ctx)
+            while moved:   # a collective would move rows inside these routing regions:
+                for node in gm.graph.nodes:   # they run gathered (correct, slower)
+                    if node.meta.get(TAG) in moved:
+                        del node.meta[TAG]
+                ctx.report("propagate_pass", changed=False, routing_regions_gathered=len(moved))
+                _run_once(gm, ctx, set(), reduced, gathered)
+                moved = _moved_inside_region(gm, ctx)
         changed = False
         for index, k in tangents.items():
             value = out.args[0][k]

@@ -5,7 +5,9 @@ collectives; each refinement finds one after a sweep and the next sweep avoids i
 
 - ``reduced_many_times``: a partial sum flowing through linear ops into several reductions
   (the input gradient of a column-parallel block, summed over q, k, v, then the norm's
-  backward) is reduced once, at the latest value every path passes through::
+  backward) is reduced once, at the latest value every path passes through, where that moves
+  no more bytes than the reductions it replaces (an MoE expert output ``[T * k, H]`` is not:
+  its ``[T, H]`` top-k sum and its ``[T * k]`` router gradient are reduced apart)::
 
       add_16 = add(add_15, view_31)          # P: q, k and v input gradients
       mul_35 = mul(add_16, w_norm); sum_6 = sum(mul(mul_35, x), [2]); mul_38 = ...
@@ -28,7 +30,7 @@ import torch.fx as fx
 
 from ..passes import PassCtx
 from ..passes.rules import tensor_inputs
-from ..placement import Partial, R, shard_dim
+from ..placement import Partial, R, local_shape, shard_dim
 
 aten = torch.ops.aten
 
@@ -43,7 +45,8 @@ def reduced_many_times(gm: fx.GraphModule, ctx: PassCtx) -> dict:
     than one reduction through Partial consumers, taking the latest such value (none of its
     consumers reaches all of its reductions)."""
     return _reaching_many(gm, ctx, held=lambda p: isinstance(p, Partial),
-                          ends=lambda need: not isinstance(need, Partial), views_only=False)
+                          ends=lambda need: not isinstance(need, Partial), views_only=False,
+                          cheaper=True)
 
 
 def gathered_many_times(gm: fx.GraphModule, ctx: PassCtx) -> dict:
@@ -53,13 +56,27 @@ def gathered_many_times(gm: fx.GraphModule, ctx: PassCtx) -> dict:
                           ends=lambda need: need == R, views_only=True)
 
 
-def _reaching_many(gm: fx.GraphModule, ctx: PassCtx, *, held, ends, views_only: bool) -> dict:
+def _bytes(node: fx.Node, mesh) -> int:
+    """Bytes of ``node``'s value on one rank."""
+    val, spec = node.meta.get("val"), node.meta.get("fxshard_spec")
+    if not isinstance(val, torch.Tensor) or not isinstance(spec, tuple):
+        return 0
+    return int(torch.Size(local_shape(tuple(val.shape), spec, mesh)).numel()) * \
+        val.element_size()
+
+
+def _reaching_many(gm: fx.GraphModule, ctx: PassCtx, *, held, ends, views_only: bool,
+                   cheaper: bool = False) -> dict:
     """Per mesh axis: each value whose placement is ``held`` reaches, directly or through
     consumers that hold it too (only views if ``views_only``), the uses whose need ``ends``
     it; the latest value reaching two or more, and no other value reaching all of them, gets
-    the placement its uses need (Replicate when they differ)."""
+    the placement its uses need (Replicate when they differ). ``cheaper``: only where it is no
+    bigger than those uses' values together (an MoE expert output ``[T * k, H]`` reaches the
+    forward's ``[T, H]`` sum over top-k and the backward's ``[T * k]`` router gradient: each
+    reduced apart moves less)."""
     out = {}
     nodes = list(gm.graph.nodes)
+    by_name = {node.name: node for node in nodes}
     for i, n in enumerate(ctx.mesh.shape):
         if n == 1:
             continue
@@ -84,6 +101,9 @@ def _reaching_many(gm: fx.GraphModule, ctx: PassCtx, *, held, ends, views_only: 
         for node, reached in sorted(sinks.items(), key=lambda kv: -len(kv[1])):
             if len(reached) < 2 or any(u in sinks and sinks[u] >= reached for u in node.users) \
                     or any(reached <= other for _, other in chosen):
+                continue
+            if cheaper and _bytes(node, ctx.mesh) > sum(_bytes(by_name[x[0]], ctx.mesh)
+                                                        for x in reached):
                 continue
             chosen.append((node, reached))
             wants = {x[1][i] for x in reached}

@@ -28,9 +28,10 @@ asks nothing of ``E`` (only ``I % tp == 0``) and costs what a dense Megatron MLP
 
 The router's ``[E, H]`` weight stays whole: its column-parallel output would be gathered at once
 (softmax / top-k over the experts), and it is small (``E * H``); ``explain()`` lists it with
-that reason. A token shard (``dp``, a CP axis, sequence parallelism) does not pass the sort by
-expert: the routing is gathered first (rows ``offs`` counts must be those of the rows a rank
-holds), and the expert matmuls run on every token.
+that reason. On a token shard (``dp``, ``fsdp``, a CP axis) each rank sorts and multiplies its
+own rows where ``passes/moe_routing.py`` tags the routing region (forward, and in training its
+backward): ``offs`` is then the rank's own counts (a partial sum of the global ones); elsewhere
+the routing is gathered first and the expert matmuls run on every token.
 """
 from __future__ import annotations
 

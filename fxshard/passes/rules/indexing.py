@@ -15,7 +15,9 @@ by expert).
 The writing side (MoE routing, HF's eager experts) mirrors it: ``index_put``, ``index_add``,
 ``scatter``/``scatter_add`` keep a shard of a dim they do not write along; ``index_add`` and
 ``scatter_add`` of rows sharded along the written dim give a partial sum (``self`` added on one
-rank); ``histc`` of a shard is the partial sum of the shards' counts::
+rank); ``index_put(.., accumulate=True)`` of partial values stays partial (an MoE input
+gradient added back to its tokens: reduced on ``[T, H]``); ``histc`` of a shard is the partial
+sum of the shards' counts::
 
     index_add(out: R [T, H], 0, idx: S(0) [N], src: S(0) [N, H])  -> out P (ins P, S(0), S(0))
     histc(ids: S(0) [N], bins=E)                                   -> counts P [E]
@@ -91,6 +93,11 @@ def gather_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     """``gather(x, dim, idx)``: out has idx's shape; a shard of another dim of both passes."""
     dim = _dim_arg(node, 1, 0)
     x, idx = tensor_inputs(node)[:2]
+    if token_local(node, ctx) and dim == 0 and len(ins) == 2 and shard_dim(ins[1]) == 0:
+        # an MoE backward takes each routed row's gradient from its token (the rank's own)
+        need = rows_like(ins[1], ctx.shape(idx)[0], ctx.shape(x)[0])
+        if need is not None:
+            return Decision(ins=[need, ins[1]], out=ins[1])
     for p in ins[:2]:
         if isinstance(p, Shard) and p.dim != dim and \
                 ctx.shape(x)[p.dim] == ctx.shape(idx)[p.dim]:
@@ -167,11 +174,21 @@ def index_put_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     tensors = tensor_inputs(node)
     m = len(indices)
     if token_local(node, ctx) and m == 1 and len(ins) == 3 and shard_dim(ins[1]) == 0:
-        p = ins[1]   # the inverse permutation of the rank's own sort
-        return Decision(ins=[p, p, p], out=p)
+        # the inverse permutation of the rank's own sort; in a backward, a gradient added
+        # back to the rank's own rows (of the routing pairs, or of the tokens: ``self``'s rows
+        # laid out like the pairs')
+        p = ins[1]
+        need = rows_like(p, ctx.shape(indices[0])[0], ctx.shape(node.args[0])[0])
+        if need is not None:
+            return Decision(ins=[need, p, p], out=need)
     if any(not isinstance(t, fx.Node) for t in indices) or len(tensors) != m + 2:
         return Decision(ins=[R] * len(ins), out=R)
     px, pv = ins[0], ins[-1]
+    if isinstance(pv, Partial) and not any(isinstance(p, Shard) for p in ins[1:-1]) and \
+            len(node.args) > 3 and node.args[3] is True:
+        # self + the values added at the indices: linear in both (an MoE gradient added back
+        # to its tokens is reduced once, on [T, H], not on the [T * k, H] rows)
+        return Decision(ins=[P] + [R] * m + [P], out=P)
     values = node.args[2]
     if isinstance(pv, Shard) and not isinstance(px, Shard):   # self follows the values' shard
         d = pv.dim + ctx.ndim(node.args[0]) - ctx.ndim(values)
