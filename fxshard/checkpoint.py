@@ -28,6 +28,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -52,6 +53,8 @@ class SafetensorsSource:
     dtype: torch.dtype
     reads: list = field(default_factory=list)   # elements read per block() call, for tests
     start: int | None = None    # the byte where its data begins (None: read from the header)
+    #: every block() is a new tensor of its own (no caller needs to copy it)
+    fresh_blocks: ClassVar[bool] = True
 
     @property
     def device(self) -> torch.device:
