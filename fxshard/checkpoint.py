@@ -9,7 +9,7 @@ Nothing is read until a rank's module is built; then each rank reads its block o
 it holds, so a model built on ``meta`` never materialises a full weight and a rank's peak
 memory grows with its slice, not the model.
 
-A block is read with ``pread`` straight into a tensor of its own (contiguous, aligned by
+A block is read (unbuffered ``readinto``) straight into a tensor of its own (contiguous, aligned by
 torch's allocator): one read per contiguous run of the block in the file (the whole block for a
 row slice, one per row for a column slice). Nothing maps the file: safetensors' own
 ``get_slice`` hands out views into an ``mmap`` of the whole file (one mapping per open, a
@@ -78,7 +78,7 @@ class SafetensorsSource:
 
     def _read(self, index: tuple) -> torch.Tensor:
         """The block ``index`` (a slice per dim) of the row-major tensor, read into a new
-        contiguous tensor: one ``pread`` per contiguous run."""
+        contiguous tensor: one read per contiguous run."""
         if self.start is None:     # built by hand: the header says where the data begins
             self.start = _data_start(self.file, self.key)
         shape = list(self.shape)
@@ -96,23 +96,20 @@ class SafetensorsSource:
         first = index[k - 1].start * strides[k - 1] if k else 0
         dest = memoryview((ctypes.c_char * (out.numel() * item)).from_address(out.data_ptr()))
         outer = itertools.product(*(range(s.start, s.stop) for s in index[:max(k - 1, 0)]))
-        fd = os.open(self.file, os.O_RDONLY)
-        try:
+        with open(self.file, "rb", buffering=0) as fh:
             for i, idx in enumerate(outer):
-                at = self.start + (first + sum(j * st for j, st in zip(idx, strides))) * item
-                _pread_into(fd, dest[i * run:(i + 1) * run], at, self)
-        finally:
-            os.close(fd)
+                fh.seek(self.start + (first + sum(j * s for j, s in zip(idx, strides))) * item)
+                _read_into(fh, dest[i * run:(i + 1) * run], self)
         return out
 
 
-def _pread_into(fd: int, buf: memoryview, at: int, src: SafetensorsSource) -> None:
+def _read_into(fh, buf: memoryview, src: SafetensorsSource) -> None:
     while len(buf):
-        n = os.preadv(fd, [buf], at)
-        if n <= 0:
+        n = fh.readinto(buf)
+        if not n:
             raise ValueError(f"{_WHERE}: {src.file} ended while reading {src.key!r} (byte "
-                             f"{at}); the file is truncated: re-download or re-save it")
-        buf, at = buf[n:], at + n
+                             f"{fh.tell()}); the file is truncated: re-download or re-save it")
+        buf = buf[n:]
 
 
 def _data_start(file: str, key: str) -> int:
