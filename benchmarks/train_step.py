@@ -62,7 +62,9 @@ round by round (rotated: each round starts one variant later), a barrier before 
 sample is the slowest rank's wall time for that step. Columns: ``step ms`` median / ``p10`` /
 ``p90`` over the samples, ``vs megatron`` (median ratio), ``CPU ms`` (median thread CPU time of
 rank 0's main thread per step: compute, Python and dispatch, not the time blocked on peers),
-``peak MiB`` (the largest over ranks of the process's peak resident memory during
+``minflt`` (median
+minor page faults of rank 0's process per step, ``getrusage``: fresh pages the step touched,
+a count the machine's load does not change; the timed steps'), ``peak MiB`` (the largest over ranks of the process's peak resident memory during
 ``--memory-steps`` steps, minus its resident memory before the model was built: measured in a
 separate launch per variant, so one variant's memory does not hide another's, after one
 untimed first step (fxshard builds its training program there); the variant's parameters,
@@ -77,6 +79,7 @@ import copy
 import ctypes
 import gc
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -214,12 +217,27 @@ def worker(rank: int, args) -> dict:
         errors[name] = [mean(step(norms)) for _ in range(args.check_steps)]
         variants[name] = step
         grad_norms[name] = norms
-    timed = {n: v for n, v in variants.items() if args.time_meta or n not in UNTIMED}
+    faults: dict = {n: [] for n in variants}
+    timed = {n: _counting_faults(v, faults[n]) for n, v in variants.items()
+             if args.time_meta or n not in UNTIMED}
     t = interleaved(timed, args.rounds, calls=args.iters, warmup=args.warmup,
                     order="rotate", before=dist.barrier)
+    warm = args.warmup
     return {"samples": {n: t[n]["wall"] if n in t else None for n in variants},
-            "cpu": {n: t[n]["cpu"] if n in t else None for n in variants}, "losses": errors,
+            "cpu": {n: t[n]["cpu"] if n in t else None for n in variants},
+            "minflt": {n: f[warm:] or None for n, f in faults.items()}, "losses": errors,
             "grad_norms": grad_norms, "want": want, "notes": notes}
+
+
+def _counting_faults(step, out: list):
+    """``step`` that appends the process's minor page faults during each call to ``out``."""
+    def counted(*a, **k):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        try:
+            return step(*a, **k)
+        finally:
+            out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return counted
 
 
 def _rss_kib(field: str) -> int | None:
@@ -326,6 +344,8 @@ def main() -> None:
         r = results[name] = stats_ms(slowest_rank([g["samples"][name] for g in gathered])
                                      if timed else [])
         r["cpu_ms_rank0"] = statistics.median(gathered[0]["cpu"][name]) * 1e3 if timed else None
+        faults = gathered[0]["minflt"][name]
+        r["minflt_rank0"] = statistics.median(faults) if faults else None
         r["losses"] = gathered[0]["losses"][name]
         r["max_loss_err"] = max(abs(a - b) for a, b in zip(r["losses"], want))
         r["grad_norms"] = gathered[0]["grad_norms"][name]
@@ -342,7 +362,7 @@ def main() -> None:
             r["median_ms"] = r["p10_ms"] = r["p90_ms"] = None
         rows.append([name, r["median_ms"], r["p10_ms"], r["p90_ms"],
                      r["median_ms"] / base if r["median_ms"] is not None else None,
-                     r["cpu_ms_rank0"], r["peak_mib"],
+                     r["cpu_ms_rank0"], r["minflt_rank0"], r["peak_mib"],
                      r["peak_mib"] / mem_base if r["peak_mib"] and mem_base else None,
                      r["max_loss_err"], r["grad_norm_rel_err"]])
     print(__doc__.split("\n\n")[0])
@@ -359,6 +379,7 @@ def main() -> None:
     print()
     print(format_table([("variant", "<17"), ("step ms", ">9.2f"), ("p10", ">9.2f"),
                         ("p90", ">9.2f"), ("vs megatron", ">11.3f"), ("CPU ms", ">9.2f"),
+                        ("minflt", ">8.0f"),
                         ("peak MiB", ">9.1f"), ("vs dtensor", ">10.3f"),
                         ("max |loss err|", ">14.2e"), ("grad norm err", ">13.2e")], rows))
     print(f"\nsingle-device losses of the checked steps: {', '.join(f'{x:.6f}' for x in want)}")

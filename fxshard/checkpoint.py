@@ -5,16 +5,31 @@
 (``model.safetensors.index.json``), the files its ``weight_map`` lists are the checkpoint, as
 for ``from_pretrained``: a consolidated file shipped next to the shards is not read, and a
 listed file that is missing is an error naming it and a tensor it holds.
-Nothing is read until a rank's module is built; then ``safe_open(...).get_slice(name)[...]``
-reads that rank's block of every weight it holds, so a model built on ``meta`` never
-materialises a full weight and a rank's peak memory grows with its slice, not the model.
+Nothing is read until a rank's module is built; then each rank reads its block of every weight
+it holds, so a model built on ``meta`` never materialises a full weight and a rank's peak
+memory grows with its slice, not the model.
+
+A block is read (unbuffered ``readinto``) straight into a tensor of its own (contiguous, aligned by
+torch's allocator): one read per contiguous run of the block in the file (the whole block for a
+row slice), or for short runs (a column slice) whole rows 8 MiB at a time, their columns
+copied out. Nothing maps the file: safetensors' own
+``get_slice`` hands out views into an ``mmap`` of the whole file (one mapping per open, a
+column slice strided, the data at the header's offset, not 64-byte aligned), which a weight
+would keep mapped, and whose pages a column slice touches whole (counted in RSS)::
+
+    safe_open(...).get_slice(key)[:, 0:8]   a view: stride (16, 1), data_ptr % 64 == 8,
+                                            storage: the whole tensor, in the file's mapping
+    SafetensorsSource.block(...)            owned: stride (8, 1), aligned, its 8 columns only
 """
 from __future__ import annotations
 
+import ctypes
+import itertools
 import json
 import math
 import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -38,6 +53,9 @@ class SafetensorsSource:
     shape: tuple
     dtype: torch.dtype
     reads: list = field(default_factory=list)   # elements read per block() call, for tests
+    start: int | None = None    # the byte where its data begins (None: read from the header)
+    #: every block() is a new tensor of its own (no caller needs to copy it)
+    fresh_blocks: ClassVar[bool] = True
 
     @property
     def device(self) -> torch.device:
@@ -45,7 +63,6 @@ class SafetensorsSource:
 
     def block(self, spec: tuple, mesh: MeshSpec, rank: int) -> torch.Tensor:
         """Rank ``rank``'s block under ``spec`` (Partial: whole on coordinate 0, else zeros)."""
-        from safetensors import safe_open
         dim, pieces = block_pieces(self.shape, spec, mesh, rank)
         index = pieces[0]
         coords = mesh.coords(rank)
@@ -53,13 +70,82 @@ class SafetensorsSource:
                for n, c, p in zip(mesh.shape, coords, spec)):
             return torch.zeros([s.stop - s.start for s in index], dtype=self.dtype,
                                device=self.device)
-        with safe_open(self.file, framework="pt") as f:
-            if dim is not None:  # a fused weight: this rank's share of every part
-                t = torch.cat([f.get_slice(self.key)[ix] for ix in pieces], dim)
-            else:
-                t = f.get_slice(self.key)[index] if index else f.get_tensor(self.key)
+        if dim is not None:  # a fused weight: this rank's share of every part
+            t = torch.cat([self._read(ix) for ix in pieces], dim)
+        else:
+            t = self._read(index)
         self.reads.append(t.numel())
         return t
+
+    def _read(self, index: tuple) -> torch.Tensor:
+        """The block ``index`` (a slice per dim) of the row-major tensor, read into a new
+        contiguous tensor: one read per contiguous run."""
+        if self.start is None:     # built by hand: the header says where the data begins
+            self.start = _data_start(self.file, self.key)
+        shape = list(self.shape)
+        index = tuple(index) or tuple(slice(0, n) for n in shape)
+        size = [s.stop - s.start for s in index]
+        out = torch.empty(size, dtype=self.dtype, device="cpu")
+        if out.numel() == 0:
+            return out
+        k = len(shape)             # dims k.. are whole: a run spans dim k-1's slice of them
+        while k > 0 and index[k - 1] == slice(0, shape[k - 1]):
+            k -= 1
+        strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+        item = self.dtype.itemsize
+        run = (size[k - 1] * strides[k - 1] if k else math.prod(shape)) * item
+        first = index[k - 1].start * strides[k - 1] if k else 0
+        dest = _buffer(out)
+        outer = itertools.product(*(range(s.start, s.stop) for s in index[:max(k - 1, 0)]))
+        with open(self.file, "rb", buffering=0) as fh:
+            if k == 2 and run < _SHORT_RUN:    # short rows (a column slice): whole rows, then
+                return self._read_rows(fh, out, index[0], first, run // item, strides[0])
+            for i, idx in enumerate(outer):
+                fh.seek(self.start + (first + sum(j * s for j, s in zip(idx, strides))) * item)
+                _read_into(fh, dest[i * run:(i + 1) * run], self)
+        return out
+
+    def _read_rows(self, fh, out: torch.Tensor, rows: slice, first: int, width: int,
+                   row: int) -> torch.Tensor:
+        """``out`` (rows ``rows``, each ``width`` elements from ``first`` of a ``row``-element
+        row) read as whole rows, ``_CHUNK`` bytes at a time, its columns copied out: one read per
+        chunk instead of one per row."""
+        item = self.dtype.itemsize
+        n = max(1, _CHUNK // (row * item))
+        bounce = torch.empty(min(n, rows.stop - rows.start), row, dtype=self.dtype,
+                             device="cpu")
+        flat = out.view(rows.stop - rows.start, width)
+        for r in range(rows.start, rows.stop, n):
+            c = min(n, rows.stop - r)
+            fh.seek(self.start + r * row * item)
+            _read_into(fh, _buffer(bounce)[:c * row * item], self)
+            flat[r - rows.start:r - rows.start + c].copy_(bounce[:c, first:first + width])
+        return out
+
+
+_SHORT_RUN = 64 << 10    # bytes: a block whose runs are shorter is read as whole rows
+_CHUNK = 8 << 20         # bytes of whole rows read at a time then
+
+
+def _buffer(t: torch.Tensor) -> memoryview:
+    """The bytes of contiguous ``t``, writable."""
+    return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr()))
+
+
+def _read_into(fh, buf: memoryview, src: SafetensorsSource) -> None:
+    while len(buf):
+        n = fh.readinto(buf)
+        if not n:
+            raise ValueError(f"{_WHERE}: {src.file} ended while reading {src.key!r} (byte "
+                             f"{fh.tell()}); the file is truncated: re-download or re-save it")
+        buf = buf[n:]
+
+
+def _data_start(file: str, key: str) -> int:
+    """The byte in ``file`` where tensor ``key``'s data begins."""
+    with open(file, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+    return 8 + n + _header(file)[key]["data_offsets"][0]
 
 
 _WHERE = "fxshard.load_safetensors"
@@ -179,13 +265,17 @@ def sources(path: str) -> dict[str, SafetensorsSource]:
     out: dict[str, SafetensorsSource] = {}
     files, weight_map = _files(path)
     for file in files:
-        for key, info in _header(file).items():
+        header = _header(file)
+        with open(file, "rb") as fh:
+            data = 8 + int.from_bytes(fh.read(8), "little")
+        for key, info in header.items():
             if key == "__metadata__":
                 continue
             if key in out:
                 raise ValueError(f"{_WHERE}: {key!r} appears in both "
                                  f"{out[key].file} and {file}")
-            out[key] = SafetensorsSource(file, key, tuple(info["shape"]), _DTYPES[info["dtype"]])
+            out[key] = SafetensorsSource(file, key, tuple(info["shape"]), _DTYPES[info["dtype"]],
+                                         start=data + info["data_offsets"][0])
     for key, file in (weight_map or {}).items():
         if key not in out or out[key].file != file:
             where = "that file does not hold it" if key not in out else f"it is in {out[key].file}"

@@ -176,3 +176,60 @@ def test_real_mesh_ranks_agree(tmp_path):
     for r in reports.values():
         assert max(r["errs"]) < 1e-5, r["errs"]
     assert reports[0]["sums"] == reports[1]["sums"]
+
+
+# -- compile=True: Inductor keeps every site's draw, per step ---------------------------------
+class _DropMLP(torch.nn.Module):
+    """Two dropout sites of one shape and p (only the site index tells them apart: a CSE
+    across sites would merge them) around a tp-sharded MLP, and one on its sharded hidden."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = torch.nn.Linear(12, 20)
+        self.down = torch.nn.Linear(20, 12)
+
+    def forward(self, x):
+        h = F.dropout(self.up(F.dropout(x, 0.3, self.training)), 0.3, self.training)
+        return x + F.dropout(self.down(F.gelu(h)), 0.3, self.training)
+
+
+def test_compiled_program_draws_every_site_every_step(monkeypatch):
+    import fxshard.ops.dropout as ops_dropout
+    draws = []
+    real = ops_dropout.draw_mask
+    monkeypatch.setattr(ops_dropout, "draw_mask", lambda step, site, *a: (
+        draws.append((step, site)), real(step, site, *a))[1])
+    x = torch.randn(3, 5, 12, generator=torch.Generator().manual_seed(2))
+    eager = parallelize_for_training(_DropMLP().train(), _mesh(tp=2))
+    model = _DropMLP()
+    compiled = fxshard.parallelize(model, _mesh(tp=2), compile=True)
+    model.train()   # fxshard.parallelize puts the model in eval mode
+    ref = _DropMLP().train()
+    steps = []
+    for seed in (5, 6):
+        grads = []
+        for tm in (eager, compiled):
+            torch.manual_seed(seed)
+            draws.clear()
+            out = tm(x)
+            out.pow(2).sum().backward()
+            grads.append(tm.gradients())
+            # 2 ranks x 3 sites, one step seed: no site folded into a constant or merged
+            assert len(draws) == 6 and {s for _, s in draws} == {0, 1, 2}, draws
+            assert len({st for st, _ in draws}) == 1
+            for p in tm.parameters():
+                p.grad = None
+        torch.manual_seed(seed)
+        with same_masks():
+            want = ref(x)
+        want.pow(2).sum().backward()
+        _close(grads[1], {n: p.grad for n, p in ref.named_parameters()})
+        _close(grads[1], grads[0])
+        ref.zero_grad()
+        steps.append((draws[0][0], grads[1]))
+    assert steps[0][0] != steps[1][0]                           # a new step seed
+    assert not torch.equal(steps[0][1]["up.weight"], steps[1][1]["up.weight"])  # new masks
+    fns = compiled.trainer._last.compiled    # Inductor's functions, compiled once, reused
+    assert set(fns) == {"forward", "backward"}
+    assert not any(isinstance(f, torch.fx.GraphModule) for f in fns.values())

@@ -97,8 +97,9 @@ def _bytes(tensors) -> int:
 
 def _block(value, spec: tuple, mesh: MeshSpec, rank: int) -> torch.Tensor:
     """Rank ``rank``'s block of ``value`` (a tensor, or a checkpoint source), a new tensor."""
-    if hasattr(value, "block"):
-        return value.block(spec, mesh, rank).clone()
+    if hasattr(value, "block"):   # a checkpoint's block is read into a tensor of its own
+        block = value.block(spec, mesh, rank)
+        return block if getattr(value, "fresh_blocks", False) else block.clone()
     return local_block(value.detach(), spec, mesh, rank)     # a copy
 
 
