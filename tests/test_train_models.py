@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import fxshard
 from fxshard.training import clip_grad_norm_, parallelize_for_training
+from tests.train_checks import expert_rows
 
 transformers = pytest.importorskip("transformers")
 
@@ -193,18 +194,6 @@ def test_tied_embeddings_train_on_dp_tp(name):
         assert tm.shards(3)[table].shape == (TV + 1, 24)
 
 
-def _expert_rows(tm, which):
-    """Rows of each expert grouped matmul's input on rank 0 (forward / backward program)."""
-    from fxshard.placement import local_shape
-    out = []
-    for n in tm.rank_module(0, which).graph.nodes:
-        if n.op == "call_function" and "grouped_mm" in str(n.target):
-            x = n.args[0]
-            out.append(local_shape(tuple(x.meta["val"].shape), x.meta["fxshard_spec"],
-                                   tm.mesh)[0])
-    return out
-
-
 @pytest.mark.parametrize("dp,tp,batch", [(1, 2, "dp"), (2, 1, "dp"), (2, 2, "dp"),
                                          (2, 1, "fsdp")])
 def test_moe_trains(dp, tp, batch):
@@ -224,7 +213,7 @@ def test_moe_trains(dp, tp, batch):
     if batch == "dp" and dp > 1:   # the router's gradient is a partial sum over each rank's tokens
         assert [(c.op, c.axis) for c in router] == [("all_reduce", "dp")] * 2, router
     T, k, H = B * S, 2, 48
-    rows = {"forward": _expert_rows(tm, "forward"), "backward": _expert_rows(tm, "backward")}
+    rows = {"forward": expert_rows(tm, "forward"), "backward": expert_rows(tm, "backward")}
     assert rows == {w: [T * k // dp] * 4 for w in rows}, rows   # 2 layers x (gate_up, down)
     for which in ("forward", "backward"):
         cs = tm.collectives(which)

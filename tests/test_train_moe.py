@@ -16,8 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxshard
-from fxshard.placement import local_shape
 from fxshard.training import parallelize_for_training
+from tests.train_checks import expert_rows
 
 moe = pytest.importorskip("transformers.integrations.moe")   # registers the grouped matmul op
 
@@ -63,16 +63,6 @@ class SortedMoELM(nn.Module):
         return self.head(x + self.moe(x))
 
 
-def _rows(tm, which):
-    out = []
-    for n in tm.rank_module(0, which).graph.nodes:
-        if n.op == "call_function" and "grouped_mm" in str(n.target):
-            x = n.args[0]
-            out.append(local_shape(tuple(x.meta["val"].shape), x.meta["fxshard_spec"],
-                                   tm.mesh)[0])
-    return out
-
-
 @pytest.mark.parametrize("axes", [dict(dp=2, tp=2), dict(ring_cp=2)], ids=["dp2_tp2", "ring2"])
 def test_sorted_moe_trains_on_each_ranks_tokens(axes):
     torch.manual_seed(0)
@@ -105,10 +95,10 @@ def test_sorted_moe_trains_on_each_ranks_tokens(axes):
         torch.testing.assert_close(trained[n], p.detach(), rtol=1e-5, atol=1e-5, msg=n)
     T = B * S
     if "ring_cp" in axes:   # gathered: every rank's experts see every routed row
-        assert _rows(tm, "forward") == _rows(tm, "backward") == [T * K] * 3
+        assert expert_rows(tm, "forward") == expert_rows(tm, "backward") == [T * K] * 3
         return
     # 3 expert matmuls (w1, w3, w2) forward and backward, each on the rank's T*k/dp rows
-    assert _rows(tm, "forward") == _rows(tm, "backward") == [T * K // 2] * 3
+    assert expert_rows(tm, "forward") == expert_rows(tm, "backward") == [T * K // 2] * 3
     for which in ("forward", "backward"):
         cs = tm.collectives(which)
         gathers = [c.shape for c in cs if c.axis == "dp" and c.op == "all_gather"]
