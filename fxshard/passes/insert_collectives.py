@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from ..placement import Shard, local_shape
+from ..placement import R, Shard, StridedShard, local_shape
 from . import PassCtx
 from .redistribute import plan_redistribution
 from .rules import is_tensor_node
@@ -51,8 +51,8 @@ def _chain(graph: fx.Graph, src: fx.Node, spec, need, ctx: PassCtx) -> tuple[fx.
                     f"causal attention), but dim {step.args[0]} of {src.name} has {n} elements "
                     f"here; use a sequence length that divides by {2 * step.size} (times the "
                     f"other axes sharding it) or parallelize(..., ring_zigzag=False)")
-        if step.op == "fused_gather":
-            x = _fused_gather(graph, x, src, spec, step, ctx)
+        if step.op in _FUSED:
+            x = _FUSED[step.op](graph, x, src, spec, step, ctx)
             spec = step.after
             continue
         x = graph.call_function(collective_target(step.op),
@@ -70,8 +70,8 @@ def _relative_parts(val, spec, step, ctx: PassCtx) -> tuple[list[int], int]:
     """The parts of a fused dim as this axis sees them, and how many ways the other axes split
     the dim: an outer axis that cut the dim first leaves runs of the (equal) part size."""
     dim, parts = step.args
-    n = step.size
-    here = local_shape(tuple(val.shape), spec, ctx.mesh)[dim] * n
+    whole = tuple(R if a == step.axis else p for a, p in zip(ctx.mesh.axis_names, spec))
+    here = local_shape(tuple(val.shape), whole, ctx.mesh)[dim]
     rel = list(parts) if sum(parts) == here else [parts[0]] * (here // parts[0])
     assert sum(rel) == here, (parts, here)
     outer = 1
@@ -148,8 +148,77 @@ def _fused_zigzag_gather(graph: fx.Graph, x: fx.Node, src: fx.Node, spec, step, 
 
 def _part_spec(spec: tuple) -> tuple:
     """The spec of one part of a fused value: a plain shard of its dim on the step's axis."""
-    from ..placement import StridedShard
     return tuple(Shard(p.dim) if isinstance(p, StridedShard) else p for p in spec)
+
+
+def _fused_shard(graph: fx.Graph, x: fx.Node, src: fx.Node, spec, step, ctx: PassCtx
+                 ) -> fx.Node:
+    """Slice a value this axis replicates into a ``StridedShard``: split it into its parts,
+    take this rank's share of each (``local_shard``, on a zigzag axis ``zigzag_shard``; a part
+    kept whole stays whole) and concatenate them. No communication."""
+    dim, _ = step.args
+    n = step.size
+    val = src.meta["val"]
+    stage = src.meta.get("fxshard_stage")
+    rel, outer = _relative_parts(val, spec, step, ctx)
+    target = step.after[ctx.mesh.axis_names.index(step.axis)]
+    whole = target.whole if tuple(rel) == tuple(target.parts) else frozenset()
+    op = "zigzag_shard" if step.axis in ctx.zigzag_axes else "local_shard"
+    sliced = tuple(Shard(dim) if a == step.axis else p
+                   for a, p in zip(ctx.mesh.axis_names, spec))
+    split = graph.call_function(torch.ops.aten.split_with_sizes.default, (x, rel, dim))
+    pieces = []
+    for j, k in enumerate(rel):
+        g = graph.call_function(operator.getitem, (split, j))
+        g.meta.update({"val": _resized(val, dim, k * outer), "fxshard_spec": spec,
+                       "fxshard_stage": stage})
+        if j not in whole:
+            g = graph.call_function(collective_target(op), (g, dim, step.axis, n))
+            g.meta.update({"val": _resized(val, dim, k * outer), "fxshard_spec": sliced,
+                           "fxshard_need": [spec], "fxshard_stage": stage,
+                           "fxshard_collective": step})
+        pieces.append(g)
+    split.meta.update({"val": [_resized(val, dim, k * outer) for k in rel],
+                       "fxshard_spec": None, "fxshard_stage": stage})
+    out = graph.call_function(torch.ops.aten.cat.default, (pieces, dim))
+    out.meta.update({"val": val, "fxshard_spec": step.after, "fxshard_stage": stage})
+    return out
+
+
+def _fused_reduce_scatter(graph: fx.Graph, x: fx.Node, src: fx.Node, spec, step,
+                          ctx: PassCtx) -> fx.Node:
+    """Reduce a Partial value into a ``StridedShard`` with one reduce-scatter: re-order it
+    locally so that block r holds chunk r of every part, in part order (what rank r keeps),
+    then reduce-scatter on the fused dim."""
+    dim, _ = step.args
+    n = step.size
+    val = src.meta["val"]
+    stage = src.meta.get("fxshard_stage")
+    rel, outer = _relative_parts(val, spec, step, ctx)
+    local = [k // n for k in rel]
+    split = graph.call_function(torch.ops.aten.split_with_sizes.default,
+                                (x, [k for k in local for _ in range(n)], dim))
+    chunks = []
+    for j, k in enumerate(local):
+        for r in range(n):
+            g = graph.call_function(operator.getitem, (split, j * n + r))
+            g.meta.update({"val": _resized(val, dim, k * outer), "fxshard_spec": spec,
+                           "fxshard_stage": stage})
+            chunks.append(g)
+    split.meta.update({"val": [c.meta["val"] for c in chunks], "fxshard_spec": None,
+                       "fxshard_stage": stage})
+    order = [chunks[j * n + r] for r in range(n) for j in range(len(local))]
+    ranked = graph.call_function(torch.ops.aten.cat.default, (order, dim))
+    ranked.meta.update({"val": val, "fxshard_spec": spec, "fxshard_stage": stage})
+    out = graph.call_function(collective_target("reduce_scatter"),
+                              (ranked, dim, step.axis, n))
+    out.meta.update({"val": val, "fxshard_spec": step.after, "fxshard_need": [spec],
+                     "fxshard_stage": stage, "fxshard_collective": step})
+    return out
+
+
+_FUSED = {"fused_gather": _fused_gather, "fused_shard": _fused_shard,
+          "fused_reduce_scatter": _fused_reduce_scatter}
 
 
 def _current(node: fx.Node):

@@ -9,6 +9,14 @@ Per mesh axis::
     R    -> S(d)   local_shard(dim=d)            (no communication)
     R    -> P      partial_from_replicate        (coordinate 0 keeps it, the others zeros)
     S(d|parts) -> R  fused_gather: all_gather(dim=d), then the pieces re-ordered part by part
+    R    -> S(d|parts)  fused_shard: split into the parts, local_shard each, cat
+                     (no communication; zigzag_shard per part on ``ring_cp``)
+    P    -> S(d|parts)  fused_reduce_scatter: a local re-order (rank-major: every part's
+                     chunk r side by side for rank r), then one reduce_scatter(dim=d): the
+                     bytes of a plain reduce-scatter (on ``ring_cp``, or with parts kept
+                     whole: all_reduce, then fused_shard)
+    S(e) -> S(d|parts)  all_gather(dim=e), then fused_shard: the bytes of a plain all-gather
+                     (an all-to-all would move 1/n of them but needs a re-order per part)
 
 On the ``ring_cp`` axis the sequence is sharded zigzag (``zigzag_shard``/``zigzag_gather``).
 
@@ -59,14 +67,12 @@ def plan_redistribution(src: tuple, dst: tuple, mesh: MeshSpec,
     changing = [i for i in axes if src[i] != dst[i]]
     if not changing:
         return []
-    if any(isinstance(dst[i], StridedShard) for i in changing):
-        raise NotImplementedError(
-            f"fxshard: no redistribution into a fused (strided) shard, {src} -> {dst}; fused "
-            f"layouts come only from a projection's weight")
     # axes whose current placement must be undone (gathered / reduced) first
     undo = {i for i in changing if not isinstance(src[i], Replicate)}
     for i in changing:
         dims = {p.dim for p in (src[i], dst[i]) if isinstance(p, Shard)}
+        if isinstance(dst[i], StridedShard):
+            dims.add(dst[i].dim)
         for j in axes:
             if j > i and any(_touches(cur[j], d) for d in dims):
                 undo.add(j)
@@ -103,6 +109,8 @@ def plan_redistribution(src: tuple, dst: tuple, mesh: MeshSpec,
         if isinstance(s, Partial):
             if isinstance(t, Shard) and alone(i, [t.dim]):
                 emit("reduce_scatter", i, (t.dim,), t)
+            elif isinstance(t, StridedShard) and not t.whole and alone(i, [t.dim]):
+                emit("fused_reduce_scatter", i, (t.dim, t.parts), t)
             else:
                 emit("all_reduce", i, (), R)
         elif isinstance(s, Shard):
@@ -117,6 +125,8 @@ def plan_redistribution(src: tuple, dst: tuple, mesh: MeshSpec,
         t = dst[i]
         if isinstance(t, Shard):
             emit("zigzag_shard" if i in zigzag else "local_shard", i, (t.dim,), t)
+        elif isinstance(t, StridedShard):
+            emit("fused_shard", i, (t.dim, t.parts), t)
         else:
             assert isinstance(t, Partial), t
             emit("partial_from_replicate", i, (), t)
