@@ -109,3 +109,56 @@ def test_uneven_dim_is_a_value_error_naming_dim_size_axis():
     mesh = MeshSpec((3,), ("tp",))
     with pytest.raises(ValueError, match=r"dim 1 .*axis 'tp' of size 3.*7 elements"):
         local_shape((4, 7), (Shard(1),), mesh, what="activation x")
+
+
+
+def _run_chain(mesh, x, src, dst):
+    """The graph ``insert_collectives`` emits from ``src`` to ``dst``, run on every rank of a
+    simulated mesh; returns the rank blocks and the emitted fxshard ops."""
+    import torch.fx as fx
+
+    from fxshard.passes import PassCtx
+    from fxshard.passes.insert_collectives import _chain
+    g = fx.Graph()
+    node = g.placeholder("x")
+    node.meta.update({"val": x, "fxshard_spec": src})
+    end, _ = _chain(g, node, src, dst, PassCtx(mesh=mesh))
+    g.output(end)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    ops = [(str(n.target).split(".")[1], n.args[-2]) for n in g.nodes
+           if str(n.target).startswith("fxshard.")]
+    with SimulatedWorld(mesh) as world:
+        return world.run(lambda r: gm(local_block(x, src, mesh, r))), ops
+
+
+def _fused(*parts):
+    from fxshard.placement import StridedShard
+    return StridedShard(1, parts)
+
+
+TP2, TP3, DP_TP = (((2,), ("tp",)), ((3,), ("tp",)), ((2, 2), ("dp", "tp")))
+
+
+@pytest.mark.parametrize("mesh,src,dst,ops", [
+    (TP2, (R_,), (_fused(8, 4, 4),), [("local_shard", "tp")] * 3),
+    (TP2, (P_,), (_fused(8, 4, 4),), [("reduce_scatter", "tp")]),
+    (TP3, (P_,), (_fused(6, 6, 6, 6),), [("reduce_scatter", "tp")]),
+    (TP2, (S(1),), (_fused(8, 4, 4),), [("all_gather", "tp")] + [("local_shard", "tp")] * 3),
+    (TP2, (S(0),), (_fused(8, 4, 4),), [("all_gather", "tp")] + [("local_shard", "tp")] * 3),
+    # an outer dp shard of the fused dim (a flattened [B*S] whose batch dp splits): runs of
+    # the equal part size inside each dp chunk
+    (DP_TP, (S(1), R_), (S(1), _fused(4, 4, 4, 4)), [("local_shard", "tp")] * 2),
+    (DP_TP, (S(1), P_), (S(1), _fused(4, 4, 4, 4)), [("reduce_scatter", "tp")]),
+    (DP_TP, (R_, S(1)), (S(1), _fused(4, 4, 4, 4)),
+     [("all_gather", "tp"), ("local_shard", "dp")] + [("local_shard", "tp")] * 2),
+])
+def test_redistribute_into_a_fused_shard(mesh, src, dst, ops):
+    """From Replicate, Partial or a plain Shard into ``S(1|parts)`` on tp: every rank holds
+    its share of every part (``placement.local_block``), by local slices (no communication),
+    one reduce-scatter after a local re-order, or an all-gather and the slices."""
+    mesh = MeshSpec(*mesh)
+    x = torch.randn(6, sum(dst[-1].parts))
+    outs, emitted = _run_chain(mesh, x, src, dst)
+    assert emitted == ops, emitted
+    for r, out in enumerate(outs):
+        torch.testing.assert_close(out, local_block(x, dst, mesh, r), msg=f"rank {r}")

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import fxshard
+from fxshard.placement import local_shape
 from fxshard.training import clip_grad_norm_, parallelize_for_training
 from tests.train_checks import expert_rows
 
@@ -88,7 +89,7 @@ def _collectives(tm, which):
     return out
 
 
-def _train_equal(name, dp, tp, steps=3, lr=1e-2, batch="dp"):
+def _train_equal(name, dp, tp, steps=3, lr=1e-2, batch="dp", sequence_parallel=False):
     """Gradients of the first step, then ``steps`` AdamW steps with clipping: equal one
     device's. Returns the TrainModule."""
     model = _model(name)
@@ -96,7 +97,8 @@ def _train_equal(name, dp, tp, steps=3, lr=1e-2, batch="dp"):
     ids, labels = (t % model.config.vocab_size for t in _data())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tm = parallelize_for_training(model, _mesh(dp, tp, batch), example_inputs=(ids,))
+        tm = parallelize_for_training(model, _mesh(dp, tp, batch), example_inputs=(ids,),
+                                      sequence_parallel=sequence_parallel)
     # eps 1e-6: GPT-2's key bias has a gradient of zero in exact arithmetic (softmax is
     # shift-invariant), rounding noise of ~1e-10 on one device and on ours; Adam's
     # m / (sqrt(v) + eps) with the default eps 1e-8 turns that noise into an update of
@@ -180,11 +182,11 @@ def _assert_vocab_parallel(tm, table, dp):
     assert list(grad_view.args[1]) == [B // dp * S, V // 2], grad_view.format_node()
 
 
-@pytest.mark.parametrize("name", ["qwen2", "gpt2_odd"])
-def test_tied_embeddings_train_on_dp_tp(name):
+@pytest.mark.parametrize("name,sp", [("qwen2", False), ("gpt2_odd", False), ("gpt2_odd", True)])
+def test_tied_embeddings_train_on_dp_tp(name, sp):
     # dp2·tp2: a tied Qwen2 vocab-parallel; GPT-2 with 91 rows keeps the table's hidden dim
-    # split on tp (no even vocab shard), and trains equal too
-    tm = _train_equal(name, 2, 2, steps=2, lr=1e-3)
+    # split on tp (no even vocab shard), and trains equal too, also with sequence parallelism
+    tm = _train_equal(name, 2, 2, steps=2, lr=1e-3, sequence_parallel=sp)
     table = "model.embed_tokens.weight" if name == "qwen2" else "transformer.wte.weight"
     assert "lm_head.weight" not in tm.shards(0)
     if name == "qwen2":
@@ -192,6 +194,20 @@ def test_tied_embeddings_train_on_dp_tp(name):
     else:
         assert tm._specs[table][1] == fxshard.Shard(1), tm._specs[table]
         assert tm.shards(3)[table].shape == (TV + 1, 24)
+    if sp:
+        # the lm_head's weight gradient contracts the sequence-sharded tokens: the logits'
+        # gradient [TV+1, B/dp*S] (replicated on tp) is sliced locally into the flattened
+        # tokens' fused layout, each batch row's sequence half (B/dp = 2 parts of S = 6),
+        # with no communication; the partial [TV+1, 48] is reduce-scattered to the rank's half
+        fused = [n for n in tm.rank_module(0, "backward").graph.nodes
+                 if getattr(n.meta.get("fxshard_collective"), "op", None) == "fused_shard"]
+        assert [(str(n.target), n.args[1:]) for n in fused] == \
+            [("fxshard.local_shard.default", (1, "tp", 2))] * (B // 2), fused
+        mesh = fxshard.mesh.MeshSpec((2, 2), ("dp", "tp"))
+        assert [local_shape(n.args[0].meta["val"].shape, n.args[0].meta["fxshard_spec"], mesh)
+                for n in fused] == [(TV + 1, S)] * 2
+        c = _collectives(tm, "backward")
+        assert c["reduce_scatter", "tp"] == 1, c
 
 
 @pytest.mark.parametrize("dp,tp,batch", [(1, 2, "dp"), (2, 1, "dp"), (2, 2, "dp"),
