@@ -5,8 +5,8 @@ permutation, ``index``): tests/test_train_models.py ``test_moe_trains``.
 
 dp2·tp2: each dp rank sorts, multiplies and adds back its own tokens' rows in forward and
 backward (``passes/moe_routing.py``: the joint graph's region takes its backward along), the
-experts' partial sums reduced on ``[T, H]`` on tp. ring_cp2: a region in which a collective
-would move rows runs gathered (every rank routes every token), still equal to one device."""
+experts' partial sums reduced on ``[T, H]`` on tp. ring_cp2: each rank routes its own zigzag
+share of every sequence (the rows' gradient sliced locally into that fused layout)."""
 import copy
 import warnings
 
@@ -94,8 +94,16 @@ def test_sorted_moe_trains_on_each_ranks_tokens(axes):
     for n, p in ref.named_parameters():
         torch.testing.assert_close(trained[n], p.detach(), rtol=1e-5, atol=1e-5, msg=n)
     T = B * S
-    if "ring_cp" in axes:   # gathered: every rank's experts see every routed row
-        assert expert_rows(tm, "forward") == expert_rows(tm, "backward") == [T * K] * 3
+    if "ring_cp" in axes:   # token-local: each rank routes its own (zigzag) tokens' rows
+        assert expert_rows(tm, "forward") == expert_rows(tm, "backward") == [T * K // 2] * 3
+        # what communicates: the returned logits, gathered once, and the weights' gradients
+        # (partial sums over the rank's tokens); the rows' gradients enter the rows' fused
+        # layout (each sequence's zigzag share of the flattened tokens) by local slices
+        fwd = [(c.op, c.shape) for c in tm.collectives("forward") if c.op != "zigzag_shard"]
+        assert fwd == [("zigzag_gather", (B, S // 2, V))], fwd
+        shapes = {tuple(p.shape) for p in ref.parameters()}
+        bwd = [(c.op, c.shape) for c in tm.collectives("backward") if c.op != "zigzag_shard"]
+        assert bwd and all(op == "all_reduce" and shape in shapes for op, shape in bwd), bwd
         return
     # 3 expert matmuls (w1, w3, w2) forward and backward, each on the rank's T*k/dp rows
     assert expert_rows(tm, "forward") == expert_rows(tm, "backward") == [T * K // 2] * 3

@@ -262,7 +262,10 @@ def grouped_mm_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision
         return whole
     x, w, _, g = ins
     if token_local(node, ctx) and 0 in (shard_dim(x), shard_dim(g)):
-        return Decision(ins=[Shard(0), R, P, Shard(0)], out=[Shard(0), P])
+        # the rows as the region holds them: Shard(0) on a batch axis, the flattened tokens'
+        # fused layout (each sequence's zigzag share) on ring_cp
+        rows = x if shard_dim(x) == 0 else g
+        return Decision(ins=[rows, R, P, rows], out=[rows, P])
     if isinstance(w, StridedShard) and w.dim == 2 and not w.whole:     # fused column-parallel
         return Decision(ins=[R, w, R, StridedShard(1, w.parts)], out=[P, w])
     if isinstance(w, Shard) and w.dim == 2:                            # column-parallel
