@@ -131,9 +131,9 @@ def _run_chain(mesh, x, src, dst):
         return world.run(lambda r: gm(local_block(x, src, mesh, r))), ops
 
 
-def _fused(*parts):
+def _fused(*parts, whole=()):
     from fxshard.placement import StridedShard
-    return StridedShard(1, parts)
+    return StridedShard(1, parts, frozenset(whole))
 
 
 TP2, TP3, DP_TP = (((2,), ("tp",)), ((3,), ("tp",)), ((2, 2), ("dp", "tp")))
@@ -145,6 +145,9 @@ TP2, TP3, DP_TP = (((2,), ("tp",)), ((3,), ("tp",)), ((2, 2), ("dp", "tp")))
     (TP3, (P_,), (_fused(6, 6, 6, 6),), [("reduce_scatter", "tp")]),
     (TP2, (S(1),), (_fused(8, 4, 4),), [("all_gather", "tp")] + [("local_shard", "tp")] * 3),
     (TP2, (S(0),), (_fused(8, 4, 4),), [("all_gather", "tp")] + [("local_shard", "tp")] * 3),
+    # parts kept whole (a multi-query qkv's one K/V head) are not sliced
+    (TP2, (R_,), (_fused(8, 4, 4, whole={1, 2}),), [("local_shard", "tp")]),
+    (TP2, (P_,), (_fused(8, 4, 4, whole={1, 2}),), [("all_reduce", "tp"), ("local_shard", "tp")]),
     # an outer dp shard of the fused dim (a flattened [B*S] whose batch dp splits): runs of
     # the equal part size inside each dp chunk
     (DP_TP, (S(1), R_), (S(1), _fused(4, 4, 4, 4)), [("local_shard", "tp")] * 2),
