@@ -352,6 +352,18 @@ def _gathered_above(node: fx.Node, tp: int, depth: int = 12) -> set[tuple[str, i
     return out
 
 
+def untag_moved_regions(gm: fx.GraphModule, ctx: PassCtx) -> bool:
+    """Untag the routing regions in which a collective would move rows (they then run
+    gathered: correct, slower) and report them; whether any was untagged (propagate again)."""
+    moved = _moved_inside_region(gm, ctx)
+    for node in gm.graph.nodes:
+        if node.meta.get(TAG) in moved:
+            del node.meta[TAG]
+    if moved:
+        ctx.report("propagate_pass", changed=False, routing_regions_gathered=len(moved))
+    return bool(moved)
+
+
 def _moved_inside_region(gm: fx.GraphModule, ctx: PassCtx) -> set[str]:
     """Expert-routing regions (``moe_routing_pass``) in which a collective would move a value
     on an axis where it holds the rank's own rows in the rank's own order: the only move
@@ -406,13 +418,7 @@ def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
                gathered_for_routing=0, replicated_on_tp=0, experts_split_on_tp=0)
     for _ in range(_MAX_REFINEMENTS):
         auto_colwise = _run_once(gm, ctx, replicate, reduced, gathered, whole_parts)
-        moved = _moved_inside_region(gm, ctx)
-        if moved:
-            for node in gm.graph.nodes:
-                if node.meta.get(TAG) in moved:
-                    del node.meta[TAG]
-            # a collective would move rows inside these routing regions: they run gathered
-            ctx.report("propagate_pass", changed=False, routing_regions_gathered=len(moved))
+        if untag_moved_regions(gm, ctx):
             continue
         twice = {k: v for k, v in _reduced_twice(gm).items() if k not in reduced}
         # several consumers use these partial sums: reduced once, not by each

@@ -44,9 +44,9 @@ from ..passes.fsdp import AXIS as FSDP, used_spec
 from ..passes.gqa import unrepeat_kv_pass
 from ..passes.insert_collectives import insert_collectives_pass
 from ..passes.localize import localize_pass
-from ..passes.moe_routing import TAG, moe_routing_pass
+from ..passes.moe_routing import moe_routing_pass
 from ..passes.pipeline import run_passes
-from ..passes.propagate import _moved_inside_region, _run_once, input_spec, propagate_pass
+from ..passes.propagate import _run_once, input_spec, propagate_pass, untag_moved_regions
 from ..passes.rules import FallbackWarning
 from ..placement import Partial, R
 from ..passes.vocab_loss import split_loss_pass, vocab_parallel_loss_pass
@@ -158,14 +158,8 @@ def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint
             if round_:
                 warnings.simplefilter("ignore", FallbackWarning)
             _run_once(gm, ctx, set(), reduced, gathered)
-            moved = _moved_inside_region(gm, ctx)
-            while moved:   # a collective would move rows inside these routing regions:
-                for node in gm.graph.nodes:   # they run gathered (correct, slower)
-                    if node.meta.get(TAG) in moved:
-                        del node.meta[TAG]
-                ctx.report("propagate_pass", changed=False, routing_regions_gathered=len(moved))
+            while untag_moved_regions(gm, ctx):   # those routing regions run gathered
                 _run_once(gm, ctx, set(), reduced, gathered)
-                moved = _moved_inside_region(gm, ctx)
         changed = False
         for index, k in tangents.items():
             value = out.args[0][k]
