@@ -37,6 +37,9 @@ same ones. Variants:
   fxshard-recompute  ``fxshard`` with ``recompute="layers"`` (each decoder layer saves only
                 its input; the backward recomputes the rest): recompute on/off in time and
                 peak memory against the ``fxshard`` row.
+  fxshard-compile  ``fxshard-loss`` with ``compile=True``: the forward and backward rank
+                programs compiled by Inductor (C++ on CPU) at the first step; not in the
+                default set (``--variants``): Inductor's first compile takes minutes here.
   fxshard-meta  ``fxshard`` built the way a model too big for one device is (README): the model
                 under ``fxshard.init_empty_weights()`` (parameters on meta), then
                 ``fxshard.load_safetensors(pm, dir)`` from a checkpoint the single-device
@@ -48,6 +51,11 @@ same ones. Variants:
                 the one DTensor plan on the tp sub-mesh (lm_head output left vocab-sharded,
                 ``loss_parallel``), then ``fully_shard`` (FSDP2) of every decoder layer and
                 the root on the fsdp sub-mesh (with fsdp = 1: a size-1 mesh), AdamW.
+
+Every variant steps ``torch.optim.AdamW`` in the ``--optimizer`` implementation, the same for
+all (default ``fused``, torchtitan's default: one kernel per tensor; torch's CPU default
+``for-loop`` allocates temporaries the size of each parameter, whose fresh pages cost 0.5-0.9 s
+a step at the default size and vary from run to run: it was the default before 2026-12-02).
 
 Correctness first: the first ``--check-steps`` steps of every variant give losses (averaged
 over the fsdp ranks) equal to the single-device model trained by AdamW on the whole batch
@@ -100,7 +108,9 @@ from benchmarks.common import (GENERATE, MegatronLlama, add_model_args,  # noqa:
 
 BASELINE = "megatron"
 VARIANTS = ("megatron", "fxshard", "fxshard-loss", "fxshard-recompute", "fxshard-meta",
-            "dtensor")
+            "fxshard-compile", "dtensor")
+#: run unless ``--variants`` names others (fxshard-compile: Inductor's first compile is minutes)
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "fxshard-compile")
 #: checked and measured for memory; timed only with ``--time-meta`` (the same programs as fxshard)
 UNTIMED = ("fxshard-meta",)
 #: ``--small``: the sizes of a check that it runs (seconds, not a measurement)
@@ -117,7 +127,7 @@ def reference(model, args) -> tuple[list[float], list[float]]:
     """The single-device model's losses and gradient norms over ``--check-steps`` AdamW steps on
     the whole batch."""
     m = copy.deepcopy(model).train()
-    opt = torch.optim.AdamW(m.parameters(), lr=args.lr)
+    opt = adamw(m.parameters(), args)
     ids, labels = _batch(args)
     losses, norms = [], []
     for _ in range(args.check_steps):
@@ -128,6 +138,15 @@ def reference(model, args) -> tuple[list[float], list[float]]:
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses, norms
+
+
+def adamw(params, args) -> torch.optim.AdamW:
+    """Every variant's (and the reference's) optimizer: ``torch.optim.AdamW`` in the
+    ``--optimizer`` implementation (``fused``: torchtitan's default, one kernel over each
+    tensor; ``foreach``; ``for-loop``: torch's CPU default, a temporary per op)."""
+    impl = {"fused": dict(fused=True), "foreach": dict(foreach=True),
+            "for-loop": dict(foreach=False)}[args.optimizer]
+    return torch.optim.AdamW(params, lr=args.lr, **impl)
 
 
 def build(name: str, model, mesh, args):
@@ -147,14 +166,15 @@ def build(name: str, model, mesh, args):
     if name == "megatron":
         m = MegatronLlama(model, mesh["tp"].get_local_rank(), mesh["tp"].size(),
                           mesh.get_group("tp"), trainable=True)
-        opt = torch.optim.AdamW(m.parameters(), lr=args.lr)
+        opt = adamw(m.parameters(), args)
         return (lambda norms=None: megatron_step(m, opt, ids, labels, dp_group, norms),
                 mean_over_fsdp)
     if name == "dtensor":
         m = dtensor_train(model, mesh)
-        opt = torch.optim.AdamW(m.parameters(), lr=args.lr)
+        opt = adamw(m.parameters(), args)
         return lambda norms=None: dtensor_step(m, opt, ids, labels, norms), mean_over_fsdp
-    if name in ("fxshard", "fxshard-loss", "fxshard-recompute", "fxshard-meta"):
+    if name in ("fxshard", "fxshard-loss", "fxshard-recompute", "fxshard-meta",
+                "fxshard-compile"):
         import fxshard
         ids, labels = _batch(args)    # every rank passes the global batch; fxshard splits it
         if name == "fxshard-meta":    # a big model's way: meta-built, each rank loads its shards
@@ -163,16 +183,17 @@ def build(name: str, model, mesh, args):
             pm = fxshard.parallelize(empty.train(), mesh, example_inputs=(ids,))
             fxshard.load_safetensors(pm, args.checkpoint)
             loss_of = lambda: F.cross_entropy(pm(ids).flatten(0, 1), labels.flatten())  # noqa
-        elif name != "fxshard-loss":  # the loss on pm's (whole) logits
+        elif name not in ("fxshard-loss", "fxshard-compile"):  # the loss on the logits
             recompute = "layers" if name == "fxshard-recompute" else None
             pm = fxshard.parallelize(copy.deepcopy(model).train(), mesh, example_inputs=(ids,),
                                      recompute=recompute)
             loss_of = lambda: F.cross_entropy(pm(ids).flatten(0, 1), labels.flatten())  # noqa
         else:                         # the loss inside the traced module: vocab-parallel
             pm = fxshard.parallelize(WithLoss(copy.deepcopy(model).train()), mesh,
-                                     example_inputs=(ids, labels))
+                                     example_inputs=(ids, labels),
+                                     compile=name == "fxshard-compile")
             loss_of = lambda: pm(ids, labels)  # noqa: E731
-        opt = torch.optim.AdamW(pm.parameters(), lr=args.lr)
+        opt = adamw(pm.parameters(), args)
 
         def step(norms=None) -> float:
             loss = loss_of()
@@ -302,6 +323,9 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=2, help="processes (fsdp x tp)")
     ap.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
     ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    ap.add_argument("--optimizer", choices=("fused", "foreach", "for-loop"), default="fused",
+                    help="every variant's AdamW implementation (default: fused, torchtitan's "
+                         "default; for-loop is torch's CPU default)")
     ap.add_argument("--check-steps", type=int, default=2,
                     help="steps checked against the single-device model")
     ap.add_argument("--warmup", type=int, default=2)
@@ -319,7 +343,7 @@ def main() -> None:
     ap.add_argument("--small", action="store_true",
                     help="a check that it runs: " + ", ".join(f"--{k.replace('_', '-')} {v}"
                                                              for k, v in SMALL.items()))
-    ap.add_argument("--variants", default=",".join(VARIANTS),
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                     help="comma-separated variants to run (megatron, the baseline, always "
                          "runs): every variant lives in each rank's process during the timing, "
                          "so 4 ranks at the issue's size need fewer on a 24 GB machine")
@@ -384,7 +408,7 @@ def main() -> None:
           f"after")
     print(f"model: hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} "
           f"heads, intermediate {args.intermediate}, vocab {args.vocab}; batch {args.batch} x "
-          f"seq {args.seq}; AdamW lr {args.lr}; {args.rounds} rounds x {args.iters} steps per "
+          f"seq {args.seq}; AdamW ({args.optimizer}) lr {args.lr}; {args.rounds} rounds x {args.iters} steps per "
           f"variant after {args.warmup} warm-up")
     print("reproduce: " + reproduce("train_step.py"))
     print()

@@ -35,7 +35,8 @@ from fxshard.ops.library import define_op
 from fxshard.runtime.context import _CURRENT, Backend, current_backend
 
 __all__ = ["COLLECTIVE_OPS", "POINT_TO_POINT_OPS", "is_communication", "is_point_to_point",
-           "all_reduce_consuming", "checked_backend"]
+           "all_reduce_consuming", "all_reduce_start", "collective_wait", "Pending",
+           "checked_backend"]
 
 _LIB = "fxshard"
 
@@ -134,6 +135,38 @@ def all_reduce_consuming(x: torch.Tensor, axis: str, size: int) -> torch.Tensor:
         return inplace(x, axis, size)
     backend = checked_backend("all_reduce", axis, size)
     return x if size == 1 else backend.all_reduce(x, axis)
+
+
+class Pending:
+    """A collective issued by :func:`all_reduce_start` and not waited for yet: ``wait()``
+    returns its result (once; a backend's own pending work subclasses this)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+    def wait(self) -> torch.Tensor:
+        return self.value
+
+
+def all_reduce_start(x: torch.Tensor, axis: str, size: int, consume: bool) -> Pending:
+    """Issue ``fxshard::all_reduce(x, axis, size)`` and return at once where the backend can
+    run it in the background (``DistributedBackend.all_reduce_start``: an ``async_op``
+    c10d call); :func:`collective_wait` gives the sum. ``consume``: ``x`` is read by nothing
+    else (:func:`all_reduce_consuming`'s condition), so the sum may be written into it.
+    Other backends (the simulated mesh) reduce here and the wait only hands the result over.
+    Eager rank programs call it (``fxshard.passes.post_emit.overlap_collectives_pass``)."""
+    start = getattr(_CURRENT.get(), "all_reduce_start", None)
+    if start is not None and size > 1:
+        return start(x if consume and x.is_contiguous() else x.contiguous().clone(), axis, size)
+    return Pending(all_reduce_consuming(x, axis, size) if consume
+                   else _all_reduce.__wrapped__(x, axis, size))
+
+
+def collective_wait(pending: Pending) -> torch.Tensor:
+    """The result of a collective :func:`all_reduce_start` issued (waits for it)."""
+    return pending.wait()
 
 
 # --- reduce_scatter -----------------------------------------------------------------------

@@ -6,11 +6,13 @@ inputs (``fxshard.compile``), counting what it rewrote in ``ctx.report``. The ru
 
     EAGER    = [attention_out_only, aten_attention, consume_dead_inputs]  # eager_stage
     INDUCTOR = [attention_out_only, aten_attention, native_collectives]   # compile_stage
+    TRAINING = [consume_dead_inputs, overlap_collectives]   # training's eager programs
 
 ``attention_out_only`` and ``aten_attention`` change only strides and which CPU kernel runs
 (the same values); ``consume_dead_inputs`` lets an all-reduce sum into a buffer nothing else
 reads; ``native_collectives`` (real meshes: ``ctx.groups``) hands Inductor torch's functional
-collectives, which it lowers natively. Each docstring shows its before and after.
+collectives, which it lowers natively; ``overlap_collectives`` runs an all-reduce in the
+background behind the matmuls that do not need it. Each docstring shows its before and after.
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ from ..ops.attention import attention_out
 from ..ops.collectives import all_reduce_consuming
 from . import PassReports
 
-__all__ = ["PostEmitCtx", "EAGER", "INDUCTOR", "attention_out_only_pass", "aten_attention_pass",
-           "consume_dead_inputs_pass", "native_collectives_pass"]
+__all__ = ["PostEmitCtx", "EAGER", "INDUCTOR", "TRAINING", "attention_out_only_pass", "aten_attention_pass",
+           "consume_dead_inputs_pass", "native_collectives_pass", "overlap_collectives_pass"]
 
 
 class PostEmitCtx(PassReports):
@@ -315,5 +317,107 @@ def aten_attention_pass(gm: fx.GraphModule, *, ctx: PostEmitCtx) -> fx.GraphModu
     return gm
 
 
+#: ops worth hiding a collective behind (a matmul's worth of work, not an add)
+_COMPUTE = {getattr(torch.ops.aten, name).default for name in
+            ("mm", "addmm", "bmm", "baddbmm", "convolution", "convolution_backward",
+             "_scaled_dot_product_flash_attention_for_cpu_backward")}
+
+
+def _compute(node: fx.Node) -> bool:
+    return node.target in _COMPUTE or (node.target in _FXSHARD_COMPUTE)
+
+
+_FXSHARD_COMPUTE = {getattr(torch.ops.fxshard, name).default for name in
+                    ("attention", "attention_backward") if hasattr(torch.ops.fxshard, name)}
+
+
+def _movable(node: fx.Node) -> bool:
+    """A pure call (no effect, no random draw) that may run later than it stands."""
+    if node.op != "call_function" or node.is_impure():
+        return False
+    target = node.target
+    return not (isinstance(target, torch._ops.OpOverload)
+                and torch.Tag.nondeterministic_seeded in target.tags)
+
+
+def _is_comm(node: fx.Node) -> bool:
+    from ..ops.collectives import all_reduce_start, collective_wait, is_communication
+    return is_communication(node) or node.target in (all_reduce_consuming, all_reduce_start,
+                                                     collective_wait)
+
+
+def overlap_collectives_pass(gm: fx.GraphModule, *, ctx: PostEmitCtx) -> fx.GraphModule:
+    """Run each all-reduce in the background behind the work that does not need it (eager
+    programs on a real mesh): a backward's input-gradient all-reduce behind the weight
+    gradients of the same layer, which come first in the partitioner's order (Megatron-LM's
+    overlap of the tensor-parallel all-reduce with the weight-gradient GEMM). The
+    work between the previous collective and the all-reduce that is no input of it moves after
+    an ``all_reduce_start``; ``collective_wait`` stands before the sum's first reader or the
+    next collective, whichever comes first (one collective in flight: the same order on every
+    rank, and no buffer held past the next one). Only where a matmul (or attention) moves;
+    random ops and effects never move. On the simulated mesh the start reduces at once::
+
+        before: mm_14 = mm(t_20, saved_view_8)                  # weight gradient
+                mm_15 = mm(view_19, t_22);  add_8 = add(view_18, view_20)
+                all_reduce = fxshard.all_reduce(add_8, 'tp', 2)
+                mul_23 = mul(all_reduce, w)
+        after:  mm_15 = mm(view_19, t_22);  add_8 = add(view_18, view_20)
+                pending = all_reduce_start(add_8, 'tp', 2, True)
+                mm_14 = mm(t_20, saved_view_8)                  # while the sum travels
+                all_reduce = collective_wait(pending)
+                mul_23 = mul(all_reduce, w)
+    """
+    from ..ops.collectives import all_reduce_start, collective_wait
+    graph = gm.graph
+    targets = (torch.ops.fxshard.all_reduce.default, all_reduce_consuming)
+    n = moved_total = 0
+    barrier = None                     # the last communication node seen (window start)
+    for node in list(graph.nodes):
+        if not _is_comm(node):
+            continue
+        window = []
+        cur = barrier.next if barrier is not None else next(iter(graph.nodes))
+        while cur is not node:
+            window.append(cur)
+            cur = cur.next
+        barrier = node
+        if node.target not in targets or not isinstance(node.args[0], fx.Node):
+            continue
+        needed, stack = set(), [node.args[0]]
+        while stack:                   # the all-reduce's inputs, back to the window's start
+            a = stack.pop()
+            if a not in needed:
+                needed.add(a)
+                stack.extend(a.all_input_nodes)
+        later = [w for w in window if w not in needed and w.op == "call_function"]
+        if not any(_compute(w) for w in later) or not all(_movable(w) for w in later):
+            continue
+        x, axis, size = node.args
+        with graph.inserting_before(node):
+            start = graph.call_function(all_reduce_start,
+                                        (x, axis, size, node.target is all_reduce_consuming))
+        at = start
+        for w in later:                # same relative order, after the start
+            at.append(w)
+            at = w
+        stop = at.next
+        while stop.op != "output" and stop not in node.users and not _is_comm(stop):
+            stop = stop.next
+        with graph.inserting_before(stop):
+            wait = graph.call_function(collective_wait, (start,))
+        wait.meta.update(node.meta)
+        node.replace_all_uses_with(wait)
+        graph.erase_node(node)
+        barrier = wait
+        n += 1
+        moved_total += len(later)
+    graph.lint()
+    gm.recompile()
+    ctx.report("overlap_collectives_pass", overlapped_all_reduces=n, moved_nodes=moved_total)
+    return gm
+
+
 EAGER = [attention_out_only_pass, aten_attention_pass, consume_dead_inputs_pass]
+#: training's eager forward and backward programs (``fxshard.training.module.direct``)
+TRAINING = [consume_dead_inputs_pass, overlap_collectives_pass]
 INDUCTOR = [attention_out_only_pass, aten_attention_pass, native_collectives_pass]

@@ -170,6 +170,20 @@ class DistributedBackend:
             raise self._failed("all_reduce", axis, exc) from exc
         return x
 
+    def all_reduce_start(self, x: torch.Tensor, axis: str, size: int) -> "_PendingWork":
+        """:meth:`all_reduce_` issued in the background (``async_op``: gloo's and NCCL's own
+        threads or streams run it): the returned work's ``wait()`` gives ``x``, summed.
+        Collectives of one group run in issue order, the same on every rank."""
+        if self._sizes.get(axis, 1) != size:
+            from fxshard.ops.collectives import size_mismatch
+            raise size_mismatch("all_reduce", axis, size, self)
+        group = self._group("all_reduce", axis)
+        try:
+            work = dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        except Exception as exc:
+            raise self._failed("all_reduce", axis, exc) from exc
+        return _PendingWork(x, work, self, axis)
+
     def reduce_scatter(self, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
         group = self._group("reduce_scatter", axis)
         size = self.axis_size(axis)
@@ -246,6 +260,23 @@ _BACKENDS: dict[int, DistributedBackend] = {}
 passes. Keyed by identity, not equality: torch's ``DeviceMesh`` compares equal to any mesh of the
 same ranks and names, though each ``init_device_mesh`` call makes its own process groups (with
 their own timeouts). The backend holds its mesh, so an ``id`` stays unique while it is a key."""
+
+
+class _PendingWork:
+    """An all-reduce :meth:`DistributedBackend.all_reduce_start` issued: ``wait()`` blocks
+    until it is done (bounded by the group's timeout) and returns the summed tensor."""
+
+    __slots__ = ("value", "work", "backend", "axis")
+
+    def __init__(self, value, work, backend, axis):
+        self.value, self.work, self.backend, self.axis = value, work, backend, axis
+
+    def wait(self) -> torch.Tensor:
+        try:
+            self.work.wait(self.backend._timeout(self.axis))
+        except Exception as exc:
+            raise self.backend._failed("all_reduce", self.axis, exc) from exc
+        return self.value
 
 
 def backend_for(device_mesh: DeviceMesh) -> DistributedBackend:

@@ -61,7 +61,8 @@ def direct(gm):
     GraphModule and its code (again after a ``recompile``); ``gm`` itself where it is no
     GraphModule or its code reads attributes of the module. As inference's eager stages, an
     all-reduce of a value nothing else reads (a row-parallel matmul's output, a gradient
-    sum) sums in place, without a copy (``fxshard.passes.post_emit.consume_dead_inputs_pass``
+    sum) sums in place, without a copy, and on a real mesh an all-reduce runs in the
+    background behind the matmuls that do not need it (``fxshard.passes.post_emit.TRAINING``
     on a copy of the graph: ``gm`` itself, what ``rank_module`` shows, is unchanged)."""
     if not isinstance(gm, fx.GraphModule):
         return gm
@@ -74,11 +75,11 @@ def direct(gm):
             fn = gm
         else:
             from ..passes import post_emit
+            from ..passes.pipeline import run_passes
             graph = fx.Graph()
             graph.output(graph.graph_copy(gm.graph, {}))
             run = fx.GraphModule(torch.nn.Module(), graph, class_name=type(gm).__name__)
-            fn = _direct_forward(post_emit.consume_dead_inputs_pass(
-                run, ctx=post_emit.PostEmitCtx()))
+            fn = _direct_forward(run_passes(run, post_emit.TRAINING, post_emit.PostEmitCtx()))
         made = gm.__dict__["_fxshard_direct"] = (code, fn, run)   # run: the graph fn runs
     return made[1]
 
