@@ -68,6 +68,8 @@ class Explanation:
     fallbacks: list = field(default_factory=list)
     replicated: list = field(default_factory=list)      # (weight FQN, why it stays whole on tp)
     partly_whole: dict = field(default_factory=dict)    # fused weight FQN -> parts kept whole
+    fsdp_whole: list = field(default_factory=list)      # (FQN, shape, bytes per rank, why) of
+    #                                                     the parameters stored whole on fsdp
     gathered: list = field(default_factory=list)        # (node, why a CP axis gathers there)
     passes: dict = field(default_factory=dict)          # pass -> {what: count} it changed
     microbatches: int = 1                               # runs of each program per forward
@@ -195,6 +197,12 @@ class Explanation:
         if self.partly_whole:
             lines += ["", f"Fused weights with parts kept whole on tp: {len(self.partly_whole)}"]
             lines += [f"  {fqn}: {why}" for fqn, why in self.partly_whole.items()]
+        if self.fsdp_whole:
+            lines += ["", f"Parameters kept whole on fsdp (no dim takes a shard; gradient "
+                          f"all-reduced): {len(self.fsdp_whole)}, "
+                          f"{sum(b for _, _, b, _ in self.fsdp_whole):,d} bytes per rank"]
+            lines += [f"  {fqn} {shape}: {b:,d} bytes per rank; {why}"
+                      for fqn, shape, b, why in self.fsdp_whole]
         if self.gathered:
             lines += ["", f"Attention not lowered on the CP axes (sequence gathered): "
                           f"{len(self.gathered)}"]
@@ -333,6 +341,7 @@ def explain(pm, compiled) -> Explanation:
                      passes={p: dict(c) for p, c in compiled.ctx.reports.items()},
                      replicated=list(getattr(compiled.ctx, "replicated", [])),
                      partly_whole=dict(getattr(compiled.ctx, "partly_whole", {})),
+                     fsdp_whole=list(getattr(compiled.ctx, "fsdp_whole", [])),
                      gathered=list(getattr(compiled.ctx, "gathered", [])),
                      microbatches=getattr(pm, "microbatches", 1),
                      unmatched_plan=list(getattr(pm, "unmatched_plan", [])))
@@ -386,7 +395,8 @@ def explain_training(pm, tm) -> Explanation:
                      program.shapes[f], dtypes[f]) for f, spec in program.specs.items()}
     forward = Program(graph=program.split.forward.graph, slots=slots)
     ctx = SimpleNamespace(fallbacks=list(program.ctx.fallbacks), reports=program.reports,
-                          replicated=list(getattr(program.ctx, "replicated", [])), gathered=[])
+                          replicated=list(getattr(program.ctx, "replicated", [])), gathered=[],
+                          fsdp_whole=list(getattr(program.ctx, "fsdp_whole", [])))
     ex = explain(SimpleNamespace(spec=mesh, microbatches=1,
                                  unmatched_plan=getattr(pm, "unmatched_plan", [])),
                  SimpleNamespace(programs=[forward], ctx=ctx))

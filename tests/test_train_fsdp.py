@@ -6,9 +6,11 @@ programs hold one gather per parameter in each direction and one reduce-scatter;
 tests/test_train_distributed.py.)
 
 Sizes: hidden 48, intermediate 72, vocab 96 (every dim a shard can take divides), sequence 5
-(odd), batch 4; a tiny MLP whose dim 0 does not divide shards its dim 1.
+(odd), batch 4; a tiny MLP whose dim 0 does not divide shards its dim 1, and its bias of odd
+length is stored whole on fsdp (gradient all-reduced, as on dp).
 """
 import collections
+import copy
 
 import pytest
 import torch
@@ -202,25 +204,59 @@ class _MLP(torch.nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def test_the_dim_that_divides_and_the_error_when_none_does():
+def test_the_dim_that_divides_and_whole_when_none_does():
+    """[5, 6]: dim 0 odd, dim 1 split; a.bias (5,): no dim divides, stored whole on fsdp (as
+    on dp): read without a gather, its gradient all-reduced once; gradients and 3 AdamW steps
+    equal one device, inference too, and explain() lists it and counts it whole."""
     torch.manual_seed(0)
-    model = _MLP()
+    model = _MLP(bias=True)
+    ref = copy.deepcopy(model)
     x = torch.randn(4, 6)
-    tm = parallelize_for_training(model, _mesh(fsdp=2))
-    out = tm(x)
-    torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-4)
-    out.square().sum().backward()
-    model(x).square().sum().backward()
-    for name, g in tm.gradients().items():
-        torch.testing.assert_close(g, dict(model.named_parameters())[name].grad, rtol=1e-5,
-                                   atol=1e-5)
-    assert tm.shards(1)["a.weight"].shape == (5, 3)     # [5, 6]: dim 0 is odd, dim 1 split
-    assert tm.shards(1)["b.weight"].shape == (2, 5)     # [4, 5]: dim 0
-    with pytest.raises(ValueError, match=r"a\.bias of shape \(5,\).*'fsdp' of size 2"):
-        parallelize_for_training(_MLP(bias=True), _mesh(fsdp=2), example_inputs=(x,))
-    with pytest.raises(ValueError, match=r"a\.bias of shape \(5,\).*'fsdp' of size 2"):
-        with torch.no_grad():
-            fxshard.parallelize(_MLP(bias=True), _mesh(fsdp=2))(x)
+    pm = fxshard.parallelize(model, _mesh(fsdp=2), example_inputs=(x,))
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    ours, theirs = make(pm.parameters()), make(ref.parameters())
+    for step in range(3):
+        ours.zero_grad()
+        theirs.zero_grad()
+        out, want = pm(x), ref(x)
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+        out.square().sum().backward()
+        want.square().sum().backward()
+        if step == 0:
+            for name, g in pm.gradients().items():
+                torch.testing.assert_close(g, dict(ref.named_parameters())[name].grad,
+                                           rtol=1e-5, atol=1e-5, msg=name)
+        ours.step()
+        theirs.step()
+    for name, p in pm.state_dict().items():
+        torch.testing.assert_close(p, dict(ref.named_parameters())[name].detach(), rtol=1e-5,
+                                   atol=1e-5, msg=name)
+    assert pm.shards(1)["a.weight"].shape == (5, 3)     # [5, 6]: dim 0 is odd, dim 1 split
+    assert pm.shards(1)["b.weight"].shape == (2, 5)     # [4, 5]: dim 0
+    assert pm.shards(1)["b.bias"].shape == (2,)
+    assert pm.shards(1)["a.bias"].shape == (5,)         # whole
+    fwd, bwd = pm.rank_module(0, "forward"), pm.rank_module(0, "backward")
+    assert _gathers_per_parameter(fwd) == {"a_weight": 1, "a_bias": 0, "b_weight": 1,
+                                           "b_bias": 1}
+    out = next(n for n in bwd.graph.nodes if n.op == "output").args[0]
+    assert [sum(_is(n, op, FSDP) for n in bwd.graph.nodes)
+            for op in ("all_reduce", "reduce_scatter")] == [1, 3]
+    (reduced,) = [g for g in out if _is(g, "all_reduce", FSDP)]
+    assert tuple(reduced.meta["val"].shape) == (5,)
+    ex = pm.explain()
+    assert ex.fsdp_whole == [("a.bias", (5,), 20, "dim 0 has 5 per shard, not divisible by 2")]
+    assert "Parameters kept whole on fsdp (no dim takes a shard; gradient all-reduced): 1, " \
+        "20 bytes per rank\n  a.bias (5,): 20 bytes per rank; dim 0 has 5 per shard" in str(ex)
+    held = 4 * (5 * 3 + 2 * 5 + 2 + 5)
+    assert ex.param_bytes[1] == ex.train_memory[1]["parameters"] == held == \
+        sum(p.numel() * 4 for p in pm.shards(1).values())
+    with torch.no_grad():   # inference: equal; the bias read without a gather
+        inf = fxshard.parallelize(ref, _mesh(fsdp=2))
+        torch.testing.assert_close(inf(x), ref(x), rtol=1e-4, atol=1e-4)
+    assert _gathers_per_parameter(inf.rank_module(0)) == {"a_weight": 1, "a_bias": 0,
+                                                         "b_weight": 1, "b_bias": 1}
+    ex = inf.explain()
+    assert [f for f, *_ in ex.fsdp_whole] == ["a.bias"] and ex.param_bytes[0] == held
 
 
 @pytest.mark.parametrize("axes", [{"fsdp": 2}, {"fsdp": 2, "tp": 2}])

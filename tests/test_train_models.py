@@ -210,6 +210,58 @@ def test_tied_embeddings_train_on_dp_tp(name, sp):
         assert c["reduce_scatter", "tp"] == 1, c
 
 
+@pytest.mark.parametrize("name", ["gpt2", "gpt2_odd"])
+def test_fused_bias_kept_whole_on_fsdp_tp(name):
+    """fsdp2·tp2: GPT-2's fused ``c_attn.bias`` (144 = 48+48+48, split part by part on tp)
+    has no dim fsdp can shard: it is stored whole on fsdp (as on dp), never all-gathered, its
+    gradient all-reduced over fsdp once; every other parameter is an fsdp shard."""
+    from fxshard.explain import explain_training
+    tm = _train_equal(name, 2, 2, batch="fsdp", lr=1e-3)
+    biases = [f"transformer.h.{i}.attn.c_attn.bias" for i in range(2)]
+    for b in biases:
+        assert tm._specs[b][0] == fxshard.Replicate(), tm._specs[b]
+        assert type(tm._specs[b][1]).__name__ == "StridedShard", tm._specs[b]
+        assert tm.shards(3)[b].shape == (72,)
+    whole = {f for f, spec in tm._specs.items() if spec[0] == fxshard.Replicate()}
+    assert whole == set(biases), whole
+    fwd, bwd = (tm.rank_module(0, w).graph for w in ("forward", "backward"))
+    mesh = fxshard.mesh.MeshSpec((2, 2), ("fsdp", "tp"))
+    for g in (fwd, bwd):
+        for p in g.nodes:
+            if p.op == "placeholder" and p.meta.get("fxshard_param") in biases:
+                assert not [u for u in p.users if "all_gather" in str(u.target)], p.users
+    out = next(n for n in bwd.nodes if n.op == "output")
+    reduced = [a for a in out.args[0] if isinstance(a, torch.fx.Node) and
+               a.target is torch.ops.fxshard.all_reduce.default and "fsdp" in a.args]
+    assert [local_shape(a.args[0].meta["val"].shape, a.args[0].meta["fxshard_spec"], mesh)
+            for a in reduced] == [(72,)] * 2, reduced
+    for a in reduced:   # the one fsdp collective on the bias's gradient
+        chain = [a.args[0]]
+        while chain[-1].meta.get("fxshard_collective") is not None:
+            chain.append(chain[-1].args[0])
+        assert not any("fsdp" in n.args for n in chain if n.op == "call_function"), chain
+    if name == "gpt2":   # the 2 other all-reduces: c_fc.bias [192], fsdp nested in tp's shard
+        c = _collectives(tm, "backward")   # of its dim 0 (gathered on tp, reduced, sliced)
+        assert c["all_reduce", "fsdp"] == 4 and c["reduce_scatter", "fsdp"] == 24, c
+    text = str(explain_training(tm, tm))
+    assert "Parameters kept whole on fsdp (no dim takes a shard; gradient all-reduced): 2, " \
+        "576 bytes per rank" in text, text
+    assert "transformer.h.1.attn.c_attn.bias (144,): 288 bytes per rank; dim 0 is split part " \
+        "by part on tp (S(0|48+48+48))" in text, text
+    # inference on the same mesh: equal, the bias an attribute read without a gather
+    model = _model(name).eval()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = fxshard.parallelize(model, _mesh(2, 2, "fsdp"))
+        ids = _data()[0] % model.config.vocab_size
+        torch.testing.assert_close(pm(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+    gm = pm.rank_module(0)
+    attrs = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target in biases]
+    assert len(attrs) == 2 and not [u for a in attrs for u in a.users
+                                    if "all_gather" in str(u.target)], attrs
+    assert "Parameters kept whole on fsdp" in str(pm.explain())
+
+
 @pytest.mark.parametrize("dp,tp,batch", [(1, 2, "dp"), (2, 1, "dp"), (2, 2, "dp"),
                                          (2, 1, "fsdp")])
 def test_moe_trains(dp, tp, batch):

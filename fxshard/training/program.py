@@ -21,7 +21,9 @@ sequence-sharded data) is all-reduced, or reduce-scattered where the parameter i
 
 On ``fsdp`` a parameter enters the joint propagation as it is used (whole on the axis) and
 leaves it stored sharded (``passes/fsdp.py``): one all-gather before its first use, which the
-partition redoes in the backward (a weight-only value), and its gradient reduce-scattered::
+partition redoes in the backward (a weight-only value), and its gradient reduce-scattered (a
+parameter no dim of which takes a shard is stored whole, as on ``dp``: its gradient is
+all-reduced)::
 
     all_gather = fxshard.all_gather(w_q, 1, 'fsdp', 2); t = t(all_gather); mm = mm(x, t)
     mm_8 = mm(t_8, view_11)                                  # fsdp: P
@@ -316,6 +318,7 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
     jctx = PassCtx(mesh=ctx.mesh, sequence_parallel=ctx.sequence_parallel, strict=ctx.strict,
                    plan=ctx.plan, embedding_style=ctx.embedding_style,
                    ring_zigzag=ctx.ring_zigzag)
+    jctx.fsdp_whole = list(ctx.fsdp_whole)   # (the forward's placements: explain() lists them)
     gm = repeat_kv_pass(joint.gm, ctx=jctx)
     gm = dedupe_views_pass(gm, ctx=jctx)
     gm = run_passes(gm, [split_loss_pass, mark_ulysses_pass], jctx)
