@@ -145,6 +145,22 @@ def test_explain_and_rank_modules_of_a_training_program():
     assert f"all_reduce      dp             {len(dp)}" in text
 
 
+def test_training_explain_lists_the_weights_kept_whole_on_tp():
+    """One KV head on tp=2: k_proj and v_proj stay whole, in training's explain as in
+    inference's (training's list was empty: its joint passes never fill it)."""
+    model = _llama(layers=1, kv=1)
+    ids, labels = _data()
+    pm = fxshard.parallelize(model, _mesh(1, 2), example_inputs=(ids,))
+    with torch.no_grad():
+        inference = str(pm.explain())
+    _loss(pm(ids), labels).backward()
+    training = str(pm.explain())
+    assert pm.programs.training
+    for text in (inference, training):
+        assert "Weights kept whole on tp: 2" in text
+        assert "model.layers.0.self_attn.k_proj.weight" in text
+
+
 def test_a_model_that_does_not_require_grad_runs_inference():
     model = _llama(layers=1).requires_grad_(False)
     ids, _ = _data()

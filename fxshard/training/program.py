@@ -318,7 +318,8 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
     jctx = PassCtx(mesh=ctx.mesh, sequence_parallel=ctx.sequence_parallel, strict=ctx.strict,
                    plan=ctx.plan, embedding_style=ctx.embedding_style,
                    ring_zigzag=ctx.ring_zigzag)
-    jctx.fsdp_whole = list(ctx.fsdp_whole)   # (the forward's placements: explain() lists them)
+    # the forward's placements decided these lists: explain() shows them
+    jctx.fsdp_whole, jctx.replicated = list(ctx.fsdp_whole), list(ctx.replicated)
     gm = repeat_kv_pass(joint.gm, ctx=jctx)
     gm = dedupe_views_pass(gm, ctx=jctx)
     gm = run_passes(gm, [split_loss_pass, mark_ulysses_pass], jctx)
