@@ -9,6 +9,7 @@ Sizes: hidden 48, intermediate 72, vocab 96 (every dim a shard can take divides)
 (odd), batch 4; a tiny MLP whose dim 0 does not divide shards its dim 1.
 """
 import collections
+import operator
 
 import pytest
 import torch
@@ -39,42 +40,107 @@ def _is(node, op: str, axis: str) -> bool:
         and axis in node.args
 
 
+def _weight_inputs(node) -> list:
+    """The parameters a (bucketed) collective reads."""
+    xs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+    return [x for x in xs if x.op == "get_attr" or x.op == "placeholder" and
+            x.meta.get("fxshard_param")]
+
+
 def _gathers_per_parameter(gm) -> dict:
     """Parameter (a training program's placeholder, an inference program's attribute) -> how
-    many fsdp all-gathers read it."""
-    return {p.name: sum(_is(u, "all_gather", FSDP) for u in p.users)
-            for p in gm.graph.nodes if p.op == "get_attr" or
+    many fsdp all-gathers (on its own or in a bucket) read it."""
+    count = collections.Counter()
+    for n in gm.graph.nodes:
+        if _is(n, "all_gather", FSDP) or _is(n, "all_gather_bucket", FSDP):
+            count.update(x.name for x in _weight_inputs(n))
+    return {p.name: count[p.name] for p in gm.graph.nodes if p.op == "get_attr" or
             p.op == "placeholder" and p.meta.get("fxshard_param")}
+
+
+def _buckets(gm, op: str) -> list[list[str]]:
+    """The parameter FQNs of each fsdp bucket (``op``: all_gather / reduce_scatter), in graph
+    order; a parameter's own collective is a bucket of one."""
+    out = []
+    for n in gm.graph.nodes:
+        if _is(n, op + "_bucket", FSDP):
+            out.append([_fqn(x) for x in n.args[0]])
+        elif _is(n, op, FSDP) and _weight_inputs(n):
+            out.append([_fqn(n.args[0])])
+    return out
+
+
+def _fqn(x) -> str:
+    return x.meta.get("fxshard_param") or x.target if x.op != "call_function" else x.name
+
+
+def _layer(fqn: str) -> str:
+    parts = fqn.split(".")
+    return ".".join(parts[:3]) if parts[1:2] == ["layers"] else "outside"
+
+
+def _soon(c) -> bool:
+    """Whether collective ``c`` comes right after what it reads, or after other collectives
+    (and a bucket's unpacking) only."""
+    if _is(c, "reduce_scatter_bucket", FSDP):
+        return c.prev in c.args[0]
+    n = c.prev
+    while n is not c.args[0]:
+        if not (n.target is operator.getitem or str(n.target).startswith("fxshard.")):
+            return False
+        n = n.prev
+    return True
 
 
 def _check_structure(tm, n_params: int):
     fwd, bwd = tm.rank_module(0, "forward"), tm.rank_module(0, "backward")
+    # every parameter gathered exactly once per program (in its layer's bucket)
     assert set(_gathers_per_parameter(fwd).values()) == {1}
     back = _gathers_per_parameter(bwd)
     # the embedding's gradient does not read the table: nothing to gather for it
     assert back.pop("model_embed_tokens_weight") == 0
     assert set(back.values()) == {1}, back
+    # one bucket per layer: each holds one layer's parameters (or those outside the layers)
+    for gm in (fwd, bwd):
+        for bucket in _buckets(gm, "all_gather"):
+            assert len({_layer(f) for f in bucket}) == 1, bucket
+    layers = {_layer(f) for f in tm.gradients()} - {"outside"}
+    assert sum(b[0] != "outside" and _layer(b[0]) != "outside" for b in
+               _buckets(fwd, "all_gather")) == len(layers)
     # gathered weights are redone in the backward, never saved
     saved = [n for n in bwd.graph.nodes if n.op == "placeholder" and n.name.startswith("saved_")]
     assert not any(n.meta.get("fxshard_collective") is not None and
                    n.meta["fxshard_collective"].op == "all_gather" and
                    n.meta["fxshard_collective"].axis == FSDP for n in saved)
-    # one reduce-scatter per gradient, and it is what the backward returns
+    # one reduce-scatter per gradient (on its own or in its layer's bucket), and it is what
+    # the backward returns
     outs = next(n for n in bwd.graph.nodes if n.op == "output").args[0]
-    assert sum(_is(n, "reduce_scatter", FSDP) for n in bwd.graph.nodes) == n_params
+    scatters = [n for n in bwd.graph.nodes if _is(n, "reduce_scatter", FSDP)
+                or _is(n, "reduce_scatter_bucket", FSDP)]
+    assert sum(len(n.args[0]) if _is(n, "reduce_scatter_bucket", FSDP) else 1
+               for n in scatters) == n_params
+    assert len([n for n in scatters if _is(n, "reduce_scatter_bucket", FSDP)]) == len(layers) + 1
     for g in outs:   # (reduced on other axes before or after: the smaller way round)
         chain = [g]
-        while chain[-1].meta.get("fxshard_collective") is not None:
+        while chain[-1].meta.get("fxshard_collective") is not None or \
+                chain[-1].target is operator.getitem:
             chain.append(chain[-1].args[0])
-        assert sum(_is(n, "reduce_scatter", FSDP) for n in chain) == 1, g.name
-        # reduced as soon as it is made, not all at the end of the backward
-        assert all(c.prev is c.args[0] for c in chain[:-1]), g.name
-    # each gather comes right before the first use of its result (not all at the start)
+        assert sum(_is(n, "reduce_scatter", FSDP) or _is(n, "reduce_scatter_bucket", FSDP)
+                   for n in chain) == 1, g.name
+        # reduced as soon as it is made (a bucket's: as soon as its bucket is)
+        assert all(_soon(c) for c in chain[:-1] if c.target is not operator.getitem), g.name
+    # each gather (bucket) comes right before the first use of what it gathers
     for gm in (fwd, bwd):
         for n in gm.graph.nodes:
             if _is(n, "all_gather", FSDP) and n.args[0].op == "placeholder":
                 first = next(u for u in gm.graph.nodes if u in n.users)
                 assert n.next is first, (n.name, first.name)
+            if _is(n, "all_gather_bucket", FSDP):
+                items = list(n.users)
+                after = n.next
+                while after in items:
+                    after = after.next
+                assert any(after in i.users for i in items), (n.name, after.name)
 
 
 @pytest.mark.parametrize("axes,sp", [
@@ -188,8 +254,9 @@ def test_reshard_after_forward_false_keeps_the_gathered_weights():
              and n.meta["fxshard_collective"].op == "all_gather"]
     # every weight but the embedding's (its gradient does not read it) comes saved, whole
     assert len(saved) == len(list(model.parameters())) - 1
-    assert sum(_is(n, "reduce_scatter", FSDP) for n in bwd.graph.nodes) == \
-        len(list(model.parameters()))
+    assert sum(map(len, _buckets(bwd, "reduce_scatter"))) == len(list(model.parameters()))
+    # the forward's gathers are bucketed all the same (one per layer, one for norm + head)
+    assert len(_buckets(tm.rank_module(0, "forward"), "all_gather")) == 3
 
 
 class _MLP(torch.nn.Module):
