@@ -65,7 +65,7 @@ def _buckets(gm, op: str) -> list[list[str]]:
     for n in gm.graph.nodes:
         if _is(n, op + "_bucket", FSDP):
             out.append([_fqn(x) for x in n.args[0]])
-        elif _is(n, op, FSDP) and _weight_inputs(n):
+        elif _is(n, op, FSDP) and (op == "reduce_scatter" or _weight_inputs(n)):
             out.append([_fqn(n.args[0])])
     return out
 

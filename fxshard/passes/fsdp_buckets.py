@@ -111,8 +111,8 @@ def _bucket_node(graph: fx.Graph, op: str, old: list, name: str) -> fx.Node:
 
 
 def _name(key) -> str:
-    where = key[0]
-    return where if isinstance(where, str) else f"outside layers ({where[1]} before)"
+    """The layer a bucket holds ("" outside the layers: explain's module column)."""
+    return key[0] if isinstance(key[0], str) else ""
 
 
 def _gathers(gm: fx.GraphModule, ctx: PassCtx) -> int:
