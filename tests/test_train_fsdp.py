@@ -9,6 +9,7 @@ Sizes: hidden 48, intermediate 72, vocab 96 (every dim a shard can take divides)
 (odd), batch 4; a tiny MLP whose dim 0 does not divide shards its dim 1.
 """
 import collections
+import math
 import operator
 
 import pytest
@@ -59,19 +60,25 @@ def _gathers_per_parameter(gm) -> dict:
 
 
 def _buckets(gm, op: str) -> list[list[str]]:
-    """The parameter FQNs of each fsdp bucket (``op``: all_gather / reduce_scatter), in graph
-    order; a parameter's own collective is a bucket of one."""
+    """The parameter FQNs of each fsdp bucket (``op``: all_gather / reduce_scatter: of the
+    gradients), in graph order; a parameter's own collective is a bucket of one."""
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    grad_of = dict(zip(out_node.args[0], out_node.meta.get("fxshard_gradients", [])))
+
+    def fqn(x, result) -> str:
+        if op == "all_gather":
+            return x.meta.get("fxshard_param") or x.target
+        while result not in grad_of:   # the gradient's chain (dp's all-reduce) to the output
+            result, = result.users
+        return grad_of[result]
     out = []
     for n in gm.graph.nodes:
         if _is(n, op + "_bucket", FSDP):
-            out.append([_fqn(x) for x in n.args[0]])
+            items = sorted(n.users, key=lambda u: u.args[1])
+            out.append([fqn(x, u) for x, u in zip(n.args[0], items)])
         elif _is(n, op, FSDP) and (op == "reduce_scatter" or _weight_inputs(n)):
-            out.append([_fqn(n.args[0])])
+            out.append([fqn(n.args[0], n)])
     return out
-
-
-def _fqn(x) -> str:
-    return x.meta.get("fxshard_param") or x.target if x.op != "call_function" else x.name
 
 
 def _layer(fqn: str) -> str:
@@ -299,7 +306,119 @@ def test_inference_forward_on_fsdp(axes):
         torch.testing.assert_close(pm(ids), model(ids), rtol=1e-4, atol=1e-4)
     gm = pm.rank_module(0)
     assert set(_gathers_per_parameter(gm).values()) == {1}
+    # one all-gather per layer (2), one for the norm and the head, the embedding's own
+    buckets = _buckets(gm, "all_gather")
+    assert [len(b) for b in buckets] == [1, 9, 9, 2], buckets
     per_rank = sum(p.numel() for p in gm.parameters())
     total = sum(p.numel() for p in model.parameters())
     ways = axes["fsdp"] * axes.get("tp", 1)
     assert total / ways <= per_rank <= 1.02 * total / ways
+
+
+def _per_layer(gm, op: str) -> collections.Counter:
+    """How many fsdp collectives ``op`` (own or bucketed) each layer's parameters take."""
+    return collections.Counter(frozenset(_layer(f) for f in b) for b in _buckets(gm, op))
+
+
+@pytest.mark.parametrize("axes", [{"fsdp": 2}, {"fsdp": 2, "tp": 2}, {"dp": 2, "fsdp": 2}])
+def test_one_collective_per_layer_in_each_rank_program(axes):
+    """A 2-layer Llama: each layer's 9 parameters are gathered by one collective in the
+    forward and one in the backward, their gradients reduce-scattered by one (FSDP2's per
+    layer grouping); the final norm and the head share one; the embedding is on its own
+    (its backward reads no weight). 22 + 20 + 21 fsdp collectives per step become 4 + 3 + 4."""
+    model = _llama(layers=2)
+    ids, _ = _data()
+    tm = parallelize_for_training(model, _mesh(**axes), example_inputs=(ids,))
+    fwd, bwd = tm.rank_module(0, "forward"), tm.rank_module(0, "backward")
+    layers = [frozenset({f"model.layers.{i}"}) for i in range(2)]
+    outside = frozenset({"outside"})
+    want = collections.Counter({layers[0]: 1, layers[1]: 1, outside: 2})
+    assert _per_layer(fwd, "all_gather") == want
+    assert _per_layer(bwd, "all_gather") == want - collections.Counter({outside: 1})
+    assert _per_layer(bwd, "reduce_scatter") == want
+    assert [len(b) for b in _buckets(bwd, "reduce_scatter")] == [2, 9, 9, 1]
+    _check_structure(tm, len(list(model.parameters())))
+
+
+class _Block(torch.nn.Module):
+    """Uneven sizes: ``a``'s dim 0 (5) does not divide by 2 (stored split on dim 1), ``b``'s
+    weight and bias on dim 0, a scale of 6."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(6, 5, bias=False)
+        self.b = torch.nn.Linear(5, 6)
+        self.scale = torch.nn.Parameter(torch.rand(6) + 0.5)
+
+    def forward(self, x):
+        return x + self.scale * self.b(torch.tanh(self.a(x)))
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.scale_in = torch.nn.Parameter(torch.rand(6) + 0.5)
+        self.layers = torch.nn.ModuleList([_Block() for _ in range(3)])
+        self.head = torch.nn.Linear(6, 4, bias=False)
+        self.scale_out = torch.nn.Parameter(torch.rand(6) + 0.5)
+
+    def forward(self, x):
+        x = x * self.scale_in
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x * self.scale_out)
+
+
+def _live_gathered_peak(gm, mesh) -> int:
+    """The most bytes of gathered fsdp weights alive at once in ``gm`` (each from its
+    collective to its last use)."""
+    from fxshard.placement import local_shape
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    live = [0] * len(nodes)
+    for n in nodes:
+        gathered = [u for u in n.users] if _is(n, "all_gather_bucket", FSDP) else \
+            [n] if _is(n, "all_gather", FSDP) and _weight_inputs(n) else []
+        for g in gathered:
+            v = g.meta["val"]
+            nbytes = math.prod(local_shape(tuple(v.shape), g.meta["fxshard_spec"], mesh)) * \
+                v.element_size()
+            for i in range(pos[g], max(pos[u] for u in g.users) + 1):
+                live[i] += nbytes
+    return max(live)
+
+
+@pytest.mark.parametrize("axes", [{"fsdp": 2}, {"dp": 2, "fsdp": 2}])
+def test_uneven_buckets_train_as_one_device_within_one_layer_of_memory(axes):
+    """Buckets mixing dims (0 and 1) and sizes: gradients and 3 AdamW steps equal one
+    device; at no point of either program are more gathered weights alive than one bucket's
+    (a layer's, or the head's with its scale)."""
+    model = _Stack()
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(2))
+    mesh = _mesh(**axes)
+    tm = parallelize_for_training(model, mesh, example_inputs=(x,))
+    assert tm.shards(0)["layers.0.a.weight"].shape == (5, 3)
+    fwd, bwd = tm.rank_module(0, "forward"), tm.rank_module(0, "backward")
+    assert [len(b) for b in _buckets(fwd, "all_gather")] == [1, 4, 4, 4, 2]
+    assert [len(b) for b in _buckets(bwd, "reduce_scatter")] == [2, 4, 4, 4, 1]
+    ours = torch.optim.AdamW(tm.parameters(), lr=1e-2, weight_decay=0.1)
+    theirs = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        ours.zero_grad()
+        theirs.zero_grad()
+        tm(x).square().sum().backward()
+        model(x).square().sum().backward()
+        if step == 0:
+            for name, g in tm.gradients().items():
+                torch.testing.assert_close(g, dict(model.named_parameters())[name].grad,
+                                           rtol=1e-5, atol=1e-5, msg=name)
+        ours.step()
+        theirs.step()
+    for name, p in tm.state_dict().items():
+        torch.testing.assert_close(p, dict(model.named_parameters())[name].detach(),
+                                   rtol=1e-5, atol=1e-5, msg=name)
+    spec = tm.spec
+    layer = sum(p.numel() * 4 for p in model.layers[0].parameters())
+    for gm in (fwd, bwd):
+        assert 0 < _live_gathered_peak(gm, spec) <= layer
