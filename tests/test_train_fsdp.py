@@ -1,8 +1,10 @@
 """The ``fsdp`` mesh axis (ZeRO-3 / FSDP2): the batch split as on ``dp``, every parameter stored
 as a shard over the axis, all-gathered before use (again in the backward), its gradient
 reduce-scattered to the shard. Gradients, AdamW steps and inference equal one device; the rank
-programs hold one gather per parameter in each direction and one reduce-scatter; a rank holds
-1/(fsdp·tp) of the parameters, gradients and optimizer state. (On real processes: fsdp2·tp2 in
+programs gather each parameter once in each direction and reduce-scatter its gradient once, a
+layer's parameters in one bucket collective each way (the norm and head in one, by position);
+at no point are more than one bucket's gathered weights alive; a rank holds 1/(fsdp·tp) of
+the parameters, gradients and optimizer state. (On real processes: fsdp2·tp2 in
 tests/test_train_distributed.py.)
 
 Sizes: hidden 48, intermediate 72, vocab 96 (every dim a shard can take divides), sequence 5

@@ -26,6 +26,9 @@ partition redoes in the backward (a weight-only value), and its gradient reduce-
     all_gather = fxshard.all_gather(w_q, 1, 'fsdp', 2); t = t(all_gather); mm = mm(x, t)
     mm_8 = mm(t_8, view_11)                                  # fsdp: P
     reduce_scatter = fxshard.reduce_scatter(mm_8, 1, 'fsdp', 2)   # P -> S(1), w_q's shard
+
+After the partition, both rank programs group a layer's gathers (reduce-scatters) into one
+``fxshard::all_gather_bucket`` (``reduce_scatter_bucket``): :mod:`fxshard.passes.fsdp_buckets`.
 """
 from __future__ import annotations
 
