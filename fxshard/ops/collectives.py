@@ -237,6 +237,7 @@ def _all_gather_bucket(xs, dims, axis, size):
     for part, x, d in zip(gathered.split([x.numel() for x in xs], 1), xs, dims):
         # rank r's block of x at row r: put the ranks next to each other along dim d
         y = part.reshape(size, *x.shape).movedim(0, d).reshape(_gathered_shape(x.shape, d, size))
+        y = y.contiguous()   # (the per-tensor all_gather's layout)
         if len(xs) > 1 and y.untyped_storage().data_ptr() == \
                 gathered.untyped_storage().data_ptr():
             y = y.clone()   # never a view that keeps the whole bucket alive
