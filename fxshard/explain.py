@@ -38,7 +38,8 @@ Legend
 
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "local_shard",
                "partial_from_replicate", "send", "recv", "ring_attention", "zigzag_shard",
-               "zigzag_gather", "sharded_argmax", "ring_attention_backward")
+               "zigzag_gather", "sharded_argmax", "ring_attention_backward",
+               "all_gather_bucket", "reduce_scatter_bucket")
 
 
 _LOCAL = ("local_shard", "partial_from_replicate", "zigzag_shard")  # no communication
@@ -132,6 +133,8 @@ class Explanation:
         per = f"; {self.microbatches} microbatches" if self.microbatches > 1 else ""
         lines.append(f"Collectives per rank per forward (op, axis: count, tensor bytes, wire "
                      f"bytes){per}")
+        ops = [c.op for cs in [*self.collectives.values(), *self.backward.values()] for c in cs]
+        w = max([15] + [len(op) for op in ops])   # the op column (bucket ops are long)
         shown: dict[tuple, list] = {}
         for r, cs in self.collectives.items():
             key = tuple((c.op, c.axis, c.tensor_bytes) for c in cs)
@@ -148,7 +151,7 @@ class Explanation:
             if not agg:
                 lines.append("    (none)")
             for (op, axis), (n, tb, wb) in sorted(agg.items()):
-                lines.append(f"    {op:15s} {axis:11s} {n:5d}  {tb:>14,d}  {wb:>14,d}")
+                lines.append(f"    {op:{w}s} {axis:11s} {n:5d}  {tb:>14,d}  {wb:>14,d}")
         dyn = sorted({f"{c.op} {c.axis} {tuple(c.shape)}" for cs in self.collectives.values()
                       for c in cs if data_dependent(c.shape)})
         if dyn:
@@ -164,7 +167,7 @@ class Explanation:
                 for c in cs:
                     a = agg.setdefault((c.op, c.axis), [0, 0, 0])
                     a[0], a[1], a[2] = a[0] + 1, a[1] + c.tensor_bytes, a[2] + c.wire_bytes
-                lines += [f"    {op:15s} {axis:11s} {n:5d}  {tb:>14,d}  {wb:>14,d}"
+                lines += [f"    {op:{w}s} {axis:11s} {n:5d}  {tb:>14,d}  {wb:>14,d}"
                           for (op, axis), (n, tb, wb) in sorted(agg.items())] or ["    (none)"]
         if self.train_memory:
             lines += ["", "Training memory per rank (bytes: parameters, gradients, AdamW state "
@@ -227,9 +230,9 @@ def _ranges(ranks: list[int]) -> str:
 def _wire(op: str, n: int, in_bytes: int) -> int:
     if op == "all_reduce":
         return 2 * (n - 1) * in_bytes // n
-    if op in ("all_gather", "zigzag_gather"):
+    if op in ("all_gather", "zigzag_gather", "all_gather_bucket"):
         return (n - 1) * in_bytes
-    if op in ("reduce_scatter", "all_to_all"):
+    if op in ("reduce_scatter", "all_to_all", "reduce_scatter_bucket"):
         return (n - 1) * in_bytes // n
     if op in ("send", "recv"):
         return in_bytes
@@ -289,6 +292,15 @@ def collectives_of(graph, mesh) -> list[CollectiveInfo]:
             nbytes = _numel(shape) * torch.float64.itemsize
             out.append(CollectiveInfo(node.name, op, axis, size, shape, nbytes,
                                       (size - 1) * nbytes, _module_of(node)))
+            continue
+        if op in ("all_gather_bucket", "reduce_scatter_bucket"):   # one flat buffer of them
+            axis = node.args[2]
+            size = mesh.axis_size(axis)
+            numel = sum(_numel(local_shape(tuple(t.meta["val"].shape), t.meta["fxshard_spec"],
+                                           mesh)) for t in x)
+            nbytes = numel * x[0].meta["val"].dtype.itemsize
+            out.append(CollectiveInfo(node.name, op, axis, size, (numel,), nbytes,
+                                      _wire(op, size, nbytes), node.meta.get("fxshard_bucket", "")))
             continue
         peer = -1
         if op == "recv":

@@ -89,6 +89,9 @@ def test_collectives_match_reference(mesh, data):
             "reduce_scatter": ops.reduce_scatter(x, dim, axis, n),
             "all_to_all": ops.all_to_all(x, dim, other, axis, n),
             "local_shard": ops.local_shard(x, dim, axis, n),
+            # fsdp's buckets: one collective, each output as its own op's (mixed dims)
+            "all_gather_bucket": ops.all_gather_bucket([x, 2 * x], [dim, other], axis, n),
+            "reduce_scatter_bucket": ops.reduce_scatter_bucket([2 * x, x], [dim, dim], axis, n),
         }
 
     with SimulatedWorld(mesh, timeout=30) as world:
@@ -105,6 +108,15 @@ def test_collectives_match_reference(mesh, data):
             "all_to_all": torch.cat([torch.chunk(t, n, dim)[k] for t in group_xs], other),
             "local_shard": torch.chunk(xs[rank], n, dim)[k],
         }
+        want["all_gather_bucket"] = [want["all_gather"],
+                                     torch.cat([2 * t for t in group_xs], other)]
+        want["reduce_scatter_bucket"] = [torch.chunk(seq_sum([2 * t for t in group_xs]), n,
+                                                     dim)[k], want["reduce_scatter"]]
+        for name in ("all_gather_bucket", "reduce_scatter_bucket"):
+            for g, w in zip(got.pop(name), want.pop(name)):
+                torch.testing.assert_close(g, w, msg=f"{name} on rank {rank} of {mesh}")
+                assert g.is_contiguous()
+                assert_fresh(g, xs)
         for name, w in want.items():
             torch.testing.assert_close(got[name], w, msg=f"{name} on rank {rank} of {mesh}")
             assert got[name].is_contiguous()
@@ -358,6 +370,12 @@ def test_indivisible_and_bad_peer_raise_value_error():
             world.run(lambda r: ops.reduce_scatter(torch.ones(3), 0, "tp", 2))
         with pytest.raises(ValueError, match="peer=5"):
             world.run(lambda r: ops.send(torch.ones(3), "tp", 5))
+        with pytest.raises(ValueError, match=r"reduce_scatter_bucket.*size 3.*'tp'"):
+            world.run(lambda r: ops.reduce_scatter_bucket([torch.ones(4), torch.ones(3)],
+                                                          [0, 0], "tp", 2))
+        with pytest.raises(ValueError, match=r"all_gather_bucket.*share a dtype.*by dtype"):
+            world.run(lambda r: ops.all_gather_bucket([torch.ones(2), torch.ones(2).double()],
+                                                      [0, 0], "tp", 2))
 
 
 def test_run_argument_errors():

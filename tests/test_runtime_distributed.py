@@ -65,6 +65,11 @@ def _check_collectives(rank: int) -> list[str]:
                 "all_to_all": (ops.all_to_all(x, dim, other, axis, 2),
                                torch.cat([torch.chunk(xs[q], 2, dim)[k] for q in members], other)),
                 "local_shard": (ops.local_shard(x, dim, axis, 2), torch.chunk(x, 2, dim)[k]),
+                "all_gather_bucket": (ops.all_gather_bucket([x, 2 * x], [dim, other], axis, 2)[1],
+                                      torch.cat([2 * xs[q] for q in members], other)),
+                "reduce_scatter_bucket": (
+                    ops.reduce_scatter_bucket([2 * x, x], [other, dim], axis, 2)[1],
+                    torch.chunk(total, 2, dim)[k]),
             }
             for name, (got, want) in checks.items():
                 if got.shape != want.shape or not torch.allclose(got, want, atol=1e-6):

@@ -2,10 +2,11 @@
 shards after two AdamW steps equal its blocks of the single-device model's; on dp2·tp2 and
 fsdp2·tp2, ``tm.gradients()`` / ``tm.state_dict()`` (gathered to every rank) and
 ``clip_grad_norm_`` (each element counted once over the mesh) over three AdamW steps equal
-the single-device model's, and on fsdp2·tp2 no rank holds more than half of a parameter (the
-fsdp test's real-process check); the eager backward runs its tp all-reduces in the background
-behind the weight gradients (``post_emit.overlap_collectives_pass``: async gloo work, the
-results above are with it). One launch checks it all."""
+the single-device model's, and on fsdp2·tp2 no rank holds more than half of a parameter and
+the rank programs gather (reduce-scatter) once per layer (the fsdp tests' real-process
+check: the bucket collectives on torch.distributed); the eager backward runs its all-reduces
+in the background behind the work that does not need them (``post_emit.overlap_collectives_pass``:
+async gloo work, the results above are with it). One launch checks it all."""
 import collections
 import copy
 
@@ -47,6 +48,11 @@ def _whole_on_every_rank(report, names, model, ids, loss_of, rank):
                                   for n, p in ref.named_parameters())
     report[key + "_names"] = sorted(trained) == sorted(n for n, _ in ref.named_parameters())
     full = dict(ref.named_parameters())
+    # the collectives that ran: fsdp's buckets (one per layer, one for norm + head)
+    report[key + "_buckets"] = [
+        sum(str(n.target) == f"fxshard.{op}.default" for n in tm.rank_module(rank, kind).graph.nodes)
+        for kind, op in (("forward", "all_gather_bucket"), ("backward", "all_gather_bucket"),
+                         ("backward", "reduce_scatter_bucket"))]
     report[key + "_split"] = all(2 * p.numel() <= full[n].numel()
                                  for n, p in tm.shards(rank).items())
 
@@ -123,5 +129,6 @@ def test_dp2_tp2_gloo_gradients_and_steps(tmp_path):
             norms = r[key + "_norms"]
             assert all(w > 0.05 for _, w in norms), norms     # every step clips
             assert all(abs(a - w) <= 1e-5 * w for a, w in norms), (key, norms)
-        # fsdp: every rank holds at most half of each parameter
+        # fsdp: every rank holds at most half of each parameter; its collectives per layer
         assert r["fsdp_tp_split"], r
+        assert r["fsdp_tp_buckets"] == [3, 3, 3] and r["dp_tp_buckets"] == [0, 0, 0], r

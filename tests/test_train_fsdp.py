@@ -1,8 +1,10 @@
 """The ``fsdp`` mesh axis (ZeRO-3 / FSDP2): the batch split as on ``dp``, every parameter stored
 as a shard over the axis, all-gathered before use (again in the backward), its gradient
 reduce-scattered to the shard. Gradients, AdamW steps and inference equal one device; the rank
-programs hold one gather per parameter in each direction and one reduce-scatter; a rank holds
-1/(fsdp·tp) of the parameters, gradients and optimizer state. (On real processes: fsdp2·tp2 in
+programs gather each parameter once in each direction and reduce-scatter its gradient once, a
+layer's parameters in one bucket collective each way (the norm and head in one, by position);
+at no point are more than one bucket's gathered weights alive; a rank holds 1/(fsdp·tp) of
+the parameters, gradients and optimizer state. (On real processes: fsdp2·tp2 in
 tests/test_train_distributed.py.)
 
 Sizes: hidden 48, intermediate 72, vocab 96 (every dim a shard can take divides), sequence 5
@@ -11,6 +13,8 @@ length is stored whole on fsdp (gradient all-reduced, as on dp).
 """
 import collections
 import copy
+import math
+import operator
 
 import pytest
 import torch
@@ -41,42 +45,113 @@ def _is(node, op: str, axis: str) -> bool:
         and axis in node.args
 
 
+def _weight_inputs(node) -> list:
+    """The parameters a (bucketed) collective reads."""
+    xs = node.args[0] if isinstance(node.args[0], (list, tuple)) else [node.args[0]]
+    return [x for x in xs if x.op == "get_attr" or x.op == "placeholder" and
+            x.meta.get("fxshard_param")]
+
+
 def _gathers_per_parameter(gm) -> dict:
     """Parameter (a training program's placeholder, an inference program's attribute) -> how
-    many fsdp all-gathers read it."""
-    return {p.name: sum(_is(u, "all_gather", FSDP) for u in p.users)
-            for p in gm.graph.nodes if p.op == "get_attr" or
+    many fsdp all-gathers (on its own or in a bucket) read it."""
+    count = collections.Counter()
+    for n in gm.graph.nodes:
+        if _is(n, "all_gather", FSDP) or _is(n, "all_gather_bucket", FSDP):
+            count.update(x.name for x in _weight_inputs(n))
+    return {p.name: count[p.name] for p in gm.graph.nodes if p.op == "get_attr" or
             p.op == "placeholder" and p.meta.get("fxshard_param")}
+
+
+def _buckets(gm, op: str) -> list[list[str]]:
+    """The parameter FQNs of each fsdp bucket (``op``: all_gather / reduce_scatter: of the
+    gradients), in graph order; a parameter's own collective is a bucket of one."""
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    grad_of = dict(zip(out_node.args[0], out_node.meta.get("fxshard_gradients", [])))
+
+    def fqn(x, result) -> str:
+        if op == "all_gather":
+            return x.meta.get("fxshard_param") or x.target
+        while result not in grad_of:   # the gradient's chain (dp's all-reduce) to the output
+            result, = result.users
+        return grad_of[result]
+    out = []
+    for n in gm.graph.nodes:
+        if _is(n, op + "_bucket", FSDP):
+            items = sorted(n.users, key=lambda u: u.args[1])
+            out.append([fqn(x, u) for x, u in zip(n.args[0], items)])
+        elif _is(n, op, FSDP) and (op == "reduce_scatter" or _weight_inputs(n)):
+            out.append([fqn(n.args[0], n)])
+    return out
+
+
+def _layer(fqn: str) -> str:
+    parts = fqn.split(".")
+    return ".".join(parts[:3]) if parts[1:2] == ["layers"] else "outside"
+
+
+def _soon(c) -> bool:
+    """Whether collective ``c`` comes right after what it reads, or after other collectives
+    (and a bucket's unpacking) only."""
+    if _is(c, "reduce_scatter_bucket", FSDP):
+        return c.prev in c.args[0]
+    n = c.prev
+    while n is not c.args[0]:
+        if not (n.target is operator.getitem or str(n.target).startswith("fxshard.")):
+            return False
+        n = n.prev
+    return True
 
 
 def _check_structure(tm, n_params: int):
     fwd, bwd = tm.rank_module(0, "forward"), tm.rank_module(0, "backward")
+    # every parameter gathered exactly once per program (in its layer's bucket)
     assert set(_gathers_per_parameter(fwd).values()) == {1}
     back = _gathers_per_parameter(bwd)
     # the embedding's gradient does not read the table: nothing to gather for it
     assert back.pop("model_embed_tokens_weight") == 0
     assert set(back.values()) == {1}, back
+    # one bucket per layer: each holds one layer's parameters (or those outside the layers)
+    for gm in (fwd, bwd):
+        for bucket in _buckets(gm, "all_gather"):
+            assert len({_layer(f) for f in bucket}) == 1, bucket
+    layers = {_layer(f) for f in tm.gradients()} - {"outside"}
+    assert sum(b[0] != "outside" and _layer(b[0]) != "outside" for b in
+               _buckets(fwd, "all_gather")) == len(layers)
     # gathered weights are redone in the backward, never saved
     saved = [n for n in bwd.graph.nodes if n.op == "placeholder" and n.name.startswith("saved_")]
     assert not any(n.meta.get("fxshard_collective") is not None and
                    n.meta["fxshard_collective"].op == "all_gather" and
                    n.meta["fxshard_collective"].axis == FSDP for n in saved)
-    # one reduce-scatter per gradient, and it is what the backward returns
+    # one reduce-scatter per gradient (on its own or in its layer's bucket), and it is what
+    # the backward returns
     outs = next(n for n in bwd.graph.nodes if n.op == "output").args[0]
-    assert sum(_is(n, "reduce_scatter", FSDP) for n in bwd.graph.nodes) == n_params
+    scatters = [n for n in bwd.graph.nodes if _is(n, "reduce_scatter", FSDP)
+                or _is(n, "reduce_scatter_bucket", FSDP)]
+    assert sum(len(n.args[0]) if _is(n, "reduce_scatter_bucket", FSDP) else 1
+               for n in scatters) == n_params
+    assert len([n for n in scatters if _is(n, "reduce_scatter_bucket", FSDP)]) == len(layers) + 1
     for g in outs:   # (reduced on other axes before or after: the smaller way round)
         chain = [g]
-        while chain[-1].meta.get("fxshard_collective") is not None:
+        while chain[-1].meta.get("fxshard_collective") is not None or \
+                chain[-1].target is operator.getitem:
             chain.append(chain[-1].args[0])
-        assert sum(_is(n, "reduce_scatter", FSDP) for n in chain) == 1, g.name
-        # reduced as soon as it is made, not all at the end of the backward
-        assert all(c.prev is c.args[0] for c in chain[:-1]), g.name
-    # each gather comes right before the first use of its result (not all at the start)
+        assert sum(_is(n, "reduce_scatter", FSDP) or _is(n, "reduce_scatter_bucket", FSDP)
+                   for n in chain) == 1, g.name
+        # reduced as soon as it is made (a bucket's: as soon as its bucket is)
+        assert all(_soon(c) for c in chain[:-1] if c.target is not operator.getitem), g.name
+    # each gather (bucket) comes right before the first use of what it gathers
     for gm in (fwd, bwd):
         for n in gm.graph.nodes:
             if _is(n, "all_gather", FSDP) and n.args[0].op == "placeholder":
                 first = next(u for u in gm.graph.nodes if u in n.users)
                 assert n.next is first, (n.name, first.name)
+            if _is(n, "all_gather_bucket", FSDP):
+                items = list(n.users)
+                after = n.next
+                while after in items:
+                    after = after.next
+                assert any(after in i.users for i in items), (n.name, after.name)
 
 
 @pytest.mark.parametrize("axes,sp", [
@@ -190,8 +265,9 @@ def test_reshard_after_forward_false_keeps_the_gathered_weights():
              and n.meta["fxshard_collective"].op == "all_gather"]
     # every weight but the embedding's (its gradient does not read it) comes saved, whole
     assert len(saved) == len(list(model.parameters())) - 1
-    assert sum(_is(n, "reduce_scatter", FSDP) for n in bwd.graph.nodes) == \
-        len(list(model.parameters()))
+    assert sum(map(len, _buckets(bwd, "reduce_scatter"))) == len(list(model.parameters()))
+    # the forward's gathers are bucketed all the same (one per layer, one for norm + head)
+    assert len(_buckets(tm.rank_module(0, "forward"), "all_gather")) == 3
 
 
 class _MLP(torch.nn.Module):
@@ -268,7 +344,119 @@ def test_inference_forward_on_fsdp(axes):
         torch.testing.assert_close(pm(ids), model(ids), rtol=1e-4, atol=1e-4)
     gm = pm.rank_module(0)
     assert set(_gathers_per_parameter(gm).values()) == {1}
+    # one all-gather per layer (2), one for the norm and the head, the embedding's own
+    buckets = _buckets(gm, "all_gather")
+    assert [len(b) for b in buckets] == [1, 9, 9, 2], buckets
     per_rank = sum(p.numel() for p in gm.parameters())
     total = sum(p.numel() for p in model.parameters())
     ways = axes["fsdp"] * axes.get("tp", 1)
     assert total / ways <= per_rank <= 1.02 * total / ways
+
+
+def _per_layer(gm, op: str) -> collections.Counter:
+    """How many fsdp collectives ``op`` (own or bucketed) each layer's parameters take."""
+    return collections.Counter(frozenset(_layer(f) for f in b) for b in _buckets(gm, op))
+
+
+@pytest.mark.parametrize("axes", [{"fsdp": 2}, {"fsdp": 2, "tp": 2}, {"dp": 2, "fsdp": 2}])
+def test_one_collective_per_layer_in_each_rank_program(axes):
+    """A 2-layer Llama: each layer's 9 parameters are gathered by one collective in the
+    forward and one in the backward, their gradients reduce-scattered by one (FSDP2's per
+    layer grouping); the final norm and the head share one; the embedding is on its own
+    (its backward reads no weight). 22 + 20 + 21 fsdp collectives per step become 4 + 3 + 4."""
+    model = _llama(layers=2)
+    ids, _ = _data()
+    tm = parallelize_for_training(model, _mesh(**axes), example_inputs=(ids,))
+    fwd, bwd = tm.rank_module(0, "forward"), tm.rank_module(0, "backward")
+    layers = [frozenset({f"model.layers.{i}"}) for i in range(2)]
+    outside = frozenset({"outside"})
+    want = collections.Counter({layers[0]: 1, layers[1]: 1, outside: 2})
+    assert _per_layer(fwd, "all_gather") == want
+    assert _per_layer(bwd, "all_gather") == want - collections.Counter({outside: 1})
+    assert _per_layer(bwd, "reduce_scatter") == want
+    assert [len(b) for b in _buckets(bwd, "reduce_scatter")] == [2, 9, 9, 1]
+    _check_structure(tm, len(list(model.parameters())))
+
+
+class _Block(torch.nn.Module):
+    """Uneven sizes: ``a``'s dim 0 (5) does not divide by 2 (stored split on dim 1), ``b``'s
+    weight and bias on dim 0, a scale of 6."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(6, 5, bias=False)
+        self.b = torch.nn.Linear(5, 6)
+        self.scale = torch.nn.Parameter(torch.rand(6) + 0.5)
+
+    def forward(self, x):
+        return x + self.scale * self.b(torch.tanh(self.a(x)))
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.scale_in = torch.nn.Parameter(torch.rand(6) + 0.5)
+        self.layers = torch.nn.ModuleList([_Block() for _ in range(3)])
+        self.head = torch.nn.Linear(6, 4, bias=False)
+        self.scale_out = torch.nn.Parameter(torch.rand(6) + 0.5)
+
+    def forward(self, x):
+        x = x * self.scale_in
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x * self.scale_out)
+
+
+def _live_gathered_peak(gm, mesh) -> int:
+    """The most bytes of gathered fsdp weights alive at once in ``gm`` (each from its
+    collective to its last use)."""
+    from fxshard.placement import local_shape
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    live = [0] * len(nodes)
+    for n in nodes:
+        gathered = [u for u in n.users] if _is(n, "all_gather_bucket", FSDP) else \
+            [n] if _is(n, "all_gather", FSDP) and _weight_inputs(n) else []
+        for g in gathered:
+            v = g.meta["val"]
+            nbytes = math.prod(local_shape(tuple(v.shape), g.meta["fxshard_spec"], mesh)) * \
+                v.element_size()
+            for i in range(pos[g], max(pos[u] for u in g.users) + 1):
+                live[i] += nbytes
+    return max(live)
+
+
+@pytest.mark.parametrize("axes", [{"fsdp": 2}, {"dp": 2, "fsdp": 2}])
+def test_uneven_buckets_train_as_one_device_within_one_layer_of_memory(axes):
+    """Buckets mixing dims (0 and 1) and sizes: gradients and 3 AdamW steps equal one
+    device; at no point of either program are more gathered weights alive than one bucket's
+    (a layer's, or the head's with its scale)."""
+    model = _Stack()
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(2))
+    mesh = _mesh(**axes)
+    tm = parallelize_for_training(model, mesh, example_inputs=(x,))
+    assert tm.shards(0)["layers.0.a.weight"].shape == (5, 3)
+    fwd, bwd = tm.rank_module(0, "forward"), tm.rank_module(0, "backward")
+    assert [len(b) for b in _buckets(fwd, "all_gather")] == [1, 4, 4, 4, 2]
+    assert [len(b) for b in _buckets(bwd, "reduce_scatter")] == [2, 4, 4, 4, 1]
+    ours = torch.optim.AdamW(tm.parameters(), lr=1e-2, weight_decay=0.1)
+    theirs = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        ours.zero_grad()
+        theirs.zero_grad()
+        tm(x).square().sum().backward()
+        model(x).square().sum().backward()
+        if step == 0:
+            for name, g in tm.gradients().items():
+                torch.testing.assert_close(g, dict(model.named_parameters())[name].grad,
+                                           rtol=1e-5, atol=1e-5, msg=name)
+        ours.step()
+        theirs.step()
+    for name, p in tm.state_dict().items():
+        torch.testing.assert_close(p, dict(model.named_parameters())[name].detach(),
+                                   rtol=1e-5, atol=1e-5, msg=name)
+    spec = tm.spec
+    layer = sum(p.numel() * 4 for p in model.layers[0].parameters())
+    for gm in (fwd, bwd):
+        assert 0 < _live_gathered_peak(gm, spec) <= layer

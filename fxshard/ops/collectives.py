@@ -9,10 +9,19 @@ and compilable::
     fxshard::reduce_scatter(Tensor x, int dim, str axis, int size) -> Tensor
     fxshard::all_to_all(Tensor x, int split_dim, int concat_dim, str axis, int size) -> Tensor
     fxshard::local_shard(Tensor x, int dim, str axis, int size) -> Tensor
+    fxshard::all_gather_bucket(Tensor[] xs, int[] dims, str axis, int size) -> Tensor[]
+    fxshard::reduce_scatter_bucket(Tensor[] xs, int[] dims, str axis, int size) -> Tensor[]
     fxshard::send(Tensor x, str axis, int peer) -> ()
     fxshard::recv(int[] shape, ScalarType dtype, Device device, str axis, int peer) -> Tensor
 
 In a graph: ``all_gather = torch.ops.fxshard.all_gather.default(mm, 2, 'tp', 2)``.
+
+The two bucket ops are many all-gathers (reduce-scatters) in one collective, as FSDP2 groups a
+layer's parameters: output ``i`` equals ``all_gather(xs[i], dims[i], axis, size)``
+(``reduce_scatter(...)``), computed as one ``all_gather`` (``reduce_scatter``) on dim 0 of a
+flat buffer of the inputs (copy-in, one collective, copy-out into fresh tensors; on
+torch.distributed ``all_gather_into_tensor`` / ``reduce_scatter_tensor``). Inputs share a dtype
+and a device (:mod:`fxshard.passes.fsdp_buckets` makes the buckets).
 
 The real impls dispatch to the current backend (``fxshard.runtime.context``: the simulated
 mesh or torch.distributed). A size-1 axis is
@@ -229,6 +238,81 @@ def _(x, dim, axis, size):
     return x.new_empty(shape)
 
 
+# --- all_gather_bucket / reduce_scatter_bucket ----------------------------------------------
+
+def _bucket_dims(op: str, xs, dims) -> list[int]:
+    if len(xs) != len(dims) or not xs:
+        raise ValueError(f"torch.ops.fxshard.{op}: {len(xs)} tensors and {len(dims)} dims; give "
+                         f"one dim per tensor, at least one tensor")
+    if len({(x.dtype, x.device) for x in xs}) > 1:
+        raise ValueError(
+            f"torch.ops.fxshard.{op}: the tensors of one bucket must share a dtype and a "
+            f"device, got {sorted({f'{x.dtype} on {x.device}' for x in xs})}; bucket them by "
+            f"dtype")
+    return [_norm_dim(op, x, d) for x, d in zip(xs, dims)]
+
+
+def _gathered_shape(shape, dim: int, size: int) -> list[int]:
+    shape = list(shape)
+    shape[dim] *= size
+    return shape
+
+
+@_define("all_gather_bucket", "(Tensor[] xs, int[] dims, str axis, int size) -> Tensor[]")
+def _all_gather_bucket(xs, dims, axis, size):
+    backend = checked_backend("all_gather_bucket", axis, size)
+    dims = _bucket_dims("all_gather_bucket", xs, dims)
+    if size == 1:
+        return [x.clone() for x in xs]
+    flat = torch.cat([x.reshape(-1) for x in xs])                        # copy-in
+    gathered = backend.all_gather(flat, 0, axis).view(size, flat.numel())  # rank-major
+    out = []
+    for part, x, d in zip(gathered.split([x.numel() for x in xs], 1), xs, dims):
+        # rank r's block of x at row r: put the ranks next to each other along dim d
+        y = part.reshape(size, *x.shape).movedim(0, d).reshape(_gathered_shape(x.shape, d, size))
+        y = y.contiguous()   # (the per-tensor all_gather's layout)
+        if len(xs) > 1 and y.untyped_storage().data_ptr() == \
+                gathered.untyped_storage().data_ptr():
+            y = y.clone()   # never a view that keeps the whole bucket alive
+        out.append(y)
+    return out
+
+
+@_all_gather_bucket.register_fake
+def _(xs, dims, axis, size):
+    dims = _bucket_dims("all_gather_bucket", xs, dims)
+    return [x.new_empty(_gathered_shape(x.shape, d, size)) for x, d in zip(xs, dims)]
+
+
+def _scattered_shape(op: str, x, dim: int, axis: str, size: int) -> list[int]:
+    shape = list(x.shape)
+    shape[dim] = _chunk(op, x, dim, axis, size)
+    return shape
+
+
+@_define("reduce_scatter_bucket", "(Tensor[] xs, int[] dims, str axis, int size) -> Tensor[]")
+def _reduce_scatter_bucket(xs, dims, axis, size):
+    backend = checked_backend("reduce_scatter_bucket", axis, size)
+    dims = _bucket_dims("reduce_scatter_bucket", xs, dims)
+    shapes = [_scattered_shape("reduce_scatter_bucket", x, d, axis, size)
+              for x, d in zip(xs, dims)]
+    if size == 1:
+        return [x.clone() for x in xs]
+    # rank r's chunk of every tensor in row r, flattened in the chunk's own (contiguous) order
+    rows = [x.reshape(*x.shape[:d], size, s[d], *x.shape[d + 1:]).movedim(d, 0).reshape(size, -1)
+            for x, d, s in zip(xs, dims, shapes)]
+    mine = backend.reduce_scatter(torch.cat(rows, 1).reshape(-1), 0, axis)
+    return [p.reshape(s).clone() for p, s in
+            zip(mine.split([r.shape[1] for r in rows]), shapes)]
+
+
+@_reduce_scatter_bucket.register_fake
+def _(xs, dims, axis, size):
+    dims = _bucket_dims("reduce_scatter_bucket", xs, dims)
+    return [x.new_empty(_scattered_shape("reduce_scatter_bucket", x, d, axis, size))
+            for x, d in zip(xs, dims)]
+
+
 # --- send / recv --------------------------------------------------------------------------
 
 @_define("send", "(Tensor x, str axis, int peer) -> ()")
@@ -261,7 +345,7 @@ for _p2p in (_ops.send.default, _ops.recv.default):
 
 COLLECTIVE_OPS = frozenset({
     _ops.all_gather.default, _ops.all_reduce.default, _ops.reduce_scatter.default,
-    _ops.all_to_all.default,
+    _ops.all_to_all.default, _ops.all_gather_bucket.default, _ops.reduce_scatter_bucket.default,
 })
 """The ops that communicate within a mesh-axis group (``local_shard`` does not)."""
 

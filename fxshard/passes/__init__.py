@@ -6,12 +6,13 @@ changed: eliminate dead code, lint, recompile" ending)::
 
     FORWARD: cleanup -> eager_attention -> fold_causal_mask -> unrepeat_kv -> moe_routing
              -> propagate -> insert_collectives -> lower_attention -> localize
-             -> split_stages -> emit (per stage)
+             -> split_stages -> fsdp_buckets -> emit (per stage)
     PREFILL: FORWARD with prefill_cache after lower_attention
     DECODE:  FORWARD with decode_attention before lower_attention (and, greedy,
              greedy_tokens before decode_attention)
 
-(the generation passes are :mod:`fxshard.passes.kv_cache`). ``moe_routing`` tags the
+(the generation passes are :mod:`fxshard.passes.kv_cache`; ``fsdp_buckets`` groups fsdp's
+collectives by layer, :mod:`fxshard.passes.fsdp_buckets`). ``moe_routing`` tags the
 expert-routing regions ``propagate``'s rules read. ``split_stages`` runs after ``localize``
 (DESIGN.md lists it before): a receive needs the local shape of what it receives; it leaves
 one graph per stage on ``ctx.stage_graphs`` and the driver runs ``emit`` on each, which

@@ -5,7 +5,9 @@ Replicate). :func:`fsdp_storage_pass` then gives each parameter the placement it
 in: ``S(d)`` on fsdp, with the used placement as ``fxshard_then`` (the placement a value moves
 to right after it is made), so ``insert_collectives`` adds one all-gather per parameter, placed
 before its first use. In training the gradient (a partial sum over the batch-split data) must
-leave in the stored placement: a reduce-scatter ``P -> S(d)``.
+leave in the stored placement: a reduce-scatter ``P -> S(d)``. The rank programs then group
+these per layer (:mod:`fxshard.passes.fsdp_buckets`: one all-gather, one reduce-scatter per
+layer, as FSDP2).
 
 The dim: 0 when it divides, else the first that does. Shards of one dim by several axes nest
 in mesh order; fsdp's all-gather is a plain concatenation only when no axis after fsdp in the

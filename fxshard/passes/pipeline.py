@@ -18,7 +18,7 @@ same ending first). ``emit_pass`` appends the stage's :class:`fxshard.passes.emi
 
     FORWARD  = [cleanup, eager_attention, fold_causal_mask, unrepeat_kv, moe_routing, split_loss,
                 propagate, reassociate_partials, vocab_parallel_loss, insert_collectives,
-                lower_attention, localize, split_stages, emit]
+                lower_attention, localize, split_stages, fsdp_buckets, emit]
     PREFILL  = FORWARD + prefill_cache after lower_attention
     DECODE   = FORWARD + decode_positions after moe_routing, decode_attention before
                lower_attention
@@ -40,6 +40,7 @@ from .decode_positions import decode_positions_pass
 from .eager_attention import eager_attention_pass
 from .emit import Program, emit_pass
 from .fold_mask import fold_causal_mask_pass
+from .fsdp_buckets import fsdp_buckets_pass, layer_stack_for_buckets
 from .gqa import unrepeat_kv_pass
 from .insert_collectives import insert_collectives_pass
 from .kv_cache import decode_attention_pass, greedy_tokens_pass, prefill_cache_pass
@@ -50,7 +51,7 @@ from .propagate import propagate_pass
 from .reassociate import reassociate_partials_pass
 from .split_stages import assign_layers_to_stages, find_layer_stack, split_stages_pass
 from .vocab_loss import split_loss_pass, vocab_parallel_loss_pass
-from ..mesh import PP
+from ..mesh import FSDP, PP
 
 __all__ = ["FORWARD", "PREFILL", "DECODE", "DECODE_GREEDY", "passes_for", "run_passes",
            "build_programs"]
@@ -68,7 +69,7 @@ FORWARD: list[GraphPass] = [
     cleanup_pass, eager_attention_pass, fold_causal_mask_pass, unrepeat_kv_pass,
     moe_routing_pass, split_loss_pass, propagate_pass, reassociate_partials_pass,
     vocab_parallel_loss_pass, insert_collectives_pass, lower_attention_pass, localize_pass,
-    split_stages_pass, emit_pass]
+    split_stages_pass, fsdp_buckets_pass, emit_pass]
 PREFILL = _with(FORWARD, prefill_cache_pass, after=lower_attention_pass)
 DECODE = _with(_with(FORWARD, decode_attention_pass, before=lower_attention_pass),
                decode_positions_pass, after=moe_routing_pass)
@@ -150,6 +151,8 @@ def build_programs(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassC
     n_stages = ctx.mesh.axis_size(PP)
     if n_stages > 1:  # validate before the (slower) trace
         ctx.layer_stack, ctx.layer_names, ctx.layer_stages = _layer_stages(model, n_stages, stages)
+    elif ctx.mesh.axis_size(FSDP) > 1:   # fsdp's buckets follow the layers
+        ctx.layer_stack, ctx.layer_names = layer_stack_for_buckets(model)
     if traced is None:
         traced = trace(model, args, kwargs, real_inputs=generation is not None
                        and generation[0] == "decode")

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ..passes.fsdp_buckets import GRADIENTS
 from .recompute import choose, recomputable
 
 __all__ = ["Split", "partition"]
@@ -188,7 +189,8 @@ def partition(gm: fx.GraphModule, n_outputs: int, grad_fqns: list, keep: set = f
         benv[n] = bg.node_copy(n, lambda a: benv[a])
         if n in redo:
             benv[n].meta["fxshard_recompute"] = True
-    bg.output(tuple(benv[g] if isinstance(g, fx.Node) else g for _, g in grads))
+    bout = bg.output(tuple(benv[g] if isinstance(g, fx.Node) else g for _, g in grads))
+    bout.meta[GRADIENTS] = [fqn for fqn, _ in grads]   # whose gradient each output is
     for g in (fg, bg):
         g.eliminate_dead_code()
         _just_in_time(g)

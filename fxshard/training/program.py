@@ -28,6 +28,9 @@ all-reduced)::
     all_gather = fxshard.all_gather(w_q, 1, 'fsdp', 2); t = t(all_gather); mm = mm(x, t)
     mm_8 = mm(t_8, view_11)                                  # fsdp: P
     reduce_scatter = fxshard.reduce_scatter(mm_8, 1, 'fsdp', 2)   # P -> S(1), w_q's shard
+
+After the partition, both rank programs group a layer's gathers (reduce-scatters) into one
+``fxshard::all_gather_bucket`` (``reduce_scatter_bucket``): :mod:`fxshard.passes.fsdp_buckets`.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ from ..passes import PassCtx
 from ..passes.eager_attention import eager_attention_pass
 from ..passes.fold_mask import fold_causal_mask_pass
 from ..passes.fsdp import AXIS as FSDP, used_spec
+from ..passes.fsdp_buckets import fsdp_buckets_pass, layer_stack_for_buckets
 from ..passes.gqa import unrepeat_kv_pass
 from ..passes.insert_collectives import insert_collectives_pass
 from ..passes.localize import localize_pass
@@ -335,6 +339,10 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
                       keep=set() if reshard_after_forward else _fsdp_gathers(gm),
                       recompute=recompute, model_name=type(model).__name__,
                       nbytes=lambda n: _local_bytes(n, jctx.mesh))
+    # fsdp: one all-gather per layer in each program, one reduce-scatter per layer
+    jctx.layer_stack, jctx.layer_names = layer_stack_for_buckets(model)
+    for gm in (split.forward, split.backward):
+        run_passes(gm, [fsdp_buckets_pass], jctx)
     return TrainProgram(split=split, specs={f: specs.get(f, tuple(R for _ in ctx.mesh.shape))
                                             for f in split.weights},
                         shapes=shapes, joint=joint, ctx=jctx,
