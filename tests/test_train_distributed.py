@@ -122,7 +122,8 @@ def test_dp2_tp2_gloo_gradients_and_steps(tmp_path):
         assert r["forward"] < 1e-4 and r["grad"] < 1e-5 and r["params"] < 1e-5, r
         assert r["after"] < 1e-4 and r["kept"], r
         # the rewrite the simulated mesh runs (and checks against one device everywhere)
-        assert r["overlapped"] == simulated and sum(simulated.values()) > 0, (r["overlapped"], simulated)
+        assert r["overlapped"] == simulated and sum(simulated.values()) > 0, \
+            (r["overlapped"], simulated)
         for key in ("dp_tp", "fsdp_tp"):
             assert r[key + "_grads"] < 1e-5 and r[key + "_params"] < 1e-5, (key, r)
             assert r[key + "_names"], key

@@ -25,7 +25,8 @@ from ..ops.attention import attention_out
 from ..ops.collectives import all_reduce_consuming
 from . import PassReports
 
-__all__ = ["PostEmitCtx", "EAGER", "INDUCTOR", "TRAINING", "attention_out_only_pass", "aten_attention_pass",
+__all__ = ["PostEmitCtx", "EAGER", "INDUCTOR", "TRAINING", "attention_out_only_pass",
+           "aten_attention_pass",
            "consume_dead_inputs_pass", "native_collectives_pass", "overlap_collectives_pass"]
 
 
