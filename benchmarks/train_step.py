@@ -390,7 +390,7 @@ def main() -> None:
     # hand-written baseline's own error (doubled), never below the tests' 1e-5
     norm_line = max(1e-5, 2 * results[BASELINE]["grad_norm_rel_err"])
     base = results[BASELINE]["median_ms"]
-    mem_base = results["dtensor"]["peak_mib"]
+    mem_base = results["dtensor"]["peak_mib"] if "dtensor" in results else None
     rows = []
     for name, r in results.items():
         if r["n"] == 0:      # checked and measured for memory, not timed

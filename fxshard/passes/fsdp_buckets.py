@@ -7,7 +7,10 @@ the whole axis. This pass, run on each rank program, groups them into *buckets*:
 repeated layer (the layer stack :func:`fxshard.passes.split_stages.find_layer_stack` finds, as
 the pipeline split uses; a parameter belongs to the layer its FQN lies under), and the
 parameters outside the layers by position (those gathered before the first layer, between two
-layers, after the last: the embedding; the final norm and the head). A bucket holds one dtype.
+layers, after the last: the embedding; the final norm and the head). A bucket holds one dtype,
+and only parameters of at most :data:`BUCKET_MAX_BYTES` (norms and biases at real sizes):
+a bigger one keeps its own collective, whose result lands in place without the bucket's
+copies in and out.
 
 - All-gathers (forward, backward, inference): the bucket's gathers become one
   ``fxshard::all_gather_bucket`` placed where its first gather was (the layer's first use of a
@@ -44,7 +47,7 @@ from .fsdp import AXIS
 from .insert_collectives import collective_target
 from .split_stages import find_layer_stack
 
-__all__ = ["layer_stack_for_buckets", "fsdp_buckets_pass", "GRADIENTS"]
+__all__ = ["layer_stack_for_buckets", "fsdp_buckets_pass", "GRADIENTS", "BUCKET_MAX_BYTES"]
 
 GRADIENTS = "fxshard_gradients"
 """Output-node meta of a training backward: the parameter FQN of each output (or None)."""
@@ -73,15 +76,31 @@ def _is(node: fx.Node, op: str) -> bool:
         len(node.args) == 4 and node.args[2] == AXIS
 
 
+#: a parameter whose gathered value (a gradient's reduce-scatter input) is bigger stays in its
+#: own collective: a bucket copies its tensors into a flat buffer and back out, which costs
+#: more than the rendezvous it saves once they are big (measured: the 8-layer, hidden-1024
+#: Llama of ``benchmarks/train_step.py --ranks 4`` on fsdp2·tp2 stepped 1.55x Megatron with
+#: every parameter bucketed, 1.36x with none); norms and biases, latency-bound, are bucketed
+BUCKET_MAX_BYTES = 128 * 1024
+
+
+def _small(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.numel() * val.element_size() <= BUCKET_MAX_BYTES
+
+
 def _group(items: list, ctx: PassCtx) -> dict:
     """``{key: [(node, fqn), ...]}`` in graph order: one key per layer, and one per stretch
-    of parameters outside the layers (how many layers came before them); per dtype."""
+    of parameters outside the layers (how many layers came before them); per dtype; only
+    parameters of at most :data:`BUCKET_MAX_BYTES` (``items`` says the node to measure)."""
     buckets: dict = {}
     layers: list = []
     for node, fqn, dtype in items:
         layer = _layer(fqn, ctx)
         if layer is not None and layer not in layers:
             layers.append(layer)
+        if not _small(node if node.target is collective_target("all_gather") else node.args[0]):
+            continue
         key = (layer if layer is not None else ("outside", len(layers)), dtype)
         buckets.setdefault(key, []).append(node)
     return {k: v for k, v in buckets.items() if len(v) > 1}
