@@ -280,6 +280,29 @@ class _MLP(torch.nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
+def _steps_equal(pm, ref, x, steps=3):
+    """``pm`` and the single-device ``ref`` through ``steps`` AdamW steps on
+    ``(model(x) ** 2).sum()``: outputs, the first step's gradients and the final parameters
+    equal (``ref`` is trained in place)."""
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    ours, theirs = make(pm.parameters()), make(ref.parameters())
+    named = dict(ref.named_parameters())
+    for step in range(steps):
+        ours.zero_grad()
+        theirs.zero_grad()
+        out, want = pm(x), ref(x)
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+        out.square().sum().backward()
+        want.square().sum().backward()
+        if step == 0:
+            for name, g in pm.gradients().items():
+                torch.testing.assert_close(g, named[name].grad, rtol=1e-5, atol=1e-5, msg=name)
+        ours.step()
+        theirs.step()
+    for name, p in pm.state_dict().items():
+        torch.testing.assert_close(p, named[name].detach(), rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_the_dim_that_divides_and_whole_when_none_does():
     """[5, 6]: dim 0 odd, dim 1 split; a.bias (5,): no dim divides, stored whole on fsdp (as
     on dp): read without a gather, its gradient all-reduced once; gradients and 3 AdamW steps
@@ -289,24 +312,7 @@ def test_the_dim_that_divides_and_whole_when_none_does():
     ref = copy.deepcopy(model)
     x = torch.randn(4, 6)
     pm = fxshard.parallelize(model, _mesh(fsdp=2), example_inputs=(x,))
-    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
-    ours, theirs = make(pm.parameters()), make(ref.parameters())
-    for step in range(3):
-        ours.zero_grad()
-        theirs.zero_grad()
-        out, want = pm(x), ref(x)
-        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
-        out.square().sum().backward()
-        want.square().sum().backward()
-        if step == 0:
-            for name, g in pm.gradients().items():
-                torch.testing.assert_close(g, dict(ref.named_parameters())[name].grad,
-                                           rtol=1e-5, atol=1e-5, msg=name)
-        ours.step()
-        theirs.step()
-    for name, p in pm.state_dict().items():
-        torch.testing.assert_close(p, dict(ref.named_parameters())[name].detach(), rtol=1e-5,
-                                   atol=1e-5, msg=name)
+    _steps_equal(pm, ref, x)
     assert pm.shards(1)["a.weight"].shape == (5, 3)     # [5, 6]: dim 0 is odd, dim 1 split
     assert pm.shards(1)["b.weight"].shape == (2, 5)     # [4, 5]: dim 0
     assert pm.shards(1)["b.bias"].shape == (2,)
@@ -440,22 +446,7 @@ def test_uneven_buckets_train_as_one_device_within_one_layer_of_memory(axes):
     fwd, bwd = tm.rank_module(0, "forward"), tm.rank_module(0, "backward")
     assert [len(b) for b in _buckets(fwd, "all_gather")] == [1, 4, 4, 4, 2]
     assert [len(b) for b in _buckets(bwd, "reduce_scatter")] == [2, 4, 4, 4, 1]
-    ours = torch.optim.AdamW(tm.parameters(), lr=1e-2, weight_decay=0.1)
-    theirs = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    for step in range(3):
-        ours.zero_grad()
-        theirs.zero_grad()
-        tm(x).square().sum().backward()
-        model(x).square().sum().backward()
-        if step == 0:
-            for name, g in tm.gradients().items():
-                torch.testing.assert_close(g, dict(model.named_parameters())[name].grad,
-                                           rtol=1e-5, atol=1e-5, msg=name)
-        ours.step()
-        theirs.step()
-    for name, p in tm.state_dict().items():
-        torch.testing.assert_close(p, dict(model.named_parameters())[name].detach(),
-                                   rtol=1e-5, atol=1e-5, msg=name)
+    _steps_equal(tm, model, x)
     spec = tm.spec
     layer = sum(p.numel() * 4 for p in model.layers[0].parameters())
     for gm in (fwd, bwd):
