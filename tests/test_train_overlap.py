@@ -16,7 +16,8 @@ def _rewritten(gm: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     run = fx.GraphModule(torch.nn.Module(), graph)
-    return run_passes(run, post_emit.TRAINING, post_emit.PostEmitCtx())
+    return run_passes(run, [post_emit.consume_dead_inputs_pass, post_emit.overlap_collectives_pass],
+                      post_emit.PostEmitCtx())
 
 
 def _calls(gm):

@@ -49,12 +49,15 @@ def _adamw_steps(model, pm, step, steps=3):
     the trained weights equal (the model object keeps its weights: a copy trains)."""
     model = copy.deepcopy(model)
     model.zero_grad()
-    ref = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # eps 1e-6: Adam's m / (sqrt(v) + eps) with the default 1e-8 turns the fp32 rounding of a
+    # near-zero gradient element into an update of arbitrary size (lm_head.weight: 1.1e-5
+    # off on one CPU model, 2026-12-02; tests/test_train_models.py says the same)
+    ref = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
     ids, labels = _data()
     opt = None
     for _ in range(steps):
         step(pm)    # the first places the shards (an optimizer may come after it)
-        opt = opt or torch.optim.AdamW(pm.parameters(), lr=1e-2)
+        opt = opt or torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=1e-6)
         _loss(model(ids), labels).backward()
         opt.step(), ref.step(), opt.zero_grad(), ref.zero_grad()
     sd = pm.state_dict()

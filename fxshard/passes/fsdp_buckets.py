@@ -196,6 +196,7 @@ def fsdp_buckets_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     module docstring). Nothing to do without an fsdp axis or a layer stack."""
     if AXIS not in ctx.mesh.axis_names or ctx.mesh.axis_size(AXIS) == 1 or \
             ctx.layer_stack is None:
+        ctx.report("fsdp_buckets_pass", changed=False, gathers_bucketed=0, scatters_bucketed=0)
         return gm
     gathered = _gathers(gm, ctx)
     scattered = _scatters(gm, ctx)

@@ -6,7 +6,7 @@ inputs (``fxshard.compile``), counting what it rewrote in ``ctx.report``. The ru
 
     EAGER    = [attention_out_only, aten_attention, consume_dead_inputs]  # eager_stage
     INDUCTOR = [attention_out_only, aten_attention, native_collectives]   # compile_stage
-    TRAINING = [consume_dead_inputs, overlap_collectives]   # training's eager programs
+    TRAINING = [consume_dead_inputs]   # training's eager programs (overlap_collectives: not yet)
 
 ``attention_out_only`` and ``aten_attention`` change only strides and which CPU kernel runs
 (the same values); ``consume_dead_inputs`` lets an all-reduce sum into a buffer nothing else
@@ -419,6 +419,8 @@ def overlap_collectives_pass(gm: fx.GraphModule, *, ctx: PostEmitCtx) -> fx.Grap
 
 
 EAGER = [attention_out_only_pass, aten_attention_pass, consume_dead_inputs_pass]
-#: training's eager forward and backward programs (``fxshard.training.module.direct``)
-TRAINING = [consume_dead_inputs_pass, overlap_collectives_pass]
+#: training's eager forward and backward programs (``fxshard.training.module.direct``);
+#: ``overlap_collectives_pass`` is not in it yet: with it the pipeline-schedule and in-place
+#: all-reduce tests failed in CI (2026-12-02), not yet understood
+TRAINING = [consume_dead_inputs_pass]
 INDUCTOR = [attention_out_only_pass, aten_attention_pass, native_collectives_pass]
