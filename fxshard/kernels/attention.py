@@ -31,6 +31,8 @@ head, Sq query length, Skv key/value length, D head dim; in suffixes K is Hkv, T
 is q viewed as ``[B, Hkv, G, Sq, D]`` and ``q_BKMD`` as ``[B, Hkv, G * Sq, D]``; ``s_BKGST`` holds scores ``[B, Hkv, G, Sq, Skv]``; ``lse_BHS`` is
 ``[B, Hq, Sq]``.
 """
+import contextlib
+import contextvars
 import functools
 import math
 import numbers
@@ -211,8 +213,10 @@ def _masked_scores(q_BHSD, k_BHSD, mask, causal, scale, q_offset, kv_offset, sof
     if mask is not None:
         mask_BKGST = mask.expand(batch, heads_q, seq_q, seq_kv).reshape(
             batch, heads_kv, group, seq_q, seq_kv)
-        if mask.dtype == torch.bool:
-            s_BKGST = s_BKGST.masked_fill(~mask_BKGST, -math.inf)
+        if mask.dtype == torch.bool:  # added as 0 / -inf, as torch's SDPA does: a NaN score
+            # stays NaN where the mask hides it (filling -inf there would hide the NaN)
+            s_BKGST = s_BKGST + torch.zeros((), dtype=s_BKGST.dtype, device=s_BKGST.device
+                                            ).masked_fill(~mask_BKGST, -math.inf)
         else:
             s_BKGST = s_BKGST + mask_BKGST.to(cdtype)
     if causal:
@@ -230,17 +234,57 @@ def _all_finite(*tensors: torch.Tensor) -> bool:
     return math.isfinite(sum(t.sum().item() for t in tensors))
 
 
-@functools.lru_cache(maxsize=None)
-def _sdpa_zeroes_nan_rows(dtype: torch.dtype) -> bool:
+# torch's CPU flash kernel takes the keys in blocks of 512; what it does with a row of NaN
+# depends on the first block's length only (below), so the probe needs no longer key row.
+_SDPA_KV_BLOCK = 512
+_single_device_keys: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar(
+    "fxshard_single_device_keys", default=None)
+
+
+@contextlib.contextmanager
+def single_device_keys(n: int):
+    """The attention calls inside see a piece of the keys of one single-device call of ``n``
+    keys (a ring step, ``fxshard.ring_attention``): what a row of NaN gives follows the
+    single-device call (:func:`sdpa_zeroes_nan_rows`), not the piece."""
+    token = _single_device_keys.set(int(n))
+    try:
+        yield
+    finally:
+        _single_device_keys.reset(token)
+
+
+def sdpa_zeroes_nan_rows(dtype: torch.dtype, seq_kv: int, mask: Optional[torch.Tensor]) -> bool:
     """Whether torch's own CPU ``scaled_dot_product_attention`` gives 0, not NaN, for a query
-    row of NaN at ``dtype``: it does on AVX-512 CPUs (float32 and float64), and there the
-    single-device model does, so fxshard's plain path must too (a row whose every score is NaN
-    or masked is treated as seeing no key: ``out = 0``, ``lse = -inf``)."""
+    row of NaN at ``dtype`` against ``seq_kv`` keys (with a mask of ``mask``'s kind): the single
+    -device model does whatever it does, so fxshard's plain path must too (a row whose every
+    score is NaN or masked is then treated as seeing no key: ``out = 0``, ``lse = -inf``).
+
+    Its flash kernel takes a row's maximum score with vector instructions (NaN propagates)
+    over whole vectors and a scalar ``std::max`` (NaN dropped) over the rest, so a row of NaN
+    gives NaN when the first key block holds one whole vector and 0 when it is shorter: below
+    16 keys in float32 and 8 in float64 on an AVX-512 CPU, 8 and 4 on AVX2; with a mask it gave
+    NaN on both. Hence a probe per dtype, key count (up to one block) and mask kind, run once
+    each; inside :func:`single_device_keys` the key count is the single-device call's."""
     if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         return False
-    q = torch.full((1, 1, 2, 4), math.nan, dtype=dtype, device="cpu")
-    kv = torch.ones((1, 1, 2, 4), dtype=dtype, device="cpu")
-    out = torch.nn.functional.scaled_dot_product_attention(q, kv, kv)
+    whole = _single_device_keys.get()
+    n = min(max(int(whole if whole is not None else seq_kv), 1), _SDPA_KV_BLOCK)
+    kind = None if mask is None else ("bool" if mask.dtype == torch.bool else "float")
+    return _sdpa_zeroes_nan_rows(dtype, n, kind)
+
+
+@functools.lru_cache(maxsize=None)
+def _sdpa_zeroes_nan_rows(dtype: torch.dtype, seq_kv: int, mask_kind: Optional[str]) -> bool:
+    """The probe of :func:`sdpa_zeroes_nan_rows`: one query row of NaN against ``seq_kv``
+    keys of ones."""
+    q = torch.full((1, 1, 1, 4), math.nan, dtype=dtype, device="cpu")
+    kv = torch.ones((1, 1, seq_kv, 4), dtype=dtype, device="cpu")
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.ones((1, 1, 1, seq_kv), dtype=torch.bool, device="cpu")
+    elif mask_kind == "float":
+        mask = torch.zeros((1, 1, 1, seq_kv), dtype=dtype, device="cpu")
+    out = torch.nn.functional.scaled_dot_product_attention(q, kv, kv, attn_mask=mask)
     return not bool(out.isnan().any())
 
 
@@ -277,8 +321,8 @@ def torch_attention(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_of
         return flash[0].contiguous(), flash[1].to(torch.float32).contiguous()
     s_BKGST = _masked_scores(q_BHSD, k_BHSD, mask, causal, _scale_of(q_BHSD, scale),
                              q_offset, kv_offset, softcap)
-    if q_BHSD.device.type == "cpu" and _sdpa_zeroes_nan_rows(q_BHSD.dtype) and \
-            not _all_finite(q_BHSD, k_BHSD):  # as torch's SDPA here: an all-NaN row sees no key
+    if q_BHSD.device.type == "cpu" and not _all_finite(q_BHSD, k_BHSD) and \
+            sdpa_zeroes_nan_rows(q_BHSD.dtype, seq_kv, mask):  # as torch's SDPA here: an all-NaN row sees no key
         s_BKGST = s_BKGST.masked_fill(
             (s_BKGST.isnan() | s_BKGST.isneginf()).all(-1, keepdim=True), -math.inf)
     row_max = s_BKGST.detach().amax(-1, keepdim=True)

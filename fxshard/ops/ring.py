@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from fxshard.kernels.attention import attention, merge_attention
+from fxshard.kernels.attention import attention, merge_attention, single_device_keys
 from fxshard.kernels.attention_backward import attention_block_backward
 from fxshard.ops.library import define_op
 from fxshard.runtime.context import current_backend
@@ -91,30 +91,31 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     outs: list = [None] * n_pieces
     lses: list = [None] * n_pieces
     k_cur, v_cur = k.contiguous(), v.contiguous()
-    for step in range(size):
-        src = (r - step) % size
-        last = step == size - 1
-        if not last:
-            backend.send(k_cur, axis, nxt)
-            backend.send(v_cur, axis, nxt)
-        for t, q_t in enumerate(q_pieces):
-            q_at = start(t, r, sq, False)
-            for u in range(n_pieces):
-                kv_at = start(u, src, skv, True)
-                if causal and kv_at > q_at + sq - 1:
-                    continue  # this key piece lies wholly after every query of the piece
-                m = _mask_block(mask, t, sq, kv_at, skv)
-                o, l = attention(q_t, k_cur[:, :, u * skv:(u + 1) * skv],
-                                 v_cur[:, :, u * skv:(u + 1) * skv], causal=causal,
-                                 scale=scale, q_offset=q_at, kv_offset=kv_at,
-                                 softcap=softcap, mask=m)
-                if outs[t] is None:
-                    outs[t], lses[t] = o, l
-                else:
-                    outs[t], lses[t] = merge_attention(outs[t], lses[t], o, l)
-        if not last:
-            k_cur = backend.recv(k.shape, k.dtype, k.device, axis, prv)
-            v_cur = backend.recv(v.shape, v.dtype, v.device, axis, prv)
+    with single_device_keys(k.shape[2] * size):  # a NaN query row gives what one device's does
+        for step in range(size):
+            src = (r - step) % size
+            last = step == size - 1
+            if not last:
+                backend.send(k_cur, axis, nxt)
+                backend.send(v_cur, axis, nxt)
+            for t, q_t in enumerate(q_pieces):
+                q_at = start(t, r, sq, False)
+                for u in range(n_pieces):
+                    kv_at = start(u, src, skv, True)
+                    if causal and kv_at > q_at + sq - 1:
+                        continue  # this key piece lies wholly after every query of the piece
+                    m = _mask_block(mask, t, sq, kv_at, skv)
+                    o, l = attention(q_t, k_cur[:, :, u * skv:(u + 1) * skv],
+                                     v_cur[:, :, u * skv:(u + 1) * skv], causal=causal,
+                                     scale=scale, q_offset=q_at, kv_offset=kv_at,
+                                     softcap=softcap, mask=m)
+                    if outs[t] is None:
+                        outs[t], lses[t] = o, l
+                    else:
+                        outs[t], lses[t] = merge_attention(outs[t], lses[t], o, l)
+            if not last:
+                k_cur = backend.recv(k.shape, k.dtype, k.device, axis, prv)
+                v_cur = backend.recv(v.shape, v.dtype, v.device, axis, prv)
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
