@@ -34,6 +34,10 @@ same ones. Variants:
   fxshard-loss  the same with the cross-entropy inside the parallelized module (``WithLoss``:
                 ``pm(ids, labels)`` returns the loss, as HF's ``labels=``): vocab-parallel on
                 tp (max and sum-exp all-reduced), the logits never gathered, as Megatron's.
+  fxshard-lossfn  the same cross-entropy passed to fxshard: ``pm.train_step(ids,
+                loss_fn=ce, target=labels)`` traces it with the model (``fxshard.training.
+                with_loss``), so it is vocab-parallel as ``fxshard-loss``'s, without a
+                wrapper module written by the user.
   fxshard-recompute  ``fxshard`` with ``recompute="layers"`` (each decoder layer saves only
                 its input; the backward recomputes the rest): recompute on/off in time and
                 peak memory against the ``fxshard`` row.
@@ -107,10 +111,11 @@ from benchmarks.common import (GENERATE, MegatronLlama, add_model_args,  # noqa:
                                slowest_rank, stats_ms, token_ids, write_json)
 
 BASELINE = "megatron"
-VARIANTS = ("megatron", "fxshard", "fxshard-loss", "fxshard-recompute", "fxshard-meta",
-            "fxshard-compile", "dtensor")
-#: run unless ``--variants`` names others (fxshard-compile: Inductor's first compile is minutes)
-DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "fxshard-compile")
+VARIANTS = ("megatron", "fxshard", "fxshard-loss", "fxshard-lossfn", "fxshard-recompute",
+            "fxshard-meta", "fxshard-compile", "dtensor")
+#: run unless ``--variants`` names others (fxshard-compile: Inductor's first compile is minutes;
+#: fxshard-lossfn: fxshard-loss's programs, reached through train_step; one model less in memory)
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v not in ("fxshard-compile", "fxshard-lossfn"))
 #: checked and measured for memory; timed only with ``--time-meta`` (the same programs as fxshard)
 UNTIMED = ("fxshard-meta",)
 #: ``--small``: the sizes of a check that it runs (seconds, not a measurement)
@@ -173,8 +178,8 @@ def build(name: str, model, mesh, args):
         m = dtensor_train(model, mesh)
         opt = adamw(m.parameters(), args)
         return lambda norms=None: dtensor_step(m, opt, ids, labels, norms), mean_over_fsdp
-    if name in ("fxshard", "fxshard-loss", "fxshard-recompute", "fxshard-meta",
-                "fxshard-compile"):
+    if name in ("fxshard", "fxshard-loss", "fxshard-lossfn", "fxshard-recompute",
+                "fxshard-meta", "fxshard-compile"):
         import fxshard
         ids, labels = _batch(args)    # every rank passes the global batch; fxshard splits it
         if name == "fxshard-meta":    # a big model's way: meta-built, each rank loads its shards
@@ -183,6 +188,9 @@ def build(name: str, model, mesh, args):
             pm = fxshard.parallelize(empty.train(), mesh, example_inputs=(ids,))
             fxshard.load_safetensors(pm, args.checkpoint)
             loss_of = lambda: F.cross_entropy(pm(ids).flatten(0, 1), labels.flatten())  # noqa
+        elif name == "fxshard-lossfn":  # the loss given to train_step: traced with the model
+            pm = fxshard.parallelize(copy.deepcopy(model).train(), mesh, example_inputs=(ids,))
+            loss_of = lambda: pm.train_step(ids, loss_fn=_ce, target=labels)  # noqa: E731
         elif name not in ("fxshard-loss", "fxshard-compile"):  # the loss on the logits
             recompute = "layers" if name == "fxshard-recompute" else None
             pm = fxshard.parallelize(copy.deepcopy(model).train(), mesh, example_inputs=(ids,),
@@ -197,7 +205,8 @@ def build(name: str, model, mesh, args):
 
         def step(norms=None) -> float:
             loss = loss_of()
-            loss.backward()
+            if name != "fxshard-lossfn":   # train_step ran the backward itself
+                loss.backward()
             if norms is not None:
                 norms.append(float(fxshard.clip_grad_norm_(pm, float("inf"))))
             opt.step()
@@ -206,6 +215,10 @@ def build(name: str, model, mesh, args):
         # the loss is already the global batch's: its mean over the fsdp ranks is itself
         return step, mean_over_fsdp
     raise ValueError(f"train_step.build: unknown variant {name!r}")
+
+
+def _ce(logits, labels):
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
 class WithLoss(torch.nn.Module):

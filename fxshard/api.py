@@ -146,7 +146,9 @@ class ParallelModule:
         """Forward and backward of ``args``/``kwargs`` with the loss inside:
         ``loss_fn(pm(x_i), target_i)`` per microbatch ``i`` (``target`` cut with the batch;
         no ``loss_fn``: HF's ``labels=`` and the model's loss), the gradients added to
-        ``.grad`` of ``pm.parameters()``; returns the loss. On a
+        ``.grad`` of ``pm.parameters()``; returns the loss. Off ``pp`` the loss is traced
+        with the model into one program (:mod:`fxshard.training.with_loss`), so a
+        cross-entropy in it is vocab-parallel on ``tp`` (the logits never gathered). On a
         ``pp`` mesh ``schedule`` is ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``
         (``virtual_stages`` per rank, default 2): see :mod:`fxshard.training.pipeline`."""
         if self.spec.axis_size(PP) > 1:
@@ -155,9 +157,14 @@ class ParallelModule:
             return self.trainer.train_step(*args, loss_fn=loss_fn, target=target,
                                            schedule=schedule, virtual_stages=virtual_stages,
                                            **kwargs)
-        out = self(*args, **kwargs)
-        loss = out["loss"] if loss_fn is None else \
-            loss_fn(out, target) if target is not None else loss_fn(out)
+        if loss_fn is not None and torch.is_grad_enabled() and self._requires_grad():
+            # the loss traced with the model: a cross-entropy is vocab-parallel on tp
+            self.programs.sync_weights()
+            loss = self.trainer.loss_step(loss_fn, target, args, kwargs)
+        else:
+            out = self(*args, **kwargs)
+            loss = out["loss"] if loss_fn is None else \
+                loss_fn(out, target) if target is not None else loss_fn(out)
         loss.backward()
         return loss.detach()
 

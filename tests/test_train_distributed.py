@@ -95,6 +95,19 @@ def _body(rank: int, report: dict) -> None:
         report["after"] = (tm(ids) - ref_model(ids)).abs().max().item()
     report["kept"] = all(torch.equal(a, b) for a, b in zip(model.parameters(),
                                                           initial.parameters()))
+    # train_step(loss_fn=): the loss traced with the model (ranks agree on it by name), its
+    # cross-entropy vocab-parallel: no all-gather of the logits in the forward program
+    pm = fxshard.parallelize(copy.deepcopy(initial), mesh, example_inputs=(ids,))
+    fresh = copy.deepcopy(initial)
+    loss = pm.train_step(ids, loss_fn=lambda out, t: _loss(out, t), target=labels)
+    want = _loss(fresh(ids), labels)
+    want.backward()
+    report["lossfn_loss"] = (loss - want).abs().item()
+    report["lossfn_grad"] = worst_block(pm.shards(rank), dict(fresh.named_parameters()),
+                                        pm.trainer._specs, spec, rank, of=lambda p: p.grad)
+    report["lossfn_gathers"] = sum(c.op.startswith("all_gather") and c.axis == "tp"
+                                   and c.shape[-1:] == (96 // 2,)
+                                   for c in pm.trainer.collectives("forward"))
 
 
 def test_dp2_tp2_gloo_gradients_and_steps(tmp_path):
@@ -103,6 +116,8 @@ def test_dp2_tp2_gloo_gradients_and_steps(tmp_path):
         assert r["ranks"] == [rank]
         assert r["forward"] < 1e-4 and r["grad"] < 1e-5 and r["params"] < 1e-5, r
         assert r["after"] < 1e-4 and r["kept"], r
+        assert r["lossfn_loss"] < 1e-5 and r["lossfn_grad"] < 1e-5, r
+        assert r["lossfn_gathers"] == 0, r
         for key in ("dp_tp", "fsdp_tp"):
             assert r[key + "_grads"] < 1e-5 and r[key + "_params"] < 1e-5, (key, r)
             assert r[key + "_names"], key

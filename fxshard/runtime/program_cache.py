@@ -152,13 +152,18 @@ class ProgramCache:
         c.out_leaf = c.traced.out_spec.is_leaf()
         return c, micro
 
-    def train_program(self, args: tuple, kwargs: dict, build):
+    def train_program(self, args: tuple, kwargs: dict, build, extra=None):
         """The training program of this signature (``build(args, kwargs)`` on first use):
-        forward and backward rank programs (:mod:`fxshard.training`)."""
+        forward and backward rank programs (:mod:`fxshard.training`). ``extra``: ``(key,
+        description)`` of a loss traced with the model (``train_step(loss_fn=)``): the key
+        tells programs apart in this process, the description is what ranks agree on."""
         flat = pytree.tree_flatten((args, kwargs))[0]
-        key = ("train", signature(flat))
+        key = ("train", signature(flat), None if extra is None else extra[0])
         if key not in self.training:
-            agree(self.mesh, self.agreed, _WHERE, {"generation": "train", "inputs": flat})
+            agreed = {"generation": "train", "inputs": flat}
+            if extra is not None:
+                agreed["loss_fn"] = extra[1]
+            agree(self.mesh, self.agreed, _WHERE, agreed)
             self.training[key] = build(args, kwargs)
         self.last_mode = "train"
         return self.training[key]

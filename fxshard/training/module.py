@@ -171,28 +171,41 @@ class TrainModule:
         self._world = None
 
     # -- building ------------------------------------------------------------------------
-    def _program(self, args: tuple, kwargs: dict) -> TrainProgram:
+    def _program(self, args: tuple, kwargs: dict, loss=None) -> TrainProgram:
+        """The program of this call signature (``loss``: a traced loss, see
+        :meth:`loss_step`), built on first use."""
         mode = self.model.training    # train mode traces dropout's sites, eval mode none
+        extra = None
+        if loss is not None:
+            from .with_loss import describe_loss, loss_key
+            extra = (loss_key(loss), describe_loss(loss))
+        build = self._build if loss is None else \
+            (lambda a, k: self._build(a, k, loss=loss))
         if self.cache is not None:    # fxshard.parallelize's program cache
-            program = self.cache.train_program(args, kwargs, self._build)
+            program = self.cache.train_program(args, kwargs, build, extra=extra)
             if program.training == mode:
                 self._last = program
                 return program
         flat, _ = pytree.tree_flatten((args, kwargs))
-        key = (mode,) + tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor)
-                              else repr(x) for x in flat)
+        key = (mode, extra) + tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor)
+                                    else repr(x) for x in flat)
         if key not in self._programs:
-            self._programs[key] = self._build(args, kwargs)
+            self._programs[key] = build(args, kwargs)
         self._last = self._programs[key]
         return self._last
 
-    def _build(self, args: tuple, kwargs: dict) -> TrainProgram:
+    def _build(self, args: tuple, kwargs: dict, loss=None) -> TrainProgram:
         ctx = PassCtx(mesh=self.spec, sequence_parallel=self.sequence_parallel,
                       strict=self.strict, plan=self.plan, embedding_style=self.embedding,
                       ring_zigzag=self.ring_zigzag)
-        program = build_train_program(self.model, args, kwargs, ctx,
+        module = self.model
+        if loss is not None:
+            from .with_loss import WithLoss
+            module = WithLoss(self.model, loss, with_target=len(args) == 3)
+        program = build_train_program(module, args, kwargs, ctx,
                                       reshard_after_forward=self.fsdp_reshard_after_forward,
                                       recompute=self.recompute)
+        program.loss_fn = loss   # held: loss_key's ids stay this loss's while the entry lives
         self._place(program)
         return program
 
@@ -225,11 +238,34 @@ class TrainModule:
 
     # -- running -------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        program = self._program(args, kwargs)
+        return self._call(args, kwargs)
+
+    def loss_step(self, loss_fn, target, args: tuple, kwargs: dict) -> torch.Tensor:
+        """``loss_fn(model(*args, **kwargs), target)`` traced with the model as one program
+        (:mod:`fxshard.training.with_loss`: a cross-entropy there is vocab-parallel on tp,
+        the logits never gathered); returns the loss, which backpropagates like ``tm(x)``'s
+        output. A loss that cannot be traced runs on ``tm(x)``'s output, with a warning."""
+        from .with_loss import loss_key, warn_not_traced
+        inner = (tuple(args), _without_cache(self.model, dict(kwargs)))
+        wrapped = inner + ((target,) if target is not None else ())
+        key = loss_key(loss_fn)
+        failed = self.__dict__.setdefault("_untraced_losses", {})
+        if key not in failed:
+            try:
+                return self._call(wrapped, {}, loss=loss_fn)
+            except Exception as e:   # noqa: BLE001 (the loss on the output is the same loss)
+                failed[key] = loss_fn   # held, so the key's ids stay this loss's
+                warn_not_traced(f"{_WHERE}.train_step", loss_fn, e)
+        out = self._call(args, kwargs)
+        return loss_fn(out, target) if target is not None else loss_fn(out)
+
+    def _call(self, args: tuple, kwargs: dict, loss=None):
+        program = self._program(args, kwargs, loss)
         split = program.split
         # the export's order of the user's inputs (HF's use_cache=False added, as traced)
-        flat = list(fx_pytree.tree_flatten_spec(
-            (args, _without_cache(self.model, dict(kwargs))), program.joint.traced.in_spec))
+        if loss is None:
+            kwargs = _without_cache(self.model, dict(kwargs))
+        flat = list(fx_pytree.tree_flatten_spec((args, kwargs), program.joint.traced.in_spec))
         if program.joint.seed is not None:   # dropout: this step's seed, fxshard.training.dropout
             from .dropout import pack_seed, step_seed
             flat.append(pack_seed(step_seed(None if self._simulated else self.mesh)))

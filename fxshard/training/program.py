@@ -84,6 +84,7 @@ class TrainProgram:
     reports: dict = field(default_factory=dict)   # pass -> counts (forward, then joint)
     compiled: dict = field(default_factory=dict)  # "forward"/"backward" -> Inductor's fn
     training: bool = False      # the model's train mode when traced (dropout's sites)
+    loss_fn: object = None      # train_step's loss traced with the model (with_loss.py)
 
 
 def check_training_axes(mesh: MeshSpec, where: str = _WHERE,
@@ -294,6 +295,12 @@ def _local_bytes(node: fx.Node, mesh: MeshSpec) -> int:
         val.element_size()
 
 
+def _model_name(model: torch.nn.Module) -> str:
+    """The model's class name for messages (a loss traced with it: the model's own)."""
+    from .with_loss import WithLoss
+    return type(model.inner if isinstance(model, WithLoss) else model).__name__
+
+
 def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx,
                         *, reshard_after_forward: bool = True,
                         recompute=None, joint: Joint | None = None) -> TrainProgram:
@@ -337,7 +344,7 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
     gm = cuda_attention_backward_pass(gm, ctx=jctx)   # on CUDA: fxshard's Triton backward
     split = partition(gm, joint.n_outputs, joint.grads,
                       keep=set() if reshard_after_forward else _fsdp_gathers(gm),
-                      recompute=recompute, model_name=type(model).__name__,
+                      recompute=recompute, model_name=_model_name(model),
                       nbytes=lambda n: _local_bytes(n, jctx.mesh))
     # fsdp: one all-gather per layer in each program, one reduce-scatter per layer
     jctx.layer_stack, jctx.layer_names = layer_stack_for_buckets(model)
