@@ -35,6 +35,25 @@ def _vocab_gathers(pm, which="forward"):
             and c.shape[-1] == V // pm.spec.axis_size("tp")]
 
 
+def _setup(**axes):
+    """A ParallelModule of a one-layer Llama on mesh ``axes``, a copy of the model to train
+    alone, and a batch."""
+    model = _llama(layers=1)
+    ref = copy.deepcopy(model)
+    ids, labels = _data()
+    return fxshard.parallelize(model, _mesh(**axes)), ref, ids, labels
+
+
+def _same_step(pm, ref, loss, ref_loss):
+    """pm's loss and gradients by name against the single-device model's (``ref_loss``'s
+    backward is run here)."""
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    grads = pm.gradients()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=name)
+
+
 def _shifted_ce(out, labels):  # HF's causal-LM loss: predict token t+1 from tokens <= t
     return F.cross_entropy(out[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
 
@@ -43,18 +62,11 @@ def _shifted_ce(out, labels):  # HF's causal-LM loss: predict token t+1 from tok
                                   dict(fsdp=2)])
 @pytest.mark.parametrize("loss_fn", [_loss, _shifted_ce], ids=["ce", "shifted"])
 def test_traced_loss_trains_as_one_device(axes, loss_fn):
-    model = _llama(layers=1)
-    ref = copy.deepcopy(model)
-    ids, labels = _data()
-    pm = fxshard.parallelize(model, _mesh(**axes))
+    pm, ref, ids, labels = _setup(**axes)
     # step 0: the gradients; then three AdamW steps (the shards exist after the first call)
     loss = pm.train_step(ids, loss_fn=loss_fn, target=labels)
     ref_loss = loss_fn(ref(ids), labels)
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
-    grads = pm.gradients()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=name)
+    _same_step(pm, ref, loss, ref_loss)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
     losses, want = [loss], [ref_loss.detach()]
@@ -94,10 +106,7 @@ def test_loss_on_the_output_gathers_the_logits_and_the_traced_loss_does_not():
 
 
 def test_inline_lambda_is_traced_once_and_closures_are_told_apart():
-    model = _llama(layers=1)
-    ref = copy.deepcopy(model)
-    ids, labels = _data()
-    pm = fxshard.parallelize(model, _mesh(tp=2))
+    pm, ref, ids, labels = _setup(tp=2)
 
     def weighted(w):
         return lambda out, t: w * _loss(out, t)
@@ -113,10 +122,7 @@ def test_inline_lambda_is_traced_once_and_closures_are_told_apart():
 
 
 def test_untraceable_loss_warns_and_runs_on_the_output():
-    model = _llama(layers=1)
-    ref = copy.deepcopy(model)
-    ids, labels = _data()
-    pm = fxshard.parallelize(model, _mesh(tp=2))
+    pm, ref, ids, labels = _setup(tp=2)
 
     def picky(out, t):   # data-dependent Python: export cannot trace it
         loss = _loss(out, t)
@@ -124,12 +130,7 @@ def test_untraceable_loss_warns_and_runs_on_the_output():
     with pytest.warns(LossNotTracedWarning, match=r"fxshard.training.train_step: "
                                                   r"loss_fn=.*picky.* could not be traced"):
         loss = pm.train_step(ids, loss_fn=picky, target=labels)
-    ref_loss = picky(ref(ids), labels)
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
-    grads = pm.gradients()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=name)
+    _same_step(pm, ref, loss, picky(ref(ids), labels))
     import warnings
     with warnings.catch_warnings():   # remembered: no second trace, no second warning
         warnings.simplefilter("error", LossNotTracedWarning)
@@ -144,10 +145,5 @@ def test_loss_without_target_and_with_the_hf_output():
     ids, labels = _data()
     pm = fxshard.parallelize(model, _mesh(tp=2))
     loss = pm.train_step(ids, loss_fn=lambda out: out.logits.float().logsumexp(-1).mean())
-    ref_loss = ref(ids).logits.float().logsumexp(-1).mean()
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
-    grads = pm.gradients()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=name)
+    _same_step(pm, ref, loss, ref(ids).logits.float().logsumexp(-1).mean())
     pm.close()
