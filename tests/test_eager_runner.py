@@ -227,9 +227,10 @@ def test_attention_out_is_attentions_out_stored_as_bshd():
             assert got.stride() == _bshd_strides(got.shape), what
             torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=what)
     # the NaN query row: NaN, or 0 where torch's own CPU SDPA gives 0 (AVX-512), as one device
-    from fxshard.kernels.attention import _sdpa_zeroes_nan_rows
+    from fxshard.kernels.attention import sdpa_zeroes_nan_rows
     row = ops.attention_out(*cases[3][0])[1, 2, 3]
-    assert (row == 0).all() if _sdpa_zeroes_nan_rows(nan_q.dtype) else torch.isnan(row).all()
+    zeroes = sdpa_zeroes_nan_rows(nan_q.dtype, k.shape[2], None)   # k.shape[2] keys, no mask
+    assert (row == 0).all() if zeroes else torch.isnan(row).all()
 
 
 def _attention_graph(read, q_offset=3):
