@@ -169,6 +169,7 @@ class TrainModule:
         self._shards: dict | None = None     # held rank -> FQN -> nn.Parameter (or buffer)
         self._specs: dict | None = None
         self._world = None
+        self._untraced_losses: dict = {}   # loss_key -> a loss export could not trace
 
     # -- building ------------------------------------------------------------------------
     def _program(self, args: tuple, kwargs: dict, loss=None) -> TrainProgram:
@@ -249,7 +250,7 @@ class TrainModule:
         inner = (tuple(args), _without_cache(self.model, dict(kwargs)))
         wrapped = inner + ((target,) if target is not None else ())
         key = loss_key(loss_fn)
-        failed = self.__dict__.setdefault("_untraced_losses", {})
+        failed = self._untraced_losses
         if key not in failed:
             try:
                 return self._call(wrapped, {}, loss=loss_fn)
