@@ -1,7 +1,8 @@
 """``pm.train_step(ids, loss_fn=, target=)``: the user's loss traced with the model.
 
-A cross-entropy on the logits is then vocab-parallel on tp (no ``[B, S, V]`` all-gather in
-the forward program, where ``loss_fn(pm(ids), labels)`` has one); gradients and AdamW steps
+A cross-entropy on the logits is then vocab-parallel on tp inside the program (the logits
+gathered over no axis; ``loss_fn(pm(ids), labels)`` runs on the logits' tp blocks, gathered
+over dp); gradients and AdamW steps
 equal the single-device model's; a loss is traced once per function (an inline lambda in a
 loop too), losses that differ only in their closure are told apart, and a loss that cannot
 be traced runs on the output with a warning. Sizes uneven on purpose (hidden 48, vocab 96,
@@ -89,17 +90,27 @@ def test_traced_loss_trains_as_one_device(axes, loss_fn):
     pm.close()
 
 
-def test_loss_on_the_output_gathers_the_logits_and_the_traced_loss_does_not():
-    """What the traced loss saves, counted: the same model, mesh and loss."""
+def test_neither_the_loss_on_the_output_nor_the_traced_loss_gathers_the_logits():
+    """The same model, mesh and loss: on ``pm(ids)``'s output the logits are tp blocks
+    (``fxshard.training.vocab_output``: the loss runs on them, no vocab all-gather) but
+    gathered over dp; traced, the loss is in the program (``vocab_nll_loss_forward``) and the
+    logits are gathered on neither axis."""
+    from fxshard.training.vocab_output import VocabShardedTensor
     model = _llama(layers=1)
     ids, labels = _data()
-    pm = fxshard.parallelize(model, _mesh(tp=2))
-    _loss(pm(ids), labels).backward()
-    gathered = _vocab_gathers(pm)
-    assert len(gathered) == 1 and gathered[0].shape[:-1] == tuple(ids.shape)
+    pm = fxshard.parallelize(model, _mesh(dp=2, tp=2))
+    out = pm(ids)
+    assert isinstance(out, VocabShardedTensor)
+    _loss(out, labels).backward()
+    assert _vocab_gathers(pm) == []
+    over_dp = [c for c in pm.trainer.collectives("forward")
+               if c.op.startswith("all_gather") and c.axis == "dp" and c.shape[-1:] == (V // 2,)]
+    assert [c.shape for c in over_dp] == [(2, 6, V // 2)]
     pm.zero_grad()
     pm.train_step(ids, loss_fn=_loss, target=labels)
     assert _vocab_gathers(pm) == []
+    assert [c for c in pm.trainer.collectives("forward") if c.op.startswith("all_gather")
+            and c.axis == "dp" and c.shape[-1:] == (V // 2,)] == []
     ops = {n.target for n in pm.rank_module(0, "forward").graph.nodes if n.op == "call_function"}
     assert torch.ops.fxshard.vocab_nll_loss_forward.default in ops
     pm.close()

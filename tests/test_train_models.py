@@ -165,10 +165,9 @@ def _assert_vocab_parallel(tm, table, dp):
     for which in ("forward", "backward"):
         moved = [c for c in tm.collectives(which)
                  if c.axis == "tp" and (V in c.shape or V // 2 in c.shape)]
-        # the forward gathers the returned logits [B, S, V/2] once; the backward slices them
-        want = [("all_gather", (B // dp, S, V // 2))] if which == "forward" else \
-            [("local_shard", (B // dp, S, V))]
-        assert [(c.op, c.shape) for c in moved] == want, (which, moved)
+        # the returned logits are the ranks' [B, S, V/2] blocks (fxshard.training.vocab_output):
+        # neither program moves them over tp
+        assert moved == [], (which, moved)
     lookup = [n for n in g.nodes if n.target is torch.ops.fxshard.vocab_embedding_backward.default]
     assert len(lookup) == 1 and lookup[0].args[2] == V // 2, lookup
     (tied_sum,) = lookup[0].users

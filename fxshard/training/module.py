@@ -116,9 +116,10 @@ class _Step(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner: "TrainModule", program: TrainProgram, n_shards: int, *flat):
         shards, user = flat[:n_shards], flat[n_shards:]
-        outs, saved = runner._run_forward(program, shards, user)
+        outs, saved, extra = runner._run_forward(program, shards, user)
         ctx.runner, ctx.program, ctx.saved_per_rank = runner, program, saved
         ctx.n_user = len(user)
+        outs = list(outs) + extra    # a vocab output's other blocks follow the outputs
         ctx.shapes = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None
                       for o in outs]
         ints = [o for o in outs if isinstance(o, torch.Tensor) and not o.is_floating_point()]
@@ -128,13 +129,17 @@ class _Step(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grad_outputs):
-        split = ctx.program.split
-        tangents = []
-        for i in split.tangents:
+        program, runner = ctx.program, ctx.runner
+
+        def grad(i):
             g, meta = grad_outputs[i], ctx.shapes[i]
-            tangents.append(g if g is not None else torch.zeros(meta[0], dtype=meta[1],
-                                                                device=meta[2]))
-        grads = ctx.runner._run_backward(ctx.program, ctx.saved_per_rank, tangents)
+            return g if g is not None else torch.zeros(meta[0], dtype=meta[1], device=meta[2])
+        slots = runner._tangent_slots(program)
+
+        def tangents(rank):
+            return [grad(slots[i][runner._block_of(rank)] if i in slots else i)
+                    for i in program.split.tangents]
+        grads = runner._run_backward(program, ctx.saved_per_rank, tangents)
         ctx.saved_per_rank = None
         return (None, None, None, *grads, *([None] * ctx.n_user))
 
@@ -205,7 +210,7 @@ class TrainModule:
             module = WithLoss(self.model, loss, with_target=len(args) == 3)
         program = build_train_program(module, args, kwargs, ctx,
                                       reshard_after_forward=self.fsdp_reshard_after_forward,
-                                      recompute=self.recompute)
+                                      recompute=self.recompute, vocab_outputs=True)
         program.loss_fn = loss   # held: loss_key's ids stay this loss's while the entry lives
         self._place(program)
         return program
@@ -276,7 +281,53 @@ class TrainModule:
         differentiable = [s for s in shards if isinstance(s, torch.nn.Parameter)]
         outs = _Step.apply(self, program, len(differentiable), *differentiable, *user)
         n = split.n_outputs
-        return pytree.tree_unflatten(list(outs[:n]), program.joint.traced.out_spec)
+        outs = list(outs)
+        if program.vocab_outputs:    # those outputs: their tp blocks, fxshard.training.vocab_output
+            from .vocab_output import VocabShardedTensor
+            where = self._vocab_blocks()
+            for i, slots in self._tangent_slots(program).items():
+                outs[i] = VocabShardedTensor([outs[j] for j in slots], where)
+        return pytree.tree_unflatten(outs[:n], program.joint.traced.out_spec)
+
+    # -- outputs kept as tp blocks (fxshard.training.vocab_output) ----------------------------
+    def _block_ranks(self) -> list[int]:
+        """The ranks whose blocks a vocab output holds: coordinate 0 on every axis but
+        ``tp``, in ``tp`` order (a simulated mesh); this process's rank (a real one)."""
+        if not self._simulated:
+            return list(self.ranks)
+        from ..mesh import TP
+        at = self.spec.axis_names.index(TP)
+        return [self.spec.rank_of([c if a == at else 0 for a in range(len(self.spec.shape))])
+                for c in range(self.spec.shape[at])]
+
+    def _block_of(self, rank: int) -> int:
+        """Which of the held blocks is ``rank``'s (its ``tp`` coordinate; a real mesh: 0)."""
+        if not self._simulated:
+            return 0
+        from ..mesh import TP
+        return self.spec.coords(rank)[self.spec.axis_names.index(TP)]
+
+    def _tangent_slots(self, program: TrainProgram) -> dict:
+        """Output index -> the positions of its blocks among ``_Step``'s outputs (the
+        output's own position, then the extra blocks after the model's outputs)."""
+        slots, nxt = {}, program.split.n_outputs
+        if not program.vocab_outputs:
+            return slots
+        extra = len(self._block_ranks()) - 1
+        for i in sorted(program.vocab_outputs):
+            slots[i] = [i] + list(range(nxt, nxt + extra))
+            nxt += extra
+        return slots
+
+    def _vocab_blocks(self):
+        from ..mesh import TP
+        from .vocab_output import Blocks
+        n = self.spec.axis_size(TP)
+        if self._simulated:
+            return Blocks(n, list(range(n)))
+        from ..runtime.distributed import backend_for
+        backend = backend_for(self.mesh)
+        return Blocks(n, [backend.axis_index(TP)], backend)
 
     @property
     def ranks(self) -> list[int]:
@@ -329,17 +380,22 @@ class TrainModule:
         outs = list(results[self.ranks[0]][:split.n_outputs])
         saved = {r: list(out[split.n_outputs:]) for r, out in results.items()}
         self._saved_bytes = {r: _bytes(s) for r, s in saved.items()}
-        return outs, saved
+        extra = [results[r][i] for i in sorted(program.vocab_outputs)
+                 for r in self._block_ranks()[1:]] if program.vocab_outputs else []
+        return outs, saved, extra
 
-    def _run_backward(self, program: TrainProgram, saved: list, tangents: list) -> list:
+    def _run_backward(self, program: TrainProgram, saved: list, tangents) -> list:
+        """``tangents(rank)``: the output gradients rank ``rank``'s backward takes (the whole
+        gradient of a gathered output, the rank's block of a vocab output's)."""
         split = program.split
         first = self.ranks[0]
         backward = self._fn(program, "backward", lambda: [
-            *self._rank_weights(program, first), *saved[first], *tangents])
+            *self._rank_weights(program, first), *saved[first], *tangents(first)])
 
         def run(rank):
             with torch.no_grad():
-                return backward(*self._rank_weights(program, rank), *saved[rank], *tangents)
+                return backward(*self._rank_weights(program, rank), *saved[rank],
+                                *tangents(rank))
         results = self._world_run(run)
         by_fqn = {r: dict(zip(split.grads, out)) for r, out in results.items()}
         grads = []

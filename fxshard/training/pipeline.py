@@ -273,7 +273,7 @@ class PipelineTrainer:
         tm, program = self.stage_modules[k], staged.programs[k]
         stage_flat = list(flat) + [values[name] for name in staged.forwards[k].receives]
         user = [stage_flat[i] for i in program.split.inputs]
-        outs, saved = tm._run_forward(program, None, user)
+        outs, saved, _ = tm._run_forward(program, None, user)
         return outs, saved
 
     def _stage_backward(self, k, staged, saved, tangents) -> dict:

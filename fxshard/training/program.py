@@ -85,6 +85,7 @@ class TrainProgram:
     compiled: dict = field(default_factory=dict)  # "forward"/"backward" -> Inductor's fn
     training: bool = False      # the model's train mode when traced (dropout's sites)
     loss_fn: object = None      # train_step's loss traced with the model (with_loss.py)
+    vocab_outputs: dict = field(default_factory=dict)  # output index -> its blocks' spec
 
 
 def check_training_axes(mesh: MeshSpec, where: str = _WHERE,
@@ -118,14 +119,34 @@ def forward_placements(joint: Joint, ctx: PassCtx) -> dict:
     return out
 
 
-def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint) -> None:
+def _vocab_block_spec(value, have, mesh: MeshSpec) -> tuple | None:
+    """The spec a model output leaves the forward in when it is kept as ``tp`` blocks of its
+    last dim (the logits of a column-parallel ``lm_head``,
+    :mod:`fxshard.training.vocab_output`): Shard(last) on ``tp``, whole on every other axis;
+    None for an output held otherwise."""
+    from ..mesh import TP
+    from ..placement import Shard
+    val = value.meta.get("val") if isinstance(value, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or not val.is_floating_point() or val.dim() < 2 or \
+            not isinstance(have, tuple) or mesh.axis_size(TP) < 2:
+        return None
+    p = have[mesh.axis_names.index(TP)]
+    if type(p) is not Shard or p.dim % val.dim() != val.dim() - 1:
+        return None
+    return tuple(Shard(val.dim() - 1) if a == TP else R for a in mesh.axis_names)
+
+
+def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint,
+                     vocab_outputs: bool = False) -> dict:
     """The propagation pass's sweep on the joint graph with every weight's placement fixed:
     weights and tangents enter as inputs given their placement (``ctx.input_specs``), which
     the sweep hands their consumers; afterwards the weights are weights again, placed.
 
     A tangent takes the placement its output has before the forward gathers it (the
     backward of an all-gather is a local slice; a Partial output's tangent is the whole
-    gradient, Replicate). Sweeps repeat until that and one more refinement settle: a partial
+    gradient, Replicate); with ``vocab_outputs`` an output kept as ``tp`` blocks
+    (``_vocab_block_spec``) has its tangent arrive as the block's gradient. Returns those
+    outputs' indices and block specs. Sweeps repeat until that and one more refinement settle: a partial
     sum that flows through linear ops (the norm's backward) into several reductions is
     reduced once, at the latest value they all pass through (the input gradient of a
     column-parallel block, summed over q, k, v: Megatron's one all-reduce)."""
@@ -185,20 +206,32 @@ def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint
             break
     ctx.report("propagate_pass", changed=False, joint_nodes=len(gm.graph.nodes),
                joint_fallbacks=len(ctx.fallbacks))
+    kept = {}
+    for k in (tangents.values() if vocab_outputs else ()):
+        value = out.args[0][k]
+        block = _vocab_block_spec(value, value.meta.get("fxshard_then") or
+                                  value.meta.get("fxshard_spec"), ctx.mesh)
+        if block is not None:
+            kept[k] = block
+    ctx.report("propagate_pass", changed=False, vocab_block_outputs=len(kept))
     for node, (key, value) in tags.items():
         del node.meta["fxshard_input"]
         node.meta[key] = value
+        if key == "fxshard_tangent" and value in kept:   # arrives as the block's gradient
+            node.meta["fxshard_spec"] = kept[value]
         if key != "fxshard_tangent":   # a tangent arrives whole and is sliced (then)
             node.meta["fxshard_spec"] = node.meta.pop("fxshard_then", node.meta["fxshard_spec"])
             stored = specs.get(value, whole)
             if stored != node.meta["fxshard_spec"]:   # fsdp: stored sharded, gathered for use
                 node.meta["fxshard_then"] = node.meta["fxshard_spec"]
                 node.meta["fxshard_spec"] = stored
+    return kept
 
 
-def _gradient_targets(gm: fx.GraphModule, joint: Joint, specs: dict, ctx: PassCtx) -> None:
-    """The output node's needs: the model's outputs gathered (Replicate), each parameter's
-    gradient in its parameter's placement."""
+def _gradient_targets(gm: fx.GraphModule, joint: Joint, specs: dict, ctx: PassCtx,
+                      kept: dict) -> None:
+    """The output node's needs: the model's outputs gathered (Replicate; one in ``kept``:
+    its ``tp`` blocks), each parameter's gradient in its parameter's placement."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     whole = tuple(R for _ in ctx.mesh.shape)
     need = []
@@ -206,6 +239,9 @@ def _gradient_targets(gm: fx.GraphModule, joint: Joint, specs: dict, ctx: PassCt
         if not (isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)):
             continue
         fqn = joint.grads[i - joint.n_outputs] if i >= joint.n_outputs else None
+        if fqn is None and i in kept:
+            need.append(kept[i])
+            continue
         need.append(specs.get(fqn, whole) if fqn is not None else whole)   # input grads whole
     out.meta["fxshard_need"] = need
 
@@ -303,14 +339,17 @@ def _model_name(model: torch.nn.Module) -> str:
 
 def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx,
                         *, reshard_after_forward: bool = True,
-                        recompute=None, joint: Joint | None = None) -> TrainProgram:
+                        recompute=None, joint: Joint | None = None,
+                        vocab_outputs: bool = False) -> TrainProgram:
     """The forward and backward rank programs of ``model`` on ``args``/``kwargs`` under
     ``ctx`` (its mesh, plan, sequence parallelism). ``reshard_after_forward``: an fsdp
     parameter's all-gather is done again in the backward (True, FSDP2's default) or its result
     saved by the forward (False: more memory, one all-gather less per parameter).
     ``recompute``: ``"layers"`` or a budget of saved bytes per rank, see
     :mod:`fxshard.training.recompute`. ``joint``: a joint graph built already (a pipeline
-    stage's, :mod:`fxshard.training.pipeline`)."""
+    stage's, :mod:`fxshard.training.pipeline`). ``vocab_outputs``: an output the forward
+    holds sharded on its last dim over ``tp`` (the logits) leaves it as each rank's block
+    (:mod:`fxshard.training.vocab_output`), not gathered."""
     check_training_axes(ctx.mesh)
     if ctx.mesh.axis_size(PP) > 1:
         raise NotImplementedError(
@@ -335,8 +374,8 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
     gm = dedupe_views_pass(gm, ctx=jctx)
     gm = run_passes(gm, [split_loss_pass, mark_ulysses_pass], jctx)
     jctx.report("propagate_pass", changed=False, fused_slice_gradients=tag_sliced(gm))
-    _joint_propagate(gm, jctx, specs, joint)
-    _gradient_targets(gm, joint, specs, jctx)
+    kept = _joint_propagate(gm, jctx, specs, joint, vocab_outputs)
+    _gradient_targets(gm, joint, specs, jctx, kept)
     gm = run_passes(gm, [vocab_parallel_loss_pass, insert_collectives_pass, drop_marks_pass,
                          localize_pass], jctx)
     _localize_backward(gm, jctx)
@@ -353,4 +392,5 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
     return TrainProgram(split=split, specs={f: specs.get(f, tuple(R for _ in ctx.mesh.shape))
                                             for f in split.weights},
                         shapes=shapes, joint=joint, ctx=jctx,
-                        reports={**ctx.reports, **jctx.reports}, training=model.training)
+                        reports={**ctx.reports, **jctx.reports}, training=model.training,
+                        vocab_outputs=kept)

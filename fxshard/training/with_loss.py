@@ -1,13 +1,15 @@
 """The user's loss traced with the model: ``pm.train_step(ids, loss_fn=fn, target=labels)``.
 
-``loss_fn(pm(ids), labels)`` runs the loss on the output ``pm`` returns, which on ``tp`` is
-the whole ``[B, S, V]`` logits: one all-gather of them in the forward and a whole-vocabulary
-cross-entropy on every rank. ``train_step`` instead traces ``fn`` after the model, as one
-program, so the loss is in the graph the passes see and a cross-entropy there is
-vocab-parallel (``fxshard.passes.vocab_loss``), as HF's ``labels=`` is::
+``loss_fn(pm(ids), labels)`` runs the loss on the output ``pm`` returns: on ``tp`` the
+logits' blocks (``fxshard.training.vocab_output``: a cross-entropy on them is vocab-parallel
+outside the programs, a loss of other ops gathers them), gathered over ``dp``/``fsdp``, so
+each ``dp`` rank computes the whole batch's loss. ``train_step`` instead traces ``fn`` after
+the model, as one program, so the loss is in the graph the passes see and a cross-entropy
+there is vocab-parallel (``fxshard.passes.vocab_loss``), as HF's ``labels=`` is, on the
+rank's own rows::
 
-    before (loss on the output):  forward: ... mm(x, lm_head) -> all_gather(-1, 'tp')  [B, S, V]
-                                  loss_fn(logits, labels) on every rank, outside the programs
+    before (loss on the output):  forward: ... mm(x, lm_head) -> all_gather(0, 'dp')  [B, S, V/tp]
+                                  loss_fn(logits, labels) on the blocks, outside the programs
     after (loss traced):          forward: ... mm(x, lm_head) -> amax, all_gather [N, tp],
                                   sum(exp), all_reduce [N, 1], vocab_nll_loss_forward -> loss
                                   backward: vocab_cross_entropy_backward, no collective
@@ -21,7 +23,7 @@ and defaults hold, so an inline ``lambda`` in a training loop is traced once; an
 callable: the object itself), and the traced program is what later steps run: a loss whose
 behaviour depends on a value it reads from elsewhere (a global that changes) should take it
 as ``target``. A loss that cannot be traced (``.item()`` inside) runs on the output as
-before, with a :class:`LossNotTracedWarning` naming why (the same loss, the output gathered).
+before, with a :class:`LossNotTracedWarning` naming why (the same loss, on the output).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ __all__ = ["WithLoss", "LossNotTracedWarning", "loss_key"]
 
 class LossNotTracedWarning(UserWarning):
     """``train_step``'s ``loss_fn`` could not be traced with the model: it runs on the
-    gathered output (the same loss; the output's all-gather is paid)."""
+    output pm(x) returns (the same loss, outside the programs)."""
 
 
 class WithLoss(torch.nn.Module):
