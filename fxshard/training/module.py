@@ -4,6 +4,7 @@
 
     tm = fxshard.training.parallelize_for_training(model, mesh)
     out = tm(ids)                          # the global output, as model(ids); backpropagates
+                                           # (logits on tp: their tp blocks, vocab_output.py)
     loss = F.cross_entropy(out.flatten(0, 1), labels.flatten())
     loss.backward()                        # every rank's backward; .grad of tm.parameters()
     opt = torch.optim.AdamW(tm.parameters()); opt.step()
