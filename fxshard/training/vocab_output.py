@@ -113,41 +113,31 @@ def _log_softmax(blocks: Blocks, xs) -> list[torch.Tensor]:
     return [(x - t - s.log()).to(xs[0].dtype) for x, t, s in zip(xf, top, sums)]
 
 
-class _LogSoftmax(torch.autograd.Function):
-    """``log_softmax`` from the blocks; its backward sums each row's gradient over the axis."""
+class _Normalized(torch.autograd.Function):
+    """``log_softmax`` (``log=True``) or ``softmax`` from the blocks; the backward sums one
+    value per row over the axis (the gradient's row sum, or its dot with the softmax)."""
 
     @staticmethod
-    def forward(ctx, blocks: Blocks, *xs):
+    def forward(ctx, blocks: Blocks, log: bool, *xs):
         outs = _log_softmax(blocks, xs)
-        ctx.blocks = blocks
+        if not log:
+            outs = [lp.float().exp().to(lp.dtype) for lp in outs]
+        ctx.blocks, ctx.log = blocks, log
         ctx.save_for_backward(*outs)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *gs):
         outs = ctx.saved_tensors
-        gs = [torch.zeros_like(o) if g is None else g for g, o in zip(gs, outs)]
-        totals = ctx.blocks.sum([g.float().sum(-1, keepdim=True) for g in gs])
-        return (None, *[(g.float() - o.float().exp() * t).to(o.dtype)
-                        for g, o, t in zip(gs, outs, totals)])
-
-
-class _Softmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, blocks: Blocks, *xs):
-        outs = [lp.float().exp().to(lp.dtype) for lp in _log_softmax(blocks, xs)]
-        ctx.blocks = blocks
-        ctx.save_for_backward(*outs)
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *gs):
-        outs = ctx.saved_tensors
-        gs = [torch.zeros_like(o) if g is None else g for g, o in zip(gs, outs)]
-        dots = ctx.blocks.sum([(g.float() * o.float()).sum(-1, keepdim=True)
-                               for g, o in zip(gs, outs)])
-        return (None, *[(o.float() * (g.float() - d)).to(o.dtype)
-                        for g, o, d in zip(gs, outs, dots)])
+        gs = [torch.zeros_like(o) if g is None else g.float() for g, o in zip(gs, outs)]
+        if ctx.log:     # d log_softmax: g - softmax * sum(g)
+            rows = ctx.blocks.sum([g.sum(-1, keepdim=True) for g in gs])
+            grads = [g - o.float().exp() * r for g, o, r in zip(gs, outs, rows)]
+        else:           # d softmax: softmax * (g - sum(g * softmax))
+            rows = ctx.blocks.sum([(g * o.float()).sum(-1, keepdim=True)
+                                   for g, o in zip(gs, outs)])
+            grads = [o.float() * (g - r) for g, o, r in zip(gs, outs, rows)]
+        return (None, None, *[g.to(o.dtype) for g, o in zip(grads, outs)])
 
 
 class _Pick(torch.autograd.Function):
@@ -431,14 +421,14 @@ def _h_log_softmax(me, dim=None, _stacklevel=3, dtype=None):
     if not isinstance(me, VocabShardedTensor) or not _last(me, dim):
         return NotImplemented
     x = me if dtype is None else me._each(lambda b: b.to(dtype))
-    return me._like(list(_LogSoftmax.apply(me._where, *x._blocks)))
+    return me._like(list(_Normalized.apply(me._where, True, *x._blocks)))
 
 
 def _h_softmax(me, dim=None, _stacklevel=3, dtype=None):
     if not isinstance(me, VocabShardedTensor) or not _last(me, dim):
         return NotImplemented
     x = me if dtype is None else me._each(lambda b: b.to(dtype))
-    return me._like(list(_Softmax.apply(me._where, *x._blocks)))
+    return me._like(list(_Normalized.apply(me._where, False, *x._blocks)))
 
 
 def _pick(me, index):
