@@ -46,17 +46,17 @@ def _same(got, want, blocks, joined):
 
 
 _LEADING = [  # ops on the leading dims, as a loss writes them: (name, fn)
-    ("shift", lambda x: x[:, :-1]),
-    ("flatten", lambda x: x.flatten(0, 1)),
-    ("view", lambda x: x.view(-1, x.size(-1))),
-    ("reshape", lambda x: x.reshape(x.shape[0] * x.shape[1], -1)),
+    ("shift", lambda x: x[:-1]),
+    ("flatten", lambda x: x.flatten(0, -2)),
+    ("view", lambda x: x.contiguous().view(-1, x.size(-1))),   # (a view needs contiguity)
+    ("reshape", lambda x: x.reshape(-1, x.shape[-1])),
     ("ellipsis", lambda x: x[..., 1:, :]),
     ("float", lambda x: x.float()),
     ("to", lambda x: x.to(torch.float32)),
     ("temperature", lambda x: x / 0.7),
     ("scale", lambda x: 2.0 * x),
     ("contiguous", lambda x: x.contiguous()),
-    ("index", lambda x: x[torch.tensor([2, 0])]),
+    ("index", lambda x: x[torch.tensor([1, 0])]),
 ]
 
 
@@ -68,7 +68,7 @@ _LEADING = [  # ops on the leading dims, as a loss writes them: (name, fn)
        seed=st.integers(0, 5))
 def test_cross_entropy_on_blocks_equals_the_joined_tensors(widths, ops, reduction, smoothing,
                                                            ignored, seed):
-    blocks, x, joined = _pair(widths, seed=seed)
+    blocks, x, joined = _pair(widths, lead=(6, 5), seed=seed)
     y = joined
     for i in ops:
         x, y = _LEADING[i][1](x), _LEADING[i][1](y)
@@ -79,7 +79,7 @@ def test_cross_entropy_on_blocks_equals_the_joined_tensors(widths, ops, reductio
     target[:ignored] = -100
     got = F.cross_entropy(x, target, reduction=reduction, label_smoothing=smoothing)
     want = F.cross_entropy(y, target, reduction=reduction, label_smoothing=smoothing)
-    assert not isinstance(got, VocabShardedTensor)
+    assert not isinstance(got, VocabShardedTensor) and not x.gathered
     _same(got, want, blocks, joined)
 
 
@@ -98,7 +98,9 @@ def test_cross_entropy_on_blocks_equals_the_joined_tensors(widths, ops, reductio
 ])
 def test_the_losses_ops_on_blocks(name, fn):
     blocks, x, joined = _pair([4, 7, 2])
-    _same(fn(x), fn(joined), blocks, joined)
+    got = fn(x)
+    assert not x.gathered          # ran on the blocks
+    _same(got, fn(joined), blocks, joined)
 
 
 @pytest.mark.parametrize("name,fn", [
@@ -176,6 +178,7 @@ def test_cross_entropy_on_pm_logits_trains_as_one_device(axes, sp):
         assert isinstance(out, VocabShardedTensor) and out.shape == (4, 6, V)
         assert [tuple(b.shape) for b in out.blocks] == [(4, 6, V // axes["tp"])] * axes["tp"]
         loss = _shifted(out, labels)
+        assert not out.gathered
         want = _shifted(ref(ids), labels)
         torch.testing.assert_close(loss, want.detach(), **TOL)
         loss.backward()

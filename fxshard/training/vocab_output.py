@@ -231,6 +231,11 @@ class VocabShardedTensor(torch.Tensor):
         """The blocks held (a simulated mesh: one per ``tp`` coordinate, in order)."""
         return list(self._blocks)
 
+    @property
+    def gathered(self) -> bool:
+        """Whether an op has gathered the blocks into the whole tensor (:meth:`full`)."""
+        return self._full is not None
+
     def full(self) -> torch.Tensor:
         """The whole tensor, gathered once and kept (differentiable)."""
         if self._full is None:
