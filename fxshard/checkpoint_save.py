@@ -66,10 +66,11 @@ def shard_size_bytes(size) -> int:
 class _Entry:
     """One tensor of the checkpoint: its name, global shape and dtype, and how to get it."""
 
-    def __init__(self, name, shape, dtype, whole=None, shards=None):
+    def __init__(self, name, shape, dtype, whole=None, shards=None, mesh=None):
         self.name, self.shape, self.dtype = name, tuple(shape), dtype
         self.whole = whole        # () -> the whole tensor (a weight as loaded)
         self.shards = shards      # (spec, {rank: block getter}) of a trained parameter
+        self.mesh = mesh          # the mesh of spec's ranks (a pipeline stage's), else None
 
     @property
     def nbytes(self) -> int:
@@ -86,6 +87,8 @@ def _entries(module) -> list[_Entry]:
                         f"{type(module).__name__}")
     module.programs.sync_weights()   # the model's own changes since the last call
     store, out = module.weights, []
+    if store.trained is not None:    # training placed shards: they are the weights now
+        return _trained_entries(module, store.trained)
     dropped = _tied_duplicates(module.model)
     for name, (shape, dtype) in store.expected.items():
         if name in dropped:
@@ -115,7 +118,9 @@ def _tied_duplicates(model: torch.nn.Module) -> set[str]:
     return dropped
 
 
-def _train_entries(tm) -> list[_Entry]:
+def _train_entries(tm, mesh=None) -> list[_Entry]:
+    """Every tensor of ``tm``'s model: a trained parameter by its shards (``mesh``: the mesh
+    the shards' ranks belong to, when it is not the saved module's), the rest as it is."""
     program = tm._require("save_safetensors")
     dropped = _tied_duplicates(tm.model)
     out = []
@@ -129,8 +134,34 @@ def _train_entries(tm) -> list[_Entry]:
                               whole=lambda v=value: v.detach()))
             continue
         out.append(_Entry(name, program.shapes[name], value.dtype,
-                          shards=(spec, {r: (lambda b=b: b.detach()) for r, b in held.items()})))
+                          shards=(spec, {r: (lambda b=b: b.detach()) for r, b in held.items()}),
+                          mesh=mesh))
     return out
+
+
+def _trained_entries(module, trainer) -> list[_Entry]:
+    """A ParallelModule that trained: its trainer's shards (a pipeline: each stage's own, a
+    parameter taken from the stage that holds it)."""
+    stages = getattr(trainer, "stage_modules", None)
+    if stages is None:
+        return _train_entries(trainer)
+    if not is_simulated(module.mesh):
+        raise NotImplementedError(
+            f"{_WHERE}: saving a module trained over mesh axis 'pp' under torchrun "
+            f"(mesh {module.spec.describe()}) is not built yet (each process holds one "
+            f"stage's shards); save with fxshard.save_training_state(pm, optimizer, dir), "
+            f"which every process writes its shards to, or gather pm.state_dict() and call "
+            f"model.save_pretrained")
+    trainer._require("save_safetensors")
+    found: dict = {}
+    for tm in stages:
+        if tm._last is None:
+            continue
+        for e in _train_entries(tm, mesh=tm.spec):
+            if e.shards is not None or e.name not in found:   # a stage's shards win
+                found[e.name] = e
+    order = [n for n in module.model.state_dict() if n in found]
+    return [found[n] for n in order]
 
 
 def _plan(entries: list[_Entry], limit: int) -> list[list[_Entry]]:
@@ -165,6 +196,7 @@ def _place(out: torch.Tensor, block: torch.Tensor, spec: tuple, mesh, rank: int)
 
 def _assemble_local(e: _Entry, mesh) -> torch.Tensor:
     spec, getters = e.shards
+    mesh = e.mesh or mesh
     out = torch.zeros(e.shape, dtype=e.dtype, device=torch.device("cpu"))
     for r in _owners(spec, mesh):
         _place(out, getters[r](), spec, mesh, r)

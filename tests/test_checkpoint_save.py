@@ -99,3 +99,62 @@ def test_trained_shards_saved_equal_single_device_training(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(pm(ids).logits, single.eval()(ids).logits, rtol=1e-4,
                                    atol=1e-4)
+
+
+def _single_steps(model, ids, labels, steps, clip=None):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        F.cross_entropy(model(ids).logits.flatten(0, 1), labels.flatten()).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+
+
+def _pm_steps(pm, ids, labels, steps, clip=None):
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    for _ in range(steps):
+        F.cross_entropy(pm(ids).logits.flatten(0, 1), labels.flatten()).backward()
+        if clip is not None:
+            fxshard.clip_grad_norm_(pm, clip)
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.grad   # trains: grad enabled
+@pytest.mark.parametrize("shape,names,other,tie", [
+    ((2, 2), ("fsdp", "tp"), ((2,), ("pp",)), False),
+    ((2,), ("pp",), ((2, 2), ("dp", "tp")), False),
+    ((2, 2), ("fsdp", "tp"), ((4,), ("tp",)), True),   # a tied weight saved once
+])
+def test_parallel_module_trained_saved_then_reloaded_elsewhere_trains_on(tmp_path, shape, names,
+                                                                          other, tie):
+    """pm (fxshard.parallelize) trained, saved, read by from_pretrained, reloaded on another
+    mesh and trained on: every step equals the single-device model's (the checkpoint holds
+    the trained shards, not the model object's initial weights)."""
+    import transformers
+    kw = dict(hidden=48, intermediate=72, vocab=96, tie=tie)
+    model, single = hf_llama(**kw), hf_llama(**kw)
+    ids, labels = _ids(1), _ids(2)
+    pm = fxshard.parallelize(model, fxshard.init_device_mesh("cpu", shape, mesh_dim_names=names),
+                             example_inputs=(ids,))
+    _pm_steps(pm, ids, labels, 2, clip=0.5)
+    _single_steps(single, ids, labels, 2, clip=0.5)
+    fxshard.save_safetensors(pm, str(tmp_path), max_shard_size="30KB")
+    single.config.save_pretrained(str(tmp_path))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    want, trained = single.state_dict(), pm.state_dict()
+    for k, v in hf.state_dict().items():
+        torch.testing.assert_close(v, trained[k], rtol=0, atol=0)
+        torch.testing.assert_close(v, want[k], rtol=1e-5, atol=1e-5)
+    with fxshard.init_empty_weights():
+        meta = hf_llama(**kw)
+    pm2 = fxshard.parallelize(meta, fxshard.init_device_mesh("cpu", other[0],
+                                                             mesh_dim_names=other[1]),
+                              example_inputs=(ids,))
+    fxshard.load_safetensors(pm2, str(tmp_path))
+    _pm_steps(pm2, ids, labels, 2, clip=0.5)
+    _single_steps(single, ids, labels, 2, clip=0.5)
+    got = pm2.state_dict()
+    for k, v in single.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-5, msg=k)

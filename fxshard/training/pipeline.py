@@ -31,7 +31,7 @@ from ..mesh import PP, SimulatedMesh, is_simulated
 from ..passes import PassCtx, PassReports
 from ..trace import _without_cache, cleanup_pass, trace
 from .dropout import add_dropout_sites, pack_seed, seeded
-from .joint import _untie, input_grad_name, joint_of
+from .joint import _placeholders_for_meta, _untie, input_grad_name, joint_of
 from .module import TrainModule, _bytes
 from .program import build_train_program
 from .schedules import actions, global_order
@@ -199,7 +199,8 @@ class PipelineTrainer:
         stack, names = find_layer_stack(self.model)
         layer_stages = list(self.layer_stages) if self.layer_stages is not None and \
             virtual == 1 else assign_layers_to_stages(len(names), n_stages)
-        traced = trace(self.model, args, kwargs)
+        with _placeholders_for_meta(self.model, args, kwargs):   # a model built on meta
+            traced = trace(self.model, args, kwargs)
         cleanup_pass(traced.gm, ctx=PassReports())
         tied = _untie(traced, self.model)
         flat = list(fx_pytree.tree_flatten_spec(
@@ -233,7 +234,8 @@ class PipelineTrainer:
                                 if dt.is_floating_point)
             kept = {o: t for o, t in tied.items()
                     if any(n.meta.get("fxshard_param") == t for n in sf.traced.gm.graph.nodes)}
-            joint = joint_of(sf.traced, self.model, stage_flat, kept, grad_in)
+            with _placeholders_for_meta(self.model, args, kwargs):
+                joint = joint_of(sf.traced, self.model, stage_flat, kept, grad_in)
             ctx = PassCtx(mesh=self.sub, sequence_parallel=tm.sequence_parallel,
                           strict=tm.strict, plan=tm.plan, embedding_style=tm.embedding,
                           ring_zigzag=tm.ring_zigzag)
