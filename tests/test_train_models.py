@@ -58,7 +58,24 @@ def _qwen2():
     return transformers.Qwen2ForCausalLM(cfg)
 
 
+def _qwen3():     # q/k norms over each head's width
+    cfg = transformers.Qwen3Config(vocab_size=V, hidden_size=48, intermediate_size=72,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=12, max_position_embeddings=32,
+                                   pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    return transformers.Qwen3ForCausalLM(cfg)
+
+
+def _mistral():
+    cfg = transformers.MistralConfig(vocab_size=V, hidden_size=48, intermediate_size=72,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=1, max_position_embeddings=32,
+                                     pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    return transformers.MistralForCausalLM(cfg)
+
+
 _MODELS = {"gpt2": _gpt2, "phi3": _phi3, "mixtral": _mixtral, "qwen2": _qwen2,
+           "qwen3": _qwen3, "mistral": _mistral,
            "gpt2_odd": lambda: _gpt2(vocab=TV + 1)}    # 91 rows: tp=2 cannot split them
 
 
@@ -304,3 +321,47 @@ def test_moe_trains(dp, tp, batch):
                 assert reduced == {(B // dp, S, H): 4}, reduced
             else:   # + each MoE layer's [T, H] input gradient and [T, k] router gradient
                 assert reduced[t, H] == reduced[t, k] == 2, reduced
+
+
+@pytest.mark.parametrize("name,axes,sp", [
+    ("qwen3", ("fsdp", "tp"), False),
+    ("mistral", ("dp", "tp"), True),       # 1 KV head: replicated on tp, its gradient reduced
+    ("gpt2", ("fsdp", "tp"), False),
+    ("mixtral", ("fsdp", "tp"), False),
+])
+def test_labels_loss_trains_through_parallelize(name, axes, sp):
+    """HF's ``pm(ids, labels=labels).loss`` (the loss inside the model, vocab-parallel on tp)
+    through ``fxshard.parallelize``: gradients, then three AdamW steps with
+    ``fxshard.clip_grad_norm_``, equal one device's."""
+    model = _model(name)
+    ref = copy.deepcopy(model)
+    ids, labels = (t % model.config.vocab_size for t in _data())
+    mesh = fxshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=axes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = fxshard.parallelize(model, mesh, sequence_parallel=sp,
+                                 example_inputs=(ids,), example_kwargs={"labels": labels})
+    ours = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.1)  # see above
+    theirs = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.1)
+    for step in range(3):
+        loss, want = pm(ids, labels=labels).loss, ref(ids, labels=labels).loss
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+        loss.backward()
+        want.backward()
+        if step == 0:
+            grads = pm.gradients()
+            for n, p in ref.named_parameters():
+                torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-5, msg=n)
+            # the loss is vocab-parallel: no tp all-gather of the [B, S, V] logits
+            gathers = [n for n in pm.rank_module(0).graph.nodes
+                       if n.op == "call_function" and "all_gather" in str(n.target)
+                       and "tp" in n.args and n.meta["val"].shape[-1] == V]
+            assert not gathers, [n.name for n in gathers]
+        torch.testing.assert_close(fxshard.clip_grad_norm_(pm, 0.5),
+                                   torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5),
+                                   rtol=1e-5, atol=1e-6)
+        ours.step(), theirs.step()
+        ours.zero_grad(), theirs.zero_grad()
+    trained = pm.state_dict()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(trained[n], p.detach(), rtol=1e-5, atol=1e-5, msg=n)
