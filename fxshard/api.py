@@ -73,17 +73,20 @@ class ParallelModule:
     ring_zigzag = _option("ring_zigzag")
     compile = _option("compile")
     recompute = _option("recompute")
+    fsdp_reshard_after_forward = _option("fsdp_reshard_after_forward")
 
     def __init__(self, model: torch.nn.Module, mesh, *, plan: dict, sequence_parallel: bool,
                  microbatches: int, strict: bool, embedding: str, stages=None,
-                 ring_zigzag: bool = True, compile: bool = False, recompute=None):
+                 ring_zigzag: bool = True, compile: bool = False, recompute=None,
+                 fsdp_reshard_after_forward: bool = True):
         self.model = model
         self.mesh = mesh
         self.spec: MeshSpec = mesh_spec(mesh, where=_WHERE)
         self.options = Options(plan=dict(plan), sequence_parallel=sequence_parallel,
                                microbatches=microbatches, strict=strict, embedding=embedding,
                                stages=stages, ring_zigzag=ring_zigzag, compile=compile,
-                               recompute=recompute)
+                               recompute=recompute,
+                               fsdp_reshard_after_forward=fsdp_reshard_after_forward)
         materialize_buffers(model)
         self.unmatched_plan: list[str] = []
         self.weights = WeightStore(model, self.spec)
@@ -131,14 +134,16 @@ class ParallelModule:
                     self.model, self.mesh, self.spec, microbatches=o.microbatches,
                     stages=o.stages, store=self.weights, sequence_parallel=o.sequence_parallel,
                     plan=o.plan, embedding=o.embedding, strict=o.strict,
-                    recompute=o.recompute, compile=o.compile, ring_zigzag=o.ring_zigzag)
+                    recompute=o.recompute, compile=o.compile, ring_zigzag=o.ring_zigzag,
+                    fsdp_reshard_after_forward=o.fsdp_reshard_after_forward)
                 return self._trainer
             self._trainer = TrainModule(self.model, self.mesh,
                                         sequence_parallel=o.sequence_parallel, plan=o.plan,
                                         embedding=o.embedding, strict=o.strict,
                                         recompute=o.recompute, store=self.weights,
                                         executor=self.executor, cache=self.programs,
-                                        ring_zigzag=o.ring_zigzag, compile=o.compile)
+                                        ring_zigzag=o.ring_zigzag, compile=o.compile,
+                                        fsdp_reshard_after_forward=o.fsdp_reshard_after_forward)
         return self._trainer
 
     def train_step(self, *args, loss_fn=None, target=None, schedule: str = "1f1b",
@@ -294,7 +299,8 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
                 sequence_parallel: bool = False, microbatches: int = 1, strict: bool = False,
                 embedding: str = "embed_dim", stages: list[int] | None = None,
                 ring_zigzag: bool = True, compile: bool = False,
-                recompute: str | None = None) -> ParallelModule:
+                recompute: str | None = None,
+                fsdp_reshard_after_forward: bool = True) -> ParallelModule:
     """Parallelize an unmodified ``model`` over ``mesh`` by rewriting its traced ATen graph.
 
     Args:
@@ -325,12 +331,20 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
         recompute: training: ``"layers"`` saves only each repeated layer's output for the
             backward, which recomputes the rest (:mod:`fxshard.training.recompute`); ``None``
             saves every activation the backward reads.
+        fsdp_reshard_after_forward: training on ``fsdp``: each parameter is all-gathered
+            again in the backward (``True``, FSDP2's default: only the shard is kept) or its
+            gathered value is saved by the forward for the backward (``False``: one
+            all-gather less per parameter and step, the whole weights held in between).
     """
     check_parallelize_args(_WHERE, model=model, example_inputs=example_inputs,
                            example_kwargs=example_kwargs, plan=plan, styles=PLAN_STYLES,
                            sequence_parallel=sequence_parallel, microbatches=microbatches,
                            strict=strict, embedding=embedding, stages=stages,
                            ring_zigzag=ring_zigzag, recompute=recompute)
+    if not isinstance(fsdp_reshard_after_forward, bool):
+        raise TypeError(f"{_WHERE}: fsdp_reshard_after_forward={fsdp_reshard_after_forward!r}; "
+                        f"pass True (gather fsdp parameters again in the backward) or False "
+                        f"(keep the forward's gathered weights for the backward)")
     spec = mesh_spec(mesh, where=_WHERE)
     if not isinstance(compile, bool):
         raise TypeError(f"{_WHERE}: compile={compile!r}; pass True (Inductor-compiled rank "
@@ -343,7 +357,8 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
     pm = ParallelModule(model, mesh, plan=plan or {}, sequence_parallel=sequence_parallel,
                         microbatches=microbatches, strict=strict, embedding=embedding,
                         stages=stages, ring_zigzag=ring_zigzag, compile=compile,
-                        recompute=recompute)
+                        recompute=recompute,
+                        fsdp_reshard_after_forward=fsdp_reshard_after_forward)
     pm.unmatched_plan = unmatched    # globs that matched no module (warned; in explain())
     if example_inputs is not None or example_kwargs is not None:
         pm._example = (tuple(example_inputs or ()), dict(example_kwargs or {}))

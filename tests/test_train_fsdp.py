@@ -253,10 +253,11 @@ def test_adamw_steps_and_memory_per_rank():
         assert tm.memory(rank)["parameters"] == sum(p.numel() * 4 for p in mine)
 
 
-def test_reshard_after_forward_false_keeps_the_gathered_weights():
+@pytest.mark.parametrize("entry", [parallelize_for_training, fxshard.parallelize])
+def test_reshard_after_forward_false_keeps_the_gathered_weights(entry):
     model = _llama(layers=1)
     ids, labels = _data()
-    tm = parallelize_for_training(model, _mesh(fsdp=2), fsdp_reshard_after_forward=False)
+    tm = entry(model, _mesh(fsdp=2), fsdp_reshard_after_forward=False)
     _check_grads(model, tm, ids, labels)
     bwd = tm.rank_module(0, "backward")
     assert set(_gathers_per_parameter(bwd).values()) == {0}

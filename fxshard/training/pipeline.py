@@ -222,7 +222,9 @@ class PipelineTrainer:
                     embedding=self.options.get("embedding", "embed_dim"), store=self.store,
                     compile=self.options.get("compile", False),
                     recompute=self.options.get("recompute"),
-                    ring_zigzag=self.options.get("ring_zigzag", True)))
+                    ring_zigzag=self.options.get("ring_zigzag", True),
+                    fsdp_reshard_after_forward=self.options.get(
+                        "fsdp_reshard_after_forward", True)))
         programs = []
         for k, (sf, tm) in enumerate(zip(forwards, self.stage_modules)):
             if not self._mine(k):
