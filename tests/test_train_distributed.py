@@ -76,8 +76,9 @@ def _body(rank: int, report: dict) -> None:
     ref_model = copy.deepcopy(model)
     opt = torch.optim.AdamW(tm.parameters(), lr=1e-3)
     out = tm(ids)
-    # the logits: this rank's tp block (fxshard.training.vocab_output), gathered on first use
-    # as a whole tensor (the subtraction), a cross-entropy on the block
+    # the logits: this rank's block (its dp rows, its tp columns:
+    # fxshard.training.vocab_output), gathered on first use as a whole tensor (the
+    # subtraction: over tp, then dp), a cross-entropy on the block
     report["blocks"] = [tuple(b.shape) for b in out.blocks]
     report["forward"] = (out - ref_model(ids)).abs().max().item()
     loss_of(out).backward()
@@ -113,16 +114,22 @@ def _body(rank: int, report: dict) -> None:
     pm2 = fxshard.parallelize(copy.deepcopy(initial), mesh, example_inputs=(ids,))
     fresh2 = copy.deepcopy(initial)
 
-    def shifted(logits):
+    weight = torch.linspace(0.5, 1.5, 96)
+
+    def shifted(logits, reduction="mean"):
         return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                               ignore_index=int(labels[0, 1]), label_smoothing=0.1)
-    loss2, want2 = shifted(pm2(ids)), shifted(fresh2(ids))
-    loss2.backward()
-    want2.backward()
+                               ignore_index=int(labels[0, 1]), label_smoothing=0.1,
+                               weight=weight, reduction=reduction)
+    out2, fresh_out = pm2(ids), fresh2(ids)
+    loss2, want2 = shifted(out2), shifted(fresh_out)
+    rows, want_rows = shifted(out2, "none"), shifted(fresh_out, "none")   # rows gathered
+    report["blocks_rows"] = (rows - want_rows).abs().max().item()
+    (loss2 + 0.5 * rows.sum()).backward()
+    (want2 + 0.5 * want_rows.sum()).backward()
     report["blocks_loss"] = (loss2 - want2).abs().item()
     report["blocks_grad"] = worst_block(pm2.shards(rank), dict(fresh2.named_parameters()),
                                         pm2.trainer._specs, spec, rank, of=lambda p: p.grad)
-    report["blocks_gathers"] = sum(c.op.startswith("all_gather") and c.axis == "tp"
+    report["blocks_gathers"] = sum(c.op.startswith("all_gather") and c.axis in ("tp", "dp")
                                    and c.shape[-1:] == (96 // 2,)
                                    for c in pm2.trainer.collectives("forward"))
     report["lossfn_gathers"] = sum(c.op.startswith("all_gather") and c.axis == "tp"
@@ -138,8 +145,9 @@ def test_dp2_tp2_gloo_gradients_and_steps(tmp_path):
         assert r["after"] < 1e-4 and r["kept"], r
         assert r["lossfn_loss"] < 1e-5 and r["lossfn_grad"] < 1e-5, r
         assert r["lossfn_gathers"] == 0, r
-        assert r["blocks"] == [[4, 6, 48]], r     # (the report is JSON)
+        assert r["blocks"] == [[2, 6, 48]], r     # (the report is JSON)
         assert r["blocks_loss"] < 1e-5 and r["blocks_grad"] < 1e-5, r
+        assert r["blocks_rows"] < 1e-5, r
         assert r["blocks_gathers"] == 0, r
         for key in ("dp_tp", "fsdp_tp"):
             assert r[key + "_grads"] < 1e-5 and r[key + "_params"] < 1e-5, (key, r)

@@ -91,10 +91,10 @@ def test_traced_loss_trains_as_one_device(axes, loss_fn):
 
 
 def test_neither_the_loss_on_the_output_nor_the_traced_loss_gathers_the_logits():
-    """The same model, mesh and loss: on ``pm(ids)``'s output the logits are tp blocks
-    (``fxshard.training.vocab_output``: the loss runs on them, no vocab all-gather) but
-    gathered over dp; traced, the loss is in the program (``vocab_nll_loss_forward``) and the
-    logits are gathered on neither axis."""
+    """The same model, mesh and loss: on ``pm(ids)``'s output the logits are blocks over tp
+    and dp (``fxshard.training.vocab_output``: the loss runs on them, no all-gather on
+    either axis); traced, the loss is in the program (``vocab_nll_loss_forward``) and the
+    logits are gathered on neither axis either."""
     from fxshard.training.vocab_output import VocabShardedTensor
     model = _llama(layers=1)
     ids, labels = _data()
@@ -105,7 +105,7 @@ def test_neither_the_loss_on_the_output_nor_the_traced_loss_gathers_the_logits()
     assert _vocab_gathers(pm) == []
     over_dp = [c for c in pm.trainer.collectives("forward")
                if c.op.startswith("all_gather") and c.axis == "dp" and c.shape[-1:] == (V // 2,)]
-    assert [c.shape for c in over_dp] == [(2, 6, V // 2)]
+    assert over_dp == [] and [tuple(b.shape) for b in out.blocks] == [(2, 6, V // 2)] * 4
     pm.zero_grad()
     pm.train_step(ids, loss_fn=_loss, target=labels)
     assert _vocab_gathers(pm) == []

@@ -155,18 +155,30 @@ def _vocab_gathers(tm, tp):
             and n.args[1] % len(last[n.name]) == len(last[n.name]) - 1]
 
 
-def _shifted(logits, labels):
+def _batch_gathers(tm, tp: int) -> list[str]:
+    """The forward's all-gathers over a batch axis of a value of last dim V / tp."""
+    return [c.node for c in tm.collectives("forward") if c.op.startswith("all_gather")
+            and c.axis in ("dp", "fsdp") and c.shape and c.shape[-1] == V // tp]
+
+
+_CLASS_WEIGHT = torch.linspace(0.5, 1.5, V)
+
+
+def _shifted(logits, labels, weighted=False):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                           ignore_index=0, label_smoothing=0.05)
+                           ignore_index=0, label_smoothing=0.05,
+                           weight=_CLASS_WEIGHT if weighted else None)
 
 
-@pytest.mark.parametrize("axes,sp", [(dict(tp=2), False), (dict(dp=2, tp=2), False),
-                                     (dict(fsdp=2, tp=2), True)],
-                         ids=["tp2", "dp2tp2", "fsdp2tp2-sp"])
-def test_cross_entropy_on_pm_logits_trains_as_one_device(axes, sp):
-    """The user's loss on ``pm(ids)``'s logits: the logits are ``tp`` blocks (no vocab
-    all-gather in the forward program), and loss, gradients and three AdamW steps equal the
-    single device's."""
+@pytest.mark.parametrize("axes,sp,weighted", [
+    (dict(tp=2), False, False), (dict(dp=2, tp=2), False, True),
+    (dict(fsdp=2, tp=2), True, False), (dict(tp=2, dp=2, fsdp=2), False, True)],
+    ids=["tp2", "dp2tp2-weight", "fsdp2tp2-sp", "tp2dp2fsdp2-weight"])
+def test_cross_entropy_on_pm_logits_trains_as_one_device(axes, sp, weighted):
+    """The user's loss on ``pm(ids)``'s logits: the logits are blocks, ``tp``'s of the vocab
+    and the batch axes' of the rows (no all-gather of them in the forward program: each
+    ``dp``/``fsdp`` rank computes the loss on its rows only), and loss, gradients and three
+    AdamW steps equal the single device's (a class ``weight=`` too)."""
     model = _llama(layers=1)
     ref = copy.deepcopy(model)
     ids, labels = _data()
@@ -175,16 +187,19 @@ def test_cross_entropy_on_pm_logits_trains_as_one_device(axes, sp):
     theirs = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(3):
         out = pm(ids)
+        rows = axes.get("dp", 1) * axes.get("fsdp", 1)
         assert isinstance(out, VocabShardedTensor) and out.shape == (4, 6, V)
-        assert [tuple(b.shape) for b in out.blocks] == [(4, 6, V // axes["tp"])] * axes["tp"]
-        loss = _shifted(out, labels)
+        assert [tuple(b.shape) for b in out.blocks] == \
+            [(4 // rows, 6, V // axes["tp"])] * axes["tp"] * rows
+        loss = _shifted(out, labels, weighted)
         assert not out.gathered
-        want = _shifted(ref(ids), labels)
+        want = _shifted(ref(ids), labels, weighted)
         torch.testing.assert_close(loss, want.detach(), **TOL)
         loss.backward()
         want.backward()
         if step == 0:
             assert _vocab_gathers(pm.trainer, axes["tp"]) == []
+            assert _batch_gathers(pm.trainer, axes["tp"]) == []
             grads = pm.gradients()
             for name, p in ref.named_parameters():
                 torch.testing.assert_close(grads[name], p.grad, **TOL, msg=name)

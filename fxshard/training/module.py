@@ -23,6 +23,8 @@ trained ones (on a real mesh gathered to every rank).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 import torch.fx._pytree as fx_pytree
@@ -138,7 +140,7 @@ class _Step(torch.autograd.Function):
         slots = runner._tangent_slots(program)
 
         def tangents(rank):
-            return [grad(slots[i][runner._block_of(rank)] if i in slots else i)
+            return [grad(slots[i][runner._block_of(program, rank)] if i in slots else i)
                     for i in program.split.tangents]
         grads = runner._run_backward(program, ctx.saved_per_rank, tangents)
         ctx.saved_per_rank = None
@@ -285,28 +287,54 @@ class TrainModule:
         outs = list(outs)
         if program.vocab_outputs:    # those outputs: their tp blocks, fxshard.training.vocab_output
             from .vocab_output import VocabShardedTensor
-            where = self._vocab_blocks()
+            where = self._vocab_blocks(program)
             for i, slots in self._tangent_slots(program).items():
                 outs[i] = VocabShardedTensor([outs[j] for j in slots], where)
         return pytree.tree_unflatten(outs[:n], program.joint.traced.out_spec)
 
-    # -- outputs kept as tp blocks (fxshard.training.vocab_output) ----------------------------
-    def _block_ranks(self) -> list[int]:
-        """The ranks whose blocks a vocab output holds: coordinate 0 on every axis but
-        ``tp``, in ``tp`` order (a simulated mesh); this process's rank (a real one)."""
+    # -- outputs kept as blocks (fxshard.training.vocab_output) -------------------------------
+    def _block_axes(self, program: TrainProgram) -> tuple:
+        """The batch axes (``((axis, size), ...)``, mesh order) that split the kept outputs'
+        dim 0 (every kept output is placed alike: the logits)."""
+        from ..mesh import BATCH_AXES
+        from ..placement import Shard
+        spec = next(iter(program.vocab_outputs.values()))
+        return tuple((a, n) for a, n, p in zip(self.spec.axis_names, self.spec.shape, spec)
+                     if n > 1 and a in BATCH_AXES and p == Shard(0))
+
+    def _block_ranks(self, program: TrainProgram) -> list[int]:
+        """The ranks whose blocks a kept output holds: each row group's (batch axes'
+        coordinates, the outer axis first) ``tp`` blocks in order, coordinate 0 on every other
+        axis (a simulated mesh); this process's rank (a real one)."""
         if not self._simulated:
             return list(self.ranks)
         from ..mesh import TP
-        at = self.spec.axis_names.index(TP)
-        return [self.spec.rank_of([c if a == at else 0 for a in range(len(self.spec.shape))])
-                for c in range(self.spec.shape[at])]
+        names = self.spec.axis_names
+        axes = [names.index(a) for a, _ in self._block_axes(program)]
+        sizes = [self.spec.shape[i] for i in axes]
+        tp = names.index(TP)
+        out = []
+        for row in range(math.prod(sizes)):
+            coords = [0] * len(names)
+            rest = row
+            for i, n in reversed(list(zip(axes, sizes))):
+                coords[i], rest = rest % n, rest // n
+            for c in range(self.spec.shape[tp]):
+                coords[tp] = c
+                out.append(self.spec.rank_of(coords))
+        return out
 
-    def _block_of(self, rank: int) -> int:
-        """Which of the held blocks is ``rank``'s (its ``tp`` coordinate; a real mesh: 0)."""
+    def _block_of(self, program: TrainProgram, rank: int) -> int:
+        """Which of the held blocks is ``rank``'s (its row group's, then its ``tp``
+        coordinate; a real mesh: 0)."""
         if not self._simulated:
             return 0
         from ..mesh import TP
-        return self.spec.coords(rank)[self.spec.axis_names.index(TP)]
+        names, coords = self.spec.axis_names, self.spec.coords(rank)
+        row = 0
+        for a, n in self._block_axes(program):
+            row = row * n + coords[names.index(a)]
+        return row * self.spec.axis_size(TP) + coords[names.index(TP)]
 
     def _tangent_slots(self, program: TrainProgram) -> dict:
         """Output index -> the positions of its blocks among ``_Step``'s outputs (the
@@ -314,21 +342,27 @@ class TrainModule:
         slots, nxt = {}, program.split.n_outputs
         if not program.vocab_outputs:
             return slots
-        extra = len(self._block_ranks()) - 1
+        extra = len(self._block_ranks(program)) - 1
         for i in sorted(program.vocab_outputs):
             slots[i] = [i] + list(range(nxt, nxt + extra))
             nxt += extra
         return slots
 
-    def _vocab_blocks(self):
+    def _vocab_blocks(self, program: TrainProgram):
         from ..mesh import TP
-        from .vocab_output import Blocks
+        from .vocab_blocks import Blocks
         n = self.spec.axis_size(TP)
+        data = self._block_axes(program)
+        rows = math.prod(size for _, size in data)
         if self._simulated:
-            return Blocks(n, list(range(n)))
+            return Blocks(n, list(range(n)), rows=rows, data_axes=data)
         from ..runtime.distributed import backend_for
         backend = backend_for(self.mesh)
-        return Blocks(n, [backend.axis_index(TP)], backend)
+        row = 0
+        for a, size in data:
+            row = row * size + backend.axis_index(a)
+        return Blocks(n, [backend.axis_index(TP)], backend, rows=rows, row_coords=[row],
+                      data_axes=data)
 
     @property
     def ranks(self) -> list[int]:
@@ -382,7 +416,7 @@ class TrainModule:
         saved = {r: list(out[split.n_outputs:]) for r, out in results.items()}
         self._saved_bytes = {r: _bytes(s) for r, s in saved.items()}
         extra = [results[r][i] for i in sorted(program.vocab_outputs)
-                 for r in self._block_ranks()[1:]] if program.vocab_outputs else []
+                 for r in self._block_ranks(program)[1:]] if program.vocab_outputs else []
         return outs, saved, extra
 
     def _run_backward(self, program: TrainProgram, saved: list, tangents) -> list:

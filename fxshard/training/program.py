@@ -120,11 +120,12 @@ def forward_placements(joint: Joint, ctx: PassCtx) -> dict:
 
 
 def _vocab_block_spec(value, have, mesh: MeshSpec) -> tuple | None:
-    """The spec a model output leaves the forward in when it is kept as ``tp`` blocks of its
-    last dim (the logits of a column-parallel ``lm_head``,
-    :mod:`fxshard.training.vocab_output`): Shard(last) on ``tp``, whole on every other axis;
+    """The spec a model output leaves the forward in when it is kept as blocks
+    (:mod:`fxshard.training.vocab_output`): an output sharded on its last dim over ``tp``
+    (the logits of a column-parallel ``lm_head``) keeps that, and its dim 0 split over the
+    batch axes (``dp``, ``fsdp``) where the forward has it so; whole on every other axis.
     None for an output held otherwise."""
-    from ..mesh import TP
+    from ..mesh import BATCH_AXES, TP
     from ..placement import Shard
     val = value.meta.get("val") if isinstance(value, fx.Node) else None
     if not isinstance(val, torch.Tensor) or not val.is_floating_point() or val.dim() < 2 or \
@@ -133,7 +134,9 @@ def _vocab_block_spec(value, have, mesh: MeshSpec) -> tuple | None:
     p = have[mesh.axis_names.index(TP)]
     if type(p) is not Shard or p.dim % val.dim() != val.dim() - 1:
         return None
-    return tuple(Shard(val.dim() - 1) if a == TP else R for a in mesh.axis_names)
+    return tuple(Shard(val.dim() - 1) if a == TP else
+                 Shard(0) if a in BATCH_AXES and type(q) is Shard and q.dim % val.dim() == 0
+                 else R for a, q in zip(mesh.axis_names, have))
 
 
 def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint,

@@ -1,34 +1,39 @@
-"""An output of ``pm(x)`` left sharded on its last dim over ``tp``: the vocab-parallel logits.
+"""An output of ``pm(x)`` left sharded: the vocab-parallel, batch-split logits.
 
 With grad enabled, a model output whose last dim the forward program holds sharded over ``tp``
-(a column-parallel ``lm_head``: the logits) leaves the program as each rank's block, and
-``pm(x)`` returns a :class:`VocabShardedTensor` over the blocks instead of gathering
-``[B, S, V]``. It reads like the whole tensor (shape, dtype, device, printing, any op), and
-the ops a loss takes on the way to a cross-entropy run on the blocks::
+(a column-parallel ``lm_head``: the logits) leaves the program as each rank's block (its
+``tp`` columns, and its rows where ``dp``/``fsdp`` split the batch:
+:mod:`fxshard.training.vocab_blocks`), and ``pm(x)`` returns a :class:`VocabShardedTensor`
+over the blocks instead of gathering ``[B, S, V]``. It reads like the whole tensor (shape,
+dtype, device, printing, any op), and the ops a loss takes on the way to a cross-entropy run
+on the blocks::
 
-    logits = pm(ids).logits                      # blocks [B, S, V/tp], no all-gather
-    x = logits[:, :-1].flatten(0, 1).float()     # still blocks, [B*(S-1), V/tp] each
-    loss = F.cross_entropy(x, labels[:, 1:].flatten())   # vocab-parallel
+    logits = pm(ids).logits                      # blocks [B/dp, S, V/tp], no all-gather
+    x = logits[:, :-1].flatten(0, 1).float()     # still blocks, [B/dp*(S-1), V/tp] each
+    loss = F.cross_entropy(x, labels[:, 1:].flatten())   # vocab-parallel, on each rank's rows
     loss.backward()                              # each block's gradient, no [B, S, V] either
 
     cross_entropy = nll_loss(log_softmax(x)):
       log_softmax: m = all_reduce_max(amax(block)), s = all_reduce(sum(exp(block - m)))
-                   block - m - log(s)            (its backward: one all_reduce of [N, 1])
-      nll_loss:    each rank picks the targets in its vocab range, all_reduce of [N]
+                   block - m - log(s)            (over tp; its backward: one all_reduce [N, 1])
+      nll_loss:    each rank picks its rows' targets in its vocab range, all_reduce over tp;
+                   the rows' sum all-reduced over dp (a scalar), divided by the whole batch's
+                   count (or class weight) of valid targets
 
 On blocks: views and reshapes that keep the last dim (``view``, ``reshape``, ``flatten``,
-``unflatten``, indexing and ``split``/``chunk`` of the leading dims), dtype casts,
-``contiguous``/``clone``, products and quotients with a Python number, ``log_softmax`` /
-``softmax`` over the last dim, and ``cross_entropy`` / ``nll_loss`` (class dim last,
-``weight=None``; ``ignore_index``, ``reduction`` and ``label_smoothing`` as PyTorch's),
-``gather`` over the last dim. Any other op sees the whole tensor: the blocks are gathered once
-(a simulated mesh: joined; a real one: ``all_gather`` over ``tp``), differentiably, and that
-tensor is kept for later ops. Ops that write in place are an error (the blocks would go
-stale): compute on ``x.full()``, the whole tensor.
+``unflatten``, indexing and ``split``/``chunk`` of the leading dims; of dim 0 only where the
+batch axes leave it whole), dtype casts, ``contiguous``/``clone``, products and quotients
+with a Python number, ``log_softmax`` / ``softmax`` over the last dim, ``cross_entropy`` /
+``nll_loss`` (class dim last; ``weight``, ``ignore_index``, ``reduction`` and
+``label_smoothing`` as PyTorch's; ``reduction="none"`` returns the rows gathered), ``gather``
+over the last dim. Any other op sees the whole tensor: the blocks are gathered once (a
+simulated mesh: joined; a real one: ``all_gather`` over ``tp``, then over the batch axes),
+differentiably, and that tensor is kept for later ops. Ops that write in place are an error
+(the blocks would go stale): compute on ``x.full()``, the whole tensor.
 
-On a simulated mesh the tensor holds every ``tp`` coordinate's block (the other axes hold
-replicas); under ``torchrun`` this rank's, and the reductions are collectives over ``tp``
-that every rank of the axis runs (the same loss on every rank, as with any output).
+On a simulated mesh the tensor holds every block (the other axes hold replicas); under
+``torchrun`` this rank's, and the reductions are collectives that every rank of the axis
+runs (the same loss on every rank, as with any output).
 """
 from __future__ import annotations
 
@@ -39,68 +44,11 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-from ..mesh import TP
+from .vocab_blocks import Blocks
 
 __all__ = ["VocabShardedTensor", "Blocks"]
 
 _WHERE = "fxshard.training.vocab_output"
-
-
-class Blocks:
-    """Where a sharded output's blocks live and how they are reduced over ``tp``.
-
-    ``coords``: the ``tp`` coordinates of the blocks held (a simulated mesh: all; a real
-    mesh: this rank's), ``n`` the axis size, ``backend`` the real mesh's (else None)."""
-
-    def __init__(self, n: int, coords: list[int], backend=None, axis: str = TP):
-        self.n, self.coords, self.backend, self.axis = n, list(coords), backend, axis
-
-    def sum(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every block's share summed over the axis (each block gets the total)."""
-        if self.backend is None:
-            total = parts[0]
-            for p in parts[1:]:
-                total = total + p
-            return [total] * len(parts)
-        return [self.backend.all_reduce(parts[0], self.axis)]
-
-    def max(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.backend is None:
-            top = parts[0]
-            for p in parts[1:]:
-                top = torch.maximum(top, p)
-            return [top] * len(parts)
-        import torch.distributed as dist
-        top = parts[0].contiguous().clone()
-        dist.all_reduce(top, op=dist.ReduceOp.MAX,
-                        group=self.backend.device_mesh.get_group(self.axis))
-        return [top]
-
-    def gather(self, blocks: list[torch.Tensor]) -> torch.Tensor:
-        """The whole tensor (differentiable: its gradient is sliced back to the blocks)."""
-        if self.backend is None:
-            return torch.cat(blocks, -1)
-        return _Gather.apply(self, blocks[0])
-
-    def starts(self, widths: list[int]) -> list[int]:
-        """Each held block's first vocab index (blocks of one real mesh have equal widths)."""
-        if self.backend is None:
-            return [sum(widths[:i]) for i in range(len(widths))]
-        return [self.coords[0] * widths[0]]
-
-
-class _Gather(torch.autograd.Function):
-    """A real mesh's all-gather over ``tp``; its backward: this rank's slice of the
-    gradient (every rank's loss is the same function of the whole tensor)."""
-
-    @staticmethod
-    def forward(ctx, blocks: Blocks, block):
-        ctx.width, ctx.start = block.shape[-1], blocks.coords[0] * block.shape[-1]
-        return blocks.backend.all_gather(block.contiguous(), block.dim() - 1, blocks.axis)
-
-    @staticmethod
-    def backward(ctx, g):
-        return None, g.narrow(-1, ctx.start, ctx.width).contiguous()
 
 
 def _log_softmax(blocks: Blocks, xs) -> list[torch.Tensor]:
@@ -142,44 +90,51 @@ class _Normalized(torch.autograd.Function):
 
 class _Pick(torch.autograd.Function):
     """``x.gather(-1, index)`` from the blocks: each picks the indices in its vocab range
-    (zeros elsewhere), summed over the axis; the backward scatters into each block."""
+    (zeros elsewhere), summed over ``tp``; one result per row group (``indices``: each
+    block's rows of the index). The backward scatters into each block."""
 
     @staticmethod
-    def forward(ctx, blocks: Blocks, index, starts, *xs):
+    def forward(ctx, blocks: Blocks, indices, starts, *xs):
         parts = []
-        for x, lo in zip(xs, starts):
+        for x, index, lo in zip(xs, indices, starts):
             local = index - lo
             inside = (local >= 0) & (local < x.shape[-1])
             picked = x.gather(-1, local.clamp(0, x.shape[-1] - 1))
             parts.append(torch.where(inside, picked, torch.zeros_like(picked)))
-        ctx.index, ctx.starts = index, starts
+        ctx.blocks, ctx.indices, ctx.starts = blocks, indices, starts
         ctx.shapes = [(x.shape, x.dtype, x.device) for x in xs]
-        return blocks.sum(parts)[0]
+        return tuple(blocks.firsts(blocks.sum(parts)))
 
     @staticmethod
-    def backward(ctx, g):
-        grads = []
-        for (shape, dtype, device), lo in zip(ctx.shapes, ctx.starts):
-            local = ctx.index - lo
-            inside = (local >= 0) & (local < shape[-1])
+    def backward(ctx, *gs):
+        grads, k = [], ctx.blocks.per_row
+        for i, ((shape, dtype, device), index, lo) in enumerate(
+                zip(ctx.shapes, ctx.indices, ctx.starts)):
             out = torch.zeros(shape, dtype=dtype, device=device)
-            out.scatter_add_(-1, local.clamp(0, shape[-1] - 1),
-                             torch.where(inside, g, torch.zeros_like(g)).to(dtype))
+            g = gs[i // k]
+            if g is not None:
+                local = index - lo
+                inside = (local >= 0) & (local < shape[-1])
+                out.scatter_add_(-1, local.clamp(0, shape[-1] - 1),
+                                 torch.where(inside, g, torch.zeros_like(g)).to(dtype))
             grads.append(out)
         return (None, None, None, *grads)
 
 
 class _Sum(torch.autograd.Function):
-    """The sum over the whole last dim (each rank's share, then summed over the axis)."""
+    """The sum over the whole last dim (each block's share, summed over ``tp``): one result
+    per row group."""
 
     @staticmethod
     def forward(ctx, blocks: Blocks, *xs):
-        ctx.shapes = [x.shape for x in xs]
-        return blocks.sum([x.sum(-1) for x in xs])[0]
+        ctx.metas, ctx.k = [(x.shape, x.dtype, x.device) for x in xs], blocks.per_row
+        return tuple(blocks.firsts(blocks.sum([x.sum(-1) for x in xs])))
 
     @staticmethod
-    def backward(ctx, g):
-        return (None, *[g.unsqueeze(-1).expand(s) for s in ctx.shapes])
+    def backward(ctx, *gs):
+        return (None, *[torch.zeros(s, dtype=dt, device=dev) if gs[i // ctx.k] is None else
+                        gs[i // ctx.k].unsqueeze(-1).expand(s)
+                        for i, (s, dt, dev) in enumerate(ctx.metas)])
 
 
 # -- the tensor ------------------------------------------------------------------------------
@@ -214,9 +169,12 @@ class VocabShardedTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, blocks: list[torch.Tensor], where: Blocks):
         b0 = blocks[0]
-        width = sum(b.shape[-1] for b in blocks) if where.backend is None else \
-            b0.shape[-1] * where.n
-        shape = (*b0.shape[:-1], width)
+        width = sum(b.shape[-1] for b in blocks[:where.per_row]) if where.backend is None \
+            else b0.shape[-1] * where.n
+        lead = tuple(b0.shape[:-1])
+        if where.rows > 1:      # dim 0 split over the batch axes
+            lead = (lead[0] * where.rows, *lead[1:])
+        shape = (*lead, width)
         out = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=b0.dtype, device=b0.device,
                                                   requires_grad=False)
         out._blocks, out._where, out._full = list(blocks), where, None
@@ -228,7 +186,7 @@ class VocabShardedTensor(torch.Tensor):
     # -- the whole tensor --------------------------------------------------------------------
     @property
     def blocks(self) -> list[torch.Tensor]:
-        """The blocks held (a simulated mesh: one per ``tp`` coordinate, in order)."""
+        """The blocks held (a simulated mesh: every row group's ``tp`` blocks, row-major)."""
         return list(self._blocks)
 
     @property
@@ -292,10 +250,17 @@ def _same_last(me: VocabShardedTensor, shape) -> bool:
 
 
 def _reshaped(me, new_shape):
-    """Blocks reshaped to ``new_shape`` (the whole tensor's), its last dim the vocab's."""
+    """Blocks reshaped to ``new_shape`` (the whole tensor's), its last dim the vocab's. Row
+    groups hold consecutive runs of the leading elements, so a shape whose dim 0 the row
+    groups divide keeps each its own rows."""
     if not _same_last(me, new_shape):
         return NotImplemented
+    rows = me._where.rows
+    if rows > 1 and (len(new_shape) < 2 or new_shape[0] % rows):
+        return NotImplemented
     lead = tuple(new_shape[:-1])
+    if rows > 1:
+        lead = (lead[0] // rows, *lead[1:])
     return me._each(lambda b: b.reshape(*lead, b.shape[-1]))
 
 
@@ -344,6 +309,8 @@ def _leading_key(me, key) -> bool:
         if isinstance(k, torch.Tensor) and k.dtype == torch.bool or \
                 not isinstance(k, (int, slice, torch.Tensor)):
             return False
+    if me._where.rows > 1 and not _keeps_dim0(me, key):
+        return False
     dims = [k for k in key if k is not None]
     at = [i for i, k in enumerate(dims) if k is Ellipsis]
     if at:
@@ -356,6 +323,19 @@ def _leading_key(me, key) -> bool:
     return last is None or (isinstance(last, slice) and last == slice(None))
 
 
+def _keeps_dim0(me, key: tuple) -> bool:
+    """``key`` leaves dim 0 (split over the batch axes) whole and in place: its first entry
+    is ``:`` or an ``...`` that covers it, and every other entry an int or a slice."""
+    if not key or any(isinstance(k, torch.Tensor) for k in key):
+        return not key
+    first = key[0]
+    if first == slice(None):
+        return True
+    if first is Ellipsis:
+        return me.dim() - sum(k is not None for k in key[1:]) >= 1
+    return False
+
+
 def _h_getitem(me, key):
     if not isinstance(me, VocabShardedTensor) or not _leading_key(me, key):
         return NotImplemented
@@ -366,14 +346,16 @@ def _h_getitem(me, key):
 
 
 def _h_split(me, size, dim=0):
-    if not isinstance(me, VocabShardedTensor) or dim % me.dim() == me.dim() - 1:
+    if not isinstance(me, VocabShardedTensor) or dim % me.dim() == me.dim() - 1 or \
+            dim % me.dim() == 0 and me._where.rows > 1:
         return NotImplemented
     parts = [b.split(size, dim) for b in me._blocks]
     return tuple(me._like(list(ps)) for ps in zip(*parts))
 
 
 def _h_chunk(me, chunks, dim=0):
-    if not isinstance(me, VocabShardedTensor) or dim % me.dim() == me.dim() - 1:
+    if not isinstance(me, VocabShardedTensor) or dim % me.dim() == me.dim() - 1 or \
+            dim % me.dim() == 0 and me._where.rows > 1:
         return NotImplemented
     parts = [b.chunk(chunks, dim) for b in me._blocks]
     return tuple(me._like(list(ps)) for ps in zip(*parts))
@@ -436,34 +418,63 @@ def _h_softmax(me, dim=None, _stacklevel=3, dtype=None):
     return me._like(list(_Normalized.apply(me._where, False, *x._blocks)))
 
 
-def _pick(me, index):
+def _pick(me, index) -> list[torch.Tensor]:
+    """``me.gather(-1, index)`` (``index`` of the whole tensor's leading shape): one result
+    per held row group, its rows."""
+    where = me._where
     widths = [b.shape[-1] for b in me._blocks]
-    return _Pick.apply(me._where, index, me._where.starts(widths), *me._blocks)
+    indices = [where.row_slice(index, i // where.per_row) for i in range(len(me._blocks))]
+    return list(_Pick.apply(where, indices, where.starts(widths), *me._blocks))
 
 
 def _h_gather(me, dim, index, *, sparse_grad=False, out=None):
     if not isinstance(me, VocabShardedTensor) or not _last(me, dim) or sparse_grad or \
             isinstance(index, VocabShardedTensor) or index.shape[:-1] != me.shape[:-1]:
         return NotImplemented
-    return _pick(me, index)
+    return me._where.row_cat(_pick(me, index))
 
 
-def _reduce(rows, valid, reduction):
-    if reduction == "none":
-        return rows
-    if reduction == "sum":
-        return rows.sum()
-    if reduction == "mean":
-        return rows.sum() / valid.sum().to(rows.dtype)
-    raise ValueError(f"{_WHERE}: reduction={reduction!r}; use 'mean', 'sum' or 'none'")
+def _class_weights(me, weight):
+    """Each block's slice of a class ``weight`` (``[V]``) over its vocab range."""
+    widths = [b.shape[-1] for b in me._blocks]
+    return [weight.narrow(0, lo, w) for lo, w in zip(me._where.starts(widths), widths)]
 
 
-def _nll_rows(logp, target, ignore_index):
-    """``-logp[target]`` per row (0 where ``target == ignore_index``) and the valid mask."""
+def _nll_loss(logp, target, weight, ignore_index, reduction, label_smoothing=0.0):
+    """PyTorch's ``nll_loss`` (and cross-entropy's smoothing term) on the blocks of
+    ``logp``: per row group ``-w[t] * logp[t]`` (0 where ``t == ignore_index``), summed over
+    the batch axes; the mean divides by the whole batch's weight of its valid targets (a
+    count without ``weight``), read from the whole ``target`` every rank has."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"{_WHERE}: reduction={reduction!r}; use 'mean', 'sum' or 'none'")
+    where = logp._where
     valid = target != ignore_index
     safe = torch.where(valid, target, torch.zeros_like(target))
-    picked = _pick(logp, safe.unsqueeze(-1)).squeeze(-1)
-    return torch.where(valid, -picked, torch.zeros_like(picked)), valid
+    picked = _pick(logp, safe.unsqueeze(-1))
+    rows, smooth = [], None
+    if label_smoothing:
+        parts = logp._blocks if weight is None else \
+            [b * w.to(b.dtype) for b, w in zip(logp._blocks, _class_weights(logp, weight))]
+        smooth = _Sum.apply(where, *parts)
+    scale = None if weight is None else weight.to(logp.dtype)[safe]
+    for g, p in enumerate(picked):
+        keep = where.row_slice(valid, g)
+        nll = -p.squeeze(-1)
+        if scale is not None:
+            nll = nll * where.row_slice(scale, g)
+        row = torch.where(keep, nll, torch.zeros_like(nll))
+        if smooth is not None:
+            sm = torch.where(keep, -smooth[g], torch.zeros_like(smooth[g])) / logp.shape[-1]
+            row = (1 - label_smoothing) * row + label_smoothing * sm
+        rows.append(row)
+    if reduction == "none":
+        return where.row_cat(rows)
+    total = where.row_sum([r.sum() for r in rows])
+    if reduction == "sum":
+        return total
+    denom = valid.sum() if scale is None else \
+        torch.where(valid, scale, torch.zeros_like(scale)).sum()
+    return total / denom.to(total.dtype)
 
 
 def _class_last(me, target) -> bool:
@@ -475,27 +486,26 @@ def _class_last(me, target) -> bool:
         tuple(target.shape) == tuple(me.shape[:-1])
 
 
+def _plain_weight(me, weight) -> bool:
+    return weight is None or isinstance(weight, torch.Tensor) and \
+        not isinstance(weight, VocabShardedTensor) and tuple(weight.shape) == (me.shape[-1],)
+
+
 def _h_nll_loss(input, target, weight=None, size_average=None, ignore_index=-100,
                 reduce=None, reduction="mean"):
-    if weight is not None or size_average is not None or reduce is not None or \
-            not _class_last(input, target):
+    if size_average is not None or reduce is not None or not _class_last(input, target) or \
+            not _plain_weight(input, weight):
         return NotImplemented
-    rows, valid = _nll_rows(input, target, ignore_index)
-    return _reduce(rows, valid, reduction)
+    return _nll_loss(input, target, weight, ignore_index, reduction)
 
 
 def _h_cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100,
                      reduce=None, reduction="mean", label_smoothing=0.0):
-    if weight is not None or size_average is not None or reduce is not None or \
-            not _class_last(input, target):
+    if size_average is not None or reduce is not None or not _class_last(input, target) or \
+            not _plain_weight(input, weight):
         return NotImplemented
-    logp = _h_log_softmax(input, -1)
-    rows, valid = _nll_rows(logp, target, ignore_index)
-    if label_smoothing:
-        smooth = -_Sum.apply(logp._where, *logp._blocks) / input.shape[-1]
-        smooth = torch.where(valid, smooth, torch.zeros_like(smooth))
-        rows = (1 - label_smoothing) * rows + label_smoothing * smooth
-    return _reduce(rows, valid, reduction)
+    return _nll_loss(_h_log_softmax(input, -1), target, weight, ignore_index, reduction,
+                     label_smoothing)
 
 
 _HANDLERS = {

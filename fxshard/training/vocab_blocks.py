@@ -1,0 +1,163 @@
+"""Where the blocks of a sharded ``pm(x)`` output live, and the collectives between them.
+
+An output the forward holds sharded on its last dim over ``tp`` (the logits of a column-parallel
+``lm_head``) and on its dim 0 over the batch axes (``dp``, ``fsdp``) leaves the program as each
+rank's block, a grid of row groups by vocab blocks::
+
+    whole [B, S, V]            dp=2, tp=2:   row group 0: [B/2, S, V/2] [B/2, S, V/2]
+                                             row group 1: [B/2, S, V/2] [B/2, S, V/2]
+
+A simulated mesh holds every block (row-major: row group, then ``tp`` block); a real one
+(``torchrun``) this rank's. Reductions over the vocab (max, sum-exp, picked targets) run within
+a row group over ``tp``; a loss's sum over rows runs over the batch axes (an all-reduce whose
+backward is the identity: every rank computes the same loss, and each rank's rows reach it
+only through its own share). :mod:`fxshard.training.vocab_output` builds the tensor on top.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..mesh import TP
+
+__all__ = ["Blocks"]
+
+
+class Blocks:
+    """A sharded output's grid: ``n`` blocks of the last dim over ``axis`` (``coords``: the
+    ``tp`` coordinates held per row group), and ``rows`` row groups of dim 0 over the batch
+    axes ``data_axes`` (``((axis, size), ...)`` in mesh order; ``row_coords``: the row
+    groups held). ``backend``: the real mesh's (None: a simulated mesh, every block held)."""
+
+    def __init__(self, n: int, coords: list[int], backend=None, axis: str = TP,
+                 rows: int = 1, row_coords: list[int] | None = None,
+                 data_axes: tuple = ()):
+        self.n, self.coords, self.backend, self.axis = n, list(coords), backend, axis
+        self.rows, self.data_axes = rows, tuple(data_axes)
+        self.row_coords = list(row_coords) if row_coords is not None else list(range(rows))
+
+    @property
+    def per_row(self) -> int:
+        """Blocks held per row group."""
+        return len(self.coords)
+
+    def groups(self, parts: list) -> list[list]:
+        """``parts`` (one per held block) cut into their row groups."""
+        k = self.per_row
+        return [parts[i:i + k] for i in range(0, len(parts), k)]
+
+    # -- within a row group, over tp ---------------------------------------------------------
+    def sum(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every block's share summed over ``tp`` (each block gets its row group's total)."""
+        if self.backend is None:
+            out = []
+            for group in self.groups(parts):
+                total = group[0]
+                for p in group[1:]:
+                    total = total + p
+                out += [total] * len(group)
+            return out
+        return [self.backend.all_reduce(parts[0], self.axis)]
+
+    def max(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.backend is None:
+            out = []
+            for group in self.groups(parts):
+                top = group[0]
+                for p in group[1:]:
+                    top = torch.maximum(top, p)
+                out += [top] * len(group)
+            return out
+        import torch.distributed as dist
+        top = parts[0].contiguous().clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX,
+                        group=self.backend.device_mesh.get_group(self.axis))
+        return [top]
+
+    def firsts(self, parts: list) -> list:
+        """One value per held row group (of values every block of the group shares)."""
+        return [g[0] for g in self.groups(parts)]
+
+    def starts(self, widths: list[int]) -> list[int]:
+        """Each held block's first vocab index (blocks of one real mesh have equal widths)."""
+        if self.backend is None:
+            first = widths[:self.per_row]
+            return [sum(first[:i]) for i in range(len(first))] * (len(widths) // self.per_row)
+        return [self.coords[0] * widths[0]]
+
+    # -- over the batch axes -----------------------------------------------------------------
+    def row_slice(self, t: torch.Tensor, g: int) -> torch.Tensor:
+        """The rows of the whole tensor ``t`` (dim 0) the ``g``-th held row group has."""
+        if self.rows == 1:
+            return t
+        size = t.shape[0] // self.rows
+        return t.narrow(0, self.row_coords[g] * size, size)
+
+    def row_sum(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """The sum over every row group of one value per held row group (differentiable)."""
+        total = values[0]
+        for v in values[1:]:
+            total = total + v
+        if self.backend is None or self.rows == 1:
+            return total
+        return _RowSum.apply(self, total)
+
+    def row_cat(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """The whole tensor from one dim-0 piece per held row group (differentiable)."""
+        if self.rows == 1:
+            return values[0]
+        if self.backend is None:
+            return torch.cat(values, 0)
+        return _RowGather.apply(self, values[0])
+
+    def gather(self, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """The whole tensor (differentiable: its gradient is sliced back to the blocks)."""
+        if self.backend is None:
+            return self.row_cat([torch.cat(g, -1) for g in self.groups(blocks)])
+        return self.row_cat([_Gather.apply(self, blocks[0])])
+
+
+class _Gather(torch.autograd.Function):
+    """A real mesh's all-gather over ``tp``; its backward: this rank's slice of the
+    gradient (every rank's loss is the same function of the whole tensor)."""
+
+    @staticmethod
+    def forward(ctx, blocks: Blocks, block):
+        ctx.width, ctx.start = block.shape[-1], blocks.coords[0] * block.shape[-1]
+        return blocks.backend.all_gather(block.contiguous(), block.dim() - 1, blocks.axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, g.narrow(-1, ctx.start, ctx.width).contiguous()
+
+
+class _RowGather(torch.autograd.Function):
+    """A real mesh's all-gather of dim 0 over the batch axes (the inner axis first, so the
+    row groups land in order); its backward: this rank's rows of the gradient."""
+
+    @staticmethod
+    def forward(ctx, blocks: Blocks, piece):
+        ctx.rows, ctx.start = piece.shape[0], blocks.row_coords[0] * piece.shape[0]
+        out = piece.contiguous()
+        for axis, _ in reversed(blocks.data_axes):
+            out = blocks.backend.all_gather(out, 0, axis)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, g.narrow(0, ctx.start, ctx.rows).contiguous()
+
+
+class _RowSum(torch.autograd.Function):
+    """A real mesh's all-reduce over the batch axes of a loss's share; its backward is the
+    identity (the same loss on every rank: this rank's share reaches it once)."""
+
+    @staticmethod
+    def forward(ctx, blocks: Blocks, value):
+        out = value.contiguous().clone()
+        for axis, _ in blocks.data_axes:
+            out = blocks.backend.all_reduce(out, axis)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, g
