@@ -64,9 +64,10 @@ def direct(gm):
     GraphModule and its code (again after a ``recompile``); ``gm`` itself where it is no
     GraphModule or its code reads attributes of the module. As inference's eager stages, an
     all-reduce of a value nothing else reads (a row-parallel matmul's output, a gradient
-    sum) sums in place, without a copy, and on a real mesh an all-reduce runs in the
-    background behind the matmuls that do not need it (``fxshard.passes.post_emit.TRAINING``
-    on a copy of the graph: ``gm`` itself, what ``rank_module`` shows, is unchanged)."""
+    sum) sums in place, without a copy (``fxshard.passes.post_emit.TRAINING`` on a copy of
+    the graph: ``gm`` itself, what ``rank_module`` shows, is unchanged). Background
+    all-reduces (``overlap_collectives_pass``) are not in that list: measured, no gain on
+    CPU gloo (``benchmarks/history/train_step.md``)."""
     if not isinstance(gm, fx.GraphModule):
         return gm
     code = gm.code
