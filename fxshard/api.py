@@ -340,11 +340,8 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
                            example_kwargs=example_kwargs, plan=plan, styles=PLAN_STYLES,
                            sequence_parallel=sequence_parallel, microbatches=microbatches,
                            strict=strict, embedding=embedding, stages=stages,
-                           ring_zigzag=ring_zigzag, recompute=recompute)
-    if not isinstance(fsdp_reshard_after_forward, bool):
-        raise TypeError(f"{_WHERE}: fsdp_reshard_after_forward={fsdp_reshard_after_forward!r}; "
-                        f"pass True (gather fsdp parameters again in the backward) or False "
-                        f"(keep the forward's gathered weights for the backward)")
+                           ring_zigzag=ring_zigzag, recompute=recompute,
+                           fsdp_reshard_after_forward=fsdp_reshard_after_forward)
     spec = mesh_spec(mesh, where=_WHERE)
     if not isinstance(compile, bool):
         raise TypeError(f"{_WHERE}: compile={compile!r}; pass True (Inductor-compiled rank "

@@ -42,11 +42,16 @@ def _flag(where: str, name: str, value) -> None:
 
 def check_parallelize_args(where: str, *, model, example_inputs, example_kwargs, plan,
                            styles, sequence_parallel, microbatches, strict, embedding,
-                           stages, ring_zigzag, recompute=None) -> None:
+                           stages, ring_zigzag, recompute=None,
+                           fsdp_reshard_after_forward=True) -> None:
     """Types and values of :func:`fxshard.parallelize`'s arguments (not their fit to the
     model, which the passes check with the traced shapes)."""
     from .training.recompute import check_recompute
     check_recompute(where, recompute)
+    if not isinstance(fsdp_reshard_after_forward, bool):
+        raise TypeError(f"{where}: fsdp_reshard_after_forward={fsdp_reshard_after_forward!r}; "
+                        f"pass True (gather fsdp parameters again in the backward) or False "
+                        f"(keep the forward's gathered weights for the backward)")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{where}: model must be a torch.nn.Module, got "
                         f"{type(model).__name__}")

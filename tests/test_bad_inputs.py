@@ -255,6 +255,8 @@ _PARALLELIZE_ERRORS = [
     (dict(embedding="rows"), ValueError,
      r"embedding='rows'; use 'embed_dim', 'vocab' or 'replicate'"),
     (dict(stages="01"), TypeError, r"stages='01' must be a list of ints"),
+    (dict(fsdp_reshard_after_forward="no"), TypeError,
+     r"fsdp_reshard_after_forward='no'; pass True \(gather fsdp parameters again"),
 ]
 
 

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import fxshard
 from fxshard.models.llama import LlamaConfig, LlamaForCausalLM
 from tests.test_train_grads import _data, _llama, _loss
+from tests.train_checks import adamw_steps_equal
 
 UP = "model.layers.0.mlp.up_proj.weight"
 
@@ -215,26 +216,8 @@ def test_gradients_and_adamw_steps_property(mesh, intermediate, vocab, kv, seq, 
     labels = torch.randint(0, vocab, (batch, seq), generator=g)
     mesh = fxshard.init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
     pm = fxshard.parallelize(model, mesh, sequence_parallel=sp, example_inputs=(ids,))
-    # eps 1e-6 (AdamW's default 1e-8): Adam's step g / (sqrt(v) + eps) turns the fp32
-    # rounding of a gradient near 0 (1e-7 off: another summation order) into a step of
-    # about lr in either direction; with 1e-8 one o_proj entry ended 1.8e-5 apart
-    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, eps=1e-6)  # noqa: E731
-    ours, theirs = make(pm.parameters()), make(ref.parameters())
-    for step in range(3):
-        _loss(pm(ids), labels).backward()
-        _loss(ref(ids), labels).backward()
-        if step == 0:
-            grads = pm.gradients()
-            for name, p in ref.named_parameters():
-                torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
-        torch.testing.assert_close(fxshard.clip_grad_norm_(pm, 0.5),
-                                   torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5),
-                                   rtol=1e-5, atol=1e-6)
-        ours.step(), theirs.step()
-        ours.zero_grad(), theirs.zero_grad()
-    trained = pm.state_dict()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-5, msg=name)
+    # (with AdamW's default eps 1e-8 one o_proj entry ended 1.8e-5 apart: see the helper)
+    adamw_steps_equal(pm, ref, lambda m: _loss(m(ids), labels))
 
 
 def test_tied_embedding_trains_once_and_infers_from_the_one_shard():
