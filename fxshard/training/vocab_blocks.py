@@ -11,7 +11,10 @@ A simulated mesh holds every block (row-major: row group, then ``tp`` block); a 
 (``torchrun``) this rank's. Reductions over the vocab (max, sum-exp, picked targets) run within
 a row group over ``tp``; a loss's sum over rows runs over the batch axes (an all-reduce whose
 backward is the identity: every rank computes the same loss, and each rank's rows reach it
-only through its own share). :mod:`fxshard.training.vocab_output` builds the tensor on top.
+only through its own share). :mod:`fxshard.training.vocab_output` builds the tensor on top;
+the math its loss ops run on the blocks is here too: ``log_softmax`` / ``softmax`` over the
+whole vocab (:class:`Normalized`), the picked targets (:class:`Pick`) and the sum over the
+vocab (:class:`Sum`), each with its backward.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import torch
 
 from ..mesh import TP
 
-__all__ = ["Blocks"]
+__all__ = ["Blocks", "Normalized", "Pick", "Sum"]
 
 
 class Blocks:
@@ -161,3 +164,91 @@ class _RowSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return None, g
+
+
+# -- the math of a loss on the blocks (fxshard.training.vocab_output calls these) -------------
+
+def _log_softmax(blocks: Blocks, xs) -> list[torch.Tensor]:
+    """``log_softmax`` over the whole last dim, per block (fp32 inside, as PyTorch's kernels
+    accumulate; a row of ``-inf`` gives NaN, as theirs)."""
+    xf = [x.float() for x in xs]
+    top = blocks.max([x.amax(-1, keepdim=True) for x in xf])
+    top = [torch.where(torch.isfinite(t), t, torch.zeros_like(t)) for t in top]
+    sums = blocks.sum([(x - t).exp().sum(-1, keepdim=True) for x, t in zip(xf, top)])
+    return [(x - t - s.log()).to(xs[0].dtype) for x, t, s in zip(xf, top, sums)]
+
+
+class Normalized(torch.autograd.Function):
+    """``log_softmax`` (``log=True``) or ``softmax`` from the blocks; the backward sums one
+    value per row over the axis (the gradient's row sum, or its dot with the softmax)."""
+
+    @staticmethod
+    def forward(ctx, blocks: Blocks, log: bool, *xs):
+        outs = _log_softmax(blocks, xs)
+        if not log:
+            outs = [lp.float().exp().to(lp.dtype) for lp in outs]
+        ctx.blocks, ctx.log = blocks, log
+        ctx.save_for_backward(*outs)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        outs = ctx.saved_tensors
+        gs = [torch.zeros_like(o) if g is None else g.float() for g, o in zip(gs, outs)]
+        if ctx.log:     # d log_softmax: g - softmax * sum(g)
+            rows = ctx.blocks.sum([g.sum(-1, keepdim=True) for g in gs])
+            grads = [g - o.float().exp() * r for g, o, r in zip(gs, outs, rows)]
+        else:           # d softmax: softmax * (g - sum(g * softmax))
+            rows = ctx.blocks.sum([(g * o.float()).sum(-1, keepdim=True)
+                                   for g, o in zip(gs, outs)])
+            grads = [o.float() * (g - r) for g, o, r in zip(gs, outs, rows)]
+        return (None, None, *[g.to(o.dtype) for g, o in zip(grads, outs)])
+
+
+class Pick(torch.autograd.Function):
+    """``x.gather(-1, index)`` from the blocks: each picks the indices in its vocab range
+    (zeros elsewhere), summed over ``tp``; one result per row group (``indices``: each
+    block's rows of the index). The backward scatters into each block."""
+
+    @staticmethod
+    def forward(ctx, blocks: Blocks, indices, starts, *xs):
+        parts = []
+        for x, index, lo in zip(xs, indices, starts):
+            local = index - lo
+            inside = (local >= 0) & (local < x.shape[-1])
+            picked = x.gather(-1, local.clamp(0, x.shape[-1] - 1))
+            parts.append(torch.where(inside, picked, torch.zeros_like(picked)))
+        ctx.blocks, ctx.indices, ctx.starts = blocks, indices, starts
+        ctx.shapes = [(x.shape, x.dtype, x.device) for x in xs]
+        return tuple(blocks.firsts(blocks.sum(parts)))
+
+    @staticmethod
+    def backward(ctx, *gs):
+        grads, k = [], ctx.blocks.per_row
+        for i, ((shape, dtype, device), index, lo) in enumerate(
+                zip(ctx.shapes, ctx.indices, ctx.starts)):
+            out = torch.zeros(shape, dtype=dtype, device=device)
+            g = gs[i // k]
+            if g is not None:
+                local = index - lo
+                inside = (local >= 0) & (local < shape[-1])
+                out.scatter_add_(-1, local.clamp(0, shape[-1] - 1),
+                                 torch.where(inside, g, torch.zeros_like(g)).to(dtype))
+            grads.append(out)
+        return (None, None, None, *grads)
+
+
+class Sum(torch.autograd.Function):
+    """The sum over the whole last dim (each block's share, summed over ``tp``): one result
+    per row group."""
+
+    @staticmethod
+    def forward(ctx, blocks: Blocks, *xs):
+        ctx.metas, ctx.k = [(x.shape, x.dtype, x.device) for x in xs], blocks.per_row
+        return tuple(blocks.firsts(blocks.sum([x.sum(-1) for x in xs])))
+
+    @staticmethod
+    def backward(ctx, *gs):
+        return (None, *[torch.zeros(s, dtype=dt, device=dev) if gs[i // ctx.k] is None else
+                        gs[i // ctx.k].unsqueeze(-1).expand(s)
+                        for i, (s, dt, dev) in enumerate(ctx.metas)])

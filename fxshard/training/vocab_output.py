@@ -44,97 +44,11 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-from .vocab_blocks import Blocks
+from .vocab_blocks import Blocks, Normalized, Pick, Sum
 
 __all__ = ["VocabShardedTensor", "Blocks"]
 
 _WHERE = "fxshard.training.vocab_output"
-
-
-def _log_softmax(blocks: Blocks, xs) -> list[torch.Tensor]:
-    """``log_softmax`` over the whole last dim, per block (fp32 inside, as PyTorch's kernels
-    accumulate; a row of ``-inf`` gives NaN, as theirs)."""
-    xf = [x.float() for x in xs]
-    top = blocks.max([x.amax(-1, keepdim=True) for x in xf])
-    top = [torch.where(torch.isfinite(t), t, torch.zeros_like(t)) for t in top]
-    sums = blocks.sum([(x - t).exp().sum(-1, keepdim=True) for x, t in zip(xf, top)])
-    return [(x - t - s.log()).to(xs[0].dtype) for x, t, s in zip(xf, top, sums)]
-
-
-class _Normalized(torch.autograd.Function):
-    """``log_softmax`` (``log=True``) or ``softmax`` from the blocks; the backward sums one
-    value per row over the axis (the gradient's row sum, or its dot with the softmax)."""
-
-    @staticmethod
-    def forward(ctx, blocks: Blocks, log: bool, *xs):
-        outs = _log_softmax(blocks, xs)
-        if not log:
-            outs = [lp.float().exp().to(lp.dtype) for lp in outs]
-        ctx.blocks, ctx.log = blocks, log
-        ctx.save_for_backward(*outs)
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *gs):
-        outs = ctx.saved_tensors
-        gs = [torch.zeros_like(o) if g is None else g.float() for g, o in zip(gs, outs)]
-        if ctx.log:     # d log_softmax: g - softmax * sum(g)
-            rows = ctx.blocks.sum([g.sum(-1, keepdim=True) for g in gs])
-            grads = [g - o.float().exp() * r for g, o, r in zip(gs, outs, rows)]
-        else:           # d softmax: softmax * (g - sum(g * softmax))
-            rows = ctx.blocks.sum([(g * o.float()).sum(-1, keepdim=True)
-                                   for g, o in zip(gs, outs)])
-            grads = [o.float() * (g - r) for g, o, r in zip(gs, outs, rows)]
-        return (None, None, *[g.to(o.dtype) for g, o in zip(grads, outs)])
-
-
-class _Pick(torch.autograd.Function):
-    """``x.gather(-1, index)`` from the blocks: each picks the indices in its vocab range
-    (zeros elsewhere), summed over ``tp``; one result per row group (``indices``: each
-    block's rows of the index). The backward scatters into each block."""
-
-    @staticmethod
-    def forward(ctx, blocks: Blocks, indices, starts, *xs):
-        parts = []
-        for x, index, lo in zip(xs, indices, starts):
-            local = index - lo
-            inside = (local >= 0) & (local < x.shape[-1])
-            picked = x.gather(-1, local.clamp(0, x.shape[-1] - 1))
-            parts.append(torch.where(inside, picked, torch.zeros_like(picked)))
-        ctx.blocks, ctx.indices, ctx.starts = blocks, indices, starts
-        ctx.shapes = [(x.shape, x.dtype, x.device) for x in xs]
-        return tuple(blocks.firsts(blocks.sum(parts)))
-
-    @staticmethod
-    def backward(ctx, *gs):
-        grads, k = [], ctx.blocks.per_row
-        for i, ((shape, dtype, device), index, lo) in enumerate(
-                zip(ctx.shapes, ctx.indices, ctx.starts)):
-            out = torch.zeros(shape, dtype=dtype, device=device)
-            g = gs[i // k]
-            if g is not None:
-                local = index - lo
-                inside = (local >= 0) & (local < shape[-1])
-                out.scatter_add_(-1, local.clamp(0, shape[-1] - 1),
-                                 torch.where(inside, g, torch.zeros_like(g)).to(dtype))
-            grads.append(out)
-        return (None, None, None, *grads)
-
-
-class _Sum(torch.autograd.Function):
-    """The sum over the whole last dim (each block's share, summed over ``tp``): one result
-    per row group."""
-
-    @staticmethod
-    def forward(ctx, blocks: Blocks, *xs):
-        ctx.metas, ctx.k = [(x.shape, x.dtype, x.device) for x in xs], blocks.per_row
-        return tuple(blocks.firsts(blocks.sum([x.sum(-1) for x in xs])))
-
-    @staticmethod
-    def backward(ctx, *gs):
-        return (None, *[torch.zeros(s, dtype=dt, device=dev) if gs[i // ctx.k] is None else
-                        gs[i // ctx.k].unsqueeze(-1).expand(s)
-                        for i, (s, dt, dev) in enumerate(ctx.metas)])
 
 
 # -- the tensor ------------------------------------------------------------------------------
@@ -408,14 +322,14 @@ def _h_log_softmax(me, dim=None, _stacklevel=3, dtype=None):
     if not isinstance(me, VocabShardedTensor) or not _last(me, dim):
         return NotImplemented
     x = me if dtype is None else me._each(lambda b: b.to(dtype))
-    return me._like(list(_Normalized.apply(me._where, True, *x._blocks)))
+    return me._like(list(Normalized.apply(me._where, True, *x._blocks)))
 
 
 def _h_softmax(me, dim=None, _stacklevel=3, dtype=None):
     if not isinstance(me, VocabShardedTensor) or not _last(me, dim):
         return NotImplemented
     x = me if dtype is None else me._each(lambda b: b.to(dtype))
-    return me._like(list(_Normalized.apply(me._where, False, *x._blocks)))
+    return me._like(list(Normalized.apply(me._where, False, *x._blocks)))
 
 
 def _pick(me, index) -> list[torch.Tensor]:
@@ -424,7 +338,7 @@ def _pick(me, index) -> list[torch.Tensor]:
     where = me._where
     widths = [b.shape[-1] for b in me._blocks]
     indices = [where.row_slice(index, i // where.per_row) for i in range(len(me._blocks))]
-    return list(_Pick.apply(where, indices, where.starts(widths), *me._blocks))
+    return list(Pick.apply(where, indices, where.starts(widths), *me._blocks))
 
 
 def _h_gather(me, dim, index, *, sparse_grad=False, out=None):
@@ -455,7 +369,7 @@ def _nll_loss(logp, target, weight, ignore_index, reduction, label_smoothing=0.0
     if label_smoothing:
         parts = logp._blocks if weight is None else \
             [b * w.to(b.dtype) for b, w in zip(logp._blocks, _class_weights(logp, weight))]
-        smooth = _Sum.apply(where, *parts)
+        smooth = Sum.apply(where, *parts)
     scale = None if weight is None else weight.to(logp.dtype)[safe]
     for g, p in enumerate(picked):
         keep = where.row_slice(valid, g)
