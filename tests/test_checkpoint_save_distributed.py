@@ -1,6 +1,8 @@
-"""save_safetensors on real processes (gloo, tp2): each rank writes only its files, the
+"""save_safetensors on real processes (gloo, 2 ranks): each rank writes only its files, the
 owners' shards sent to each tensor's writer; the index is complete and the checkpoint equals
-the single-device model trained the same way."""
+the single-device model trained the same way. A TrainModule on tp2, and ``fxshard.parallelize``
+itself on fsdp2 (``pm(x)`` trained with ``clip_grad_norm_``: each rank's shard gradients
+equal its blocks of one device's, then the trained shards saved)."""
 import json
 import os
 
@@ -25,28 +27,56 @@ def _data():
     return torch.randint(0, 96, (2, 6), generator=g), torch.randint(0, 96, (2, 6), generator=g)
 
 
-def _step(params, forward, labels):
+def _step(params, forward, labels, clip=None):
     import torch.nn.functional as F
     opt = torch.optim.AdamW(params, lr=1e-3)
     F.cross_entropy(forward().flatten(0, 1), labels.flatten()).backward()
+    if clip is not None:
+        clip()
     opt.step()
 
 
-def _body(rank: int, report: dict, ckpt: str) -> None:
+def _clip(pm):
     import fxshard
+    return lambda: fxshard.clip_grad_norm_(pm, 0.5)
+
+
+def _clip_ref(model):
+    return lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+
+
+def _body(rank: int, report: dict, ckpt: str, entry: str) -> None:
+    import fxshard
+    from fxshard.mesh import mesh_spec
     from fxshard.training import parallelize_for_training
+    from tests.launch import worst_block
     ids, labels = _data()
-    tm = parallelize_for_training(_model(), mesh(tp=WORLD), example_inputs=(ids,))
-    _step(tm.parameters(), lambda: tm(ids), labels)
+    if entry == "tm":
+        tm = parallelize_for_training(_model(), mesh(tp=WORLD), example_inputs=(ids,))
+        _step(tm.parameters(), lambda: tm(ids), labels)
+    else:   # pm(x) trains; its first gradients against one device's, rank by rank
+        m = mesh(fsdp=WORLD)
+        tm = fxshard.parallelize(_model(), m, example_inputs=(ids,))
+        ref = _model()
+        for which in (tm, ref):
+            for p in which.parameters():
+                p.grad = None
+        _step(tm.parameters(), lambda: tm(ids), labels, _clip(tm))
+        _step(ref.parameters(), lambda: ref(ids), labels, _clip_ref(ref))
+        report["shards_after_step"] = worst_block(
+            tm.shards(rank), dict(ref.named_parameters()), tm.trainer._specs,
+            mesh_spec(m), rank)
     written = fxshard.save_safetensors(tm, ckpt, max_shard_size="20KB")
     report["written"] = sorted(os.path.basename(f) for f in written)
 
 
 @pytest.mark.grad   # the single-device reference trains
-def test_tp2_gloo_each_rank_writes_its_files_index_complete(tmp_path):
+@pytest.mark.parametrize("entry", ["tm", "pm"], ids=["train_module-tp2", "parallelize-fsdp2"])
+def test_gloo_each_rank_writes_its_files_index_complete(tmp_path, entry):
     from safetensors.torch import load_file
     ckpt = tmp_path / "ckpt"
-    reports = gloo_job(_body, WORLD, str(tmp_path), str(ckpt), timeout_s=240, grad=True)
+    reports = gloo_job(_body, WORLD, str(tmp_path), str(ckpt), entry, timeout_s=240,
+                       grad=True)
     index = json.load(open(ckpt / "model.safetensors.index.json"))
     files = sorted(set(index["weight_map"].values()))
     data = [f for r in reports.values() for f in r["written"] if f.endswith(".safetensors")]
@@ -55,7 +85,9 @@ def test_tp2_gloo_each_rank_writes_its_files_index_complete(tmp_path):
     assert "model.safetensors.index.json" in reports[0]["written"]
     ref = _model()
     ids, labels = _data()
-    _step(ref.parameters(), lambda: ref(ids), labels)
+    _step(ref.parameters(), lambda: ref(ids), labels, _clip_ref(ref) if entry == "pm" else None)
+    if entry == "pm":
+        assert all(r["shards_after_step"] < 1e-5 for r in reports.values()), reports
     want = ref.state_dict()
     assert set(index["weight_map"]) == set(want)
     got = {k: v for f in files for k, v in load_file(str(ckpt / f)).items()}
