@@ -27,7 +27,9 @@ same ones. Variants:
   fxshard       ``fxshard.parallelize(model, mesh, example_inputs=(ids,))`` on the same
                 ``(fsdp, tp)`` DeviceMesh; a step is the README's: ``F.cross_entropy(pm(ids)
                 ...)`` on the global batch (every rank passes it; fxshard splits it over fsdp
-                and returns the whole logits), ``loss.backward()``, ``opt.step()`` of
+                and returns the logits as this rank's ``[B/fsdp, S, V/tp]`` block, on which
+                the cross-entropy is vocab-parallel and row-local), ``loss.backward()``,
+                ``opt.step()`` of
                 ``torch.optim.AdamW(pm.parameters())`` (this rank's shards: sharded over fsdp
                 and tp). The ParallelModule keeps the model object (its initial weights,
                 whole) as its contract says: that is in its memory.
