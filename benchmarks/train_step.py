@@ -7,6 +7,8 @@
     python benchmarks/train_step.py --small --ranks 4
     python benchmarks/train_step.py --ranks 2 --time-meta             # fxshard-meta timed too
     python benchmarks/train_step.py --ranks 4 --variants fxshard,dtensor   # fits 24 GB
+    python benchmarks/train_step.py --ranks 4 --variants fxshard-dp,fxshard --no-memory
+                                                                     # dp2 x tp2 vs megatron
 
 The default size is issue 19's (``common.GENERATE``: 8 layers, hidden 1024, 16/4 heads,
 intermediate 2816, vocab 32000; batch 4 x seq 128). One launch of ``--ranks`` processes
@@ -33,6 +35,15 @@ same ones. Variants:
                 ``torch.optim.AdamW(pm.parameters())`` (this rank's shards: sharded over fsdp
                 and tp). The ParallelModule keeps the model object (its initial weights,
                 whole) as its contract says: that is in its memory.
+  fxshard-dp    ``fxshard`` on the same ranks named ``(dp, tp)``: the parallelism of the
+                megatron baseline (tp + plain data parallelism: parameters and AdamW state
+                replicated over dp, the gradients all-reduced), so ``vs megatron`` compares
+                like for like; ``fxshard``'s fsdp shards them and gathers each weight
+                twice a step (ZeRO-3), as the dtensor baseline does. With ``--ranks`` = ``--tp``
+                (dp = 1) it is ``fxshard`` itself: not in the default set. At the default
+                size on 4 ranks it does not fit 24 GB beside ``fxshard-meta`` and ``dtensor``
+                (each variant's model lives through the run): launch it with
+                ``--variants fxshard-dp,fxshard --no-memory``.
   fxshard-loss  the same with the cross-entropy inside the parallelized module (``WithLoss``:
                 ``pm(ids, labels)`` returns the loss, as HF's ``labels=``): vocab-parallel on
                 tp (max and sum-exp all-reduced), the logits never gathered, as Megatron's.
@@ -113,11 +124,12 @@ from benchmarks.common import (GENERATE, MegatronLlama, add_model_args,  # noqa:
                                slowest_rank, stats_ms, token_ids, write_json)
 
 BASELINE = "megatron"
-VARIANTS = ("megatron", "fxshard", "fxshard-loss", "fxshard-lossfn", "fxshard-recompute",
-            "fxshard-meta", "fxshard-compile", "dtensor")
+VARIANTS = ("megatron", "fxshard", "fxshard-dp", "fxshard-loss", "fxshard-lossfn",
+            "fxshard-recompute", "fxshard-meta", "fxshard-compile", "dtensor")
 #: run unless ``--variants`` names others (fxshard-compile: Inductor's first compile is minutes;
 #: fxshard-lossfn: fxshard-loss's programs, reached through train_step; one model less in memory)
-DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v not in ("fxshard-compile", "fxshard-lossfn"))
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS
+                         if v not in ("fxshard-compile", "fxshard-lossfn", "fxshard-dp"))
 #: checked and measured for memory; timed only with ``--time-meta`` (the same programs as fxshard)
 UNTIMED = ("fxshard-meta",)
 #: ``--small``: the sizes of a check that it runs (seconds, not a measurement)
@@ -180,26 +192,28 @@ def build(name: str, model, mesh, args):
         m = dtensor_train(model, mesh)
         opt = adamw(m.parameters(), args)
         return lambda norms=None: dtensor_step(m, opt, ids, labels, norms), mean_over_fsdp
-    if name in ("fxshard", "fxshard-loss", "fxshard-lossfn", "fxshard-recompute",
+    if name in ("fxshard", "fxshard-dp", "fxshard-loss", "fxshard-lossfn", "fxshard-recompute",
                 "fxshard-meta", "fxshard-compile"):
         import fxshard
+        # fxshard-dp: the same ranks as (dp, tp), Megatron's parallelism
+        on = _mesh(args, ("dp", "tp")) if name == "fxshard-dp" else mesh
         ids, labels = _batch(args)    # every rank passes the global batch; fxshard splits it
         if name == "fxshard-meta":    # a big model's way: meta-built, each rank loads its shards
             with fxshard.init_empty_weights():
                 empty = bundled_llama(args)
-            pm = fxshard.parallelize(empty.train(), mesh, example_inputs=(ids,))
+            pm = fxshard.parallelize(empty.train(), on, example_inputs=(ids,))
             fxshard.load_safetensors(pm, args.checkpoint)
             loss_of = lambda: F.cross_entropy(pm(ids).flatten(0, 1), labels.flatten())  # noqa
         elif name == "fxshard-lossfn":  # the loss given to train_step: traced with the model
-            pm = fxshard.parallelize(copy.deepcopy(model).train(), mesh, example_inputs=(ids,))
+            pm = fxshard.parallelize(copy.deepcopy(model).train(), on, example_inputs=(ids,))
             loss_of = lambda: pm.train_step(ids, loss_fn=_ce, target=labels)  # noqa: E731
         elif name not in ("fxshard-loss", "fxshard-compile"):  # the loss on the logits
             recompute = "layers" if name == "fxshard-recompute" else None
-            pm = fxshard.parallelize(copy.deepcopy(model).train(), mesh, example_inputs=(ids,),
+            pm = fxshard.parallelize(copy.deepcopy(model).train(), on, example_inputs=(ids,),
                                      recompute=recompute)
             loss_of = lambda: F.cross_entropy(pm(ids).flatten(0, 1), labels.flatten())  # noqa
         else:                         # the loss inside the traced module: vocab-parallel
-            pm = fxshard.parallelize(WithLoss(copy.deepcopy(model).train()), mesh,
+            pm = fxshard.parallelize(WithLoss(copy.deepcopy(model).train()), on,
                                      example_inputs=(ids, labels),
                                      compile=name == "fxshard-compile")
             loss_of = lambda: pm(ids, labels)  # noqa: E731
@@ -235,10 +249,9 @@ class WithLoss(torch.nn.Module):
         return F.cross_entropy(self.model(ids).flatten(0, 1), labels.flatten())
 
 
-def _mesh(args):
+def _mesh(args, names=("fsdp", "tp")):
     from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh("cpu", (args.ranks // args.tp, args.tp),
-                            mesh_dim_names=("fsdp", "tp"))
+    return init_device_mesh("cpu", (args.ranks // args.tp, args.tp), mesh_dim_names=names)
 
 
 def worker(rank: int, args) -> dict:

@@ -28,8 +28,16 @@ def _table_script():
 
 
 def test_ci_test_command_is_in_a_bash_block():
-    assert any("\npython -m pytest -q\n" in f"\n{b}" for b in _blocks("bash"))
-    assert "python -m pytest -q" in (ROOT / ".ci" / "run").read_text()
+    """The README's test command is CI's: the same runner and the same workers (CI adds only
+    its report flags)."""
+    readme = [line.split("#")[0].split() for b in _blocks("bash") for line in b.splitlines()
+              if line.startswith("python -m pytest -q -n")]
+    ci = [line.split("#")[0].split() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.startswith("python -m pytest")]
+    assert len(readme) == 1 and len(ci) == 1, (readme, ci)
+    report_flags = {"-p", "no:cacheprovider"}
+    assert [w for w in ci[0] if w not in report_flags and not w.startswith("--durations")] \
+        == readme[0], (readme, ci)
 
 
 def test_first_example_runs_and_matches_one_device(tmp_path, monkeypatch):
