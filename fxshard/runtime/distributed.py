@@ -189,10 +189,29 @@ class DistributedBackend:
         size = self.axis_size(axis)
 
         def run() -> torch.Tensor:
-            moved = x.movedim(dim, 0).contiguous()
-            out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
-            dist.reduce_scatter_single(out, moved, op=dist.ReduceOp.SUM, group=group)
-            return out.movedim(0, dim).contiguous()
+            # rank i's block of ``dim`` moved to the front as a whole: one copy in runs of
+            # the block's trailing size (a column shard of a weight gradient copies rows of
+            # its block, not single elements, as a transpose would), and the result lands
+            # in this rank's layout: no copy out
+            d = dim % x.dim()
+            blocks = x.unflatten(d, (size, x.shape[d] // size)).movedim(d, 0)
+            out = blocks.new_empty(blocks.shape[1:])
+            blocks = blocks.contiguous()
+            if blocks.device.type == "cpu":
+                # gloo has no reduce-scatter of its own: torch runs it as an all-reduce of
+                # a clone of the whole input, then copies this rank's block out (twice the
+                # bytes on the wire and two copies). An all-to-all hands every rank its
+                # block from each peer, summed here in rank order: the bytes of a
+                # reduce-scatter, one add.
+                got = torch.empty_like(blocks)
+                dist.all_to_all_single(got, blocks, group=group)
+                torch.add(got[0], got[1], out=out)
+                for part in got[2:]:
+                    out.add_(part)
+                return out
+            dist.reduce_scatter_single(out, blocks.flatten(0, 1),  # dim 0: size x out's
+                                       op=dist.ReduceOp.SUM, group=group)
+            return out
         return self._call("reduce_scatter", axis, run)
 
     def all_to_all(self, x: torch.Tensor, split_dim: int, concat_dim: int,
