@@ -135,7 +135,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
     try:
         import torch.distributed as dist
-        init_gloo(rank, port, WORLD, GLOO_TIMEOUT_S)
+        init_gloo(rank, port, WORLD, 60)   # the checks: generous (CI runs two test workers)
         from fxshard.mesh import init_device_mesh
         from fxshard.runtime import use_backend
         from fxshard.runtime.distributed import backend_for
@@ -147,11 +147,6 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             report["mismatch"] = f"ValueError: {exc}"
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        # torch creates a DeviceMesh's per-axis groups with the backend's default timeout (30
-        # min for gloo), not init_process_group's; give them the short one for check 5.
-        for axis in ("dp", "tp"):
-            dist.distributed_c10d._set_pg_timeout(
-                datetime.timedelta(seconds=GLOO_TIMEOUT_S), mesh.get_group(axis))
         backend = backend_for(mesh)
         report["geometry"] = [backend.rank, backend.axis_index("dp"), backend.axis_index("tp"),
                               backend.axis_size("tp"), backend.axis_size("pp"),
@@ -161,6 +156,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             report["errors"] += _check_send_recv(rank)
         report["checks_done"] = True
         dist.barrier()
+        # the dead and stuck peers below: the axis groups' short timeout (torch made them with
+        # gloo's default, 30 min; fxshard reads the group's timeout at each call)
+        for axis in ("dp", "tp"):
+            dist.distributed_c10d._set_pg_timeout(
+                datetime.timedelta(seconds=GLOO_TIMEOUT_S), mesh.get_group(axis))
 
         if rank == 3:
             write()

@@ -138,13 +138,18 @@ class DistributedBackend:
 
         def run() -> torch.Tensor:
             x_c = x.contiguous()
-            if dim == 0:
-                out = x_c.new_empty((x_c.shape[0] * size, *x_c.shape[1:]))
-                dist.all_gather_single(out, x_c, group=group)
+            out = x_c.new_empty((x_c.shape[0] * size, *x_c.shape[1:]))
+            dist.all_gather_single(out, x_c, group=group)
+            if dim % x_c.dim() == 0:
                 return out
-            parts = [torch.empty_like(x_c) for _ in range(size)]
-            dist.all_gather(parts, x_c, group=group)
-            return torch.cat(parts, dim)  # one copy, where moving dim to 0 and back costs two
+            # the peers' blocks side by side on ``dim``: one copy in runs of each block's
+            # trailing size (a list all-gather would copy from gloo's flat buffer into the
+            # list first, then concatenate: two)
+            d = dim % x_c.dim()
+            stacked = out.view(size, *x_c.shape).movedim(0, d)
+            shape = list(x_c.shape)
+            shape[d] *= size
+            return stacked.reshape(shape)
         return self._call("all_gather", axis, run)
 
     def all_reduce(self, x: torch.Tensor, axis: str) -> torch.Tensor:
