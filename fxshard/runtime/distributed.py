@@ -7,12 +7,14 @@
         out = rank_module(x)          # torch.ops.fxshard.* run on the mesh's process groups
 
 Collectives are torch.distributed's in-place collectives on ``device_mesh.get_group(axis)``
-into fresh buffers, complete when the op returns. ``send`` is an ``isend`` whose completion is checked later (so a ring
-where every rank sends before it receives cannot deadlock); ``recv`` is an ``irecv`` waited on
-at once; :meth:`DistributedBackend.flush` waits for the outstanding sends. Every wait is bounded
-by the timeout of the axis's process group. Errors from
-torch.distributed (a peer died, a timeout) come back as a RuntimeError naming the fxshard op and
-the mesh axis, chained to the original.
+into fresh buffers, complete when the op returns; on CPU a reduce-scatter is one all-to-all
+and a local sum in rank order (gloo has none of its own: torch would all-reduce a clone of
+the whole input and copy the block out). ``send`` is an ``isend`` whose completion is
+checked later (so a ring where every rank sends before it receives cannot deadlock);
+``recv`` is an ``irecv`` waited on at once; :meth:`DistributedBackend.flush` waits for the
+outstanding sends. Every wait is bounded by the timeout of the axis's process group. Errors
+from torch.distributed (a peer died, a timeout) come back as a RuntimeError naming the
+fxshard op and the mesh axis, chained to the original.
 """
 from __future__ import annotations
 
