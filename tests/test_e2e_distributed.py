@@ -38,7 +38,7 @@ from tests.generate_checks import check_greedy, check_sampling, generate_case
 from tests.launch import free_port, init_gloo, launch
 
 LAUNCH_TIMEOUT_S = 300
-PG_TIMEOUT_S = 120       # default group: generous, ranks trace at different speeds (2 test workers)
+PG_TIMEOUT_S = 120       # default group: generous (ranks trace at different speeds; 2 workers)
 FAIL_TIMEOUT_S = 5       # the tp group of the failing-rank case (the last one it runs)
 TOL = dict(rtol=1e-4, atol=1e-4)
 RSS_SLACK = 0.25         # peak RSS loading + forward add: own slices + this x the full model

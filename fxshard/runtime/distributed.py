@@ -142,12 +142,12 @@ class DistributedBackend:
             x_c = x.contiguous()
             out = x_c.new_empty((x_c.shape[0] * size, *x_c.shape[1:]))
             dist.all_gather_single(out, x_c, group=group)
-            if dim % x_c.dim() == 0:
+            d = dim % x_c.dim()
+            if d == 0:
                 return out
             # the peers' blocks side by side on ``dim``: one copy in runs of each block's
             # trailing size (a list all-gather would copy from gloo's flat buffer into the
             # list first, then concatenate: two)
-            d = dim % x_c.dim()
             stacked = out.view(size, *x_c.shape).movedim(0, d)
             shape = list(x_c.shape)
             shape[d] *= size
