@@ -9,6 +9,8 @@
     python benchmarks/train_step.py --ranks 4 --variants fxshard,dtensor   # fits 24 GB
     python benchmarks/train_step.py --ranks 4 --variants fxshard-dp,fxshard --no-memory
                                                                      # dp2 x tp2 vs megatron
+    python benchmarks/train_step.py --ranks 4 --variants fxshard-layers,fxshard,dtensor \
+        --no-memory                                    # FSDP2's reshard policy vs dtensor
 
 The default size is issue 19's (``common.GENERATE``: 8 layers, hidden 1024, 16/4 heads,
 intermediate 2816, vocab 32000; batch 4 x seq 128). One launch of ``--ranks`` processes
@@ -44,6 +46,15 @@ same ones. Variants:
                 size on 4 ranks it does not fit 24 GB beside ``fxshard-meta`` and ``dtensor``
                 (each variant's model lives through the run): launch it with
                 ``--variants fxshard-dp,fxshard --no-memory``.
+  fxshard-layers  ``fxshard`` with ``fsdp_reshard_after_forward="layers"``: FSDP2's own policy
+                in the dtensor baseline (``fully_shard`` of each layer and of the root: the
+                root's parameters, the embedding, final norm and head, are not resharded
+                after the forward), so ``vs dtensor`` compares the same gathers; ``fxshard``
+                gathers every parameter again in the backward (fxshard's default). Built as
+                ``fxshard-meta`` is (no whole model object per rank: at the default size on 4
+                ranks it fits 24 GB beside ``fxshard`` and ``dtensor``, which a third model
+                copy does not). Not in the default set: ``--variants
+                fxshard-layers,fxshard,dtensor --no-memory``.
   fxshard-loss  the same with the cross-entropy inside the parallelized module (``WithLoss``:
                 ``pm(ids, labels)`` returns the loss, as HF's ``labels=``): vocab-parallel on
                 tp (max and sum-exp all-reduced), the logits never gathered, as Megatron's.
@@ -124,12 +135,13 @@ from benchmarks.common import (GENERATE, MegatronLlama, add_model_args,  # noqa:
                                slowest_rank, stats_ms, token_ids, write_json)
 
 BASELINE = "megatron"
-VARIANTS = ("megatron", "fxshard", "fxshard-dp", "fxshard-loss", "fxshard-lossfn",
-            "fxshard-recompute", "fxshard-meta", "fxshard-compile", "dtensor")
+VARIANTS = ("megatron", "fxshard", "fxshard-dp", "fxshard-layers", "fxshard-loss",
+            "fxshard-lossfn", "fxshard-recompute", "fxshard-meta", "fxshard-compile", "dtensor")
 #: run unless ``--variants`` names others (fxshard-compile: Inductor's first compile is minutes;
 #: fxshard-lossfn: fxshard-loss's programs, reached through train_step; one model less in memory)
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS
-                         if v not in ("fxshard-compile", "fxshard-lossfn", "fxshard-dp"))
+                         if v not in ("fxshard-compile", "fxshard-lossfn", "fxshard-dp",
+                                      "fxshard-layers"))
 #: checked and measured for memory; timed only with ``--time-meta`` (the same programs as fxshard)
 UNTIMED = ("fxshard-meta",)
 #: ``--small``: the sizes of a check that it runs (seconds, not a measurement)
@@ -192,16 +204,18 @@ def build(name: str, model, mesh, args):
         m = dtensor_train(model, mesh)
         opt = adamw(m.parameters(), args)
         return lambda norms=None: dtensor_step(m, opt, ids, labels, norms), mean_over_fsdp
-    if name in ("fxshard", "fxshard-dp", "fxshard-loss", "fxshard-lossfn", "fxshard-recompute",
-                "fxshard-meta", "fxshard-compile"):
+    if name in ("fxshard", "fxshard-dp", "fxshard-layers", "fxshard-loss", "fxshard-lossfn",
+                "fxshard-recompute", "fxshard-meta", "fxshard-compile"):
         import fxshard
         # fxshard-dp: the same ranks as (dp, tp), Megatron's parallelism
         on = _mesh(args, ("dp", "tp")) if name == "fxshard-dp" else mesh
         ids, labels = _batch(args)    # every rank passes the global batch; fxshard splits it
-        if name == "fxshard-meta":    # a big model's way: meta-built, each rank loads its shards
+        if name in ("fxshard-meta", "fxshard-layers"):  # meta-built, each rank loads its shards
             with fxshard.init_empty_weights():
                 empty = bundled_llama(args)
-            pm = fxshard.parallelize(empty.train(), on, example_inputs=(ids,))
+            reshard = "layers" if name == "fxshard-layers" else True
+            pm = fxshard.parallelize(empty.train(), on, example_inputs=(ids,),
+                                     fsdp_reshard_after_forward=reshard)
             fxshard.load_safetensors(pm, args.checkpoint)
             loss_of = lambda: F.cross_entropy(pm(ids).flatten(0, 1), labels.flatten())  # noqa
         elif name == "fxshard-lossfn":  # the loss given to train_step: traced with the model

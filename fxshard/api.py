@@ -78,7 +78,7 @@ class ParallelModule:
     def __init__(self, model: torch.nn.Module, mesh, *, plan: dict, sequence_parallel: bool,
                  microbatches: int, strict: bool, embedding: str, stages=None,
                  ring_zigzag: bool = True, compile: bool = False, recompute=None,
-                 fsdp_reshard_after_forward: bool = True):
+                 fsdp_reshard_after_forward: bool | str = True):
         self.model = model
         self.mesh = mesh
         self.spec: MeshSpec = mesh_spec(mesh, where=_WHERE)
@@ -300,7 +300,7 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
                 embedding: str = "embed_dim", stages: list[int] | None = None,
                 ring_zigzag: bool = True, compile: bool = False,
                 recompute: str | None = None,
-                fsdp_reshard_after_forward: bool = True) -> ParallelModule:
+                fsdp_reshard_after_forward: bool | str = True) -> ParallelModule:
     """Parallelize an unmodified ``model`` over ``mesh`` by rewriting its traced ATen graph.
 
     Args:
@@ -332,9 +332,12 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
             backward, which recomputes the rest (:mod:`fxshard.training.recompute`); ``None``
             saves every activation the backward reads.
         fsdp_reshard_after_forward: training on ``fsdp``: each parameter is all-gathered
-            again in the backward (``True``, FSDP2's default: only the shard is kept) or its
-            gathered value is saved by the forward for the backward (``False``: one
-            all-gather less per parameter and step, the whole weights held in between).
+            again in the backward (``True``: only the shard is kept) or its gathered value is
+            saved by the forward for the backward (``False``: one all-gather less per
+            parameter and step, the whole weights held in between). ``"layers"``: only the
+            layer stack's parameters are gathered again; those outside it (the embedding,
+            final norm and head) are kept, as FSDP2 keeps its root's when ``fully_shard``
+            wraps each layer and the model (a model without a layer stack keeps all).
     """
     check_parallelize_args(_WHERE, model=model, example_inputs=example_inputs,
                            example_kwargs=example_kwargs, plan=plan, styles=PLAN_STYLES,

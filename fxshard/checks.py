@@ -40,6 +40,17 @@ def _flag(where: str, name: str, value) -> None:
                         f"False")
 
 
+def check_reshard_after_forward(where: str, value) -> None:
+    """A clear TypeError for an ``fsdp_reshard_after_forward=`` other than True, False or
+    ``"layers"``."""
+    if not (isinstance(value, bool) or isinstance(value, str) and value == "layers"):
+        raise TypeError(f"{where}: fsdp_reshard_after_forward={value!r}; pass True (gather "
+                        f"fsdp parameters again in the backward), False (keep the forward's "
+                        f"gathered weights for the backward) or 'layers' (gather again only "
+                        f"the layer stack's; keep the embedding, final norm and head, as "
+                        f"FSDP2 keeps its root's)")
+
+
 def check_parallelize_args(where: str, *, model, example_inputs, example_kwargs, plan,
                            styles, sequence_parallel, microbatches, strict, embedding,
                            stages, ring_zigzag, recompute=None,
@@ -48,10 +59,7 @@ def check_parallelize_args(where: str, *, model, example_inputs, example_kwargs,
     model, which the passes check with the traced shapes)."""
     from .training.recompute import check_recompute
     check_recompute(where, recompute)
-    if not isinstance(fsdp_reshard_after_forward, bool):
-        raise TypeError(f"{where}: fsdp_reshard_after_forward={fsdp_reshard_after_forward!r}; "
-                        f"pass True (gather fsdp parameters again in the backward) or False "
-                        f"(keep the forward's gathered weights for the backward)")
+    check_reshard_after_forward(where, fsdp_reshard_after_forward)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{where}: model must be a torch.nn.Module, got "
                         f"{type(model).__name__}")

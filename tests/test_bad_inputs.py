@@ -257,6 +257,8 @@ _PARALLELIZE_ERRORS = [
     (dict(stages="01"), TypeError, r"stages='01' must be a list of ints"),
     (dict(fsdp_reshard_after_forward="no"), TypeError,
      r"fsdp_reshard_after_forward='no'; pass True \(gather fsdp parameters again"),
+    (dict(fsdp_reshard_after_forward="root"), TypeError,
+     r"fsdp_reshard_after_forward='root'; .* or 'layers' \(gather again only the layer stack"),
 ]
 
 

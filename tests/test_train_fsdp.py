@@ -271,6 +271,32 @@ def test_reshard_after_forward_false_keeps_the_gathered_weights(entry):
     assert len(_buckets(tm.rank_module(0, "forward"), "all_gather")) == 3
 
 
+@pytest.mark.parametrize("entry", [parallelize_for_training, fxshard.parallelize])
+def test_reshard_after_forward_layers_keeps_what_is_outside_the_layers(entry):
+    """``"layers"`` (FSDP2's root): the final norm's and the head's gathers are saved for the
+    backward, every layer's parameter is gathered again; gradients as on one device."""
+    model = _llama(layers=2)
+    ids, labels = _data()
+    tm = entry(model, _mesh(fsdp=2, tp=2), fsdp_reshard_after_forward="layers")
+    _check_grads(model, tm, ids, labels)
+    back = _gathers_per_parameter(tm.rank_module(0, "backward"))
+    outside = {"model_norm_weight", "lm_head_weight", "model_embed_tokens_weight"}
+    assert {k: v for k, v in back.items() if k in outside} == dict.fromkeys(outside, 0)
+    inside = {k: v for k, v in back.items() if k not in outside}
+    assert len(inside) == len(list(model.parameters())) - 3 and set(inside.values()) == {1}
+    saved = [n for n in tm.rank_module(0, "backward").graph.nodes
+             if n.op == "placeholder" and n.name.startswith("saved_") and
+             n.meta.get("fxshard_collective") is not None and
+             n.meta["fxshard_collective"].op == "all_gather" and
+             n.meta["fxshard_collective"].axis == FSDP]
+    assert len(saved) == 2, saved     # the final norm's and the head's gathered weights
+    # the head's whole [V/tp, H] weight is held from forward to backward: more saved bytes
+    kept = tm if entry is parallelize_for_training else tm.trainer
+    again = parallelize_for_training(model, _mesh(fsdp=2, tp=2))
+    again(ids)
+    assert kept.memory(0)["saved"] - again.memory(0)["saved"] >= V // 2 * 48 * 4
+
+
 class _MLP(torch.nn.Module):
     def __init__(self, dims=(6, 5, 4), bias=False):
         super().__init__()

@@ -47,7 +47,7 @@ from .fsdp import AXIS
 from .insert_collectives import collective_target
 from .split_stages import find_layer_stack
 
-__all__ = ["layer_stack_for_buckets", "fsdp_buckets_pass", "GRADIENTS", "BUCKET_MAX_BYTES"]
+__all__ = ["layer_of", "layer_stack_for_buckets", "fsdp_buckets_pass", "GRADIENTS", "BUCKET_MAX_BYTES"]
 
 GRADIENTS = "fxshard_gradients"
 """Output-node meta of a training backward: the parameter FQN of each output (or None)."""
@@ -62,7 +62,9 @@ def layer_stack_for_buckets(model: torch.nn.Module) -> tuple[str | None, tuple |
         return None, None
 
 
-def _layer(fqn: str, ctx: PassCtx) -> str | None:
+def layer_of(fqn: str, ctx: PassCtx) -> str | None:
+    """The layer (``model.layers.3``) of the layer stack that parameter ``fqn`` belongs to, or
+    None for one outside the stack (or without one)."""
     prefix = f"{ctx.layer_stack}." if ctx.layer_stack else ""
     if fqn.startswith(prefix):
         head = fqn[len(prefix):].split(".", 1)[0]
@@ -96,7 +98,7 @@ def _group(items: list, ctx: PassCtx) -> dict:
     buckets: dict = {}
     layers: list = []
     for node, fqn, dtype in items:
-        layer = _layer(fqn, ctx)
+        layer = layer_of(fqn, ctx)
         if layer is not None and layer not in layers:
             layers.append(layer)
         if not _small(node if node.target is collective_target("all_gather") else node.args[0]):

@@ -44,7 +44,7 @@ class Options:
     ring_zigzag: bool = True
     compile: bool = False
     recompute: str | None = None    # training: fxshard.training.recompute
-    fsdp_reshard_after_forward: bool = True   # training: fsdp's gathers redone in backward
+    fsdp_reshard_after_forward: bool | str = True   # training: fsdp's gathers redone in bwd
 
 
 @dataclass

@@ -153,11 +153,13 @@ class TrainModule:
 
     def __init__(self, model: torch.nn.Module, mesh, *, sequence_parallel: bool = False,
                  plan: dict | None = None, embedding: str = "embed_dim", strict: bool = False,
-                 fsdp_reshard_after_forward: bool = True, recompute: str | None = None,
+                 fsdp_reshard_after_forward: bool | str = True, recompute: str | None = None,
                  store=None, executor=None, cache=None, ring_zigzag: bool = True,
                  compile: bool = False):
+        from ..checks import check_reshard_after_forward
         from .recompute import check_recompute
         check_recompute(_WHERE, recompute)
+        check_reshard_after_forward(_WHERE, fsdp_reshard_after_forward)
         self.model = model
         self.recompute = recompute
         self.ring_zigzag = ring_zigzag
@@ -533,7 +535,7 @@ def parallelize_for_training(model: torch.nn.Module, mesh, *, example_inputs: tu
                              example_kwargs: dict | None = None,
                              sequence_parallel: bool = False, plan: dict | None = None,
                              embedding: str = "embed_dim", strict: bool = False,
-                             fsdp_reshard_after_forward: bool = True,
+                             fsdp_reshard_after_forward: bool | str = True,
                              recompute: str | None = None,
                              ring_zigzag: bool = True, compile: bool = False) -> TrainModule:
     """Training programs for ``model`` over ``mesh`` (``dp``, ``fsdp``, ``tp``, ``ring_cp``,
@@ -542,7 +544,9 @@ def parallelize_for_training(model: torch.nn.Module, mesh, *, example_inputs: tu
     (then :meth:`TrainModule.parameters` is there for an optimizer before the first step);
     options as for :func:`fxshard.parallelize`. ``fsdp_reshard_after_forward=False`` keeps
     each fsdp parameter's gathered value from the forward for the backward (FSDP2's
-    ``reshard_after_forward``): one all-gather less per parameter, the whole of it held.
+    ``reshard_after_forward``): one all-gather less per parameter, the whole of it held;
+    ``"layers"`` keeps only those of the parameters outside the layer stack (the embedding,
+    final norm and head: what FSDP2 keeps for its root when each layer is wrapped).
     ``recompute="layers"``: each repeated layer saves only its output for the backward, which
     recomputes the rest (:mod:`fxshard.training.recompute`). ``ring_zigzag`` as for
     :func:`fxshard.parallelize` (the zigzag sequence layout on ``ring_cp``).

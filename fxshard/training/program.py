@@ -46,7 +46,7 @@ from ..passes import PassCtx
 from ..passes.eager_attention import eager_attention_pass
 from ..passes.fold_mask import fold_causal_mask_pass
 from ..passes.fsdp import AXIS as FSDP, used_spec
-from ..passes.fsdp_buckets import fsdp_buckets_pass, layer_stack_for_buckets
+from ..passes.fsdp_buckets import fsdp_buckets_pass, layer_of, layer_stack_for_buckets
 from ..passes.gqa import unrepeat_kv_pass
 from ..passes.insert_collectives import insert_collectives_pass
 from ..passes.localize import localize_pass
@@ -313,13 +313,21 @@ def _vocab_backward(node: fx.Node, ctx: PassCtx) -> int:
     return 1
 
 
-def _fsdp_gathers(gm: fx.GraphModule) -> set:
-    """The all-gathers of fsdp-sharded parameters (to save rather than redo in backward)."""
+def _fsdp_gathers(gm: fx.GraphModule, reshard_after_forward, ctx: PassCtx) -> set:
+    """The all-gathers of fsdp-sharded parameters the forward saves rather than the backward
+    redoes: none (``reshard_after_forward=True``), all (``False``) or those of the parameters
+    outside the layer stack (``"layers"``: the embedding, the final norm, the head; what
+    FSDP2's root keeps when ``fully_shard`` wraps each layer and the model)."""
+    if reshard_after_forward is True:
+        return set()
     out = set()
     for node in gm.graph.nodes:
         step = node.meta.get("fxshard_collective")
+        src = node.args[0] if node.args else None
+        fqn = src.meta.get("fxshard_param") if isinstance(src, fx.Node) else None
         if step is not None and step.axis == FSDP and step.op == "all_gather" and \
-                node.args[0].meta.get("fxshard_param") is not None:
+                fqn is not None and (reshard_after_forward is False or
+                                     layer_of(fqn, ctx) is None):
             out.add(node)
     return out
 
@@ -341,13 +349,14 @@ def _model_name(model: torch.nn.Module) -> str:
 
 
 def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx,
-                        *, reshard_after_forward: bool = True,
+                        *, reshard_after_forward: bool | str = True,
                         recompute=None, joint: Joint | None = None,
                         vocab_outputs: bool = False) -> TrainProgram:
     """The forward and backward rank programs of ``model`` on ``args``/``kwargs`` under
     ``ctx`` (its mesh, plan, sequence parallelism). ``reshard_after_forward``: an fsdp
-    parameter's all-gather is done again in the backward (True, FSDP2's default) or its result
-    saved by the forward (False: more memory, one all-gather less per parameter).
+    parameter's all-gather is done again in the backward (True) or its result saved by the
+    forward (False: more memory, one all-gather less per parameter); ``"layers"``: only the
+    layer stack's are done again, the rest saved (FSDP2's default for its root).
     ``recompute``: ``"layers"`` or a budget of saved bytes per rank, see
     :mod:`fxshard.training.recompute`. ``joint``: a joint graph built already (a pipeline
     stage's, :mod:`fxshard.training.pipeline`). ``vocab_outputs``: an output the forward
@@ -384,12 +393,12 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
     _localize_backward(gm, jctx)
     gm = run_passes(gm, [lower_ring_pass], jctx)
     gm = cuda_attention_backward_pass(gm, ctx=jctx)   # on CUDA: fxshard's Triton backward
-    split = partition(gm, joint.n_outputs, joint.grads,
-                      keep=set() if reshard_after_forward else _fsdp_gathers(gm),
-                      recompute=recompute, model_name=_model_name(model),
-                      nbytes=lambda n: _local_bytes(n, jctx.mesh))
     # fsdp: one all-gather per layer in each program, one reduce-scatter per layer
     jctx.layer_stack, jctx.layer_names = layer_stack_for_buckets(model)
+    split = partition(gm, joint.n_outputs, joint.grads,
+                      keep=_fsdp_gathers(gm, reshard_after_forward, jctx),
+                      recompute=recompute, model_name=_model_name(model),
+                      nbytes=lambda n: _local_bytes(n, jctx.mesh))
     for gm in (split.forward, split.backward):
         run_passes(gm, [fsdp_buckets_pass], jctx)
     return TrainProgram(split=split, specs={f: specs.get(f, tuple(R for _ in ctx.mesh.shape))
