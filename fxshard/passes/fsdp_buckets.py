@@ -47,7 +47,8 @@ from .fsdp import AXIS
 from .insert_collectives import collective_target
 from .split_stages import find_layer_stack
 
-__all__ = ["layer_of", "layer_stack_for_buckets", "fsdp_buckets_pass", "GRADIENTS", "BUCKET_MAX_BYTES"]
+__all__ = ["layer_of", "layer_stack_for_buckets", "fsdp_buckets_pass", "GRADIENTS",
+           "BUCKET_MAX_BYTES"]
 
 GRADIENTS = "fxshard_gradients"
 """Output-node meta of a training backward: the parameter FQN of each output (or None)."""
