@@ -57,24 +57,43 @@ def _check_collectives(rank: int) -> list[str]:
             x = xs[rank]
             total = xs[members[0]] + xs[members[1]]
             checks = {
-                "all_gather": (ops.all_gather(x, dim, axis, 2),
+                "all_gather": (lambda x: ops.all_gather(x, dim, axis, 2),
                                torch.cat([xs[q] for q in members], dim)),
-                "all_reduce": (ops.all_reduce(x, axis, 2), total),
-                "reduce_scatter": (ops.reduce_scatter(x, dim, axis, 2),
+                "all_reduce": (lambda x: ops.all_reduce(x, axis, 2), total),
+                "reduce_scatter": (lambda x: ops.reduce_scatter(x, dim, axis, 2),
                                    torch.chunk(total, 2, dim)[k]),
-                "all_to_all": (ops.all_to_all(x, dim, other, axis, 2),
+                "all_to_all": (lambda x: ops.all_to_all(x, dim, other, axis, 2),
                                torch.cat([torch.chunk(xs[q], 2, dim)[k] for q in members], other)),
-                "local_shard": (ops.local_shard(x, dim, axis, 2), torch.chunk(x, 2, dim)[k]),
-                "all_gather_bucket": (ops.all_gather_bucket([x, 2 * x], [dim, other], axis, 2)[1],
-                                      torch.cat([2 * xs[q] for q in members], other)),
+                "local_shard": (lambda x: ops.local_shard(x, dim, axis, 2),
+                                torch.chunk(x, 2, dim)[k]),
+                "all_gather_bucket": (
+                    lambda x: ops.all_gather_bucket([x, 2 * x], [dim, other], axis, 2)[1],
+                    torch.cat([2 * xs[q] for q in members], other)),
                 "reduce_scatter_bucket": (
-                    ops.reduce_scatter_bucket([2 * x, x], [other, dim], axis, 2)[1],
+                    lambda x: ops.reduce_scatter_bucket([2 * x, x], [other, dim], axis, 2)[1],
                     torch.chunk(total, 2, dim)[k]),
             }
-            for name, (got, want) in checks.items():
+            for name, (call, want) in checks.items():
+                got = call(x)
                 if got.shape != want.shape or not torch.allclose(got, want, atol=1e-6):
                     failures.append(f"rank {rank}: {name} on {axis} dim={dim} other={other}: "
                                     f"got {list(got.shape)}, want {list(want.shape)}")
+                # the layout the op's fake kernel promises (Inductor asserts it on the
+                # compiled programs' outputs): strides of the dims longer than one
+                fake = call(x.to("meta"))
+                if [st for st, n in zip(got.stride(), got.shape) if n > 1] != \
+                        [st for st, n in zip(fake.stride(), fake.shape) if n > 1]:
+                    failures.append(f"rank {rank}: {name} on {axis} dim={dim} other={other}: "
+                                    f"strides {got.stride()}, its fake kernel's "
+                                    f"{fake.stride()}")
+        # a block of one on the gathered dim (an [n, 1] shard of an [n, 2] weight): the
+        # peers' blocks interleave, and the result must still be contiguous as its fake
+        thin = {q: _rank_input(q + 70, [4, 1]) for q in members}
+        got = ops.all_gather(thin[rank], 1, axis, 2)
+        if not torch.equal(got, torch.cat([thin[q] for q in members], 1)) or \
+                not got.is_contiguous():
+            failures.append(f"rank {rank}: all_gather of [4, 1] on {axis} dim=1: strides "
+                            f"{got.stride()}, contiguous {got.is_contiguous()}")
     ints = ops.all_reduce(torch.full((3,), rank, dtype=torch.int64), "tp", 2)
     if ints.tolist() != [sum(_group(rank, "tp"))] * 3:
         failures.append(f"rank {rank}: int64 all_reduce gave {ints.tolist()}")

@@ -147,11 +147,13 @@ class DistributedBackend:
                 return out
             # the peers' blocks side by side on ``dim``: one copy in runs of each block's
             # trailing size (a list all-gather would copy from gloo's flat buffer into the
-            # list first, then concatenate: two)
+            # list first, then concatenate: two). A block of one on ``dim`` reshapes to a
+            # strided view instead: ``contiguous`` makes that copy, as the op's fake kernel
+            # promises a contiguous result (Inductor asserts it)
             stacked = out.view(size, *x_c.shape).movedim(0, d)
             shape = list(x_c.shape)
             shape[d] *= size
-            return stacked.reshape(shape)
+            return stacked.reshape(shape).contiguous()
         return self._call("all_gather", axis, run)
 
     def all_reduce(self, x: torch.Tensor, axis: str) -> torch.Tensor:
