@@ -21,7 +21,8 @@ all-gathers / reduce-scatters) are *not* recomputed: their outputs are saved whe
 recomputation needs them, so the backward holds exactly the collectives it holds without
 recompute (no extra communication, one saved tensor per such collective per layer). An fsdp
 parameter's all-gather is a weight-only value and is redone in the backward either way
-(``fsdp_reshard_after_forward=False`` or ``"layers"`` keeps it, as without recompute).
+(``fsdp_reshard_after_forward=False`` keeps it, as without recompute; ``"layers"`` keeps
+only those of the parameters outside the layer stack, which are not recomputed anyway).
 
 Which layer a node belongs to comes from the export's ``nn_module_stack`` (the outermost
 module whose name ends in an index); a node a pass inserted (a collective, a local view)
