@@ -3,6 +3,7 @@
     python benchmarks/gpu_check.py [--out DIR]      # about 3-6 minutes on an H200
     python benchmarks/gpu_check.py --decode-only    # step 4 and the decode table only
     python benchmarks/gpu_check.py --backward-only  # step 6 and its tables only
+    python benchmarks/gpu_check.py --training-only  # step 7 only
 
 1. The Triton kernel on CUDA against the float64 torch reference: fp32/fp16/bf16, D in
    {16..256}, MLA's Dv != D, GQA, causal with offsets (fully masked rows included), odd
@@ -29,7 +30,12 @@
    one of the forward kernels at MLA's head sizes (Dv != D) against SDPA; JSON in ``--out``
    (``attention_backward.json``). A row that fails prints its error; the others still run.
 
-``--device cpu`` runs steps 3, 4 and 6's check on the CPU (4 and 6 with the torch path), to try
+7. Training through the public contract on simulated meshes on the GPU (fsdp=2 x tp=2,
+   dp=2 x tp=2, tp=2 with sequence parallelism): gradients and one AdamW step against the
+   single-device model (fp32, TF32 off); the backward program calls the Triton backward.
+   ``--training-only`` runs it alone.
+
+``--device cpu`` runs steps 3, 4, 6's check and 7 on the CPU (4 and 6 with the torch path), to try
 the script without a GPU.
 Prints PASS/FAIL lines; exits non-zero if a correctness check fails.
 """
@@ -217,6 +223,62 @@ def model_check() -> bool:
         print(f"{'PASS' if good else 'FAIL'} llama on a simulated cuda mesh {dict(zip(names, shape))}: "
               f"max err {err:.2e}")
         pm.close()
+    return ok
+
+
+def training_check(device: str) -> bool:
+    """A Llama trained on a simulated mesh on ``device`` through the public contract
+    (``pm(ids)`` with grad enabled, ``loss.backward()``, AdamW over ``pm.parameters()``):
+    fsdp=2 x tp=2 (ZeRO-3 + tp; on the GPU the fsdp all-gathers are issued one ahead),
+    dp=2 x tp=2 and tp=2 with sequence parallelism; gradients and one AdamW step against the
+    single-device model in fp32 (TF32 off; parameters to 1e-4 = lr / 10). On CUDA the backward program must call
+    ``fxshard::attention_backward`` (the Triton backward)."""
+    import copy
+
+    import torch.nn.functional as F
+
+    import fxshard
+    from fxshard.models.llama import LlamaConfig, LlamaForCausalLM
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig.tiny(num_hidden_layers=2)).to(device).train()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (4, 64), generator=g).to(device)
+    labels = torch.randint(0, 128, (4, 64), generator=g).to(device)
+    ok = True
+    for names, shape, sp in ((("fsdp", "tp"), (2, 2), False), (("dp", "tp"), (2, 2), False),
+                             (("tp",), (2,), True)):
+        ref = copy.deepcopy(model)
+        try:
+            mesh = fxshard.init_device_mesh(device, shape, mesh_dim_names=names)
+            pm = fxshard.parallelize(copy.deepcopy(model), mesh, example_inputs=(ids,),
+                                     sequence_parallel=sp)
+            opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+            ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+            F.cross_entropy(pm(ids).flatten(0, 1), labels.flatten()).backward()
+            F.cross_entropy(ref(ids).flatten(0, 1), labels.flatten()).backward()
+            grads = pm.gradients()
+            gerr = max(((grads[n] - p.grad).abs().max() / p.grad.abs().max()).item()
+                       for n, p in ref.named_parameters())
+            opt.step()
+            ref_opt.step()
+            state = pm.state_dict()
+            perr = max((state[n] - p).abs().max().item() for n, p in ref.named_parameters())
+            triton = device != "cuda" or \
+                "attention_backward" in pm.rank_module(0, "backward").code
+            # perr: AdamW's first step is lr * g / (|g| + eps), ill-conditioned where |g| is
+            # near eps; a wrong or missing update is lr = 1e-3 off
+            good = gerr < 1e-4 and perr < 1e-4 and triton
+            err = f"gradients {gerr:.2e} (relative), parameters after AdamW {perr:.2e}" + \
+                ("" if triton else "; the backward does not call fxshard::attention_backward")
+            pm.close()
+        except Exception as exc:  # noqa: BLE001 - reported
+            err, good = f"{type(exc).__name__}: {str(exc)[:300]}", False
+        ok &= good
+        print(f"{'PASS' if good else 'FAIL'} training a llama on a simulated {device} mesh "
+              f"{dict(zip(names, shape))}{' + sequence parallel' if sp else ''}: {err}",
+              flush=True)
     return ok
 
 
@@ -568,14 +630,18 @@ def main() -> int:
                     help="only the decode kernel's check and benchmarks/decode.py (~1-2 min)")
     ap.add_argument("--backward-only", action="store_true",
                     help="only the attention backward's check and tables (~1-2 min)")
+    ap.add_argument("--training-only", action="store_true",
+                    help="only step 7, training on simulated meshes (~1 min)")
     args = ap.parse_args()
     if args.device == "cpu":
         if args.decode_only:
             return 0 if decode_checks("cpu") else 1
         if args.backward_only:
             return 0 if backward_checks("cpu") else 1
+        if args.training_only:
+            return 0 if training_check("cpu") else 1
         ok = hf_checks("cpu") & compile_backend_check("cpu") & decode_checks("cpu") & \
-            generate_check("cpu") & backward_checks("cpu")
+            generate_check("cpu") & backward_checks("cpu") & training_check("cpu")
         return 0 if ok else 1
     if not torch.cuda.is_available():
         print("benchmarks/gpu_check.py: no CUDA GPU; nothing to check")
@@ -588,6 +654,8 @@ def main() -> int:
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--json",
                         str(Path(args.out) / "decode.json")], check=False)
         return 0 if ok else 1
+    if args.training_only:
+        return 0 if training_check("cuda") else 1
     if args.backward_only:
         ok = backward_checks("cuda")
         backward_report(Path(args.out))
@@ -599,6 +667,7 @@ def main() -> int:
     ok &= hf_checks("cuda")
     ok &= compile_backend_check("cuda")
     ok &= generate_check("cuda")
+    ok &= training_check("cuda")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention.py"), "--json",
                     str(Path(args.out) / "attention.json")], check=False)

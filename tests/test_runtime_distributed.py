@@ -6,7 +6,8 @@ each worker writes a JSON report and the tests below read them:
 1. ``init_device_mesh`` with a shape that does not match the world size raises ValueError
    before any collective;
 2. every collective on both axes of a (dp=2, tp=2) mesh, on every rank, equals a reference
-   computed locally by a loop over mesh coordinates (every rank can rebuild every rank's input);
+   computed locally by a loop over mesh coordinates (every rank can rebuild every rank's input),
+   and so does its background form (``all_gather_start``, ...: four in flight at once);
 3. send/recv where every rank sends before it receives (a swap along each axis);
 4. rank 3 exits; rank 2's all_reduce with it on ``tp`` fails at once (gloo sees the closed
    connection) with an error naming the op and the axis, while ranks 0 and 1 (the other tp
@@ -86,6 +87,29 @@ def _check_collectives(rank: int) -> list[str]:
                     failures.append(f"rank {rank}: {name} on {axis} dim={dim} other={other}: "
                                     f"strides {got.stride()}, its fake kernel's "
                                     f"{fake.stride()}")
+            # the background forms (``post_emit.prefetch_fsdp_pass``): all four in flight on
+            # the group at once, waited for in reverse order, each equal to its op
+            from fxshard.ops import collectives as C
+            pending = [
+                ("all_gather_start", C.all_gather_start(x, dim, axis, 2), None,
+                 checks["all_gather"][1]),
+                ("all_gather_bucket_start",
+                 C.all_gather_bucket_start([x, 2 * x], [dim, other], axis, 2), 1,
+                 checks["all_gather_bucket"][1]),
+                ("reduce_scatter_start", C.reduce_scatter_start(x, dim, axis, 2), None,
+                 checks["reduce_scatter"][1]),
+                ("reduce_scatter_bucket_start",
+                 C.reduce_scatter_bucket_start([2 * x, x], [other, dim], axis, 2), 1,
+                 checks["reduce_scatter_bucket"][1]),
+            ]
+            for name, p, part, want in reversed(pending):
+                got = C.collective_wait(p)
+                got = got if part is None else got[part]
+                if got.shape != want.shape or not torch.allclose(got, want, atol=1e-6) or \
+                        not got.is_contiguous():
+                    failures.append(f"rank {rank}: {name} on {axis} dim={dim} other={other}: "
+                                    f"got {list(got.shape)} contiguous "
+                                    f"{got.is_contiguous()}, want {list(want.shape)}")
         # a block of one on the gathered dim (an [n, 1] shard of an [n, 2] weight): the
         # peers' blocks interleave, and the result must still be contiguous as its fake
         thin = {q: _rank_input(q + 70, [4, 1]) for q in members}

@@ -478,3 +478,99 @@ def test_uneven_buckets_train_as_one_device_within_one_layer_of_memory(axes):
     layer = sum(p.numel() * 4 for p in model.layers[0].parameters())
     for gm in (fwd, bwd):
         assert 0 < _live_gathered_peak(gm, spec) <= layer
+
+
+def _run_graph(gm):
+    """The graph training's eager runner executes for rank program ``gm``
+    (``post_emit.TRAINING`` on a copy; ``gm``, what ``rank_module`` shows, is unchanged)."""
+    from fxshard.training.module import direct
+    direct(gm)
+    return gm.__dict__["_fxshard_direct"][2]
+
+
+def _background(run):
+    """``(start, wait)`` of every fsdp collective ``run`` issues in the background, in order,
+    split into all-gathers and reduce-scatters."""
+    from fxshard.ops import collectives as C
+    gathers, scatters = [], []
+    for n in run.graph.nodes:
+        if n.op == "call_function" and n.target in C.START.values():
+            assert n.args[2] == FSDP, n.format_node()
+            (wait,) = n.users
+            assert wait.target is C.collective_wait
+            kind = gathers if n.target in (C.all_gather_start, C.all_gather_bucket_start) \
+                else scatters
+            kind.append((n, wait))
+    return gathers, scatters
+
+
+def _live_prefetched_peak(run, mesh) -> int:
+    """``_live_gathered_peak`` of a run graph: a gathered weight is alive from the issue of
+    its all-gather to its last use."""
+    from fxshard.placement import local_shape
+    nodes = list(run.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    live = [0] * len(nodes)
+    for start, wait in _background(run)[0]:
+        parts = [u for u in wait.users if u.target is operator.getitem] or [wait]
+        for g in parts:
+            v = g.meta["val"]
+            nbytes = math.prod(local_shape(tuple(v.shape), g.meta["fxshard_spec"], mesh)) * \
+                v.element_size()
+            for i in range(pos[start], max(pos[u] for u in g.users) + 1):
+                live[i] += nbytes
+    return max(live)
+
+
+def test_fsdp_collectives_run_ahead_and_in_the_background():
+    """``post_emit.prefetch_fsdp_pass`` on the programs training runs: every fsdp all-gather
+    is issued as soon as the one before it was waited for (one ahead: the next layer's
+    bucket travels behind this layer's matmuls), every reduce-scatter is waited for only
+    before the next one (the backward's matmuls go on meanwhile); no fsdp collective is
+    left synchronous; gathered weights alive at once: more than without the pass, at most
+    twice. Gradients equal one device (as every test of this file, through these programs;
+    on gloo: tests/test_train_distributed.py)."""
+    model = _llama(layers=2)
+    ids, labels = _data()
+    tm = parallelize_for_training(model, _mesh(fsdp=2, tp=2), example_inputs=(ids,))
+    _check_grads(model, tm, ids, labels)
+    mm = torch.ops.aten.mm.default
+
+    def matmuls_between(run, a, b) -> int:
+        nodes = list(run.graph.nodes)
+        return sum(n.target is mm for n in nodes[nodes.index(a):nodes.index(b)])
+
+    def layer(start) -> str:
+        xs = start.args[0] if isinstance(start.args[0], (list, tuple)) else [start.args[0]]
+        names = {x.meta.get("fxshard_param", "").split(".self_attn")[0].split(".mlp")[0]
+                 .split(".input")[0].split(".post")[0] for x in xs}
+        return "|".join(sorted(names))
+
+    for kind in ("forward", "backward"):
+        gm = tm.rank_module(0, kind)
+        n_gathers = sum(_is(n, "all_gather", FSDP) or _is(n, "all_gather_bucket", FSDP)
+                        for n in gm.graph.nodes)
+        n_scatters = sum(_is(n, "reduce_scatter", FSDP) or _is(n, "reduce_scatter_bucket", FSDP)
+                         for n in gm.graph.nodes)
+        run = _run_graph(gm)
+        gathers, scatters = _background(run)
+        assert (len(gathers), len(scatters)) == (n_gathers, n_scatters), kind
+        assert not any(_is(n, op, FSDP) for n in run.graph.nodes
+                       for op in ("all_gather", "all_gather_bucket", "reduce_scatter",
+                                  "reduce_scatter_bucket")), kind
+        nodes = list(run.graph.nodes)
+        for (s0, w0), (s1, w1) in zip(gathers, gathers[1:]):
+            assert nodes.index(w0) < nodes.index(s1) < nodes.index(w1), (kind, s1.name)
+        ahead = [layer(s) for s, w in gathers if matmuls_between(run, s, w)]
+        for (s0, w0), (s1, w1) in zip(scatters, scatters[1:]):
+            assert nodes.index(w0) < nodes.index(s1), (kind, s1.name)
+        behind = [k for k, (s, w) in enumerate(scatters) if matmuls_between(run, s, w)]
+        if kind == "forward":
+            assert ahead == ["model.layers.1", "lm_head.weight|model.norm.weight"], ahead
+            assert scatters == []
+        else:   # the head's and layer 1's gradients travel behind layer 1's / layer 0's matmuls
+            assert ahead == ["lm_head.weight|model.norm.weight", "model.layers.1",
+                             "model.layers.0"], ahead
+            assert behind == [0, 1], behind
+        plain, prefetched = _live_gathered_peak(gm, tm.spec), _live_prefetched_peak(run, tm.spec)
+        assert plain < prefetched <= 2 * plain, (kind, plain, prefetched)

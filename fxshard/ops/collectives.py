@@ -23,6 +23,11 @@ flat buffer of the inputs (copy-in, one collective, copy-out into fresh tensors;
 torch.distributed ``all_gather_into_tensor`` / ``reduce_scatter_tensor``). Inputs share a dtype
 and a device (:mod:`fxshard.passes.fsdp_buckets` makes the buckets).
 
+Eager training programs issue the fsdp collectives in the background through plain functions
+(``all_gather_start``, ``all_gather_bucket_start``, ``reduce_scatter_start``,
+``reduce_scatter_bucket_start``; :data:`START` maps each op to its function) and take the
+result with :func:`collective_wait`: the same values as the op.
+
 The real impls dispatch to the current backend (``fxshard.runtime.context``: the simulated
 mesh or torch.distributed). A size-1 axis is
 the identity (a copy: custom ops never return views of their inputs).
@@ -37,6 +42,8 @@ messages and keep their order. A hand-written CSE over a raw graph must skip the
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch._library.effects import EffectType
 
@@ -45,6 +52,8 @@ from fxshard.runtime.context import _CURRENT, Backend, current_backend
 
 __all__ = ["COLLECTIVE_OPS", "POINT_TO_POINT_OPS", "is_communication", "is_point_to_point",
            "all_reduce_consuming", "all_reduce_start", "collective_wait", "Pending",
+           "all_gather_start", "all_gather_bucket_start", "reduce_scatter_start",
+           "reduce_scatter_bucket_start", "START",
            "checked_backend"]
 
 _LIB = "fxshard"
@@ -174,7 +183,8 @@ def all_reduce_start(x: torch.Tensor, axis: str, size: int, consume: bool) -> Pe
 
 
 def collective_wait(pending: Pending) -> torch.Tensor:
-    """The result of a collective :func:`all_reduce_start` issued (waits for it)."""
+    """The result of a collective issued in the background (:func:`all_reduce_start`,
+    :data:`START`'s functions): waits for it."""
     return pending.wait()
 
 
@@ -264,8 +274,15 @@ def _all_gather_bucket(xs, dims, axis, size):
     dims = _bucket_dims("all_gather_bucket", xs, dims)
     if size == 1:
         return [x.clone() for x in xs]
-    flat = torch.cat([x.reshape(-1) for x in xs])                        # copy-in
-    gathered = backend.all_gather(flat, 0, axis).view(size, flat.numel())  # rank-major
+    return _gather_bucket_out(backend.all_gather(_gather_bucket_in(xs), 0, axis), xs, dims, size)
+
+
+def _gather_bucket_in(xs) -> torch.Tensor:
+    return torch.cat([x.reshape(-1) for x in xs])                        # copy-in
+
+
+def _gather_bucket_out(gathered: torch.Tensor, xs, dims, size: int) -> list[torch.Tensor]:
+    gathered = gathered.view(size, -1)                                   # rank-major
     out = []
     for part, x, d in zip(gathered.split([x.numel() for x in xs], 1), xs, dims):
         # rank r's block of x at row r: put the ranks next to each other along dim d
@@ -298,12 +315,20 @@ def _reduce_scatter_bucket(xs, dims, axis, size):
               for x, d in zip(xs, dims)]
     if size == 1:
         return [x.clone() for x in xs]
+    flat = _scatter_bucket_in(xs, dims, shapes, size)
+    return _scatter_bucket_out(backend.reduce_scatter(flat, 0, axis), shapes)
+
+
+def _scatter_bucket_in(xs, dims, shapes, size: int) -> torch.Tensor:
     # rank r's chunk of every tensor in row r, flattened in the chunk's own (contiguous) order
     rows = [x.reshape(*x.shape[:d], size, s[d], *x.shape[d + 1:]).movedim(d, 0).reshape(size, -1)
             for x, d, s in zip(xs, dims, shapes)]
-    mine = backend.reduce_scatter(torch.cat(rows, 1).reshape(-1), 0, axis)
+    return torch.cat(rows, 1).reshape(-1)
+
+
+def _scatter_bucket_out(mine: torch.Tensor, shapes) -> list[torch.Tensor]:
     return [p.reshape(s).clone() for p, s in
-            zip(mine.split([r.shape[1] for r in rows]), shapes)]
+            zip(mine.split([math.prod(s) for s in shapes]), shapes)]
 
 
 @_reduce_scatter_bucket.register_fake
@@ -311,6 +336,79 @@ def _(xs, dims, axis, size):
     dims = _bucket_dims("reduce_scatter_bucket", xs, dims)
     return [x.new_empty(_scattered_shape("reduce_scatter_bucket", x, d, axis, size))
             for x, d in zip(xs, dims)]
+
+
+# --- collectives in the background -----------------------------------------------------------
+# Eager rank programs call these (``fxshard.passes.post_emit.prefetch_fsdp_pass``): each issues
+# the op where the backend can run it in the background (``DistributedBackend.*_start``:
+# ``async_op`` c10d calls) and returns a :class:`Pending` whose :func:`collective_wait` gives
+# exactly what the op gives. The simulated mesh computes the op at once. The inputs are read
+# when the collective is issued (a bucket's copy-in) or held until the wait.
+
+class _Then(Pending):
+    """A backend's pending collective and what turns its result into the op's."""
+
+    __slots__ = ("work", "then")
+
+    def __init__(self, work, then):
+        super().__init__(None)
+        self.work, self.then = work, then
+
+    def wait(self):
+        return self.then(self.work.wait())
+
+
+def _starter(op: str, axis: str, size: int, kind: str):
+    """The backend's ``<kind>_start`` after the size check, or None (compute at once)."""
+    start = getattr(_CURRENT.get(), f"{kind}_start", None)
+    if start is None or size == 1:
+        return None
+    checked_backend(op, axis, size)
+    return start
+
+
+def all_gather_start(x: torch.Tensor, dim: int, axis: str, size: int) -> Pending:
+    """``fxshard::all_gather(x, dim, axis, size)`` in the background."""
+    start = _starter("all_gather", axis, size, "all_gather")
+    if start is None:
+        return Pending(_all_gather.__wrapped__(x, dim, axis, size))
+    return start(x, _norm_dim("all_gather", x, dim), axis)
+
+
+def all_gather_bucket_start(xs, dims, axis: str, size: int) -> Pending:
+    """``fxshard::all_gather_bucket(xs, dims, axis, size)`` in the background."""
+    start = _starter("all_gather_bucket", axis, size, "all_gather")
+    if start is None:
+        return Pending(_all_gather_bucket.__wrapped__(xs, dims, axis, size))
+    dims = _bucket_dims("all_gather_bucket", xs, dims)
+    return _Then(start(_gather_bucket_in(xs), 0, axis),
+                 lambda gathered: _gather_bucket_out(gathered, xs, dims, size))
+
+
+def reduce_scatter_start(x: torch.Tensor, dim: int, axis: str, size: int) -> Pending:
+    """``fxshard::reduce_scatter(x, dim, axis, size)`` in the background."""
+    start = _starter("reduce_scatter", axis, size, "reduce_scatter")
+    if start is None:
+        return Pending(_reduce_scatter.__wrapped__(x, dim, axis, size))
+    dim = _norm_dim("reduce_scatter", x, dim)
+    _chunk("reduce_scatter", x, dim, axis, size)
+    return start(x, dim, axis)
+
+
+def reduce_scatter_bucket_start(xs, dims, axis: str, size: int) -> Pending:
+    """``fxshard::reduce_scatter_bucket(xs, dims, axis, size)`` in the background."""
+    start = _starter("reduce_scatter_bucket", axis, size, "reduce_scatter")
+    if start is None:
+        return Pending(_reduce_scatter_bucket.__wrapped__(xs, dims, axis, size))
+    dims = _bucket_dims("reduce_scatter_bucket", xs, dims)
+    shapes = [_scattered_shape("reduce_scatter_bucket", x, d, axis, size)
+              for x, d in zip(xs, dims)]
+    return _Then(start(_scatter_bucket_in(xs, dims, shapes, size), 0, axis),
+                 lambda mine: _scatter_bucket_out(mine, shapes))
+
+
+START = {}
+"""A collective op -> the function that issues it in the background (filled below)."""
 
 
 # --- send / recv --------------------------------------------------------------------------
@@ -348,6 +446,11 @@ COLLECTIVE_OPS = frozenset({
     _ops.all_to_all.default, _ops.all_gather_bucket.default, _ops.reduce_scatter_bucket.default,
 })
 """The ops that communicate within a mesh-axis group (``local_shard`` does not)."""
+
+START.update({_ops.all_gather.default: all_gather_start,
+              _ops.all_gather_bucket.default: all_gather_bucket_start,
+              _ops.reduce_scatter.default: reduce_scatter_start,
+              _ops.reduce_scatter_bucket.default: reduce_scatter_bucket_start})
 
 POINT_TO_POINT_OPS = frozenset({_ops.send.default, _ops.recv.default})
 """``send`` and ``recv``: effectful, never dead-code eliminated or merged."""

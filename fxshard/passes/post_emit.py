@@ -6,13 +6,16 @@ inputs (``fxshard.compile``), counting what it rewrote in ``ctx.report``. The ru
 
     EAGER    = [attention_out_only, aten_attention, consume_dead_inputs]  # eager_stage
     INDUCTOR = [attention_out_only, aten_attention, native_collectives]   # compile_stage
-    TRAINING = [consume_dead_inputs]   # training's eager programs (overlap_collectives: not yet)
+    TRAINING = [consume_dead_inputs, prefetch_fsdp]   # training's eager programs
+                                       # (overlap_collectives: not yet)
 
 ``attention_out_only`` and ``aten_attention`` change only strides and which CPU kernel runs
 (the same values); ``consume_dead_inputs`` lets an all-reduce sum into a buffer nothing else
 reads; ``native_collectives`` (real meshes: ``ctx.groups``) hands Inductor torch's functional
 collectives, which it lowers natively; ``overlap_collectives`` runs an all-reduce in the
-background behind the matmuls that do not need it. Each docstring shows its before and after.
+background behind the matmuls that do not need it; ``prefetch_fsdp`` issues the ``fsdp``
+axis's weight all-gathers one ahead and its reduce-scatters in the background. Each docstring
+shows its before and after.
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ from . import PassReports
 
 __all__ = ["PostEmitCtx", "EAGER", "INDUCTOR", "TRAINING", "attention_out_only_pass",
            "aten_attention_pass",
-           "consume_dead_inputs_pass", "native_collectives_pass", "overlap_collectives_pass"]
+           "consume_dead_inputs_pass", "native_collectives_pass", "overlap_collectives_pass",
+           "prefetch_fsdp_pass"]
 
 
 class PostEmitCtx(PassReports):
@@ -418,9 +422,97 @@ def overlap_collectives_pass(gm: fx.GraphModule, *, ctx: PostEmitCtx) -> fx.Grap
     return gm
 
 
+def prefetch_fsdp_pass(gm: fx.GraphModule, *, ctx: PostEmitCtx) -> fx.GraphModule:
+    """Run the ``fsdp`` axis's weight all-gathers ahead and its gradient reduce-scatters in
+    the background (eager training programs; FSDP2's prefetch and its reduce-scatter
+    stream). Each all-gather on ``fsdp`` is issued (``all_gather_start``,
+    ``all_gather_bucket_start``) as soon as the previous one has been waited for and its
+    inputs exist (a weight shard: from the start), and waited for where it stood: it
+    travels behind the compute up to its first use, one all-gather in flight ahead of the
+    one in use. Each reduce-scatter on ``fsdp`` is issued where it stood and waited for
+    before the next one is issued, or before its first reader (the program's output),
+    whichever comes first: the backward goes on while a layer's gradients are summed.
+    On a real mesh the backend runs them with ``async_op`` (gloo's threads, NCCL's stream);
+    on the simulated mesh the start computes at once. Every rank runs the same program, so
+    each group sees its collectives in the same order on every rank::
+
+        before: all_gather_bucket = fxshard.all_gather_bucket([w1, w2], [0, 0], 'fsdp', 2)
+                getitem = all_gather_bucket[0] ...
+                mm = mm(x, t)                                # layer 0's compute
+                all_gather_1 = fxshard.all_gather(w3, 0, 'fsdp', 2)
+                mm_1 = mm(y, all_gather_1)
+        after:  pending = all_gather_bucket_start([w1, w2], [0, 0], 'fsdp', 2)
+                all_gather_bucket = collective_wait(pending)
+                pending_1 = all_gather_start(w3, 0, 'fsdp', 2)     # travels behind mm
+                getitem = all_gather_bucket[0] ...
+                mm = mm(x, t)
+                all_gather_1 = collective_wait(pending_1)
+                mm_1 = mm(y, all_gather_1)
+    """
+    from ..ops.collectives import COLLECTIVE_OPS, START, collective_wait
+    from .fsdp import AXIS
+    graph = gm.graph
+    ops = torch.ops.fxshard
+    gathers = (ops.all_gather.default, ops.all_gather_bucket.default)
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    first_compute = next(n for n in nodes if n.op != "placeholder")
+    ours = [n for n in nodes if n.op == "call_function" and n.target in START
+            and n.target in COLLECTIVE_OPS and n.args[2] == AXIS]
+    prefetched = background = 0
+    prev_wait = None                   # the previous all-gather's wait
+    for node in (n for n in ours if n.target in gathers):
+        anchor = max([a for a in node.all_input_nodes if a.op != "placeholder"]
+                     + ([prev_wait] if prev_wait is not None else []),
+                     key=lambda a: order[a], default=None)
+        with graph.inserting_before(node):
+            wait = graph.call_function(collective_wait, (None,))
+        if anchor is None:
+            with graph.inserting_before(first_compute):
+                start = graph.call_function(START[node.target], node.args)
+        else:
+            with graph.inserting_after(anchor):
+                start = graph.call_function(START[node.target], node.args)
+        order[start] = order[anchor] + 0.5 if anchor is not None else -1
+        order[wait] = order[node] - 0.5
+        wait.args = (start,)
+        wait.meta.update(node.meta)
+        node.replace_all_uses_with(wait)
+        graph.erase_node(node)
+        prefetched += 1
+        prev_wait = wait
+    scatters = [n for n in ours if n.target not in gathers]
+    for k, node in enumerate(scatters):
+        with graph.inserting_before(node):
+            start = graph.call_function(START[node.target], node.args)
+        # a bucket's parts (getitem) move with the wait: the readers are theirs
+        parts = [u for u in node.users if u.target is operator.getitem]
+        readers = set(node.users).difference(parts).union(*(p.users for p in parts))
+        stop = node.next
+        nxt = scatters[k + 1] if k + 1 < len(scatters) else None
+        while stop.op != "output" and stop not in readers and stop is not nxt:
+            stop = stop.next
+        with graph.inserting_before(stop):
+            wait = graph.call_function(collective_wait, (start,))
+        at = wait
+        for part in parts:
+            at.append(part)
+            at = part
+        wait.meta.update(node.meta)
+        node.replace_all_uses_with(wait)
+        graph.erase_node(node)
+        background += 1
+    if prefetched or background:
+        graph.lint()
+        gm.recompile()
+    ctx.report("prefetch_fsdp_pass", prefetched_all_gathers=prefetched,
+               background_reduce_scatters=background)
+    return gm
+
+
 EAGER = [attention_out_only_pass, aten_attention_pass, consume_dead_inputs_pass]
 #: training's eager forward and backward programs (``fxshard.training.module.direct``);
 #: ``overlap_collectives_pass`` is not in it yet: it turns the in-place all-reduces that
 #: ``tests/test_train_runner_copies.py`` checks into background ones; reconcile the two first
-TRAINING = [consume_dead_inputs_pass]
+TRAINING = [consume_dead_inputs_pass, prefetch_fsdp_pass]
 INDUCTOR = [attention_out_only_pass, aten_attention_pass, native_collectives_pass]

@@ -7,7 +7,10 @@
         out = rank_module(x)          # torch.ops.fxshard.* run on the mesh's process groups
 
 Collectives are torch.distributed's in-place collectives on ``device_mesh.get_group(axis)``
-into fresh buffers, complete when the op returns; on CPU a reduce-scatter is one all-to-all
+into fresh buffers, complete when the op returns; ``all_reduce_start``, ``all_gather_start``
+and ``reduce_scatter_start`` issue the same with ``async_op`` and return a work whose
+``wait()`` gives the result (the sync ops are start + wait: one implementation each); on CPU
+a reduce-scatter is one all-to-all
 and a local sum in rank order (gloo has none of its own: torch would all-reduce a clone of
 the whole input and copy the block out). ``send`` is an ``isend`` whose completion is
 checked later (so a ring where every rank sends before it receives cannot deadlock);
@@ -135,14 +138,19 @@ class DistributedBackend:
     # functional collectives (which add autograd/redispatch layers and an async wrapper).
 
     def all_gather(self, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+        return self.all_gather_start(x, dim, axis).wait()
+
+    def all_gather_start(self, x: torch.Tensor, dim: int, axis: str) -> "_PendingWork":
+        """:meth:`all_gather` issued in the background (``async_op``: gloo's threads, NCCL's
+        stream); the returned work's ``wait()`` gives the gathered tensor. ``x`` must not
+        change until then (a weight shard: it does not)."""
         group = self._group("all_gather", axis)
         size = self.axis_size(axis)
+        x_c = x.contiguous()
+        out = x_c.new_empty((x_c.shape[0] * size, *x_c.shape[1:]))
+        d = dim % x_c.dim()
 
-        def run() -> torch.Tensor:
-            x_c = x.contiguous()
-            out = x_c.new_empty((x_c.shape[0] * size, *x_c.shape[1:]))
-            dist.all_gather_single(out, x_c, group=group)
-            d = dim % x_c.dim()
+        def finish() -> torch.Tensor:
             if d == 0:
                 return out
             # the peers' blocks side by side on ``dim``: one copy in runs of each block's
@@ -154,7 +162,9 @@ class DistributedBackend:
             shape = list(x_c.shape)
             shape[d] *= size
             return stacked.reshape(shape).contiguous()
-        return self._call("all_gather", axis, run)
+        work = self._call("all_gather", axis, lambda: dist.all_gather_single(
+            out, x_c, group=group, async_op=True))
+        return _PendingWork(finish, work, self, axis, "all_gather", keep=x_c)
 
     def all_reduce(self, x: torch.Tensor, axis: str) -> torch.Tensor:
         return self.all_reduce_(x.contiguous().clone(), axis)
@@ -191,37 +201,45 @@ class DistributedBackend:
             work = dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group, async_op=True)
         except Exception as exc:
             raise self._failed("all_reduce", axis, exc) from exc
-        return _PendingWork(x, work, self, axis)
+        return _PendingWork(lambda: x, work, self, axis, "all_reduce")
 
     def reduce_scatter(self, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+        return self.reduce_scatter_start(x, dim, axis).wait()
+
+    def reduce_scatter_start(self, x: torch.Tensor, dim: int, axis: str) -> "_PendingWork":
+        """:meth:`reduce_scatter` issued in the background (``async_op``); the returned
+        work's ``wait()`` gives this rank's summed block."""
         group = self._group("reduce_scatter", axis)
         size = self.axis_size(axis)
+        # rank i's block of ``dim`` moved to the front as a whole: one copy in runs of the
+        # block's trailing size (a column shard of a weight gradient copies rows of its
+        # block, not single elements, as a transpose would), and the result lands in this
+        # rank's layout: no copy out
+        d = dim % x.dim()
+        blocks = x.unflatten(d, (size, x.shape[d] // size)).movedim(d, 0)
+        out = blocks.new_empty(blocks.shape[1:])
+        blocks = blocks.contiguous()
+        if blocks.device.type == "cpu":
+            # gloo has no reduce-scatter of its own: torch runs it as an all-reduce of a
+            # clone of the whole input, then copies this rank's block out (twice the bytes
+            # on the wire and two copies). An all-to-all hands every rank its block from
+            # each peer, summed here in rank order: the bytes of a reduce-scatter, one add.
+            got = torch.empty_like(blocks)
 
-        def run() -> torch.Tensor:
-            # rank i's block of ``dim`` moved to the front as a whole: one copy in runs of
-            # the block's trailing size (a column shard of a weight gradient copies rows of
-            # its block, not single elements, as a transpose would), and the result lands
-            # in this rank's layout: no copy out
-            d = dim % x.dim()
-            blocks = x.unflatten(d, (size, x.shape[d] // size)).movedim(d, 0)
-            out = blocks.new_empty(blocks.shape[1:])
-            blocks = blocks.contiguous()
-            if blocks.device.type == "cpu":
-                # gloo has no reduce-scatter of its own: torch runs it as an all-reduce of
-                # a clone of the whole input, then copies this rank's block out (twice the
-                # bytes on the wire and two copies). An all-to-all hands every rank its
-                # block from each peer, summed here in rank order: the bytes of a
-                # reduce-scatter, one add.
-                got = torch.empty_like(blocks)
-                dist.all_to_all_single(got, blocks, group=group)
+            def finish() -> torch.Tensor:
                 torch.add(got[0], got[1], out=out)
                 for part in got[2:]:
                     out.add_(part)
                 return out
-            dist.reduce_scatter_single(out, blocks.flatten(0, 1),  # dim 0: size x out's
-                                       op=dist.ReduceOp.SUM, group=group)
-            return out
-        return self._call("reduce_scatter", axis, run)
+            work = self._call("reduce_scatter", axis, lambda: dist.all_to_all_single(
+                got, blocks, group=group, async_op=True))
+        else:
+            def finish() -> torch.Tensor:
+                return out
+            work = self._call("reduce_scatter", axis, lambda: dist.reduce_scatter_single(
+                out, blocks.flatten(0, 1), op=dist.ReduceOp.SUM, group=group,  # dim 0: size
+                async_op=True))                                              # x out's
+        return _PendingWork(finish, work, self, axis, "reduce_scatter", keep=blocks)
 
     def all_to_all(self, x: torch.Tensor, split_dim: int, concat_dim: int,
                    axis: str) -> torch.Tensor:
@@ -291,20 +309,27 @@ their own timeouts). The backend holds its mesh, so an ``id`` stays unique while
 
 
 class _PendingWork:
-    """An all-reduce :meth:`DistributedBackend.all_reduce_start` issued: ``wait()`` blocks
-    until it is done (bounded by the group's timeout) and returns the summed tensor."""
+    """A collective issued in the background (``all_reduce_start``, ``all_gather_start``,
+    ``reduce_scatter_start``): ``wait()`` blocks until it is done (bounded by the group's
+    timeout), then returns ``finish()`` (the result: the summed tensor, the gathered one laid
+    out, the block summed). ``keep``: the buffer the collective reads from, held until then."""
 
-    __slots__ = ("value", "work", "backend", "axis")
+    __slots__ = ("finish", "work", "backend", "axis", "op", "keep")
 
-    def __init__(self, value, work, backend, axis):
-        self.value, self.work, self.backend, self.axis = value, work, backend, axis
+    def __init__(self, finish, work, backend, axis, op, keep=None):
+        self.finish, self.work, self.backend, self.axis = finish, work, backend, axis
+        self.op, self.keep = op, keep
 
     def wait(self) -> torch.Tensor:
         try:
-            self.work.wait(self.backend._timeout(self.axis))
+            if self.backend.mesh.device_type == "cpu":
+                self.work.wait(self.backend._timeout(self.axis))
+            else:   # NCCL: a timeout given here would block the host until the kernel ends;
+                self.work.wait()   # without one the stream waits (the PG's timeout holds)
         except Exception as exc:
-            raise self.backend._failed("all_reduce", self.axis, exc) from exc
-        return self.value
+            raise self.backend._failed(self.op, self.axis, exc) from exc
+        self.keep = None
+        return self.finish()
 
 
 def backend_for(device_mesh: DeviceMesh) -> DistributedBackend:

@@ -65,9 +65,10 @@ def direct(gm):
     GraphModule or its code reads attributes of the module. As inference's eager stages, an
     all-reduce of a value nothing else reads (a row-parallel matmul's output, a gradient
     sum) sums in place, without a copy (``fxshard.passes.post_emit.TRAINING`` on a copy of
-    the graph: ``gm`` itself, what ``rank_module`` shows, is unchanged). Background
-    all-reduces (``overlap_collectives_pass``) are not in that list: measured, no gain on
-    CPU gloo (``benchmarks/history/train_step.md``)."""
+    the graph: ``gm`` itself, what ``rank_module`` shows, is unchanged); the fsdp axis's
+    all-gathers run one ahead and its reduce-scatters in the background
+    (``prefetch_fsdp_pass``). Background tp all-reduces (``overlap_collectives_pass``) are
+    not in that list: measured, no gain on CPU gloo (``benchmarks/history/train_step.md``)."""
     if not isinstance(gm, fx.GraphModule):
         return gm
     code = gm.code
