@@ -199,10 +199,18 @@ def test_schedule_orders_and_errors():
 
 
 def _gloo_body(rank: int, report: dict) -> None:
+    for key, axes, opts in (("pp_tp", dict(pp=2, tp=2), {}),
+                            ("fsdp_pp", dict(fsdp=2, pp=2),
+                             dict(fsdp_reshard_after_forward="layers"))):
+        report[key] = {}
+        _gloo_case(rank, report[key], axes, opts)
+
+
+def _gloo_case(rank: int, report: dict, axes: dict, opts: dict) -> None:
     from tests.launch import worst_block
     model, (ids, labels) = _llama(2), _data()
     ref = copy.deepcopy(model)
-    pm = fxshard.parallelize(model, _mesh(pp=2, tp=2), microbatches=2)
+    pm = fxshard.parallelize(model, _mesh(**axes), microbatches=2, **opts)
     out = pm(ids)                                  # GPipe behind loss.backward()
     report["forward"] = (out - ref(ids)).abs().max().item()
     _loss(out, labels).backward()
@@ -226,17 +234,28 @@ def _gloo_body(rank: int, report: dict) -> None:
         report["loss"].append(abs(loss.item() - expect.item()))
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     report["params"] = worst(lambda p: p.detach())
+    # the collectives the runner issued in the background (post_emit.prefetch_fsdp_pass)
+    from fxshard.ops.collectives import START
+    report["background"] = sum(
+        n.target in START.values()
+        for tm in tms for kind in ("forward", "backward")
+        for n in tm.rank_module(sub, kind).__dict__["_fxshard_direct"][2].graph.nodes)
     pm.close()
 
 
-def test_pp2_tp2_gloo_1f1b(tmp_path):
-    """4 processes (pp2·tp2): activations and their gradients cross the cut as gloo
-    isend/irecv; GPipe's gradients and three 1F1B AdamW steps equal one device's."""
+def test_pp2_tp2_and_fsdp2_pp2_gloo_1f1b(tmp_path):
+    """4 processes, pp2·tp2 then fsdp2·pp2 (FSDP2's reshard policy, ``"layers"``): activations
+    and their gradients cross the cut as gloo isend/irecv, fsdp's all-gathers run one ahead
+    and its reduce-scatters in the background beside them; GPipe's gradients and three 1F1B
+    AdamW steps equal one device's."""
     from tests.launch import gloo_job
     reports = gloo_job(_gloo_body, 4, str(tmp_path), timeout_s=240, grad=True)
-    for rank, r in reports.items():
-        assert r["forward"] < 1e-4 and r["grad"] < 1e-5 and r["params"] < 1e-5, r
-        assert max(r["loss"]) < 1e-5, r
+    for rank, by_mesh in reports.items():
+        for key in ("pp_tp", "fsdp_pp"):
+            r = by_mesh[key]
+            assert r["forward"] < 1e-4 and r["grad"] < 1e-5 and r["params"] < 1e-5, (key, r)
+            assert max(r["loss"]) < 1e-5, (key, r)
+            assert (r["background"] > 0) == (key == "fsdp_pp"), (key, r)
 
 
 def test_recompute_on_pp_saves_less_with_equal_gradients():
@@ -253,3 +272,18 @@ def test_recompute_on_pp_saves_less_with_equal_gradients():
         _close_grads(model, pm)
         saved[recompute] = [tm.memory(0)["saved"] for tm in pm.trainer.stage_modules]
     assert all(0 < r < n / 2 for r, n in zip(saved["layers"], saved[None])), saved
+
+
+def test_compile_on_pp_compiles_each_stage_forward_and_backward():
+    """``compile=True`` on fsdp2·pp2: every stage's forward and backward programs are
+    Inductor's (the backward ran the plain GraphModule before), and a 1F1B step's loss and
+    gradients equal one device's."""
+    model, (ids, labels) = _llama(2), _data()
+    pm = fxshard.parallelize(model, _mesh(fsdp=2, pp=2), microbatches=2, compile=True)
+    loss = pm.train_step(ids, target=labels, loss_fn=_loss, schedule="1f1b")
+    ref = _loss(model(ids), labels)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
+    _close_grads(model, pm)
+    for tm in pm.trainer.stage_modules:
+        assert set(tm._last.compiled) == {"forward", "backward"}, tm._last.compiled

@@ -284,11 +284,15 @@ class PipelineTrainer:
         """Accumulate stage ``k``'s parameter gradients; return the received values'."""
         tm, program = self.stage_modules[k], staged.programs[k]
         split = program.split
+        first = tm.ranks[0]
+        # as TrainModule's own backward: the eager runner's program (in-place all-reduces,
+        # fsdp prefetch) or, with compile=True, Inductor's
+        backward = tm._fn(program, "backward", lambda: [
+            *tm._rank_weights(program, first), *saved[first], *tangents])
 
         def run(rank):
             with torch.no_grad():
-                return split.backward(*tm._rank_weights(program, rank), *saved[rank],
-                                      *tangents)
+                return backward(*tm._rank_weights(program, rank), *saved[rank], *tangents)
         results = tm._world_run(run)
         for rank, out in results.items():
             for fqn, g in zip(split.grads, out):
