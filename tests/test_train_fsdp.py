@@ -441,23 +441,31 @@ class _Stack(torch.nn.Module):
         return self.head(x * self.scale_out)
 
 
-def _live_gathered_peak(gm, mesh) -> int:
-    """The most bytes of gathered fsdp weights alive at once in ``gm`` (each from its
-    collective to its last use)."""
+def _peak_bytes(gm, mesh, spans) -> int:
+    """The most bytes alive at once in ``gm`` of ``spans``' values: ``(issue, value)`` node
+    pairs, each value alive from its issue to its last use."""
     from fxshard.placement import local_shape
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     live = [0] * len(nodes)
-    for n in nodes:
+    for issue, g in spans:
+        v = g.meta["val"]
+        nbytes = math.prod(local_shape(tuple(v.shape), g.meta["fxshard_spec"], mesh)) * \
+            v.element_size()
+        for i in range(pos[issue], max(pos[u] for u in g.users) + 1):
+            live[i] += nbytes
+    return max(live)
+
+
+def _live_gathered_peak(gm, mesh) -> int:
+    """The most bytes of gathered fsdp weights alive at once in ``gm`` (each from its
+    collective to its last use)."""
+    spans = []
+    for n in gm.graph.nodes:
         gathered = [u for u in n.users] if _is(n, "all_gather_bucket", FSDP) else \
             [n] if _is(n, "all_gather", FSDP) and _weight_inputs(n) else []
-        for g in gathered:
-            v = g.meta["val"]
-            nbytes = math.prod(local_shape(tuple(v.shape), g.meta["fxshard_spec"], mesh)) * \
-                v.element_size()
-            for i in range(pos[g], max(pos[u] for u in g.users) + 1):
-                live[i] += nbytes
-    return max(live)
+        spans += [(g, g) for g in gathered]
+    return _peak_bytes(gm, mesh, spans)
 
 
 @pytest.mark.parametrize("axes", [{"fsdp": 2}, {"dp": 2, "fsdp": 2}])
@@ -507,19 +515,9 @@ def _background(run):
 def _live_prefetched_peak(run, mesh) -> int:
     """``_live_gathered_peak`` of a run graph: a gathered weight is alive from the issue of
     its all-gather to its last use."""
-    from fxshard.placement import local_shape
-    nodes = list(run.graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    live = [0] * len(nodes)
-    for start, wait in _background(run)[0]:
-        parts = [u for u in wait.users if u.target is operator.getitem] or [wait]
-        for g in parts:
-            v = g.meta["val"]
-            nbytes = math.prod(local_shape(tuple(v.shape), g.meta["fxshard_spec"], mesh)) * \
-                v.element_size()
-            for i in range(pos[start], max(pos[u] for u in g.users) + 1):
-                live[i] += nbytes
-    return max(live)
+    return _peak_bytes(run, mesh, [
+        (start, g) for start, wait in _background(run)[0]
+        for g in [u for u in wait.users if u.target is operator.getitem] or [wait]])
 
 
 def test_fsdp_collectives_run_ahead_and_in_the_background():
