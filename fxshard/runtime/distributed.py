@@ -37,6 +37,11 @@ __all__ = ["DistributedBackend", "backend_for", "release", "release_all"]
 
 _WHERE = "fxshard.runtime.DistributedBackend"
 _MAX_PENDING_SENDS = 64
+# torch >= 2.13 names the single-tensor collectives ``*_single`` and deprecates the
+# ``*_into_tensor`` / ``*_tensor`` names, which older torch (2.11, the GPU image's) has alone
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or \
+    dist.reduce_scatter_tensor
 
 
 def _group_timeout(group: dist.ProcessGroup, device_type: str) -> datetime.timedelta:
@@ -162,7 +167,7 @@ class DistributedBackend:
             shape = list(x_c.shape)
             shape[d] *= size
             return stacked.reshape(shape).contiguous()
-        work = self._call("all_gather", axis, lambda: dist.all_gather_single(
+        work = self._call("all_gather", axis, lambda: _all_gather_single(
             out, x_c, group=group, async_op=True))
         return _PendingWork(finish, work, self, axis, "all_gather", keep=x_c)
 
@@ -236,7 +241,7 @@ class DistributedBackend:
         else:
             def finish() -> torch.Tensor:
                 return out
-            work = self._call("reduce_scatter", axis, lambda: dist.reduce_scatter_single(
+            work = self._call("reduce_scatter", axis, lambda: _reduce_scatter_single(
                 out, blocks.flatten(0, 1), op=dist.ReduceOp.SUM, group=group,  # dim 0: size
                 async_op=True))                                              # x out's
         return _PendingWork(finish, work, self, axis, "reduce_scatter", keep=blocks)
