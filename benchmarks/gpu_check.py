@@ -229,8 +229,8 @@ def model_check() -> bool:
 def training_check(device: str) -> bool:
     """A Llama trained on a simulated mesh on ``device`` through the public contract
     (``pm(ids)`` with grad enabled, ``loss.backward()``, AdamW over ``pm.parameters()``):
-    fsdp=2 x tp=2 (ZeRO-3 + tp; on the GPU the fsdp all-gathers are issued one ahead),
-    dp=2 x tp=2 and tp=2 with sequence parallelism; gradients and one AdamW step against the
+    fsdp=2 x tp=2 (ZeRO-3 + tp), dp=2 x tp=2 and tp=2 with sequence parallelism (a simulated
+    mesh runs the background collectives at once: their NCCL path needs two GPUs); gradients and one AdamW step against the
     single-device model in fp32 (TF32 off; parameters to 1e-4 = lr / 10). On CUDA the backward program must call
     ``fxshard::attention_backward`` (the Triton backward)."""
     import copy

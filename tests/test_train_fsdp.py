@@ -18,6 +18,7 @@ import operator
 
 import pytest
 import torch
+import torch.fx as fx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -572,3 +573,48 @@ def test_fsdp_collectives_run_ahead_and_in_the_background():
             assert behind == [0, 1], behind
         plain, prefetched = _live_gathered_peak(gm, tm.spec), _live_prefetched_peak(run, tm.spec)
         assert plain < prefetched <= 2 * plain, (kind, plain, prefetched)
+
+
+def test_prefetch_on_a_hand_built_program():
+    """``prefetch_fsdp_pass`` where the first node is itself an fsdp all-gather (its start
+    must still come before its wait), a second all-gather of a computed value (issued right
+    after that value exists) and a reduce-scatter (waited for before its reader): the
+    rewritten program lints, and on a simulated fsdp=2 mesh gives what the plain one gives."""
+    from fxshard.mesh import MeshSpec
+    from fxshard.ops.collectives import START, collective_wait
+    from fxshard.passes.post_emit import PostEmitCtx, prefetch_fsdp_pass
+    from fxshard.runtime.simulated import SimulatedWorld
+    ops = torch.ops.fxshard
+
+    def program():
+        graph = fx.Graph()
+        w, x = graph.placeholder("w"), graph.placeholder("x")
+        gw = graph.call_function(ops.all_gather.default, (w, 0, FSDP, 2))       # [4, 3]
+        y = graph.call_function(torch.ops.aten.mm.default, (x, gw))             # [2, 3]
+        t = graph.call_function(torch.ops.aten.tanh.default, (y,))
+        gt = graph.call_function(ops.all_gather.default, (t, 0, FSDP, 2))       # [4, 3]
+        z = graph.call_function(torch.ops.aten.mul.Tensor, (gt, 2.0))
+        rs = graph.call_function(ops.reduce_scatter.default, (z, 0, FSDP, 2))   # [2, 3]
+        graph.output((graph.call_function(torch.ops.aten.add.Tensor, (rs, 1.0)), y))
+        return fx.GraphModule(torch.nn.Module(), graph)
+
+    gm = prefetch_fsdp_pass(program(), ctx=PostEmitCtx())
+    gm.graph.lint()
+    names = [getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes
+             if n.op == "call_function"]
+    assert names == ["all_gather_start", "collective_wait", "mm.default", "tanh.default",
+                     "all_gather_start", "collective_wait", "mul.Tensor",
+                     "reduce_scatter_start", "collective_wait", "add.Tensor"], names
+    assert sum(n.target in START.values() for n in gm.graph.nodes) == 3
+    assert all(n.target is not collective_wait or n.args[0].target in START.values()
+               for n in gm.graph.nodes)
+    g = torch.Generator().manual_seed(3)
+    ws = [torch.randn(2, 3, generator=g) for _ in range(2)]
+    xs = [torch.randn(2, 4, generator=g) for _ in range(2)]
+    plain = program()
+    with SimulatedWorld(MeshSpec((2,), (FSDP,))) as world:
+        want = world.run(lambda r: plain(ws[r], xs[r]))
+        got = world.run(lambda r: gm(ws[r], xs[r]))
+    for a, b in zip(got, want):
+        for u, v in zip(a, b):
+            torch.testing.assert_close(u, v, rtol=0, atol=0)

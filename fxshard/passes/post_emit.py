@@ -14,7 +14,7 @@ inputs (``fxshard.compile``), counting what it rewrote in ``ctx.report``. The ru
 reads; ``native_collectives`` (real meshes: ``ctx.groups``) hands Inductor torch's functional
 collectives, which it lowers natively; ``overlap_collectives`` runs an all-reduce in the
 background behind the matmuls that do not need it; ``prefetch_fsdp`` issues the ``fsdp``
-axis's weight all-gathers one ahead and its reduce-scatters in the background. Each docstring
+axis's all-gathers one ahead and its reduce-scatters in the background. Each docstring
 shows its before and after.
 """
 from __future__ import annotations
@@ -432,6 +432,9 @@ def prefetch_fsdp_pass(gm: fx.GraphModule, *, ctx: PostEmitCtx) -> fx.GraphModul
     one in use. Each reduce-scatter on ``fsdp`` is issued where it stood and waited for
     before the next one is issued, or before its first reader (the program's output),
     whichever comes first: the backward goes on while a layer's gradients are summed.
+    Memory: one gathered weight or bucket more is alive than without the pass, and one
+    reduce-scatter's input (a layer's unsharded gradients, a bucket's flat copy) until the
+    next reduce-scatter starts.
     On a real mesh the backend runs them with ``async_op`` (gloo's threads, NCCL's stream);
     on the simulated mesh the start computes at once. Every rank runs the same program, so
     each group sees its collectives in the same order on every rank::
@@ -458,24 +461,24 @@ def prefetch_fsdp_pass(gm: fx.GraphModule, *, ctx: PostEmitCtx) -> fx.GraphModul
     order = {n: i for i, n in enumerate(nodes)}
     first_compute = next(n for n in nodes if n.op != "placeholder")
     ours = [n for n in nodes if n.op == "call_function" and n.target in START
-            and n.target in COLLECTIVE_OPS and n.args[2] == AXIS]
+            and n.target in COLLECTIVE_OPS and not n.kwargs and len(n.args) == 4
+            and n.args[2] == AXIS]      # (x or xs, dim or dims, axis, size), as emitted
     prefetched = background = 0
     prev_wait = None                   # the previous all-gather's wait
     for node in (n for n in ours if n.target in gathers):
         anchor = max([a for a in node.all_input_nodes if a.op != "placeholder"]
                      + ([prev_wait] if prev_wait is not None else []),
                      key=lambda a: order[a], default=None)
-        with graph.inserting_before(node):
-            wait = graph.call_function(collective_wait, (None,))
-        if anchor is None:
+        if anchor is None:             # (first_compute may be ``node`` itself)
             with graph.inserting_before(first_compute):
                 start = graph.call_function(START[node.target], node.args)
         else:
             with graph.inserting_after(anchor):
                 start = graph.call_function(START[node.target], node.args)
+        with graph.inserting_before(node):
+            wait = graph.call_function(collective_wait, (start,))
         order[start] = order[anchor] + 0.5 if anchor is not None else -1
         order[wait] = order[node] - 0.5
-        wait.args = (start,)
         wait.meta.update(node.meta)
         node.replace_all_uses_with(wait)
         graph.erase_node(node)

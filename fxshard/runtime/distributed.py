@@ -315,9 +315,11 @@ their own timeouts). The backend holds its mesh, so an ``id`` stays unique while
 
 class _PendingWork:
     """A collective issued in the background (``all_reduce_start``, ``all_gather_start``,
-    ``reduce_scatter_start``): ``wait()`` blocks until it is done (bounded by the group's
-    timeout), then returns ``finish()`` (the result: the summed tensor, the gathered one laid
-    out, the block summed). ``keep``: the buffer the collective reads from, held until then."""
+    ``reduce_scatter_start``): ``wait()`` waits for it, then returns ``finish()`` (the
+    result: the summed tensor, the gathered one laid out, the block summed). On CPU (gloo)
+    the host blocks until it is done, bounded by the group's timeout; on CUDA (NCCL) the
+    current stream waits for NCCL's and the host goes on (the group's own timeout holds).
+    ``keep``: the buffer the collective reads from, held until then."""
 
     __slots__ = ("finish", "work", "backend", "axis", "op", "keep")
 

@@ -284,11 +284,11 @@ class PipelineTrainer:
         """Accumulate stage ``k``'s parameter gradients; return the received values'."""
         tm, program = self.stage_modules[k], staged.programs[k]
         split = program.split
-        first = tm.ranks[0]
+        lead = tm.ranks[0]
         # as TrainModule's own backward: the eager runner's program (in-place all-reduces,
         # fsdp prefetch) or, with compile=True, Inductor's
         backward = tm._fn(program, "backward", lambda: [
-            *tm._rank_weights(program, first), *saved[first], *tangents])
+            *tm._rank_weights(program, lead), *saved[lead], *tangents])
 
         def run(rank):
             with torch.no_grad():
