@@ -423,15 +423,15 @@ def overlap_collectives_pass(gm: fx.GraphModule, *, ctx: PostEmitCtx) -> fx.Grap
 
 
 def prefetch_fsdp_pass(gm: fx.GraphModule, *, ctx: PostEmitCtx) -> fx.GraphModule:
-    """Run the ``fsdp`` axis's weight all-gathers ahead and its gradient reduce-scatters in
-    the background (eager training programs; FSDP2's prefetch and its reduce-scatter
-    stream). Each all-gather on ``fsdp`` is issued (``all_gather_start``,
-    ``all_gather_bucket_start``) as soon as the previous one has been waited for and its
-    inputs exist (a weight shard: from the start), and waited for where it stood: it
-    travels behind the compute up to its first use, one all-gather in flight ahead of the
-    one in use. Each reduce-scatter on ``fsdp`` is issued where it stood and waited for
-    before the next one is issued, or before its first reader (the program's output),
-    whichever comes first: the backward goes on while a layer's gradients are summed.
+    """Run the ``fsdp`` axis's all-gathers ahead and its reduce-scatters in the background
+    (eager training programs; FSDP2's prefetch and its reduce-scatter stream). Each
+    all-gather on ``fsdp`` is issued (``all_gather_start``, ``all_gather_bucket_start``) as
+    soon as the previous one has been waited for and its inputs exist (a weight shard: from
+    the start), and waited for where it stood: it travels behind the compute up to its
+    first use, one all-gather in flight ahead of the one in use. Each reduce-scatter on
+    ``fsdp`` is issued where it stood and waited for before the next one is issued, or
+    before its first reader (the program's output), whichever comes first: the backward
+    goes on while a layer's gradients are summed.
     Memory: one gathered weight or bucket more is alive than without the pass, and one
     reduce-scatter's input (a layer's unsharded gradients, a bucket's flat copy) until the
     next reduce-scatter starts.
@@ -452,7 +452,7 @@ def prefetch_fsdp_pass(gm: fx.GraphModule, *, ctx: PostEmitCtx) -> fx.GraphModul
                 all_gather_1 = collective_wait(pending_1)
                 mm_1 = mm(y, all_gather_1)
     """
-    from ..ops.collectives import COLLECTIVE_OPS, START, collective_wait
+    from ..ops.collectives import START, collective_wait
     from .fsdp import AXIS
     graph = gm.graph
     ops = torch.ops.fxshard
@@ -461,8 +461,8 @@ def prefetch_fsdp_pass(gm: fx.GraphModule, *, ctx: PostEmitCtx) -> fx.GraphModul
     order = {n: i for i, n in enumerate(nodes)}
     first_compute = next(n for n in nodes if n.op != "placeholder")
     ours = [n for n in nodes if n.op == "call_function" and n.target in START
-            and n.target in COLLECTIVE_OPS and not n.kwargs and len(n.args) == 4
-            and n.args[2] == AXIS]      # (x or xs, dim or dims, axis, size), as emitted
+            and not n.kwargs and len(n.args) == 4 and n.args[2] == AXIS]
+    # (as emitted: x or xs, dim or dims, axis, size; a call spelled otherwise stays sync)
     prefetched = background = 0
     prev_wait = None                   # the previous all-gather's wait
     for node in (n for n in ours if n.target in gathers):
@@ -477,8 +477,7 @@ def prefetch_fsdp_pass(gm: fx.GraphModule, *, ctx: PostEmitCtx) -> fx.GraphModul
                 start = graph.call_function(START[node.target], node.args)
         with graph.inserting_before(node):
             wait = graph.call_function(collective_wait, (start,))
-        order[start] = order[anchor] + 0.5 if anchor is not None else -1
-        order[wait] = order[node] - 0.5
+        order[wait] = order[node] - 0.5   # the next all-gather's anchor
         wait.meta.update(node.meta)
         node.replace_all_uses_with(wait)
         graph.erase_node(node)
