@@ -26,7 +26,11 @@ writers need no messages. A training module's tensor is assembled one at a time 
 file's writer: on a simulated mesh from every rank's shard in this process; on a real mesh
 (``torchrun``) the owners of its blocks (the coordinate-0 replica of each slice) send them to
 the writer, which assembles and writes it, so a rank's peak is its own shards plus one whole
-tensor. Rank 0 writes the index last, after a barrier.
+tensor. Rank 0 writes the index last, after a barrier. A module trained on ``pp``: each
+stage's shards are kept by the stage's ranks (on the mesh without ``pp``); under ``torchrun``
+a process knows only its own stages', so the stages first tell each other along ``pp`` which
+parameters they hold (name, placement, shape, dtype: one object all-gather), and every rank
+then has the same plan, each block sent by the rank of its stage that keeps it.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ import re
 
 import torch
 
-from .mesh import is_simulated
+from .mesh import PP, is_simulated
 from .placement import Replicate, block_index
 
 __all__ = ["save_safetensors"]
@@ -66,11 +70,26 @@ def shard_size_bytes(size) -> int:
 class _Entry:
     """One tensor of the checkpoint: its name, global shape and dtype, and how to get it."""
 
-    def __init__(self, name, shape, dtype, whole=None, shards=None, mesh=None):
+    def __init__(self, name, shape, dtype, whole=None, shards=None, mesh=None, stage=None):
         self.name, self.shape, self.dtype = name, tuple(shape), dtype
         self.whole = whole        # () -> the whole tensor (a weight as loaded)
         self.shards = shards      # (spec, {rank: block getter}) of a trained parameter
         self.mesh = mesh          # the mesh of spec's ranks (a pipeline stage's), else None
+        self.stage = stage        # with mesh, on a real mesh: the stage's pp coordinate
+
+    def holders(self, whole_mesh) -> list[tuple[int, int]]:
+        """``(rank on the saved module's mesh, rank the block is kept by)`` of every block
+        that makes up the tensor (a stage's ranks: on its mesh without ``pp``)."""
+        spec = self.shards[0]
+        if self.mesh is None or self.stage is None:
+            return [(r, r) for r in _owners(spec, self.mesh or whole_mesh)]
+        at = whole_mesh.axis_names.index(PP)
+        out = []
+        for r in _owners(spec, self.mesh):
+            coords = list(self.mesh.coords(r))
+            coords[at] = self.stage
+            out.append((whole_mesh.rank_of(coords), r))
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -145,23 +164,37 @@ def _trained_entries(module, trainer) -> list[_Entry]:
     stages = getattr(trainer, "stage_modules", None)
     if stages is None:
         return _train_entries(trainer)
-    if not is_simulated(module.mesh):
-        raise NotImplementedError(
-            f"{_WHERE}: saving a module trained over mesh axis 'pp' under torchrun "
-            f"(mesh {module.spec.describe()}) is not built yet (each process holds one "
-            f"stage's shards); save with fxshard.save_training_state(pm, optimizer, dir), "
-            f"which every process writes its shards to, or gather pm.state_dict() and call "
-            f"model.save_pretrained")
     trainer._require("save_safetensors")
     found: dict = {}
-    for tm in stages:
-        if tm._last is None:
+    for k, tm in enumerate(stages):
+        if tm._last is None:      # a real mesh: a stage another process holds
             continue
         for e in _train_entries(tm, mesh=tm.spec):
             if e.shards is not None or e.name not in found:   # a stage's shards win
+                e.stage = k % trainer.pp
                 found[e.name] = e
+    if not is_simulated(module.mesh):
+        _stages_elsewhere(module.mesh, trainer.sub, found)
     order = [n for n in module.model.state_dict() if n in found]
     return [found[n] for n in order]
+
+
+def _stages_elsewhere(device_mesh, sub, found: dict) -> None:
+    """A pipeline on a real mesh: each process knows its own stages' shards (every other
+    parameter it lists whole, as the model has it: stale). The stages tell each other along
+    ``pp`` which parameters they hold (name, placement, shape, dtype, pp coordinate); another
+    stage's parameter becomes an entry whose blocks its holders send to the file's writer."""
+    import torch.distributed as dist
+    group = device_mesh.get_group(PP)
+    mine = [(e.name, e.shards[0], e.shape, e.dtype, e.stage)
+            for e in found.values() if e.shards is not None]
+    told = [None] * dist.get_world_size(group)
+    dist.all_gather_object(told, mine, group=group)
+    for held in told:
+        for name, spec, shape, dtype, stage in held:
+            if found.get(name) is None or found[name].shards is None:
+                found[name] = _Entry(name, shape, dtype, shards=(spec, {}), mesh=sub,
+                                     stage=stage)
 
 
 def _plan(entries: list[_Entry], limit: int) -> list[list[_Entry]]:
@@ -289,22 +322,24 @@ class _Comm:
 
     def send_blocks(self, e: _Entry, writer: int) -> None:
         spec, getters = e.shards
-        if self.rank in _owners(spec, self.spec):
-            block = getters[self.rank]().contiguous()
-            self.dist.send(block, dst=self.globals[writer])
+        for r, kept in e.holders(self.spec):
+            if r == self.rank:
+                block = getters[kept]().contiguous()
+                self.dist.send(block, dst=self.globals[writer])
 
     def gather_whole(self, e: _Entry) -> torch.Tensor:
         from .placement import local_shape
         spec, getters = e.shards
+        mesh = e.mesh or self.spec
         out = torch.zeros(e.shape, dtype=e.dtype, device=torch.device("cpu"))
-        for r in _owners(spec, self.spec):
+        for r, kept in e.holders(self.spec):
             if r == self.rank:
-                block = getters[r]()
+                block = getters[kept]()
             else:
-                block = torch.empty(local_shape(e.shape, spec, self.spec), dtype=e.dtype,
-                                    device=torch.device("cpu"))
+                block = torch.empty(local_shape(e.shape, spec, mesh), dtype=e.dtype,
+                                    device=torch.device(self.spec.device_type))
                 self.dist.recv(block, src=self.globals[r])
-            _place(out, block, spec, self.spec, r)
+            _place(out, block, spec, mesh, kept)
         return out
 
     def barrier(self) -> None:

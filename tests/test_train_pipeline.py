@@ -6,6 +6,7 @@ interleaved 1F1B with the loss inside. Sizes are uneven (hidden 48, intermediate
 5 layers over 4 stages).
 """
 import copy
+import os
 
 import pytest
 import torch
@@ -198,15 +199,22 @@ def test_schedule_orders_and_errors():
         pm(ids)
 
 
-def _gloo_body(rank: int, report: dict) -> None:
-    for key, axes, opts in (("pp_tp", dict(pp=2, tp=2), {}),
-                            ("fsdp_pp", dict(fsdp=2, pp=2),
-                             dict(fsdp_reshard_after_forward="layers"))):
+_GLOO_CASES = (("pp_tp", dict(pp=2, tp=2), {}),
+               ("fsdp_pp", dict(fsdp=2, pp=2), dict(fsdp_reshard_after_forward="layers")))
+_CLIP = 0.05
+
+
+def _gloo_body(rank: int, report: dict, out_dir: str) -> None:
+    for key, axes, opts in _GLOO_CASES:
         report[key] = {}
-        _gloo_case(rank, report[key], axes, opts)
+        _gloo_case(rank, report[key], axes, opts, f"{out_dir}/{key}")
 
 
-def _gloo_case(rank: int, report: dict, axes: dict, opts: dict) -> None:
+def _worst_whole(whole: dict, model, of) -> float:
+    return max((whole[n] - of(p)).abs().max().item() for n, p in model.named_parameters())
+
+
+def _gloo_case(rank: int, report: dict, axes: dict, opts: dict, out_dir: str) -> None:
     from tests.launch import worst_block
     model, (ids, labels) = _llama(2), _data()
     ref = copy.deepcopy(model)
@@ -223,17 +231,29 @@ def _gloo_case(rank: int, report: dict, axes: dict, opts: dict) -> None:
         return max(worst_block(tm.shards(sub), named, tm._specs, t.sub, sub, of=what)
                    for tm in tms)
     report["grad"] = worst(lambda p: p.grad)
+    # every stage's whole gradients on every rank (each stage gathers its own, then they
+    # are shared along pp)
+    report["gradients"] = _worst_whole(pm.gradients(), ref, lambda p: p.grad)
     pm.zero_grad(), ref.zero_grad()
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    report["loss"] = []
+    report["loss"], report["norm"] = [], []
     for _ in range(3):
         loss = pm.train_step(ids, target=labels, loss_fn=_loss, schedule="1f1b")
         expect = _loss(ref(ids), labels)
         expect.backward()
         report["loss"].append(abs(loss.item() - expect.item()))
+        # the global norm: every stage counts its own parameters, each replica once
+        norm = fxshard.clip_grad_norm_(pm, _CLIP).item()
+        report["norm"].append(abs(norm - torch.nn.utils.clip_grad_norm_(
+            ref.parameters(), _CLIP).item()) / norm)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     report["params"] = worst(lambda p: p.detach())
+    report["state_dict"] = _worst_whole(pm.state_dict(), ref, lambda p: p.detach())
+    # checkpoints: the trained shards of every stage, each process writing its own part
+    report["written"] = [os.path.basename(f) for f in fxshard.save_safetensors(
+        pm, f"{out_dir}/hf", max_shard_size=20_000)]
+    fxshard.save_training_state(pm, opt, f"{out_dir}/dcp")
     # the collectives the runner issued in the background (post_emit.prefetch_fsdp_pass)
     from fxshard.ops.collectives import START
     report["background"] = sum(
@@ -247,15 +267,58 @@ def test_pp2_tp2_and_fsdp2_pp2_gloo_1f1b(tmp_path):
     """4 processes, pp2·tp2 then fsdp2·pp2 (FSDP2's reshard policy, ``"layers"``): activations
     and their gradients cross the cut as gloo isend/irecv, fsdp's all-gathers run one ahead
     and its reduce-scatters in the background beside them; GPipe's gradients and three 1F1B
-    AdamW steps equal one device's."""
+    AdamW steps with ``clip_grad_norm_`` equal one device's. ``pm.gradients()`` and
+    ``pm.state_dict()`` give every rank every stage's whole tensors; ``save_safetensors``
+    (every rank writing files) and ``save_training_state`` hold the trained model, which
+    resumes in this process on a simulated fsdp2·tp2 mesh for a fourth step equal to one
+    device's."""
+    from safetensors.torch import load_file
     from tests.launch import gloo_job
-    reports = gloo_job(_gloo_body, 4, str(tmp_path), timeout_s=240, grad=True)
+    reports = gloo_job(_gloo_body, 4, str(tmp_path), str(tmp_path), timeout_s=240, grad=True)
     for rank, by_mesh in reports.items():
-        for key in ("pp_tp", "fsdp_pp"):
+        for key, _, _ in _GLOO_CASES:
             r = by_mesh[key]
             assert r["forward"] < 1e-4 and r["grad"] < 1e-5 and r["params"] < 1e-5, (key, r)
-            assert max(r["loss"]) < 1e-5, (key, r)
+            assert r["gradients"] < 1e-5 and r["state_dict"] < 1e-5, (key, r)
+            assert max(r["loss"]) < 1e-5 and max(r["norm"]) < 1e-5, (key, r)
             assert (r["background"] > 0) == (key == "fsdp_pp"), (key, r)
+    # the single device, trained as the ranks were: GPipe's gradients dropped, three clipped
+    # AdamW steps; then a fourth
+    ref, (ids, labels) = _llama(2), _data()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+
+    def step():
+        opt.zero_grad()
+        _loss(ref(ids), labels).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), _CLIP)
+        opt.step()
+    for _ in range(3):
+        step()
+    want = ref.state_dict()
+    for key, _, _ in _GLOO_CASES:
+        ckpt = tmp_path / key / "hf"
+        files = sorted(p.name for p in ckpt.glob("*.safetensors"))
+        written = sorted(f for r in reports.values() for f in r[key]["written"])
+        assert written == sorted(files + ["model.safetensors.index.json"]), (key, written)
+        assert sum(bool(r[key]["written"]) for r in reports.values()) == 4   # every rank
+        got = {k: v for f in files for k, v in load_file(str(ckpt / f)).items()}
+        assert set(got) == set(want), key
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    # the ranks' training state, resumed in this process on another mesh: the fourth step
+    # equals one device's
+    step()
+    for key, _, _ in _GLOO_CASES:
+        pm = fxshard.parallelize(_llama(2), _mesh(fsdp=2, tp=2), example_inputs=(ids,))
+        opt2 = torch.optim.AdamW(pm.parameters(), lr=1.0)
+        fxshard.load_training_state(pm, opt2, str(tmp_path / key / "dcp"))
+        _loss(pm(ids), labels).backward()
+        fxshard.clip_grad_norm_(pm, _CLIP)
+        opt2.step()
+        trained = pm.state_dict()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-5,
+                                       msg=f"{key} {name}")
 
 
 def test_recompute_on_pp_saves_less_with_equal_gradients():
@@ -287,3 +350,39 @@ def test_compile_on_pp_compiles_each_stage_forward_and_backward():
     _close_grads(model, pm)
     for tm in pm.trainer.stage_modules:
         assert set(tm._last.compiled) == {"forward", "backward"}, tm._last.compiled
+
+
+@pytest.mark.parametrize("a,b", [(dict(pp=2, tp=2), dict(fsdp=2, pp=2)),
+                                 (dict(pp=2), dict(tp=2)), (dict(fsdp=2), dict(pp=2))])
+def test_training_state_resumes_across_pp(tmp_path, a, b):
+    """``save_training_state`` on a pp mesh (every stage's shards and AdamW state, by the
+    model's names) and ``load_training_state`` onto a mesh with or without pp: two more
+    steps equal four uninterrupted single-device steps."""
+    ids, labels = _data()
+    ref = _llama(2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+
+    def steps(call, opt, n):
+        for _ in range(n):
+            opt.zero_grad()
+            _loss(call(ids), labels).backward()
+            opt.step()
+    steps(ref, ref_opt, 4)
+    micro = {"microbatches": 2}
+    pm = fxshard.parallelize(_llama(2), _mesh(**a), **(micro if "pp" in a else {}))
+    pm(ids)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=1e-6)
+    steps(pm, opt, 2)
+    fxshard.save_training_state(pm, opt, str(tmp_path))
+    fresh = _llama(2)
+    torch.nn.init.zeros_(fresh.model.embed_tokens.weight)   # overwritten by the load
+    pm2 = fxshard.parallelize(fresh, _mesh(**b), **(micro if "pp" in b else {}))
+    pm2(ids)
+    opt2 = torch.optim.AdamW(pm2.parameters(), lr=123.0, eps=1e-6)
+    fxshard.load_training_state(pm2, opt2, str(tmp_path))
+    assert opt2.param_groups[0]["lr"] == pytest.approx(1e-2)
+    steps(pm2, opt2, 2)
+    trained = pm2.state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-5, msg=name)
+    assert {float(s["step"]) for s in opt2.state.values()} == {4.0}

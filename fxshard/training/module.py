@@ -152,6 +152,8 @@ class _Step(torch.autograd.Function):
 class TrainModule:
     """A model's training programs over a mesh; see :func:`parallelize_for_training`."""
 
+    _distinct_axes: tuple = ()   # mesh axes whose coordinates hold other parameters (pp's)
+
     def __init__(self, model: torch.nn.Module, mesh, *, sequence_parallel: bool = False,
                  plan: dict | None = None, embedding: str = "embed_dim", strict: bool = False,
                  fsdp_reshard_after_forward: bool | str = True, recompute: str | None = None,
@@ -472,11 +474,8 @@ class TrainModule:
             if self._simulated:
                 blocks = [what(self._shards[r][fqn]) for r in range(self.spec.world_size)]
             else:
-                from ..runtime.distributed import backend_for
-                from .world import gather_blocks
                 mine = what(self._shards[self.ranks[0]][fqn])
-                blocks = [None] if mine is None else \
-                    gather_blocks(backend_for(self.mesh), mine)
+                blocks = [None] if mine is None else self._gather_blocks(mine)
             if any(b is None for b in blocks):
                 out[fqn] = None
                 continue
@@ -484,6 +483,12 @@ class TrainModule:
         for other, kept in program.joint.tied.items():   # one tensor, several names
             out[other] = out[kept]
         return out
+
+    def _gather_blocks(self, block: torch.Tensor) -> list:
+        """A real mesh: every rank's ``block``, by rank, on every rank."""
+        from ..runtime.distributed import backend_for
+        from .world import gather_blocks
+        return gather_blocks(backend_for(self.mesh), block)
 
     def gradients(self) -> dict:
         """Full gradients by the model's parameter names, assembled from the shards (a real

@@ -31,7 +31,8 @@ def clip_grad_norm_(tm, max_norm: float, norm_type: float = 2.0) -> torch.Tensor
         from .world import owned_norm
         mine = tm.shards(tm.ranks[0])
         total = owned_norm(backend_for(tm.mesh), [p.grad for p in mine.values()],
-                           [tm._specs[k] for k in mine], norm_type)
+                           [tm._specs[k] for k in mine], norm_type,
+                           distinct=tm._distinct_axes)
     else:
         grads = [g for k, g in tm.gradients().items() if g is not None and k not in tied]
         if not grads:

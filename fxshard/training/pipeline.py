@@ -64,6 +64,12 @@ class _StageModule(TrainModule):
         with use_backend(backend_for(self.device_mesh)):
             return {self.sub_rank: fn(self.sub_rank)}
 
+    def _gather_blocks(self, block: torch.Tensor) -> list:
+        """This stage's ranks' blocks (over every axis but ``pp``), by rank on its mesh."""
+        from ..runtime.distributed import backend_for
+        from .world import gather_blocks
+        return gather_blocks(backend_for(self.device_mesh), block, skip=(PP,))
+
 
 class _StageShard(TrainedShard):
     """A stage's trained parameter, its blocks asked for by rank of the whole mesh."""
@@ -430,13 +436,34 @@ class PipelineTrainer:
         tms, sub = self._where(rank)
         return {k: v for tm in tms for k, v in tm.shards(sub).items()}
 
+    def _whole(self, what: str) -> dict:
+        """Every stage's whole tensors by name (``what``: ``"gradients"`` or
+        ``"state_dict"``). On a real mesh each process assembles its own stages' (with the
+        ranks of its stage) and the stages share them along ``pp``: every rank must call it,
+        and every rank gets the whole model."""
+        self._require(what)
+        mine = {k: v for tm in self.stage_modules if tm._last is not None
+                for k, v in getattr(tm, what)().items()}
+        if self._simulated:
+            return mine
+        from ..runtime.distributed import backend_for
+        from .world import share_along
+        return share_along(backend_for(self.mesh), PP, mine)
+
     def gradients(self) -> dict:
-        self._require("gradients")
-        return {k: v for tm in self.stage_modules for k, v in tm.gradients().items()}
+        return self._whole("gradients")
 
     def state_dict(self) -> dict:
-        self._require("state_dict")
-        return {k: v for tm in self.stage_modules for k, v in tm.state_dict().items()}
+        return self._whole("state_dict")
+
+    # clip_grad_norm_ on a real mesh: this process's shards' placements; each pp coordinate
+    # holds other parameters (fxshard.training.world.owned_norm's ``distinct``)
+    _distinct_axes = (PP,)
+
+    @property
+    def _specs(self) -> dict:
+        return {k: v for tm in self.stage_modules if tm._specs is not None
+                for k, v in tm._specs.items()}
 
     def memory(self, rank: int) -> dict:
         """Bytes rank ``rank`` holds: its stages' parameter shards and gradients, and the

@@ -40,16 +40,25 @@ _LOAD = "fxshard.load_training_state"
 
 
 def _trainer(pm, where: str):
-    """The TrainModule behind ``pm`` (a ParallelModule or a TrainModule), shards placed."""
+    """The trainer behind ``pm`` (a ParallelModule or a TrainModule), shards placed."""
     pm.parameters()     # a clear error when nothing is traced yet; places example_inputs'
     tm = getattr(pm, "trainer", pm)
     tm._require(where)
     return tm
 
 
+def _parts(tm) -> list:
+    """The TrainModules whose shards make up ``tm``'s: itself, or a pipeline's stages that
+    run in this process (each a TrainModule on the mesh without ``pp``; their parameters
+    differ, so each is saved and loaded as a model of its own, under the same names)."""
+    stages = getattr(tm, "stage_modules", None)
+    return [tm] if stages is None else [t for t in stages if t._last is not None]
+
+
 def _owners(tm, optimizer, where: str) -> dict:
     """``{id(parameter shard): (rank, fqn)}``; every parameter of ``optimizer`` must be one."""
-    owners = {id(p): (rank, fqn) for rank in tm.ranks for fqn, p in tm.shards(rank).items()}
+    owners = {id(p): (rank, fqn) for part in _parts(tm) for rank in part.ranks
+              for fqn, p in part.shards(rank).items()}
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) not in owners:
@@ -77,7 +86,10 @@ def _dtensor(tm, fqn: str, local: torch.Tensor, where: str):
     from torch.distributed.tensor import DTensor
     shape = torch.Size(tm._last.shapes[fqn])
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, device_mesh=tm.mesh,
+    # a pipeline stage's placements name every axis, pp replicated: the whole mesh's, on
+    # which only the stage's ranks hold the name
+    mesh = getattr(tm, "device_mesh", None) or tm.mesh
+    return DTensor.from_local(local, device_mesh=mesh,
                               placements=_placements(tm, fqn, where), run_check=False,
                               shape=shape, stride=stride)
 
@@ -109,10 +121,10 @@ def save_training_state(pm, optimizer: torch.optim.Optimizer, path: str) -> None
     to the DCP checkpoint directory ``path``, by the model's parameter names, whole; on real
     ranks every process calls it and writes what it owns. See :mod:`fxshard.training.resume`."""
     import torch.distributed.checkpoint as dcp
-    tm = _trainer(pm, "save_training_state")
-    owners = _owners(tm, optimizer, _SAVE)
+    top = _trainer(pm, "save_training_state")
+    owners = _owners(top, optimizer, _SAVE)
     model, state = {}, {}
-    for fqn in tm.shards(tm.ranks[0]):
+    for tm, fqn in ((t, fqn) for t in _parts(top) for fqn in t.shards(t.ranks[0])):
         shards = {r: tm.shards(r)[fqn] for r in tm.ranks}
         model[fqn] = _whole(tm, fqn, shards, _SAVE)
         held = {r: optimizer.state.get(p) for r, p in shards.items()}
@@ -139,8 +151,8 @@ def save_training_state(pm, optimizer: torch.optim.Optimizer, path: str) -> None
         state[fqn] = mine
     sd = {"model": model, "optim": {"state": state,
                                     "param_groups": _groups(optimizer, owners)}}
-    with _one_process(tm):
-        dcp.save(sd, checkpoint_id=path, no_dist=tm._simulated)
+    with _one_process(top):
+        dcp.save(sd, checkpoint_id=path, no_dist=top._simulated)
 
 
 @contextlib.contextmanager
@@ -193,12 +205,12 @@ def load_training_state(pm, optimizer: torch.optim.Optimizer, path: str) -> None
     parameter shards (in place) and ``optimizer`` (over ``pm.parameters()``): its state per
     shard and its groups' hyperparameters. On real ranks every process calls it."""
     import torch.distributed.checkpoint as dcp
-    tm = _trainer(pm, "load_training_state")
-    _owners(tm, optimizer, _LOAD)
+    top = _trainer(pm, "load_training_state")
+    _owners(top, optimizer, _LOAD)
     meta = _metadata(path)
-    first = tm.shards(tm.ranks[0])
     model, state = {}, {}
-    for fqn, shard in first.items():
+    for tm, fqn, shard in ((t, fqn, shard) for t in _parts(top)
+                           for fqn, shard in t.shards(t.ranks[0]).items()):
         m = meta.get(f"model.{fqn}")
         if m is None or tuple(getattr(m, "size", ())) != tuple(tm._last.shapes[fqn]):
             raise ValueError(
@@ -219,15 +231,16 @@ def load_training_state(pm, optimizer: torch.optim.Optimizer, path: str) -> None
     groups = [{k.split(".", 3)[3]: None for k in meta
                if k.startswith(f"optim.param_groups.{i}.")} for i in range(n_groups)]
     sd = {"model": model, "optim": {"state": state, "param_groups": groups}}
-    with _one_process(tm):
-        dcp.load(sd, checkpoint_id=path, no_dist=tm._simulated)
+    with _one_process(top):
+        dcp.load(sd, checkpoint_id=path, no_dist=top._simulated)
     groups = sd["optim"]["param_groups"]
     with torch.no_grad():
-        for rank in tm.ranks:
-            for fqn, shard in tm.shards(rank).items():
-                shard.copy_(_block(tm, fqn, model[fqn], rank))
+        for tm in _parts(top):
+            for rank in tm.ranks:
+                for fqn, shard in tm.shards(rank).items():
+                    shard.copy_(_block(tm, fqn, model[fqn], rank))
     stepped = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    for rank in tm.ranks:
+    for tm, rank in ((t, r) for t in _parts(top) for r in t.ranks):
         for fqn, p in tm.shards(rank).items():
             if fqn not in state or id(p) not in stepped:
                 continue
