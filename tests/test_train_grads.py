@@ -126,6 +126,31 @@ def test_tied_embedding_gradient_sums_both_uses(dp, tp):
         assert c["all_reduce", "tp"] == 2 + 1 and c["all_gather", "tp"] == 0, c
 
 
+@pytest.mark.parametrize("sp", [False, True])
+def test_tied_table_tp_does_not_divide_trains_as_megatron(sp):
+    """A tied table whose vocab (97) tp=2 does not divide stays split on the hidden dim; the
+    head's input gradient comes out hidden-sharded and is gathered where it is made
+    (``refine.mirrored_inputs``), so every layer's backward is Megatron's: no weight changes
+    layout (it all-to-all'ed two per linear before), the counts are a layer's."""
+    torch.manual_seed(0)
+    layers, vocab = 2, 97
+    model = LlamaForCausalLM(LlamaConfig.tiny(
+        num_hidden_layers=layers, vocab_size=vocab, hidden_size=48, intermediate_size=72,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    g = torch.Generator().manual_seed(1)
+    ids, labels = (torch.randint(0, vocab, (B, S), generator=g) for _ in range(2))
+    tm = parallelize_for_training(model, _mesh(1, 2), sequence_parallel=sp)
+    _check_grads(model, tm, ids, labels)
+    assert tm.shards(0)["model.embed_tokens.weight"].shape == (vocab, 24)
+    c = _collectives(tm, "backward")
+    assert c["all_to_all", "tp"] == 0, c
+    if sp:   # per layer: two gathers, two reduce-scatters; the head's gradient; the table's
+        assert c["all_gather", "tp"] == 2 * layers + 1, c
+        assert c["reduce_scatter", "tp"] == 2 * layers + 1, c
+    else:    # per layer: Megatron's two all-reduces; the head's input gradient gathered
+        assert c["all_reduce", "tp"] == 2 * layers and c["all_gather", "tp"] == 1, c
+
+
 def test_rank_programs_are_readable_and_split():
     model = _llama(layers=1)
     ids, labels = _data()

@@ -215,10 +215,14 @@ def test_tied_embeddings_train_on_dp_tp(name, sp):
         # gradient [TV+1, B/dp*S] (replicated on tp) is sliced locally into the flattened
         # tokens' fused layout, each batch row's sequence half (B/dp = 2 parts of S = 6),
         # with no communication; the partial [TV+1, 48] is reduce-scattered to the rank's half
-        fused = [n for n in tm.rank_module(0, "backward").graph.nodes
-                 if getattr(n.meta.get("fxshard_collective"), "op", None) == "fused_shard"]
+        shards = [n for n in tm.rank_module(0, "backward").graph.nodes
+                  if getattr(n.meta.get("fxshard_collective"), "op", None) == "fused_shard"]
+        fused = [n for n in shards if n.args[1] == 1]
         assert [(str(n.target), n.args[1:]) for n in fused] == \
-            [("fxshard.local_shard.default", (1, "tp", 2))] * (B // 2), fused
+            [("fxshard.local_shard.default", (1, "tp", 2))] * (B // 2), shards
+        # and the head's input gradient [B/dp*S, H], gathered where it is made
+        # (training/refine.py::mirrored_inputs), is sliced into the same token layout
+        assert [n.args[1:] for n in shards if n not in fused] == [(0, "tp", 2)] * (B // 2)
         mesh = fxshard.mesh.MeshSpec((2, 2), ("dp", "tp"))
         assert [local_shape(n.args[0].meta["val"].shape, n.args[0].meta["fxshard_spec"], mesh)
                 for n in fused] == [(TV + 1, S)] * 2

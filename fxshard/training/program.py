@@ -61,7 +61,8 @@ from .cuda_attention import cuda_attention_backward_pass
 from .dropout import check_dropout_mesh
 from .context_parallel import drop_marks_pass, lower_ring_pass, mark_ulysses_pass
 from .joint import Joint, joint_graph
-from .refine import dedupe_views_pass, gathered_many_times, reduced_many_times, tag_sliced
+from .refine import (dedupe_views_pass, gathered_many_times, mirrored_inputs,
+                     reduced_many_times, tag_sliced)
 from .partition import Split, partition
 
 aten = torch.ops.aten
@@ -158,7 +159,7 @@ def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint
              and isinstance(n.meta.get("val"), torch.Tensor)]
     main = users[0].meta["val"] if users else None
     whole = tuple(R for _ in ctx.mesh.shape)
-    given, tags, tangents = {}, {}, {}
+    given, tags, tangents, tangent_nodes = {}, {}, {}, []
     fresh = 1 + max([n.meta["fxshard_input"] for n in users] or [0])
     moe_routing_pass(gm, ctx=ctx)   # (the tangents still tagged: it tells the backward apart)
     for node in placeholders:
@@ -173,6 +174,7 @@ def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint
         tags[node] = (key, node.meta.pop(key))
         if key == "fxshard_tangent":
             tangents[fresh] = tags[node][1]
+            tangent_nodes.append(node)
         node.meta["fxshard_input"] = fresh
         # a parameter enters as it is used (fsdp: whole on that axis, gathered from its shard)
         given[fresh] = used_spec(specs.get(fqn, whole), ctx.mesh) if fqn is not None else whole
@@ -203,6 +205,10 @@ def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint
         ctx.report("propagate_pass", changed=False, reduced_once=len(more))
         reduced.update(more)
         once = {k: v for k, v in gathered_many_times(gm, ctx).items() if k not in gathered}
+        mirrored = {k: v for k, v in mirrored_inputs(gm, ctx, tangent_nodes).items()
+                    if k not in gathered and k not in once}
+        ctx.report("propagate_pass", changed=False, gathered_as_forward=len(mirrored))
+        once.update(mirrored)
         ctx.report("propagate_pass", changed=False, gathered_once=len(once))
         gathered.update(once)
         if not changed and not more and not once:

@@ -17,6 +17,19 @@ collectives; each refinement finds one after a sweep and the next sweep avoids i
 - ``gathered_many_times``: a sharded value whose views are gathered separately (sequence
   parallelism's gradient ``view_15`` and its transpose ``t_12`` for the weight gradient) is
   gathered once, before the views;
+- ``mirrored_inputs``: the gradient of a matmul's input, where the backward's local choice
+  shards it otherwise than the forward holds the input (whole, or sharded on another dim),
+  is redistributed to the input's placement where it is made. A tied table split on the
+  hidden dim (a vocab ``tp`` does not divide): the head's input gradient
+  ``mm(grad_logits, w)`` comes out hidden-sharded; kept so, it reached every layer's
+  backward, where each weight was all-to-all'ed into its layout. Gathered (sequence
+  parallel: to its sequence shard, where the input held one), the layers run Megatron's
+  backward::
+
+      mm_9 = mm(view_12, t_10)              # tp: R x S(1) -> S(1), the input was R
+      before: view_13 ... add_7 S(2) ... all_to_all(down_proj.weight) ... (per layer)
+      after:  all_gather(mm_9)              # one [B * S, H] gather
+
 - ``tag_sliced``: each ``slice_backward`` is told the tensor its forward slice cut (the
   same autograd ``seq_nr``), so the gradient of q, k or v is padded into the fused layout of
   ``qkv_proj``'s output rather than gathered (``rules/backward.py``);
@@ -34,7 +47,8 @@ from ..placement import Partial, R, local_shape, shard_dim
 
 aten = torch.ops.aten
 
-__all__ = ["reduced_many_times", "gathered_many_times", "dedupe_views_pass", "tag_sliced"]
+__all__ = ["reduced_many_times", "gathered_many_times", "mirrored_inputs", "dedupe_views_pass",
+           "tag_sliced"]
 
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.t.default,
           aten.transpose.int, aten.permute.default)
@@ -54,6 +68,54 @@ def gathered_many_times(gm: fx.GraphModule, ctx: PassCtx) -> dict:
     that keep a shard, is gathered more than once; the latest such value."""
     return _reaching_many(gm, ctx, held=lambda p: shard_dim(p) is not None,
                           ends=lambda need: need == R, views_only=True)
+
+
+def mirrored_inputs(gm: fx.GraphModule, ctx: PassCtx, tangents) -> dict:
+    """(node, axis index) -> the input's placement for each backward ``mm`` (one that
+    depends on a node of ``tangents``) that makes the gradient of a forward ``mm``'s input
+    (aot_autograd gives both the same ``seq_nr``; the gradient has the input's shape, the
+    other operand's differs, and it does not read the input: the weight's gradient does)
+    sharded on an axis where the input is whole or sharded on another dim. Under sequence
+    parallelism a whole input is one gathered from sequence shards, where its gradient is
+    headed: that is left to the sweep (an all-to-all to them moves half an all-gather). An
+    input in a fused layout (``StridedShard``: the batch's rows' sequence halves) is reached
+    by a gather and a local slice: GPT-2's head under sequence parallelism moves
+    ``[B * S, H / tp]`` where the sweep's all-to-all moved half that, a small price for
+    Llama's, whose layers otherwise all-to-all every weight."""
+    backward = set(tangents)
+    for node in gm.graph.nodes:
+        if any(t in backward for t in node.all_input_nodes):
+            backward.add(node)
+    forward: dict = {}
+    for node in gm.graph.nodes:
+        if node.target is aten.mm.default and node not in backward and \
+                node.meta.get("seq_nr") is not None:
+            forward.setdefault(node.meta["seq_nr"], []).append(node)
+    out = {}
+    for node in gm.graph.nodes:
+        if node.target is not aten.mm.default or node not in backward:
+            continue
+        spec = node.meta.get("fxshard_spec")
+        shape = tuple(node.meta["val"].shape)
+        for f in forward.get(node.meta.get("seq_nr"), []):
+            a, b = f.args[0], f.args[1]
+            a_spec = a.meta.get("fxshard_spec")
+            if not isinstance(spec, tuple) or not isinstance(a_spec, tuple) or \
+                    tuple(a.meta["val"].shape) != shape or \
+                    tuple(b.meta["val"].shape) == shape or _reads(node, a):
+                continue    # (a reader of the input makes the weight's gradient)
+            for i, n in enumerate(ctx.mesh.shape):
+                if n > 1 and shard_dim(spec[i]) is not None and spec[i] != a_spec[i] and \
+                        (a_spec[i] == R and not ctx.sequence_parallel or
+                         shard_dim(a_spec[i]) is not None):
+                    out[(node.name, i)] = a_spec[i]
+    return out
+
+
+def _reads(node: fx.Node, value: fx.Node) -> bool:
+    """``node`` takes ``value``, or a view of it, as an operand."""
+    return any(x is value or (isinstance(x, fx.Node) and x.target in _VIEWS and
+                              x.args[0] is value) for x in node.args)
 
 
 def _bytes(node: fx.Node, mesh) -> int:
