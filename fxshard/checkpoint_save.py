@@ -29,8 +29,9 @@ the writer, which assembles and writes it, so a rank's peak is its own shards pl
 tensor. Rank 0 writes the index last, after a barrier. A module trained on ``pp``: each
 stage's shards are kept by the stage's ranks (on the mesh without ``pp``); under ``torchrun``
 a process knows only its own stages', so the stages first tell each other along ``pp`` which
-parameters they hold (name, placement, shape, dtype: one object all-gather), and every rank
-then has the same plan, each block sent by the rank of its stage that keeps it.
+parameters they hold (name, placement, shape, dtype, pp coordinate: one object all-gather),
+and every rank then has the same plan, each block sent by the rank of its stage that keeps
+it.
 """
 from __future__ import annotations
 
@@ -319,6 +320,9 @@ class _Comm:
         self.spec = mesh_spec(device_mesh, where=_WHERE)
         self.globals = [int(g) for g in device_mesh.mesh.flatten().tolist()]
         self.rank = self.globals.index(dist.get_rank())
+        kind = self.spec.device_type       # receive buffers: the device the blocks live on
+        self.device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" \
+            else torch.device(kind)
 
     def send_blocks(self, e: _Entry, writer: int) -> None:
         spec, getters = e.shards
@@ -337,7 +341,7 @@ class _Comm:
                 block = getters[kept]()
             else:
                 block = torch.empty(local_shape(e.shape, spec, mesh), dtype=e.dtype,
-                                    device=torch.device(self.spec.device_type))
+                                    device=self.device)
                 self.dist.recv(block, src=self.globals[r])
             _place(out, block, spec, mesh, kept)
         return out

@@ -7,6 +7,7 @@ interleaved 1F1B with the loss inside. Sizes are uneven (hidden 48, intermediate
 """
 import copy
 import os
+import warnings
 
 import pytest
 import torch
@@ -308,7 +309,14 @@ def test_pp2_tp2_and_fsdp2_pp2_gloo_1f1b(tmp_path):
     # the ranks' training state, resumed in this process on another mesh: the fourth step
     # equals one device's
     step()
+    import torch.distributed.checkpoint as dcp
     for key, _, _ in _GLOO_CASES:
+        groups = {"optim": {"param_groups": [{"params": None}]}}   # every stage's names
+        with warnings.catch_warnings():   # DCP: "assuming ... a single process" (it is)
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(groups, checkpoint_id=str(tmp_path / key / "dcp"), no_dist=True)
+        assert groups["optim"]["param_groups"][0]["params"] == \
+            [n for n, _ in ref.named_parameters()], key
         pm = fxshard.parallelize(_llama(2), _mesh(fsdp=2, tp=2), example_inputs=(ids,))
         opt2 = torch.optim.AdamW(pm.parameters(), lr=1.0)
         fxshard.load_training_state(pm, opt2, str(tmp_path / key / "dcp"))

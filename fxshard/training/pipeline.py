@@ -448,7 +448,9 @@ class PipelineTrainer:
             return mine
         from ..runtime.distributed import backend_for
         from .world import share_along
-        return share_along(backend_for(self.mesh), PP, mine)
+        every = share_along(backend_for(self.mesh), PP, mine)
+        order = list(self.model.state_dict())      # the model's order, as a simulated mesh
+        return {**{n: every[n] for n in order if n in every}, **every}
 
     def gradients(self) -> dict:
         return self._whole("gradients")

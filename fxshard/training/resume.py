@@ -108,11 +108,25 @@ def _whole(tm, fqn: str, blocks: dict, where: str):
                     tm._specs[fqn], tm.spec)
 
 
-def _groups(optimizer, owners: dict) -> list:
+def _groups(tm, optimizer, owners: dict) -> list:
+    """The optimizer's groups with their parameters' names. A pipeline on a real mesh: each
+    process's optimizer holds its own stages' parameters; the names of every stage's come
+    along ``pp`` (one object all-gather), in the model's order, so each rank saves them all."""
     out = []
     for group in optimizer.param_groups:
         names = list(dict.fromkeys(owners[id(p)][1] for p in group["params"]))
         out.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+    if tm._simulated or getattr(tm, "stage_modules", None) is None:
+        return out
+    import torch.distributed as dist
+    from ..mesh import PP
+    group = tm.mesh.get_group(PP)
+    told = [None] * dist.get_world_size(group)
+    dist.all_gather_object(told, [g["params"] for g in out], group=group)
+    order = {n: i for i, (n, _) in enumerate(tm.model.named_parameters(remove_duplicate=False))}
+    for k, g in enumerate(out):
+        names = {n for stage in told for n in stage[k]}
+        g["params"] = sorted(names, key=lambda n: order.get(n, len(order)))
     return out
 
 
@@ -150,7 +164,7 @@ def save_training_state(pm, optimizer: torch.optim.Optimizer, path: str) -> None
             mine[key] = value
         state[fqn] = mine
     sd = {"model": model, "optim": {"state": state,
-                                    "param_groups": _groups(optimizer, owners)}}
+                                    "param_groups": _groups(top, optimizer, owners)}}
     with _one_process(top):
         dcp.save(sd, checkpoint_id=path, no_dist=top._simulated)
 
