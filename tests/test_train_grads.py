@@ -151,6 +151,44 @@ def test_tied_table_tp_does_not_divide_trains_as_megatron(sp):
         assert c["all_reduce", "tp"] == 2 * layers and c["all_gather", "tp"] == 1, c
 
 
+class _TransposedProjection(torch.nn.Module):
+    """``(w @ x^T)^T``: the weight is the matmul's first operand and the activation a
+    transposed second one (autograd computes its gradient as ``t(mm(w^T, t(grad)))``);
+    B*S = 24 tokens, as many as the weight's rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.proj = torch.nn.Module()
+        self.proj.weight = torch.nn.Parameter(torch.randn(24, 16) * 0.1)
+        self.head = torch.nn.Linear(24, 32, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        y = (self.proj.weight @ x.reshape(-1, x.shape[-1]).t()).t()
+        return self.head(torch.relu(y)).reshape(*ids.shape, -1)
+
+
+def test_matmul_input_gradients_matched_by_operand_not_shape():
+    """``refine.mirrored_inputs`` leaves a matmul whose gradients only share shapes with its
+    inputs alone: the backward is the column-parallel one (the embedding's gradient
+    reduce-scattered), not all-to-alls into a layout the forward never had."""
+    torch.manual_seed(0)
+    model, ids = _TransposedProjection(), torch.randint(0, 32, (4, 6))
+    tm = parallelize_for_training(model, _mesh(1, 2), plan={"proj": "colwise"})
+    out = tm(ids)
+    ref = model(ids)
+    torch.testing.assert_close(out, ref)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    grads = tm.gradients()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+    c = _collectives(tm, "backward")
+    assert {k: v for k, v in c.items() if k[0] != "local_shard"} == \
+        {("reduce_scatter", "tp"): 1}, c
+
+
 def test_rank_programs_are_readable_and_split():
     model = _llama(layers=1)
     ids, labels = _data()

@@ -205,11 +205,13 @@ def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint
         ctx.report("propagate_pass", changed=False, reduced_once=len(more))
         reduced.update(more)
         once = {k: v for k, v in gathered_many_times(gm, ctx).items() if k not in gathered}
-        mirrored = {k: v for k, v in mirrored_inputs(gm, ctx, tangent_nodes).items()
-                    if k not in gathered and k not in once}
+        ctx.report("propagate_pass", changed=False, gathered_once=len(once))
+        # (once the tangents have settled: before, the backward's placements are provisional)
+        mirrored = {} if changed else {
+            k: v for k, v in mirrored_inputs(gm, ctx, tangent_nodes).items()
+            if k not in gathered and k not in once}
         ctx.report("propagate_pass", changed=False, gathered_as_forward=len(mirrored))
         once.update(mirrored)
-        ctx.report("propagate_pass", changed=False, gathered_once=len(once))
         gathered.update(once)
         if not changed and not more and not once:
             break

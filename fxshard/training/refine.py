@@ -72,23 +72,25 @@ def gathered_many_times(gm: fx.GraphModule, ctx: PassCtx) -> dict:
 
 def mirrored_inputs(gm: fx.GraphModule, ctx: PassCtx, tangents) -> dict:
     """(node, axis index) -> the input's placement for each backward ``mm`` (one that
-    depends on a node of ``tangents``) that makes the gradient of a forward ``mm``'s input
-    (aot_autograd gives both the same ``seq_nr``; the gradient has the input's shape, the
-    other operand's differs, and it does not read the input: the weight's gradient does)
-    sharded on an axis where the input is whole or sharded on another dim. Under sequence
-    parallelism a whole input is one gathered from sequence shards, where its gradient is
-    headed: that is left to the sweep (an all-to-all to them moves half an all-gather). An
-    input in a fused layout (``StridedShard``: the batch's rows' sequence halves) is reached
-    by a gather and a local slice: GPT-2's head under sequence parallelism moves
-    ``[B * S, H / tp]`` where the sweep's all-to-all moved half that, a small price for
-    Llama's, whose layers otherwise all-to-all every weight."""
+    depends on a node of ``tangents``) that makes the gradient of a forward ``mm`` or
+    ``addmm``'s input ``a`` (aot_autograd gives both the same ``seq_nr``): ``mm(grad, w)``
+    with ``w`` a view of the forward's other operand and ``a``'s shape, sharded on an axis
+    where ``a`` is whole or sharded on another dim (its placement as its consumers see it). A
+    parameter's gradient is left alone (it leaves in the parameter's placement). Under
+    sequence parallelism a whole input on ``tp`` is one gathered from sequence shards, where
+    its gradient is headed: that is left to the sweep (an all-to-all to them moves half an
+    all-gather). An input in a fused layout (``StridedShard``: the batch's rows' sequence
+    halves) is reached by a gather and a local slice: GPT-2's head under sequence
+    parallelism moves ``[B * S, H / tp]`` where the sweep's all-to-all moved half that, a
+    small price for Llama's, whose layers otherwise all-to-all every weight."""
+    from ..mesh import TP
     backward = set(tangents)
     for node in gm.graph.nodes:
         if any(t in backward for t in node.all_input_nodes):
             backward.add(node)
     forward: dict = {}
     for node in gm.graph.nodes:
-        if node.target is aten.mm.default and node not in backward and \
+        if node.target in _MATMULS and node not in backward and \
                 node.meta.get("seq_nr") is not None:
             forward.setdefault(node.meta["seq_nr"], []).append(node)
     out = {}
@@ -98,24 +100,29 @@ def mirrored_inputs(gm: fx.GraphModule, ctx: PassCtx, tangents) -> dict:
         spec = node.meta.get("fxshard_spec")
         shape = tuple(node.meta["val"].shape)
         for f in forward.get(node.meta.get("seq_nr"), []):
-            a, b = f.args[0], f.args[1]
-            a_spec = a.meta.get("fxshard_spec")
+            a, b = f.args[-2], f.args[-1]
+            a_spec = a.meta.get("fxshard_then") or a.meta.get("fxshard_spec")
             if not isinstance(spec, tuple) or not isinstance(a_spec, tuple) or \
-                    tuple(a.meta["val"].shape) != shape or \
-                    tuple(b.meta["val"].shape) == shape or _reads(node, a):
-                continue    # (a reader of the input makes the weight's gradient)
-            for i, n in enumerate(ctx.mesh.shape):
+                    a.op == "placeholder" or tuple(a.meta["val"].shape) != shape or \
+                    not _view_of(node.args[1], b):
+                continue
+            for i, (axis, n) in enumerate(zip(ctx.mesh.axis_names, ctx.mesh.shape)):
+                whole_on_sp = a_spec[i] == R and ctx.sequence_parallel and axis == TP
                 if n > 1 and shard_dim(spec[i]) is not None and spec[i] != a_spec[i] and \
-                        (a_spec[i] == R and not ctx.sequence_parallel or
+                        (a_spec[i] == R and not whole_on_sp or
                          shard_dim(a_spec[i]) is not None):
                     out[(node.name, i)] = a_spec[i]
     return out
 
 
-def _reads(node: fx.Node, value: fx.Node) -> bool:
-    """``node`` takes ``value``, or a view of it, as an operand."""
-    return any(x is value or (isinstance(x, fx.Node) and x.target in _VIEWS and
-                              x.args[0] is value) for x in node.args)
+_MATMULS = (aten.mm.default, aten.addmm.default)
+
+
+def _view_of(node, value: fx.Node) -> bool:
+    """``node`` is ``value`` or made from it by views alone (``t(t(w))``)."""
+    while isinstance(node, fx.Node) and node is not value and node.target in _VIEWS:
+        node = node.args[0]
+    return node is value
 
 
 def _bytes(node: fx.Node, mesh) -> int:
