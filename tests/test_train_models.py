@@ -226,8 +226,15 @@ def test_tied_embeddings_train_on_dp_tp(name, sp):
         mesh = fxshard.mesh.MeshSpec((2, 2), ("dp", "tp"))
         assert [local_shape(n.args[0].meta["val"].shape, n.args[0].meta["fxshard_spec"], mesh)
                 for n in fused] == [(TV + 1, S)] * 2
+        # Megatron-SP's backward: each block's (2 layers, attention and MLP) input gradient
+        # reduce-scattered onto the LayerNorm's tokens and gathered for the block below; the
+        # table's gradient reduce-scattered, the head's input gradient gathered once; on tp
+        # only the LayerNorms' [48] weight and bias gradients are all-reduced (the blocks'
+        # [B, S, H] input gradients were all-reduced whole, x gathered for the norm)
         c = _collectives(tm, "backward")
-        assert c["reduce_scatter", "tp"] == 1, c
+        assert c["reduce_scatter", "tp"] == 2 * 2 + 1 and c["all_gather", "tp"] == 2 * 2 + 1, c
+        assert {x.shape for x in tm.collectives("backward")
+                if x.op == "all_reduce" and x.axis == "tp"} == {(48,)}
 
 
 @pytest.mark.parametrize("name", ["gpt2", "gpt2_odd"])

@@ -243,7 +243,13 @@ def native_layer_norm_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> D
     n_w = len(tensors) - 4          # weight and bias, when given
     if isinstance(ins[0], Partial) and ctx.is_tp:
         # the input gradient of a column-parallel block (or lm_head): reduced before, once
-        # (Megatron's), not after as three partial sums (grad_x and two [E] gradients)
+        # (Megatron's), not after as three partial sums (grad_x and two [E] gradients); to
+        # the tokens' shard where x holds one (sequence parallelism: a reduce-scatter, and
+        # the norm's backward on the rank's tokens, as Megatron-SP; reduced whole, x, mean
+        # and rstd were gathered for it)
+        shard = _norm_leading(node, ins[1:2], ctx, x, list(node.args[2]))
+        if shard is not None:
+            return Decision(ins=[shard] * 4 + [R] * n_w, out=[shard, P, P])
         return Decision(ins=[R] * len(ins), out=[R] * 3)
     if isinstance(ins[0], Partial) and not any(isinstance(p, Partial) for p in ins[1:]):
         return Decision(ins=[P] + [R] * (len(ins) - 1), out=[P] * 3)
