@@ -76,14 +76,14 @@ class _Entry:
         self.whole = whole        # () -> the whole tensor (a weight as loaded)
         self.shards = shards      # (spec, {rank: block getter}) of a trained parameter
         self.mesh = mesh          # the mesh of spec's ranks (a pipeline stage's), else None
-        self.stage = stage        # with mesh, on a real mesh: the stage's pp coordinate
+        self.stage = stage        # with mesh: the stage's pp coordinate
 
     def holders(self, whole_mesh) -> list[tuple[int, int]]:
         """``(rank on the saved module's mesh, rank the block is kept by)`` of every block
         that makes up the tensor (a stage's ranks: on its mesh without ``pp``)."""
         spec = self.shards[0]
-        if self.mesh is None or self.stage is None:
-            return [(r, r) for r in _owners(spec, self.mesh or whole_mesh)]
+        if self.stage is None:
+            return [(r, r) for r in _owners(spec, whole_mesh)]
         at = whole_mesh.axis_names.index(PP)
         out = []
         for r in _owners(spec, self.mesh):
@@ -320,9 +320,8 @@ class _Comm:
         self.spec = mesh_spec(device_mesh, where=_WHERE)
         self.globals = [int(g) for g in device_mesh.mesh.flatten().tolist()]
         self.rank = self.globals.index(dist.get_rank())
-        kind = self.spec.device_type       # receive buffers: the device the blocks live on
-        self.device = torch.device(kind, torch.cuda.current_device()) if kind == "cuda" \
-            else torch.device(kind)
+        from .runtime.distributed import backend_for
+        self.device = backend_for(device_mesh).device   # receive buffers: the blocks' device
 
     def send_blocks(self, e: _Entry, writer: int) -> None:
         spec, getters = e.shards

@@ -109,6 +109,14 @@ class DistributedBackend:
     def axis_size(self, axis: str) -> int:
         return self._sizes.get(axis, 1)
 
+    @property
+    def device(self) -> torch.device:
+        """This process's device on the mesh, with its index (cuda: the current device,
+        which ``fxshard.init_device_mesh`` sets to ``LOCAL_RANK``'s)."""
+        kind = self.mesh.device_type
+        return torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else \
+            torch.device(kind)
+
     def _group(self, op: str, axis: str) -> dist.ProcessGroup:
         group = self._groups.get(axis)
         if group is None:

@@ -29,9 +29,9 @@ def clip_grad_norm_(tm, max_norm: float, norm_type: float = 2.0) -> torch.Tensor
     if not tm._simulated:     # each rank its owned blocks, the sums all-reduced
         from ..runtime.distributed import backend_for
         from .world import owned_norm
-        mine = tm.shards(tm.ranks[0])
+        mine, specs = tm.shards(tm.ranks[0]), tm._specs
         total = owned_norm(backend_for(tm.mesh), [p.grad for p in mine.values()],
-                           [tm._specs[k] for k in mine], norm_type,
+                           [specs[k] for k in mine], norm_type,
                            distinct=tm._distinct_axes)
     else:
         grads = [g for k, g in tm.gradients().items() if g is not None and k not in tied]

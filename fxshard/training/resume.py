@@ -55,6 +55,13 @@ def _parts(tm) -> list:
     return [tm] if stages is None else [t for t in stages if t._last is not None]
 
 
+def _described(tm) -> str:
+    """The user's mesh (a pipeline stage's: the whole mesh, not its mesh without ``pp``)."""
+    from ..mesh import mesh_spec
+    whole = getattr(tm, "device_mesh", None)
+    return tm.spec.describe() if whole is None else mesh_spec(whole).describe()
+
+
 def _owners(tm, optimizer, where: str) -> dict:
     """``{id(parameter shard): (rank, fqn)}``; every parameter of ``optimizer`` must be one."""
     owners = {id(p): (rank, fqn) for part in _parts(tm) for rank in part.ranks
@@ -74,7 +81,7 @@ def _placements(tm, fqn: str, where: str) -> list:
     spec = tm._specs[fqn]
     if not all(isinstance(p, (Shard, Replicate)) for p in spec):
         raise NotImplementedError(
-            f"{where}: {fqn} is placed {spec} on mesh {tm.spec.describe()}; only Shard and "
+            f"{where}: {fqn} is placed {spec} on mesh {_described(tm)}; only Shard and "
             f"Replicate placements are written per rank (a DTensor); save from a simulated "
             f"mesh, or train this parameter without that placement")
     return list(spec)
@@ -147,7 +154,7 @@ def save_training_state(pm, optimizer: torch.optim.Optimizer, path: str) -> None
         if not all(held.values()):
             raise ValueError(
                 f"{_SAVE}: the optimizer holds state for {fqn} on some ranks only (mesh "
-                f"{tm.spec.describe()}); build it over every rank's shards, pm.parameters()")
+                f"{top.spec.describe()}); build it over every rank's shards, pm.parameters()")
         first = held[tm.ranks[0]]
         mine = {}
         for key, value in first.items():
@@ -158,7 +165,7 @@ def save_training_state(pm, optimizer: torch.optim.Optimizer, path: str) -> None
                 if any(not torch.equal(s[key], value) for s in held.values()):
                     raise ValueError(
                         f"{_SAVE}: optimizer state {key!r} of {fqn} differs between ranks "
-                        f"(mesh {tm.spec.describe()}); only a value the same on every rank "
+                        f"(mesh {top.spec.describe()}); only a value the same on every rank "
                         f"or one sharded like its parameter can be saved by name")
                 value = value.detach().clone()
             mine[key] = value

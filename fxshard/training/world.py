@@ -54,10 +54,7 @@ def share_along(backend, axis: str, mine: dict) -> dict:
     dist.all_gather_object(metas, {k: None if v is None else (tuple(v.shape), v.dtype)
                                    for k, v in mine.items()}, group=group)
     me = ranks.index(dist.get_rank())
-    kind = backend.mesh.device_type
-    device = next((v.device for v in mine.values() if v is not None), None) or \
-        (torch.device(kind, torch.cuda.current_device()) if kind == "cuda" else
-         torch.device(kind))
+    device = next((v.device for v in mine.values() if v is not None), backend.device)
     out = {}
     for i, meta in enumerate(metas):
         for name, about in meta.items():
