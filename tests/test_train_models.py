@@ -237,6 +237,33 @@ def test_tied_embeddings_train_on_dp_tp(name, sp):
                 if x.op == "all_reduce" and x.axis == "tp"} == {(48,)}
 
 
+def test_replicated_kv_heads_read_the_sequence_gather():
+    """Mistral with 1 KV head on dp2·tp2 with sequence parallelism: k_proj and v_proj stay
+    whole on tp and read the norm's output from the gather q_proj needs anyway (Megatron's
+    replicated KV heads), not from the rank's tokens. Computed on the token shard, K and V
+    were all-to-all'ed to the heads in the forward (4 all-to-alls, 2 layers) and their weight
+    gradients, partial sums over the tokens, all-reduced in the backward (4 [12, 48])."""
+    tm = _train_equal("mistral", 2, 2, steps=2, lr=1e-3, sequence_parallel=True)
+    fwd, bwd = _collectives(tm, "forward"), _collectives(tm, "backward")
+    assert fwd["all_to_all", "tp"] == 1, fwd   # the embedding's output onto the tokens
+    assert fwd["all_gather", "tp"] == 2 * 2 + 1 and fwd["reduce_scatter", "tp"] == 2 * 2, fwd
+    reduced = collections.Counter(x.shape for x in tm.collectives("backward")
+                                  if x.op == "all_reduce" and x.axis == "tp")
+    # each layer's 2 norm weights, the final norm; K's and V's [B/dp*S, 12] gradients
+    assert reduced == {(48,): 2 * 2 + 1, (B // 2 * S, 12): 2 * 2}, reduced
+    model = _model("mistral").eval()
+    ids = _data()[0] % model.config.vocab_size
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = fxshard.parallelize(model, _mesh(2, 2, "dp"), example_inputs=(ids,),
+                                 sequence_parallel=True)
+        with torch.no_grad():
+            torch.testing.assert_close(pm(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
+    kinds = collections.Counter(str(n.target).split(".")[1] for n in
+                                pm.rank_module(0).graph.nodes if "tp" in n.args)
+    assert kinds["all_to_all"] == 1 and kinds["all_gather"] == 2 * 2 + 2, kinds
+
+
 @pytest.mark.parametrize("name", ["gpt2", "gpt2_odd"])
 def test_fused_bias_kept_whole_on_fsdp_tp(name):
     """fsdp2·tp2: GPT-2's fused ``c_attn.bias`` (144 = 48+48+48, split part by part on tp)

@@ -25,6 +25,11 @@ its consumers, so the router runs on every token and its ids and weights need no
 their own (one all-gather of the tokens instead of three); where the routing's inputs are
 each gathered alone, the nearest value above them that another consumer gathers anyway (the
 MoE input, read whole by a shared expert) is (torchtitan's MoE: four gathers to one).
+A fourth hands a token shard gathered to a matmul with a weight whole on tp that read the
+shard beside the gather while its result is moved further down (the K/V projections of a
+model with fewer KV heads than tp ranks, under sequence parallelism: each all-to-all'ed its
+``[B, S/tp, D]`` result to the heads; now both read the gather q_proj needs, as Megatron's
+replicated KV heads do, and their weight gradients need no all-reduce over the tokens).
 
 Before (tp=2)::  linear(x, w_q) -> view [B,S,H,D] -> sdpa ... -> linear(a, w_o) -> add(res, .)
 After::          w_q: S(0) out S(2) -> S(2) -> S(1) ... w_o: S(1) out P -> add needs (R, R)
@@ -323,6 +328,78 @@ def _gathered_for_routing(gm: fx.GraphModule, tp: int) -> set[tuple[str, int]]:
     return out
 
 
+_CONTRACTIONS = {torch.ops.aten.mm.default: (0, 1), torch.ops.aten.addmm.default: (1, 2),
+                 torch.ops.aten.linear.default: (0, 1), torch.ops.aten.matmul.default: (0, 1)}
+
+
+def gathered_beside_whole_weights(gm: fx.GraphModule, tp: int,
+                                  depth: int = 16) -> set[tuple[str, int]]:
+    """(node, ``tp``) for sharded values (sequence parallelism's token shard) that one
+    consumer needs gathered while a matmul with a weight whole on ``tp`` reads the shard, and
+    that matmul's result is moved on ``tp`` further down (K/V projections when ``tp`` exceeds
+    the KV heads: computed on the rank's tokens, then all-to-all'ed to the heads). Handed
+    gathered to all their consumers, the matmul runs on every token from the gather its
+    sibling (the q projection) needs anyway, and its result is sliced where it is needed:
+    Megatron's replicated KV heads, no collective of their own in the forward, and in the
+    backward their weight gradients come from the saved gathered input rather than being
+    all-reduced as partial sums over the tokens."""
+    out = set()
+    for node in gm.graph.nodes:
+        spec = node.meta.get("fxshard_spec")
+        if not isinstance(spec, tuple) or shard_dim(spec[tp]) is None or \
+                node.op == "placeholder" or node.meta.get("fxshard_then") is not None:
+            continue
+        needs = [(u, nd[tp]) for u in node.users if u.op != "output"
+                 for t, nd in zip(tensor_inputs(u), u.meta.get("fxshard_need") or [])
+                 if t is node]
+        if any(q == R for _, q in needs) and any(
+                q == spec[tp] and _whole_weight_matmul(u, node, tp) and
+                _moved_below(u, tp, depth) for u, q in needs):
+            out.add((node.name, tp))
+    return out
+
+
+def _whole_weight_matmul(u: fx.Node, x: fx.Node, tp: int) -> bool:
+    """``u`` multiplies ``x`` by a weight (a placeholder, through views) it uses whole on tp."""
+    operands = _CONTRACTIONS.get(u.target)
+    if operands is None:
+        return False
+    a, b = (u.args[k] for k in operands)
+    if a is not x and b is not x:
+        return False
+    other = b if a is x else a
+    w = other
+    while isinstance(w, fx.Node) and w.target in _WEIGHT_VIEWS:
+        w = w.args[0]
+    if not isinstance(w, fx.Node) or w.op != "placeholder":
+        return False
+    need = dict(zip(tensor_inputs(u), u.meta.get("fxshard_need") or []))
+    return other in need and need[other][tp] == R
+
+
+def _moved_below(node: fx.Node, tp: int, depth: int) -> bool:
+    """A collective moves ``node``'s value, or a value made from it that keeps a shard on
+    tp, within ``depth`` consumers."""
+    frontier, seen = [node], {node}
+    for _ in range(depth):
+        below = []
+        for n in frontier:
+            have = n.meta.get("fxshard_then") or n.meta.get("fxshard_spec")
+            if not isinstance(have, tuple) or shard_dim(have[tp]) is None:
+                continue
+            for u in n.users:
+                if u.op == "output":
+                    continue
+                for t, nd in zip(tensor_inputs(u), u.meta.get("fxshard_need") or []):
+                    if t is n and nd[tp] != have[tp]:
+                        return True
+                if u not in seen:
+                    seen.add(u)
+                    below.append(u)
+        frontier = below
+    return False
+
+
 def _needs_of(node: fx.Node, tp: int) -> list:
     return [nd[tp] for u in node.users if u.op != "output"
             for t, nd in zip(tensor_inputs(u), u.meta.get("fxshard_need") or []) if t is node]
@@ -415,7 +492,8 @@ def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     mesh = ctx.mesh
     tp = mesh.axis_names.index(TP) if TP in mesh.axis_names else None
     ctx.report("propagate_pass", changed=False, routing_regions_gathered=0, reduced_once=0,
-               gathered_for_routing=0, replicated_on_tp=0, experts_split_on_tp=0)
+               gathered_for_routing=0, gathered_for_whole_weights=0, replicated_on_tp=0,
+               experts_split_on_tp=0)
     for _ in range(_MAX_REFINEMENTS):
         auto_colwise = _run_once(gm, ctx, replicate, reduced, gathered, whole_parts)
         if untag_moved_regions(gm, ctx):
@@ -431,6 +509,10 @@ def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
         once = _gathered_for_routing(gm, tp) - gathered.keys()
         # an expert-routing region and the router both read these: gathered once on tp
         ctx.report("propagate_pass", changed=False, gathered_for_routing=len(once))
+        beside = gathered_beside_whole_weights(gm, tp) - gathered.keys() - once
+        # a matmul with a whole weight reads these shards beside a gather: it reads the gather
+        ctx.report("propagate_pass", changed=False, gathered_for_whole_weights=len(beside))
+        once |= beside
         for name, i in sorted(once):
             gathered[name, i] = R
         users = {fqn: _gathered_before_use(lin, tp) for fqn, lin in auto_colwise.items()}

@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 
 import fxshard.passes.rules.backward  # noqa: F401  (registers the backward ops' rules)
-from ..mesh import PP, MeshSpec, TRAINING_AXES
+from ..mesh import PP, TP, MeshSpec, TRAINING_AXES
 from ..passes import PassCtx
 from ..passes.eager_attention import eager_attention_pass
 from ..passes.fold_mask import fold_causal_mask_pass
@@ -52,7 +52,8 @@ from ..passes.insert_collectives import insert_collectives_pass
 from ..passes.localize import localize_pass
 from ..passes.moe_routing import moe_routing_pass
 from ..passes.pipeline import run_passes
-from ..passes.propagate import _run_once, input_spec, propagate_pass, untag_moved_regions
+from ..passes.propagate import (_run_once, gathered_beside_whole_weights, input_spec,
+                                propagate_pass, untag_moved_regions)
 from ..passes.rules import FallbackWarning
 from ..placement import Partial, R
 from ..passes.vocab_loss import split_loss_pass, vocab_parallel_loss_pass
@@ -206,6 +207,11 @@ def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint
         reduced.update(more)
         once = {k: v for k, v in gathered_many_times(gm, ctx).items() if k not in gathered}
         ctx.report("propagate_pass", changed=False, gathered_once=len(once))
+        if TP in ctx.mesh.axis_names and ctx.mesh.axis_size(TP) > 1:
+            beside = {k: R for k in gathered_beside_whole_weights(
+                gm, ctx.mesh.axis_names.index(TP)) if k not in gathered and k not in once}
+            ctx.report("propagate_pass", changed=False, gathered_for_whole_weights=len(beside))
+            once.update(beside)
         # (once the tangents have settled: before, the backward's placements are provisional)
         mirrored = {} if changed else {
             k: v for k, v in mirrored_inputs(gm, ctx, tangent_nodes).items()
