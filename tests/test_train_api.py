@@ -86,6 +86,30 @@ def test_train_through_parallelize_equals_single_device(dp, tp, sp):
     assert len(pm.programs.training) == 1 and len(pm.programs) == 1
 
 
+@pytest.mark.parametrize("axes", [("dp", "tp"), ("pp", "tp")])
+def test_inference_ahead_of_training_reads_the_trained_shards_after(axes):
+    """An inference call before training binds its rank programs to slices of the model's
+    weights. Once training's shards are the weights, the next inference call must compute
+    with them: it kept the initial weights' slices (logits 0.9 off after two steps, on
+    HF GPT-2 and Qwen3 too)."""
+    model = _llama(layers=2)
+    ref = copy.deepcopy(model)
+    ids, labels = _data()
+    mesh = fxshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=axes)
+    pm = fxshard.parallelize(model, mesh, example_inputs=(ids,))
+    with torch.no_grad():
+        torch.testing.assert_close(pm(ids), ref(ids), rtol=1e-4, atol=1e-4)
+    _train(pm, pm.parameters(), ids, labels, steps=2, clip=lambda: None)
+    _train(ref, ref.parameters(), ids, labels, steps=2, clip=lambda: None)
+    with torch.no_grad():
+        torch.testing.assert_close(pm(ids), ref(ids), rtol=1e-4, atol=1e-4)
+    # a third step: the shards change in place, the inference program reads them as they are
+    _train(pm, pm.parameters(), ids, labels, steps=1, clip=lambda: None)
+    _train(ref, ref.parameters(), ids, labels, steps=1, clip=lambda: None)
+    with torch.no_grad():
+        torch.testing.assert_close(pm(ids), ref(ids), rtol=1e-4, atol=1e-4)
+
+
 def test_model_edit_after_training_is_an_error_and_load_state_dict_resets_in_place():
     model = _llama(layers=1)
     ids, labels = _data()

@@ -74,6 +74,8 @@ def _body(rank: int, report: dict) -> None:
     report["ranks"] = tm.trainer.ranks
     # the reference trains a copy: pm's model object is not to be edited after training
     ref_model = copy.deepcopy(model)
+    with torch.no_grad():   # an inference program bound ahead of training: re-bound after
+        report["before"] = (tm(ids) - ref_model(ids)).abs().max().item()
     opt = torch.optim.AdamW(tm.parameters(), lr=1e-3)
     out = tm(ids)
     # the logits: this rank's block (its dp rows, its tp columns:
@@ -142,7 +144,7 @@ def test_dp2_tp2_gloo_gradients_and_steps(tmp_path):
     for rank, r in reports.items():
         assert r["ranks"] == [rank]
         assert r["forward"] < 1e-4 and r["grad"] < 1e-5 and r["params"] < 1e-5, r
-        assert r["after"] < 1e-4 and r["kept"], r
+        assert r["before"] < 1e-4 and r["after"] < 1e-4 and r["kept"], r
         assert r["lossfn_loss"] < 1e-5 and r["lossfn_grad"] < 1e-5, r
         assert r["lossfn_gathers"] == 0, r
         assert r["blocks"] == [[2, 6, 48]], r     # (the report is JSON)

@@ -107,6 +107,9 @@ class WeightStore:
         # (fxshard.training.shards): the model object is no longer the truth then
         self.trained = None
         self.trained_sources: list = []
+        # set when training's shards become the values: every program bound before (an
+        # inference call ahead of training) holds slices of the old values and is re-bound
+        self.rebind = False
         self.edited: dict = {}     # model tensors changed after training started (an error)
 
     def sync(self) -> bool | None:
@@ -122,7 +125,8 @@ class WeightStore:
             from ..training.shards import check_model_unchanged
             self.edited.update(changed)     # an error on every call till loaded or written
             check_model_unchanged(self.edited)
-            if self.stale_copies():
+            rebind, self.rebind = self.rebind, False
+            if rebind or self.stale_copies():
                 return False
         if not changed:
             return None

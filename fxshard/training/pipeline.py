@@ -267,6 +267,7 @@ class PipelineTrainer:
         store.trained = self
         store.trained_sources = list({id(v): v for v in store.values.values()
                                       if isinstance(v, TrainedShard)}.values())
+        store.rebind = True
 
     # -- one stage, one microbatch -------------------------------------------------------
     def _flat(self, staged: _Staged, args, kwargs) -> list:

@@ -82,6 +82,7 @@ def install(store, tm, program) -> None:
     store.trained = tm
     store.trained_sources = list({id(v): v for v in store.values.values()
                                   if isinstance(v, TrainedShard)}.values())
+    store.rebind = True   # an inference program bound before reads the shards from now on
 
 
 def load_into(tm, state_dict: dict) -> None:
