@@ -271,10 +271,8 @@ class ParallelModule:
     # -- weights -----------------------------------------------------------------------
     def tied_names(self) -> dict[str, list[str]]:
         """``{name: [other names of the same parameter]}`` for tied weights."""
-        groups: dict[int, list[str]] = {}
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            groups.setdefault(id(p), []).append(name)
-        return {n: [m for m in g if m != n] for g in groups.values() if len(g) > 1 for n in g}
+        from .weights import tied_names
+        return tied_names(self.model)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load the unsharded model's state dict; each rank keeps only its slices.

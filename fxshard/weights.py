@@ -23,7 +23,7 @@ import contextlib
 
 import torch
 
-__all__ = ["init_empty_weights", "materialize_buffers", "non_persistent_buffers"]
+__all__ = ["init_empty_weights", "materialize_buffers", "non_persistent_buffers", "tied_names"]
 
 
 @contextlib.contextmanager
@@ -98,3 +98,12 @@ def materialize_buffers(model: torch.nn.Module) -> list[str]:
             else:
                 done.append(f"{mname}.{b}" if mname else b)
     return done
+
+
+def tied_names(model: torch.nn.Module) -> dict[str, list[str]]:
+    """``{name: [other names of the same parameter]}`` for tied weights (GPT-2's
+    ``transformer.wte.weight`` and ``lm_head.weight``)."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return {n: [m for m in g if m != n] for g in groups.values() if len(g) > 1 for n in g}

@@ -237,6 +237,45 @@ def test_tied_embeddings_train_on_dp_tp(name, sp):
                 if x.op == "all_reduce" and x.axis == "tp"} == {(48,)}
 
 
+def test_a_tied_vocab_tp_does_not_divide_is_warned_about_with_the_fixes():
+    """GPT-2 with 91 rows on tp=2: the table is split on its hidden dim, so every forward
+    all-reduces the whole logits; a warning says so and names the fixes. A plan naming
+    either of the tied names silences it and places the table in inference and training
+    alike (the trace keeps ``lm_head.weight`` in one program, ``transformer.wte.weight`` in
+    the other: a plan on ``lm_head`` used to miss the training program)."""
+    from fxshard.passes.rules import VocabNotSplitWarning
+    ids, labels = (t % (TV + 1) for t in _data())
+    mesh = _mesh(1, 2, "dp")
+    with pytest.warns(VocabNotSplitWarning, match=(
+            r"lm_head\.weight = transformer\.wte\.weight \[91, 48\].* 91 rows do not divide "
+            r"by mesh axis 'tp' of size 2.*\[B, S, 91\] logits.*pad_to_multiple_of=128\) gives "
+            r"128 rows.*plan=\{'transformer\.wte': 'embed_dim'\}")) as caught:
+        pm = fxshard.parallelize(_model("gpt2_odd"), mesh, example_inputs=(ids,))
+        with torch.no_grad():
+            pm(ids)
+        _loss(pm(ids), labels).backward()
+    assert sum(w.category is VocabNotSplitWarning for w in caught) == 2   # both programs
+    for plan in ({"transformer.wte": "embed_dim"}, {"lm_head": "embed_dim"}):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", VocabNotSplitWarning)
+            pm = fxshard.parallelize(_model("gpt2_odd"), mesh, example_inputs=(ids,), plan=plan)
+            with torch.no_grad():
+                pm(ids)
+            _loss(pm(ids), labels).backward()
+    with warnings.catch_warnings():   # a vocab tp divides: vocab-parallel, no warning
+        warnings.simplefilter("error", VocabNotSplitWarning)
+        pm = fxshard.parallelize(_model("gpt2"), mesh, example_inputs=(ids % TV,),
+                                 plan={"lm_head": "replicate"})
+        with torch.no_grad():
+            pm(ids % TV)
+            held = dict(pm.rank_module(1).named_parameters())
+            table = held.get("lm_head.weight", held.get("transformer.wte.weight"))
+            assert table.shape == (TV, 48), table.shape   # whole in inference too
+        _loss(pm(ids % TV), labels % TV).backward()
+    assert pm.trainer._specs["transformer.wte.weight"] == (fxshard.Replicate(),) * 2
+    assert pm.shards(1)["transformer.wte.weight"].shape == (TV, 48)
+
+
 def test_replicated_kv_heads_read_the_sequence_gather():
     """Mistral with 1 KV head on dp2·tp2 with sequence parallelism: k_proj and v_proj stay
     whole on tp and read the norm's output from the gather q_proj needs anyway (Megatron's

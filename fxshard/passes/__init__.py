@@ -68,6 +68,7 @@ class PassCtx(PassReports):
     sequence_parallel: bool = False
     strict: bool = False
     plan: dict = field(default_factory=dict)
+    aliases: dict = field(default_factory=dict)   # tied parameter FQN -> its other names
     embedding_style: str = "embed_dim"
     input_specs: dict | None = None       # user input index -> spec (default: input_spec)
     keep_output_placement: bool = False   # leave outputs sharded (rule tests read the blocks)
@@ -99,10 +100,13 @@ class PassCtx(PassReports):
         return (RING,) if self.ring_zigzag and self.mesh.axis_size(RING) > 1 else ()
 
     def plan_for(self, fqn: str) -> tuple | None:
-        """(weight, bias) tp placements the user's ``plan`` gives the module owning ``fqn``."""
-        module, _, leaf = fqn.rpartition(".")
-        for pattern, style in self.plan.items():
-            if fnmatch.fnmatchcase(module, pattern):
-                w, b = PLAN_STYLES[style]
-                return w if leaf == "weight" else (b if b is not None else R)
+        """(weight, bias) tp placements the user's ``plan`` gives the module owning ``fqn``,
+        or, for a tied parameter, owning another of its names (``aliases``: the trace keeps
+        one name per tensor, not always the same one in every program)."""
+        for name in (fqn, *self.aliases.get(fqn, ())):
+            module, _, leaf = name.rpartition(".")
+            for pattern, style in self.plan.items():
+                if fnmatch.fnmatchcase(module, pattern):
+                    w, b = PLAN_STYLES[style]
+                    return w if leaf == "weight" else (b if b is not None else R)
         return None

@@ -24,6 +24,7 @@ from ..passes.emit import Program
 from ..passes.pipeline import build_programs
 from ..trace import Traced
 from .agreement import agree
+from ..weights import tied_names
 from .weight_store import WeightStore
 
 __all__ = ["Options", "Compiled", "ProgramCache", "compile_program", "signature"]
@@ -199,7 +200,8 @@ class ProgramCache:
         decode = generation is not None and generation[0] == "decode"
         ctx = PassCtx(mesh=self.spec, sequence_parallel=o.sequence_parallel and not decode,
                       strict=o.strict, plan=o.plan, embedding_style=o.embedding,
-                      ring_zigzag=o.ring_zigzag, split_sequence=not decode)
+                      ring_zigzag=o.ring_zigzag, split_sequence=not decode,
+                      aliases=tied_names(self.model))
         c = compile_program(self.model, args, kwargs, ctx, stages=o.stages,
                             buffers=self.weights.buffer_values(), generation=generation)
         self.weights.record_constants(c.traced.constants)

@@ -34,6 +34,7 @@ from ..mesh import MeshSpec, is_simulated, mesh_spec
 from ..passes import PassCtx
 from ..placement import Partial, block_index, local_block
 from ..trace import _without_cache
+from ..weights import tied_names
 from .program import TrainProgram, build_train_program, check_training_axes
 
 __all__ = ["TrainModule", "parallelize_for_training", "assemble", "check_trainable"]
@@ -212,7 +213,7 @@ class TrainModule:
     def _build(self, args: tuple, kwargs: dict, loss=None) -> TrainProgram:
         ctx = PassCtx(mesh=self.spec, sequence_parallel=self.sequence_parallel,
                       strict=self.strict, plan=self.plan, embedding_style=self.embedding,
-                      ring_zigzag=self.ring_zigzag)
+                      ring_zigzag=self.ring_zigzag, aliases=tied_names(self.model))
         module = self.model
         if loss is not None:
             from .with_loss import WithLoss

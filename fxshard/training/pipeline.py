@@ -30,6 +30,7 @@ import torch.fx._pytree as fx_pytree
 from ..mesh import PP, SimulatedMesh, is_simulated
 from ..passes import PassCtx, PassReports
 from ..trace import _without_cache, cleanup_pass, trace
+from ..weights import tied_names
 from .dropout import add_dropout_sites, pack_seed, seeded
 from .joint import _placeholders_for_meta, _untie, input_grad_name, joint_of
 from .module import TrainModule, _bytes
@@ -246,7 +247,7 @@ class PipelineTrainer:
                 joint = joint_of(sf.traced, self.model, stage_flat, kept, grad_in)
             ctx = PassCtx(mesh=self.sub, sequence_parallel=tm.sequence_parallel,
                           strict=tm.strict, plan=tm.plan, embedding_style=tm.embedding,
-                          ring_zigzag=tm.ring_zigzag)
+                          ring_zigzag=tm.ring_zigzag, aliases=tied_names(self.model))
             program = build_train_program(
                 self.model, (), {}, ctx, joint=joint, recompute=tm.recompute,
                 reshard_after_forward=tm.fsdp_reshard_after_forward)

@@ -393,7 +393,7 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
     specs = forward_placements(joint, ctx)
     jctx = PassCtx(mesh=ctx.mesh, sequence_parallel=ctx.sequence_parallel, strict=ctx.strict,
                    plan=ctx.plan, embedding_style=ctx.embedding_style,
-                   ring_zigzag=ctx.ring_zigzag)
+                   ring_zigzag=ctx.ring_zigzag, aliases=ctx.aliases)
     # the forward's placements decided these lists: explain() shows them
     jctx.fsdp_whole, jctx.replicated = list(ctx.fsdp_whole), list(ctx.replicated)
     gm = repeat_kv_pass(joint.gm, ctx=jctx)
