@@ -237,6 +237,44 @@ def test_tied_embeddings_train_on_dp_tp(name, sp):
                 if x.op == "all_reduce" and x.axis == "tp"} == {(48,)}
 
 
+class _SideBlock(torch.nn.Module):
+    """A block whose ``side`` projection (kept whole on tp by the plan) reads the norm's
+    output beside q's gather and is only added into the residual."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.norm, self.q, self.o = torch.nn.LayerNorm(d), torch.nn.Linear(d, 2 * d), \
+            torch.nn.Linear(2 * d, d)
+        self.side = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.o(torch.relu(self.q(h))) + self.side(h)
+
+
+def test_whole_weight_matmul_beside_a_gather_keeps_the_shard_when_nothing_moves():
+    """Under sequence parallelism a whole-weight matmul reads the token shard unless its own
+    result is moved further down (the K/V case above): added into the residual, it stays on
+    the rank's tokens (tp times less compute), though a collective (the next block's gather)
+    lies further down the residual stream."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 32), _SideBlock(), _SideBlock(),
+                                torch.nn.Linear(32, 64, bias=False))
+    ids = torch.randint(0, 64, (4, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = fxshard.parallelize(model, _mesh(1, 2, "dp"), example_inputs=(ids,),
+                                 sequence_parallel=True, plan={"*.side": "replicate"})
+        with torch.no_grad():
+            torch.testing.assert_close(pm(ids), model(ids), rtol=0, atol=1e-5)
+    assert "0 gathered for whole weights" in str(pm.explain())
+    sides = [n for n in pm.rank_module(0).graph.nodes if n.target is torch.ops.aten.linear.default
+             and n.meta["val"].shape[-1] == 32 and "side" in str(n.args[1])]
+    assert len(sides) == 2 and all(n.args[0].meta["fxshard_spec"] == (
+        fxshard.Replicate(), fxshard.Shard(1)) for n in sides), \
+        [(n.name, n.args[0].format_node(), n.args[0].meta.get("fxshard_spec")) for n in sides]
+
+
 def test_a_tied_vocab_tp_does_not_divide_is_warned_about_with_the_fixes():
     """GPT-2 with 91 rows on tp=2: the table is split on its hidden dim, so every forward
     all-reduces the whole logits; a warning says so and names the fixes. A plan naming
@@ -262,6 +300,12 @@ def test_a_tied_vocab_tp_does_not_divide_is_warned_about_with_the_fixes():
             with torch.no_grad():
                 pm(ids)
             _loss(pm(ids), labels).backward()
+    with pytest.raises(ValueError, match=r"plan= places the tied parameter .*two ways.*"
+                                         r"lm_head\.weight by 'lm_head': 'colwise'"):
+        pm = fxshard.parallelize(_model("gpt2"), mesh, example_inputs=(ids % TV,),
+                                 plan={"lm_head": "colwise", "transformer.*": "replicate"})
+        with torch.no_grad():
+            pm(ids % TV)
     with warnings.catch_warnings():   # a vocab tp divides: vocab-parallel, no warning
         warnings.simplefilter("error", VocabNotSplitWarning)
         pm = fxshard.parallelize(_model("gpt2"), mesh, example_inputs=(ids % TV,),

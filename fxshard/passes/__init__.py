@@ -102,11 +102,23 @@ class PassCtx(PassReports):
     def plan_for(self, fqn: str) -> tuple | None:
         """(weight, bias) tp placements the user's ``plan`` gives the module owning ``fqn``,
         or, for a tied parameter, owning another of its names (``aliases``: the trace keeps
-        one name per tensor, not always the same one in every program)."""
+        one name per tensor, not always the same one in every program). Two names of one
+        tied tensor planned two ways is a ValueError."""
+        found = []
         for name in (fqn, *self.aliases.get(fqn, ())):
             module, _, leaf = name.rpartition(".")
             for pattern, style in self.plan.items():
                 if fnmatch.fnmatchcase(module, pattern):
                     w, b = PLAN_STYLES[style]
-                    return w if leaf == "weight" else (b if b is not None else R)
-        return None
+                    found.append((w if leaf == "weight" else (b if b is not None else R),
+                                  name, pattern, style))
+                    break
+        if len({p for p, *_ in found}) > 1:
+            ways = "; ".join(f"{name} by {pattern!r}: {style!r}" for _, name, pattern, style
+                             in found)
+            raise ValueError(
+                f"fxshard.parallelize: plan= places the tied parameter "
+                f"{' = '.join(n for _, n, _, _ in found)} (one tensor) two ways on mesh "
+                f"{self.mesh.describe()}: {ways}. Give its names one style, or plan only one "
+                f"of them")
+        return found[0][0] if found else None

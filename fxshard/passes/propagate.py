@@ -379,9 +379,11 @@ def _whole_weight_matmul(u: fx.Node, x: fx.Node, tp: int) -> bool:
 
 
 def _moved_below(node: fx.Node, tp: int, depth: int) -> bool:
-    """A collective moves ``node``'s value, or a value made from it that keeps a shard on
-    tp, within ``depth`` consumers."""
-    frontier, seen = [node], {node}
+    """A collective moves on tp ``node``'s value or a value computed from it alone (through
+    views and ops whose other inputs are whole on tp: RoPE's tables), within ``depth``
+    consumers. A consumer that mixes in another sharded value (a residual add) ends the walk:
+    what moves past it is not the matmul's result."""
+    ours, frontier = {node}, [node]
     for _ in range(depth):
         below = []
         for n in frontier:
@@ -389,16 +391,22 @@ def _moved_below(node: fx.Node, tp: int, depth: int) -> bool:
             if not isinstance(have, tuple) or shard_dim(have[tp]) is None:
                 continue
             for u in n.users:
-                if u.op == "output":
+                if u.op == "output" or u in ours:
                     continue
-                for t, nd in zip(tensor_inputs(u), u.meta.get("fxshard_need") or []):
-                    if t is n and nd[tp] != have[tp]:
-                        return True
-                if u not in seen:
-                    seen.add(u)
+                ins = tensor_inputs(u)
+                if any(t is n and nd[tp] != have[tp]
+                       for t, nd in zip(ins, u.meta.get("fxshard_need") or [])):
+                    return True
+                if all(t in ours or _whole_on(t, tp) for t in ins):
+                    ours.add(u)
                     below.append(u)
         frontier = below
     return False
+
+
+def _whole_on(node: fx.Node, tp: int) -> bool:
+    have = node.meta.get("fxshard_then") or node.meta.get("fxshard_spec")
+    return isinstance(have, tuple) and have[tp] == R
 
 
 def _needs_of(node: fx.Node, tp: int) -> list:

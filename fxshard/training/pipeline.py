@@ -262,13 +262,15 @@ class PipelineTrainer:
         """The stages' shards as the weight store's values, read by global rank (an
         inference program after training reads its stage's shard of the rank's coordinates)."""
         store = self.store
+        fresh = store.trained is not self
         for fqn, v in list(store.values.items()):
             if isinstance(v, TrainedShard) and not isinstance(v, _StageShard):
                 store.values[fqn] = _StageShard(self, v.tm, v.fqn, v.spec, v.shape)
+                fresh = True
         store.trained = self
         store.trained_sources = list({id(v): v for v in store.values.values()
                                       if isinstance(v, TrainedShard)}.values())
-        store.rebind = True
+        store.rebind |= fresh   # (a new input signature of the same shards: nothing to do)
 
     # -- one stage, one microbatch -------------------------------------------------------
     def _flat(self, staged: _Staged, args, kwargs) -> list:

@@ -110,7 +110,8 @@ def warn_vocab_not_split(gm: fx.GraphModule, ctx, tp: int) -> None:
             f"on them is computed over the whole vocab on every rank (not vocab-parallel). "
             f"Correct, but slower. Pad the vocab to a multiple of {n} (with transformers: "
             f"model.resize_token_embeddings({vocab}, pad_to_multiple_of={64 * n}) gives "
-            f"{padded} rows; the new rows' logits enter the softmax, so this changes the "
-            f"model: they learn to stay unlikely, as in nanoGPT's 50304-row GPT-2), use a tp "
+            f"{padded} rows; the new rows are classes of the softmax, so this changes the "
+            f"model: trained, they learn to stay unlikely, as in nanoGPT's 50304-row GPT-2; "
+            f"read the logits as [..., :{vocab}]), use a tp "
             f"size that divides {vocab}, or accept it with plan={{{module!r}: 'embed_dim'}} "
             f"(silences this).", VocabNotSplitWarning, stacklevel=_caller_level())
