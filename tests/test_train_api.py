@@ -110,6 +110,44 @@ def test_inference_ahead_of_training_reads_the_trained_shards_after(axes):
         torch.testing.assert_close(pm(ids), ref(ids), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("axes", [("dp", "tp"), ("fsdp", "tp"), ("pp", "tp")])
+def test_frozen_parameters_stay_frozen_and_unfreeze_as_on_one_device(axes):
+    """Parameters frozen on the model (``requires_grad_(False)``) get no gradient and the
+    optimizer leaves them; unfrozen later, they train from then on. SGD with weight decay
+    moves any parameter handed a gradient, a zero one too (the frozen shards were given
+    zeros on dp/fsdp meshes, and every shard required grad)."""
+    frozen = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"]
+    model = _llama(layers=2)
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
+    ref = copy.deepcopy(model)
+    ids, labels = _data()
+    mesh = fxshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=axes)
+    pm = fxshard.parallelize(model, mesh, example_inputs=(ids,))
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1, weight_decay=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, weight_decay=0.1)
+
+    def steps(n):
+        for m, o in ((pm, opt), (ref, ref_opt)):
+            for _ in range(n):
+                o.zero_grad()
+                _loss(m(ids), labels).backward()
+                o.step()
+    steps(2)
+    held = [s for r in range(4) for n, s in pm.shards(r).items() if n in frozen]
+    assert held and all(not s.requires_grad and s.grad is None for s in held)
+    for name in frozen:
+        torch.testing.assert_close(pm.state_dict()[name], ref.get_parameter(name).detach(),
+                                   rtol=0, atol=0, msg=name)
+    # progressive unfreezing: the q projection trains from here on, the table stays
+    for m in (model, ref):
+        m.get_parameter(frozen[1]).requires_grad_(True)
+    steps(2)
+    trained = pm.state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_model_edit_after_training_is_an_error_and_load_state_dict_resets_in_place():
     model = _llama(layers=1)
     ids, labels = _data()

@@ -115,6 +115,13 @@ def shard_dim_of(p):
     return shard_dim(p)
 
 
+def frozen_names(model: torch.nn.Module) -> frozenset:
+    """The names of ``model``'s parameters that do not require grad: frozen, they get no
+    gradient and an optimizer leaves them, as on one device."""
+    return frozenset(n for n, p in model.named_parameters(remove_duplicate=False)
+                     if not p.requires_grad)
+
+
 class _Step(torch.autograd.Function):
     """Every rank's forward; its backward is every rank's backward. Inputs: the runner, the
     number of shard tensors, every rank's shards (rank-major), then the user's tensors."""
@@ -185,12 +192,14 @@ class TrainModule:
         self._specs: dict | None = None
         self._world = None
         self._untraced_losses: dict = {}   # loss_key -> a loss export could not trace
+        self._frozen: frozenset = frozenset()   # the shards' requires_grad follows the model's
 
     # -- building ------------------------------------------------------------------------
     def _program(self, args: tuple, kwargs: dict, loss=None) -> TrainProgram:
         """The program of this call signature (``loss``: a traced loss, see
         :meth:`loss_step`), built on first use."""
         mode = self.model.training    # train mode traces dropout's sites, eval mode none
+        frozen = frozen_names(self.model)   # (traced into the joint graph: no gradient made)
         extra = None
         if loss is not None:
             from .with_loss import describe_loss, loss_key
@@ -199,11 +208,11 @@ class TrainModule:
             (lambda a, k: self._build(a, k, loss=loss))
         if self.cache is not None:    # fxshard.parallelize's program cache
             program = self.cache.train_program(args, kwargs, build, extra=extra)
-            if program.training == mode:
+            if program.training == mode and program.frozen == frozen:
                 self._last = program
                 return program
         flat, _ = pytree.tree_flatten((args, kwargs))
-        key = (mode, extra) + tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor)
+        key = (mode, extra, frozen) + tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor)
                                     else repr(x) for x in flat)
         if key not in self._programs:
             self._programs[key] = build(args, kwargs)
@@ -222,6 +231,7 @@ class TrainModule:
                                       reshard_after_forward=self.fsdp_reshard_after_forward,
                                       recompute=self.recompute, vocab_outputs=True)
         program.loss_fn = loss   # held: loss_key's ids stay this loss's while the entry lives
+        program.frozen = frozen_names(self.model)
         self._place(program)
         return program
 
@@ -275,8 +285,20 @@ class TrainModule:
         out = self._call(args, kwargs)
         return loss_fn(out, target) if target is not None else loss_fn(out)
 
+    def _sync_frozen(self, frozen: frozenset) -> None:
+        """Each parameter shard requires grad as the model's parameter does (``frozen``:
+        :func:`frozen_names`), so ``loss.backward()`` leaves a frozen one's ``.grad`` None."""
+        if frozen == self._frozen or self._shards is None:
+            return
+        for mine in self._shards.values():
+            for fqn, shard in mine.items():
+                if isinstance(shard, torch.nn.Parameter):
+                    shard.requires_grad_(fqn not in frozen)
+        self._frozen = frozen
+
     def _call(self, args: tuple, kwargs: dict, loss=None):
         program = self._program(args, kwargs, loss)
+        self._sync_frozen(program.frozen)
         split = program.split
         # the export's order of the user's inputs (HF's use_cache=False added, as traced)
         if loss is None:
@@ -444,9 +466,8 @@ class TrainModule:
         for rank in self.ranks:
             for fqn in split.weights:
                 shard = self._shards[rank][fqn]
-                if isinstance(shard, torch.nn.Parameter):
-                    g = by_fqn[rank].get(fqn)
-                    grads.append(g if g is not None else torch.zeros_like(shard))
+                if isinstance(shard, torch.nn.Parameter):   # None: frozen or unused, as
+                    grads.append(by_fqn[rank].get(fqn))      # on one device
         return grads
 
     # -- the optimizer's view and looking inside -------------------------------------------

@@ -33,7 +33,7 @@ from ..trace import _without_cache, cleanup_pass, trace
 from ..weights import tied_names
 from .dropout import add_dropout_sites, pack_seed, seeded
 from .joint import _placeholders_for_meta, _untie, input_grad_name, joint_of
-from .module import TrainModule, _bytes
+from .module import TrainModule, _bytes, frozen_names
 from .program import build_train_program
 from .schedules import actions, global_order
 from .shards import TrainedShard
@@ -189,12 +189,15 @@ class PipelineTrainer:
                 f"{_WHERE}: the stages were built with virtual_stages={self.virtual} (their "
                 f"shards are placed so); this call asks for {virtual}. Pass the same "
                 f"virtual_stages= on every call")
-        key = (self.model.training,) + tuple(
+        frozen = frozen_names(self.model)
+        key = (self.model.training, frozen) + tuple(
             (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
             for x in pytree.tree_leaves((args, kwargs)))
         if key not in self._programs:
             self._programs[key] = self._build(args, kwargs, virtual)
             self.virtual = virtual
+        for tm in self.stage_modules or ():
+            tm._sync_frozen(frozen)
         self._last = self._programs[key]
         return self._last
 

@@ -87,6 +87,7 @@ class TrainProgram:
     compiled: dict = field(default_factory=dict)  # "forward"/"backward" -> Inductor's fn
     training: bool = False      # the model's train mode when traced (dropout's sites)
     loss_fn: object = None      # train_step's loss traced with the model (with_loss.py)
+    frozen: frozenset = frozenset()   # the parameters traced not requiring grad
     vocab_outputs: dict = field(default_factory=dict)  # output index -> its blocks' spec
 
 
