@@ -23,8 +23,8 @@ from ..passes import PassCtx
 from ..passes.emit import Program
 from ..passes.pipeline import build_programs
 from ..trace import Traced
-from .agreement import agree
 from ..weights import tied_names
+from .agreement import agree
 from .weight_store import WeightStore
 
 __all__ = ["Options", "Compiled", "ProgramCache", "compile_program", "signature"]

@@ -212,8 +212,8 @@ class TrainModule:
                 self._last = program
                 return program
         flat, _ = pytree.tree_flatten((args, kwargs))
-        key = (mode, extra, frozen) + tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor)
-                                    else repr(x) for x in flat)
+        key = (mode, extra, frozen) + tuple(
+            (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in flat)
         if key not in self._programs:
             self._programs[key] = build(args, kwargs)
         self._last = self._programs[key]

@@ -11,7 +11,8 @@ A table that is also a matmul's weight (an embedding tied to the lm_head: GPT-2'
 ``tie_word_embeddings=True``) takes ``vocab`` under the default ``embed_dim``: the lm_head is then
 column-parallel on the vocab (its ``[B, S, V/tp]`` logits gathered only where the model returns
 them) and both uses' gradients are the rank's ``[V/tp, E]`` rows, added locally. A vocab that
-``tp`` does not divide keeps ``embed_dim`` (shards are even). ``embed_dim``
+``tp`` does not divide keeps ``embed_dim`` (shards are even; :func:`warn_vocab_not_split`
+says so, with the fixes). ``embed_dim``
 would make the lm_head row-parallel: an all-reduce of the whole ``[B, S, V]`` logits in the
 forward and the ``[V, E]`` gradient computed whole on every rank. Wire bytes per rank and step
 (n tp ranks, ring; the forward alone is inference's)::
@@ -30,10 +31,10 @@ replicated and the ids' shard (batch on ``dp``, sequence on CP axes) passes thro
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.fx as fx
-
-import warnings
 
 from ...placement import P, R, Shard, shard_dim
 from . import UNDECIDED, Decision, RuleCtx, VocabNotSplitWarning, _caller_level, rule
@@ -112,6 +113,6 @@ def warn_vocab_not_split(gm: fx.GraphModule, ctx, tp: int) -> None:
             f"model.resize_token_embeddings({vocab}, pad_to_multiple_of={64 * n}) gives "
             f"{padded} rows; the new rows are classes of the softmax, so this changes the "
             f"model: trained, they learn to stay unlikely, as in nanoGPT's 50304-row GPT-2; "
-            f"read the logits as [..., :{vocab}]), use a tp "
-            f"size that divides {vocab}, or accept it with plan={{{module!r}: 'embed_dim'}} "
-            f"(silences this).", VocabNotSplitWarning, stacklevel=_caller_level())
+            f"read the logits as [..., :{vocab}]), use a tp size that divides {vocab}, or "
+            f"accept it with plan={{{module!r}: 'embed_dim'}} (silences this).",
+            VocabNotSplitWarning, stacklevel=_caller_level())
