@@ -148,6 +148,25 @@ def test_frozen_parameters_stay_frozen_and_unfreeze_as_on_one_device(axes):
         torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("axes", [("dp", "tp"), ("pp", "tp")])
+def test_autocast_is_a_clear_error_not_ignored(axes):
+    """Under ``torch.autocast`` the inference program computed in float32 (the autocast
+    ignored, no error) and a training program traced under it kept bfloat16 after it: each
+    call under autocast is now a NotImplementedError that says what to do instead."""
+    model = _llama(layers=2)
+    ids, labels = _data()
+    pm = fxshard.parallelize(model, fxshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=axes),
+                             example_inputs=(ids,))
+    calls = [lambda: pm(ids), lambda: pm.generate(ids[:2, :4], max_new_tokens=2)]
+    for grad, call in [(False, calls[0]), (True, calls[0]), (False, calls[1])]:
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.set_grad_enabled(grad), \
+                pytest.raises(NotImplementedError, match=r"under torch\.autocast\(device_type="
+                              r"'cpu', dtype=torch\.bfloat16\).*model\.to\(torch\.bfloat16\)"):
+            call()
+    with torch.no_grad():   # outside autocast: as before, float32
+        assert pm(ids).dtype == torch.float32
+
+
 def test_model_edit_after_training_is_an_error_and_load_state_dict_resets_in_place():
     model = _llama(layers=1)
     ids, labels = _data()

@@ -23,6 +23,7 @@ from ..passes import PassCtx
 from ..passes.emit import Program
 from ..passes.pipeline import build_programs
 from ..trace import Traced
+from ..checks import check_no_autocast
 from ..weights import tied_names
 from .agreement import agree
 from .weight_store import WeightStore
@@ -109,6 +110,7 @@ class ProgramCache:
                 ) -> tuple[Compiled, list[list]]:
         """What ``pm(*args, **kwargs)`` runs: weights synced, the signature's programs (built
         if new) with every weight loaded, and the flat inputs of each microbatch."""
+        check_no_autocast(_WHERE)
         retrace = self.weights.sync()
         if retrace is not None:
             self.invalidate(retrace=retrace)

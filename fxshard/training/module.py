@@ -30,6 +30,7 @@ import torch.fx as fx
 import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
 
+from ..checks import check_no_autocast
 from ..mesh import MeshSpec, is_simulated, mesh_spec
 from ..passes import PassCtx
 from ..placement import Partial, block_index, local_block
@@ -198,6 +199,7 @@ class TrainModule:
     def _program(self, args: tuple, kwargs: dict, loss=None) -> TrainProgram:
         """The program of this call signature (``loss``: a traced loss, see
         :meth:`loss_step`), built on first use."""
+        check_no_autocast(_WHERE)
         mode = self.model.training    # train mode traces dropout's sites, eval mode none
         frozen = frozen_names(self.model)   # (traced into the joint graph: no gradient made)
         extra = None

@@ -27,6 +27,7 @@ import torch
 import torch.utils._pytree as pytree
 import torch.fx._pytree as fx_pytree
 
+from ..checks import check_no_autocast
 from ..mesh import PP, SimulatedMesh, is_simulated
 from ..passes import PassCtx, PassReports
 from ..trace import _without_cache, cleanup_pass, trace
@@ -189,6 +190,7 @@ class PipelineTrainer:
                 f"{_WHERE}: the stages were built with virtual_stages={self.virtual} (their "
                 f"shards are placed so); this call asks for {virtual}. Pass the same "
                 f"virtual_stages= on every call")
+        check_no_autocast(_WHERE)
         frozen = frozen_names(self.model)
         key = (self.model.training, frozen) + tuple(
             (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
