@@ -165,6 +165,20 @@ def test_autocast_is_a_clear_error_not_ignored(axes):
             call()
     with torch.no_grad():   # outside autocast: as before, float32
         assert pm(ids).dtype == torch.float32
+    # what the error advises: a bfloat16 model trains (gradients to bfloat16's rounding)
+    half = _llama(layers=2).to(torch.bfloat16)
+    ref = copy.deepcopy(half)
+    pm = fxshard.parallelize(half, fxshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=axes),
+                             example_inputs=(ids,))
+    out = pm(ids)
+    assert out.dtype == torch.bfloat16
+    _loss(out.float(), labels).backward()
+    _loss(ref(ids).float(), labels).backward()
+    for name, p in ref.named_parameters():
+        got = pm.gradients()[name]
+        assert got.dtype == torch.bfloat16, name
+        torch.testing.assert_close(got.float(), p.grad.float(), rtol=0,
+                                   atol=3e-2 * p.grad.float().abs().max().item(), msg=name)
 
 
 def test_model_edit_after_training_is_an_error_and_load_state_dict_resets_in_place():
