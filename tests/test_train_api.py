@@ -181,6 +181,48 @@ def test_autocast_is_a_clear_error_not_ignored(axes):
                                    atol=3e-2 * p.grad.float().abs().max().item(), msg=name)
 
 
+class _Dropped(torch.nn.Module):
+    """A small LM with dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.up, self.down = torch.nn.Embedding(96, 32), torch.nn.Linear(32, 64), \
+            torch.nn.Linear(64, 96)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, ids):
+        return self.down(self.drop(torch.relu(self.up(self.emb(ids)))))
+
+
+def test_inference_follows_the_mode_and_unsupported_training_is_a_clear_error():
+    """The inference program is cached per train/eval mode (it was per input signature
+    only: traced in train mode, it kept applying dropout after model.eval(), and the other
+    way round); a second backward through one output and an input that requires grad are
+    clear errors (they failed with a TypeError, and left the input's gradient None)."""
+    ids, labels = _data()
+    mesh = _mesh(2, 2)
+    model = _Dropped()
+    pm = fxshard.parallelize(model, mesh)
+    with torch.no_grad():
+        model.train()
+        assert not torch.equal(pm(ids), model.eval()(ids))   # train mode: dropped
+        model.eval()
+        torch.testing.assert_close(pm(ids), model(ids), rtol=0, atol=1e-5)
+    model = _llama(layers=1)
+    pm = fxshard.parallelize(model, mesh, example_inputs=(ids,))
+    loss = _loss(pm(ids), labels)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"second backward through one pm\(x\) output"):
+        loss.backward()
+    x = torch.randn(4, 6, 16, requires_grad=True)   # made by a module upstream of pm
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    pm = fxshard.parallelize(mlp, mesh)
+    with pytest.raises(NotImplementedError, match=r"input 0 \(shape \(4, 6, 16\), "
+                                                  r"torch.float32\) requires grad"):
+        pm(x)
+    assert pm(x.detach()).shape == (4, 6, 8)
+
+
 def test_model_edit_after_training_is_an_error_and_load_state_dict_resets_in_place():
     model = _llama(layers=1)
     ids, labels = _data()

@@ -131,7 +131,8 @@ class ProgramCache:
         """The programs of this signature (built on first use) and the microbatches' flat
         inputs; no weight sync, no load check."""
         micro = self.split(args, kwargs)
-        key = (generation, signature(micro[0]))
+        # the model's train mode too: dropout's sites are traced in train mode, none in eval
+        key = (generation, signature(micro[0]) + (self.model.training,))
         c = self._entries.get(key)
         if c is not None:
             self.last, self.last_mode = c, "infer"

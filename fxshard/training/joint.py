@@ -171,6 +171,18 @@ def joint_of(traced: Traced, model: torch.nn.Module, flat: list, tied: dict,
                 f"parameters, buffers, user inputs and output gradients are supported")
     out = next(n for n in gm.graph.nodes if n.op == "output")
     descs = out.meta.get("desc") or []
+    from torch._functorch._aot_autograd import descriptors
+    mutations = tuple(getattr(descriptors, k) for k in (
+        "InputMutationAOTOutput", "MetadataMutationAOTOutput") if hasattr(descriptors, k))
+    odd = [d for d in descs if isinstance(d, mutations)]
+    if odd:   # (a buffer updated under no_grad in forward: its new value came out first)
+        target = getattr(getattr(odd[0], "mutated_input", None), "target", None)
+        what = buffers.get(target) or names.get(target) or repr(odd[0])
+        raise NotImplementedError(
+            f"fxshard.training: {type(model).__name__}'s forward mutates {what} in place, "
+            f"e.g. a running statistic updated in train mode; fxshard trains "
+            f"forwards that only compute their outputs. Update such state outside forward, "
+            f"or keep the module in eval() mode while training")
     n_outputs = sum(isinstance(d, PlainAOTOutput) for d in descs)
     grads = []
     for d in descs[n_outputs:]:

@@ -116,6 +116,28 @@ def shard_dim_of(p):
     return shard_dim(p)
 
 
+def check_inputs_need_no_grad(where: str, user: list) -> None:
+    """A NotImplementedError for a user input that requires grad: the rank programs give
+    gradients to the parameters only, so a module upstream of ``pm`` would get none."""
+    for i, x in enumerate(user):
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            raise NotImplementedError(
+                f"{where}: input {i} (shape {tuple(x.shape)}, {x.dtype}) requires grad, and "
+                f"fxshard does not yet compute gradients into its inputs (only into "
+                f"pm.parameters()): whatever made it would get no gradient. Parallelize the "
+                f"module that makes it together with the model, or pass it .detach()ed")
+
+
+def check_backward_once(where: str, saved) -> None:
+    """A clear error for a second backward through one forward (``retain_graph=True``): the
+    rank programs' saved activations are freed by the first."""
+    if saved is None:
+        raise RuntimeError(
+            f"{where}: a second backward through one pm(x) output (retain_graph=True?); "
+            f"fxshard frees the ranks' saved activations in the first backward. Call pm(x) "
+            f"again for another backward, or add the losses and call backward once")
+
+
 def frozen_names(model: torch.nn.Module) -> frozenset:
     """The names of ``model``'s parameters that do not require grad: frozen, they get no
     gradient and an optimizer leaves them, as on one device."""
@@ -144,6 +166,7 @@ class _Step(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grad_outputs):
         program, runner = ctx.program, ctx.runner
+        check_backward_once(_WHERE, ctx.saved_per_rank)
 
         def grad(i):
             g, meta = grad_outputs[i], ctx.shapes[i]
@@ -310,6 +333,7 @@ class TrainModule:
             from .dropout import pack_seed, step_seed
             flat.append(pack_seed(step_seed(None if self._simulated else self.mesh)))
         user = [flat[i] for i in split.inputs]
+        check_inputs_need_no_grad(_WHERE, user)
         shards = [self._shards[r][fqn] for r in self.ranks for fqn in split.weights]
         # buffers (no gradient) ride along as inputs too; only parameters are autograd leaves
         differentiable = [s for s in shards if isinstance(s, torch.nn.Parameter)]

@@ -34,7 +34,8 @@ from ..trace import _without_cache, cleanup_pass, trace
 from ..weights import tied_names
 from .dropout import add_dropout_sites, pack_seed, seeded
 from .joint import _placeholders_for_meta, _untie, input_grad_name, joint_of
-from .module import TrainModule, _bytes, frozen_names
+from .module import (TrainModule, _bytes, check_backward_once, check_inputs_need_no_grad,
+                     frozen_names)
 from .program import build_train_program
 from .schedules import actions, global_order
 from .shards import TrainedShard
@@ -112,6 +113,7 @@ class _Pipe(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grad_outputs):
+        check_backward_once(_WHERE, ctx.state)
         grads = [g if g is not None or m is None else torch.zeros(m[0], dtype=m[1], device=m[2])
                  for g, m in zip(grad_outputs, ctx.metas)]
         run = ctx.runner
@@ -368,6 +370,7 @@ class PipelineTrainer:
         self._micro_flats = self._micro(staged, micro)
         params = self.parameters()
         user = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        check_inputs_need_no_grad(_WHERE, user)
         outs = _Pipe.apply(self, staged, len(params), *params, *user)
         return pytree.tree_unflatten(list(outs), staged.traced.out_spec)
 
