@@ -134,8 +134,12 @@ def test_frozen_parameters_stay_frozen_and_unfreeze_as_on_one_device(axes):
                 _loss(m(ids), labels).backward()
                 o.step()
     steps(2)
-    held = [s for r in range(4) for n, s in pm.shards(r).items() if n in frozen]
-    assert held and all(not s.requires_grad and s.grad is None for s in held)
+    held = [(n, s) for r in range(4) for n, s in pm.shards(r).items() if n in frozen]
+    assert held and all(not s.requires_grad and s.grad is None for _, s in held)
+    # and they are shards: q_proj split on tp (and fsdp), the table on tp (and fsdp)
+    parts = 4 if axes[0] == "fsdp" else 2
+    assert all(s.numel() * parts == model.get_parameter(n).numel() for n, s in held), \
+        [(n, tuple(s.shape)) for n, s in held]
     for name in frozen:
         torch.testing.assert_close(pm.state_dict()[name], ref.get_parameter(name).detach(),
                                    rtol=0, atol=0, msg=name)

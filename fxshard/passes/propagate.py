@@ -45,7 +45,7 @@ from ..placement import Partial, R, Replicate, Shard, StridedShard, shard_dim, s
 from . import PassCtx
 from .fsdp import fsdp_storage_pass
 from .moe_routing import TAG
-from .rules import (UNDECIDED, Decision, RuleCtx, fallback, lookup, tensor_inputs,
+from .rules import (UNDECIDED, Decision, RuleCtx, fallback, held, lookup, tensor_inputs,
                     warn_fallback)
 from .rules.embedding import warn_vocab_not_split
 from .rules.experts import grouped_mm_rule
@@ -387,7 +387,7 @@ def _moved_below(node: fx.Node, tp: int, depth: int) -> bool:
     for _ in range(depth):
         below = []
         for n in frontier:
-            have = n.meta.get("fxshard_then") or n.meta.get("fxshard_spec")
+            have = held(n)
             if not isinstance(have, tuple) or shard_dim(have[tp]) is None:
                 continue
             for u in n.users:
@@ -405,7 +405,7 @@ def _moved_below(node: fx.Node, tp: int, depth: int) -> bool:
 
 
 def _whole_on(node: fx.Node, tp: int) -> bool:
-    have = node.meta.get("fxshard_then") or node.meta.get("fxshard_spec")
+    have = held(node)
     return isinstance(have, tuple) and have[tp] == R
 
 

@@ -38,6 +38,7 @@ import torch.fx as fx
 
 from ..placement import Partial, Replicate
 from . import PassCtx
+from .rules import held
 
 aten = torch.ops.aten
 
@@ -47,7 +48,7 @@ __all__ = ["reassociate_partials_pass"]
 def _spec(node) -> tuple | None:
     if not isinstance(node, fx.Node):
         return None
-    spec = node.meta.get("fxshard_then") or node.meta.get("fxshard_spec")
+    spec = held(node)
     return spec if isinstance(spec, tuple) else None
 
 

@@ -54,7 +54,7 @@ from ..passes.moe_routing import moe_routing_pass
 from ..passes.pipeline import run_passes
 from ..passes.propagate import (_run_once, gathered_beside_whole_weights, input_spec,
                                 propagate_pass, untag_moved_regions)
-from ..passes.rules import FallbackWarning
+from ..passes.rules import FallbackWarning, held
 from ..placement import Partial, R
 from ..passes.vocab_loss import split_loss_pass, vocab_parallel_loss_pass
 from .gqa import repeat_kv_pass
@@ -198,7 +198,7 @@ def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint
         changed = False
         for index, k in tangents.items():
             value = out.args[0][k]
-            have = value.meta.get("fxshard_then") or value.meta.get("fxshard_spec")
+            have = held(value)
             want = tuple(R if isinstance(p, Partial) else p for p in have) \
                 if isinstance(have, tuple) else whole
             changed |= given[index] != want
@@ -227,8 +227,7 @@ def _joint_propagate(gm: fx.GraphModule, ctx: PassCtx, specs: dict, joint: Joint
     kept = {}
     for k in (tangents.values() if vocab_outputs else ()):
         value = out.args[0][k]
-        block = _vocab_block_spec(value, value.meta.get("fxshard_then") or
-                                  value.meta.get("fxshard_spec"), ctx.mesh)
+        block = _vocab_block_spec(value, held(value), ctx.mesh)
         if block is not None:
             kept[k] = block
     ctx.report("propagate_pass", changed=False, vocab_block_outputs=len(kept))

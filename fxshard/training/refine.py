@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 
 from ..passes import PassCtx
-from ..passes.rules import tensor_inputs
+from ..passes.rules import held, tensor_inputs
 from ..placement import Partial, R, local_shape, shard_dim
 
 aten = torch.ops.aten
@@ -101,7 +101,7 @@ def mirrored_inputs(gm: fx.GraphModule, ctx: PassCtx, tangents) -> dict:
         shape = tuple(node.meta["val"].shape)
         for f in forward.get(node.meta.get("seq_nr"), []):
             a, b = f.args[-2], f.args[-1]
-            a_spec = a.meta.get("fxshard_then") or a.meta.get("fxshard_spec")
+            a_spec = held(a)
             if not isinstance(spec, tuple) or not isinstance(a_spec, tuple) or \
                     a.op == "placeholder" or tuple(a.meta["val"].shape) != shape or \
                     not _view_of(node.args[1], b):

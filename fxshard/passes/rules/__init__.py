@@ -30,7 +30,7 @@ from ...mesh import MeshSpec, TP
 from ...placement import R
 
 __all__ = ["rule", "lookup", "Decision", "RuleCtx", "UNDECIDED", "tensor_inputs", "fallback",
-           "FallbackWarning", "WholeWeightWarning", "token_local"]
+           "FallbackWarning", "WholeWeightWarning", "token_local", "held"]
 
 aten = torch.ops.aten
 
@@ -142,6 +142,12 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     """The tensor-valued inputs of ``node`` in argument order (lists flattened, kwargs last)."""
     flat, _ = pytree.tree_flatten((node.args, node.kwargs))
     return [a for a in flat if is_tensor_node(a)]
+
+
+def held(node: fx.Node):
+    """The placement ``node``'s consumers receive: ``fxshard_then`` where the value moves
+    right after it is made (the embedding's gather), else its ``fxshard_spec``."""
+    return node.meta.get("fxshard_then") or node.meta.get("fxshard_spec")
 
 
 def out_count(node: fx.Node):
