@@ -41,7 +41,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from .checks import (check_parallelize_args, inference_only, out_of_vocabulary,
-                     unmatched_plan_patterns)
+                     unmatched_plan_patterns, warn_training_in_eval_mode)
 from .mesh import MeshSpec, PP, is_simulated, mesh_spec
 from .passes import PLAN_STYLES
 from .runtime.executor import Executor
@@ -94,9 +94,11 @@ class ParallelModule:
         self.executor = Executor(mesh, self.spec, self.options, self.weights)
         self._trainer = None
         self._example = None     # (args, kwargs) of parallelize(example_inputs=...)
+        self._eval_by_parallelize = False   # parallelize switched the model to eval mode
 
     def __call__(self, *args, **kwargs):
         if torch.is_grad_enabled() and self._requires_grad():
+            self._check_mode()
             self.programs.sync_weights()    # a model change after training started: error
             if self.spec.axis_size(PP) > 1:
                 self.programs.last_mode = "train"
@@ -115,6 +117,33 @@ class ParallelModule:
 
     def _requires_grad(self) -> bool:
         return any(p.requires_grad for p in self.model.parameters())
+
+    def _check_mode(self) -> None:
+        """Once, before training: warn if the model is still in the eval mode ``parallelize``
+        switched it to and has dropout (see :func:`~fxshard.checks.warn_training_in_eval_mode`)."""
+        if self._eval_by_parallelize and not self.model.training:
+            warn_training_in_eval_mode(_WHERE, self.model)
+        self._eval_by_parallelize = False
+
+    # -- train / eval mode, as on an nn.Module -----------------------------------------------
+    @property
+    def training(self) -> bool:
+        """The model's mode (``parallelize`` leaves it in eval mode)."""
+        return self.model.training
+
+    def train(self, mode: bool = True) -> "ParallelModule":
+        """``model.train(mode)``, returning ``pm`` as ``nn.Module.train`` returns the module:
+        dropout (and any other train-mode behaviour) in the following calls, training and
+        inference alike; each mode has its own programs, traced on first use."""
+        if not isinstance(mode, bool):
+            raise ValueError(f"ParallelModule.train: mode={mode!r}; pass True or False")
+        self.model.train(mode)
+        self._eval_by_parallelize = False    # the mode is the user's choice now
+        return self
+
+    def eval(self) -> "ParallelModule":
+        """``model.eval()``, returning ``pm``; ``pm.train(False)``."""
+        return self.train(False)
 
     # -- training ----------------------------------------------------------------------
     @property
@@ -157,12 +186,14 @@ class ParallelModule:
         ``pp`` mesh ``schedule`` is ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``
         (``virtual_stages`` per rank, default 2): see :mod:`fxshard.training.pipeline`."""
         if self.spec.axis_size(PP) > 1:
+            self._check_mode()
             self.programs.sync_weights()
             self.programs.last_mode = "train"
             return self.trainer.train_step(*args, loss_fn=loss_fn, target=target,
                                            schedule=schedule, virtual_stages=virtual_stages,
                                            **kwargs)
         if loss_fn is not None and torch.is_grad_enabled() and self._requires_grad():
+            self._check_mode()
             # the loss traced with the model: a cross-entropy is vocab-parallel on tp
             self.programs.sync_weights()
             loss = self.trainer.loss_step(loss_fn, target, args, kwargs)
@@ -351,6 +382,7 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
     if microbatches > 1 and spec.axis_size(PP) == 1:
         warnings.warn(f"{_WHERE}: microbatches={microbatches} has no effect without a pp axis",
                       stacklevel=2)
+    was_training = model.training
     model.eval()
     pm = ParallelModule(model, mesh, plan=plan or {}, sequence_parallel=sequence_parallel,
                         microbatches=microbatches, strict=strict, embedding=embedding,
@@ -358,6 +390,7 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
                         recompute=recompute,
                         fsdp_reshard_after_forward=fsdp_reshard_after_forward)
     pm.unmatched_plan = unmatched    # globs that matched no module (warned; in explain())
+    pm._eval_by_parallelize = was_training
     if example_inputs is not None or example_kwargs is not None:
         pm._example = (tuple(example_inputs or ()), dict(example_kwargs or {}))
         pm.programs.get(tuple(example_inputs or ()), dict(example_kwargs or {}))

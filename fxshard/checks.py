@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import torch
 
 __all__ = ["check_parallelize_args", "unmatched_plan_patterns", "check_state_dict_values",
-           "token_ids", "check_no_autocast"]
+           "token_ids", "check_no_autocast", "EvalModeWarning", "warn_training_in_eval_mode"]
 
 
 def token_ids(value):
@@ -39,6 +39,37 @@ def check_no_autocast(where: str) -> None:
                 f"model's own dtypes, so autocast would be ignored or kept by a cached program "
                 f"when you leave it. Cast the model instead (model.to({dtype}) before "
                 f"fxshard.parallelize), or call it outside autocast")
+
+
+class EvalModeWarning(UserWarning):
+    """Training a model that ``parallelize`` put in eval mode, with its dropout off."""
+
+
+def dropout_sites(model: torch.nn.Module) -> list[str]:
+    """The model's dropout with ``p > 0``: ``nn.Dropout`` modules and a config's dropout
+    probabilities (HuggingFace's functional ``attention_dropout``, GPT-2's ``attn_pdrop``)."""
+    sites = [f"{name} (p={m.p})" for name, m in model.named_modules()
+             if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
+    config = getattr(model, "config", None)
+    for key, value in sorted(vars(config).items()) if config is not None else ():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0:
+            sites.append(f"config.{key}={value}")
+    return sites
+
+
+def warn_training_in_eval_mode(where: str, model: torch.nn.Module) -> None:
+    """An :class:`EvalModeWarning` when a training call finds the model in the eval mode
+    ``parallelize`` put it in (it was in train mode before) and the model has dropout: on one
+    device the same model would train with dropout."""
+    sites = dropout_sites(model)
+    if not sites:
+        return
+    warnings.warn(
+        f"{where}: training {type(model).__name__} in eval mode: fxshard.parallelize put it in "
+        f"eval mode (it was in train mode), so its dropout ({', '.join(sites[:3])}"
+        f"{', ...' if len(sites) > 3 else ''}) is off in this training forward, unlike the "
+        f"model trained on one device. Call pm.train() to train with dropout, or pm.eval() "
+        f"to train without it and silence this warning", EvalModeWarning, stacklevel=3)
 
 
 def _int(where: str, name: str, value, *, low: int, example: int) -> None:

@@ -77,12 +77,23 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
                            for v in ep.constants.values()):
         # constants the forward makes (torch.tensor([0, 3])) came out on meta: trace for real
         ep = _export_real(model, args, kwargs)
-    if any(_mutates(n) for n in ep.graph.nodes):
+    if any(_mutates(n) for n in _all_nodes(ep.graph_module)):
+        # an update under torch.no_grad() sits in a wrap_with_set_grad_enabled subgraph,
+        # which export leaves out of the signature: functionalised, it becomes a
+        # BUFFER_MUTATION output (an error below) instead of being silently dropped
         with warnings.catch_warnings():  # torch's own deprecation inside its deepcopy
             warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\)",
                                     FutureWarning)
-            ep = ep.run_decompositions({})
-        bad = [n for n in ep.graph.nodes if _mutates(n)]
+            try:
+                ep = ep.run_decompositions({})
+            except RuntimeError as e:
+                if "is mutated" not in str(e):
+                    raise
+                raise NotImplementedError(
+                    f"fxshard.parallelize: {type(model).__name__}'s forward mutates a tensor "
+                    f"attribute in place ({e}); fxshard supports no state updated in the "
+                    f"forward: update it outside the forward") from None
+        bad = [n for n in _all_nodes(ep.graph_module) if _mutates(n)]
         if bad:
             raise NotImplementedError(
                 f"fxshard.parallelize: {type(model).__name__}'s forward mutates state in place "
@@ -148,6 +159,13 @@ def _export_real(model, args, kwargs) -> ExportedProgram:
         raise summarise_export_error(model, e) from None
 
 
+def _all_nodes(gm: fx.GraphModule):
+    """The nodes of ``gm``'s graph and of its subgraphs (higher-order ops' bodies)."""
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            yield from module.graph.nodes
+
+
 def _mutates(node: fx.Node) -> bool:
     target = node.target
     return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
@@ -184,8 +202,11 @@ def _from_exported(ep: ExportedProgram, model: torch.nn.Module) -> Traced:
     for spec in sig.output_specs:
         if spec.kind != OutputKind.USER_OUTPUT:
             raise NotImplementedError(
-                f"fxshard.parallelize: the model's forward mutates {spec.target} "
-                f"({spec.kind.name}); fxshard runs inference graphs without buffer mutation")
+                f"fxshard.parallelize: {type(model).__name__}'s forward mutates "
+                f"{spec.target} ({spec.kind.name}, model.training={model.training}); fxshard "
+                f"supports no buffer updated in the forward (a running statistic): update it "
+                f"outside the forward, or, if it changes only in train mode (BatchNorm), "
+                f"call pm.eval()")
     return Traced(gm=gm, in_spec=ep.call_spec.in_spec, out_spec=ep.call_spec.out_spec,
                   constants=constants, param_names=params)
 

@@ -227,6 +227,67 @@ def test_inference_follows_the_mode_and_unsupported_training_is_a_clear_error():
     assert pm(x.detach()).shape == (4, 6, 8)
 
 
+class _RunningStat(torch.nn.Module):
+    """A layer whose forward updates a running mean under no_grad in train mode only, the
+    case torch.export leaves out of its signature (the update sits in a
+    wrap_with_set_grad_enabled subgraph): fxshard dropped it silently."""
+
+    def __init__(self, attribute: bool = False):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 8)
+        if attribute:
+            self.run = torch.zeros(8)          # a plain tensor attribute, not a buffer
+        else:
+            self.register_buffer("run", torch.zeros(8))
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.training:
+            with torch.no_grad():
+                self.run.mul_(0.9).add_(0.1 * y.mean((0, 1)))
+        return y
+
+
+def test_pm_train_and_eval_and_a_state_update_in_forward_is_a_clear_error(recwarn):
+    """``pm.train()`` / ``pm.eval()`` set the model's mode and return pm, as on an nn.Module
+    (they were an AttributeError); training a model that parallelize switched from train to
+    eval mode warns once that its dropout is off; a forward that updates a buffer or a tensor
+    attribute is a clear error in either grad mode, never a silently dropped update."""
+    ids, labels = _data()
+    mesh = _mesh(2, 2)
+    model = _Dropped()
+    pm = fxshard.parallelize(model, mesh)
+    assert not model.training and not pm.training
+    with pytest.warns(fxshard.checks.EvalModeWarning,
+                      match=r"_Dropped in eval mode.*dropout \(drop \(p=0.5\)\).*pm\.train\(\)"):
+        pm(ids).sum().backward()
+    pm(ids).sum().backward()                   # once only
+    assert not [w for w in recwarn if w.category is fxshard.checks.EvalModeWarning]
+    assert pm.train() is pm and model.training and pm.training
+    assert pm.eval() is pm and not model.training
+    with torch.no_grad():
+        torch.testing.assert_close(pm(ids), model(ids), rtol=0, atol=1e-5)
+    chosen = fxshard.parallelize(_Dropped().eval(), mesh)    # eval chosen: nothing to say
+    chosen(ids).sum().backward()
+    assert not [w for w in recwarn if w.category is fxshard.checks.EvalModeWarning]
+    x = torch.randn(4, 6, 16)
+    for model in (_RunningStat(), torch.nn.Sequential(torch.nn.Linear(16, 16),
+                                                      torch.nn.BatchNorm1d(6))):
+        pm = fxshard.parallelize(model, mesh).train()
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad), pytest.raises(
+                    NotImplementedError, match=r"forward mutates (run|1\.running_mean) "
+                    r"\(BUFFER_MUTATION, model.training=True\).*call pm\.eval\(\)"):
+                pm(x)
+        pm.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(pm(x), model(x), rtol=0, atol=1e-5)
+    pm = fxshard.parallelize(_RunningStat(attribute=True), mesh).train()
+    with pytest.raises(NotImplementedError, match=r"_RunningStat's forward mutates a tensor "
+                                                  r"attribute in place \(Constant run is mutated"):
+        pm(x)
+
+
 def test_model_edit_after_training_is_an_error_and_load_state_dict_resets_in_place():
     model = _llama(layers=1)
     ids, labels = _data()
