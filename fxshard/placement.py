@@ -110,10 +110,11 @@ def local_shape(shape: Sequence[int], spec: Spec, mesh: MeshSpec, *, what: str =
         elif n > 1 and isinstance(p, Shard):
             d = p.dim
             if out[d] % n:
+                cut = "" if out[d] == shape[d] else " per shard after the earlier axes"
                 raise ValueError(
                     f"fxshard: {what} of global shape {tuple(shape)} is sharded on dim {d} over "
                     f"mesh axis {axis!r} of size {n} (mesh {mesh.describe()}), but dim {d} has "
-                    f"{out[d]} elements per shard at that point, which does not divide by {n}. "
+                    f"{out[d]} elements{cut}, which does not divide by {n}. "
                     f"Make dim {d} a multiple of {n} or use a smaller {axis} axis.")
             out[d] //= n
     return tuple(out)

@@ -194,6 +194,7 @@ def _from_exported(ep: ExportedProgram, model: torch.nn.Module) -> Traced:
             constants[spec.target] = value
         elif spec.kind == InputKind.USER_INPUT:
             node.meta["fxshard_input"] = user_index
+            node.meta["fxshard_input_name"] = node.name     # the forward's argument name
             user_index += 1
         else:
             raise NotImplementedError(

@@ -288,6 +288,24 @@ def test_pm_train_and_eval_and_a_state_update_in_forward_is_a_clear_error(recwar
         pm(x)
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_sizes_that_do_not_divide_name_the_input_and_the_sequence(grad):
+    """A batch the data axis does not divide names the forward's argument in training too
+    (it named the joint graph's primals_<n>); a sequence that sequence parallelism cannot
+    split says so, and both fixes."""
+    model = _llama(layers=1)
+    pm = fxshard.parallelize(model, _mesh(2, 2), sequence_parallel=True)
+    with torch.set_grad_enabled(grad):
+        with pytest.raises(ValueError, match=r"input 'input_ids' \(argument 0 of the forward\) "
+                                             r"of global shape \(3, 6\) is sharded on dim 0 over "
+                                             r"mesh axis 'dp' of size 2 .* dim 0 has 3 elements,"):
+            pm(torch.randint(0, 64, (3, 6)))
+        with pytest.raises(ValueError, match=r"sequence_parallel=True splits the 5 tokens over "
+                                             r"tp=2; pad the sequence to a multiple of 2 or pass "
+                                             r"sequence_parallel=False"):
+            pm(torch.randint(0, 64, (4, 5)))
+
+
 def test_model_edit_after_training_is_an_error_and_load_state_dict_resets_in_place():
     model = _llama(layers=1)
     ids, labels = _data()

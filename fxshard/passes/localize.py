@@ -44,7 +44,9 @@ def _describe(node: fx.Node) -> str:
         origin = origin.args[0]
     index = origin.meta.get("fxshard_input")
     if origin.op == "placeholder" and index is not None:
-        return f"input {origin.name!r} (argument {index} of the forward)"
+        # the forward's own name (a training graph's placeholder is primals_<n>)
+        name = origin.meta.get("fxshard_input_name", origin.name)
+        return f"input {name!r} (argument {index} of the forward)"
     return f"value {node.name} ({node.target})"
 
 
@@ -52,7 +54,18 @@ def _local(node: fx.Node, ctx: PassCtx) -> tuple[int, ...] | None:
     val, spec = node.meta.get("val"), node.meta.get("fxshard_spec")
     if not isinstance(val, torch.Tensor) or not isinstance(spec, tuple):
         return None
-    return local_shape(tuple(val.shape), spec, ctx.mesh, what=_describe(node))
+    try:
+        return local_shape(tuple(val.shape), spec, ctx.mesh, what=_describe(node))
+    except ValueError as e:
+        tp = dict(zip(ctx.mesh.axis_names, spec)).get("tp")
+        if ctx.sequence_parallel and isinstance(tp, Shard) and tp.dim == 1 and \
+                val.dim() == 3 and val.shape[1] % ctx.mesh.axis_size("tp"):
+            raise ValueError(
+                f"{e} Here the dim is the sequence: sequence_parallel=True splits the "
+                f"{val.shape[1]} tokens over tp={ctx.mesh.axis_size('tp')}; pad the sequence "
+                f"to a multiple of {ctx.mesh.axis_size('tp')} or pass "
+                f"sequence_parallel=False") from None
+        raise
 
 
 def localize_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:

@@ -162,7 +162,9 @@ def joint_of(traced: Traced, model: torch.nn.Module, flat: list, tied: dict,
         elif isinstance(desc, BufferAOTInput):
             node.meta["fxshard_buffer"] = buffers[desc.target]
         elif isinstance(desc, PlainAOTInput):
-            node.meta["fxshard_input"] = user[desc.idx].meta["fxshard_input"]
+            for key in ("fxshard_input", "fxshard_input_name"):
+                if key in user[desc.idx].meta:
+                    node.meta[key] = user[desc.idx].meta[key]
         elif isinstance(desc, TangentAOTInput) and isinstance(desc.output, PlainAOTOutput):
             node.meta["fxshard_tangent"] = desc.output.idx
         else:
