@@ -306,6 +306,67 @@ def test_sizes_that_do_not_divide_name_the_input_and_the_sequence(grad):
             pm(torch.randint(0, 64, (4, 5)))
 
 
+def test_calls_that_differ_only_in_keywords_get_their_own_programs():
+    """The program cache was keyed by the leaves' shapes alone: ``pm(input_ids=,
+    position_ids=)`` after ``pm(input_ids=, attention_mask=)`` (same shapes) ran the first
+    call's program with the positions as the mask (logits 0.63 off), the same keywords in
+    another order too, and training with ``labels=`` after a masked call was a KeyError."""
+    from tests.models import hf_llama
+    model = hf_llama(layers=1)
+    ref = copy.deepcopy(model)
+    pm = fxshard.parallelize(model, _mesh(2, 2))
+    ids = torch.randint(3, 128, (4, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(4, 8, dtype=torch.long)
+    mask[1, :3] = 0
+    pos = torch.tensor([0, 1, 2, 3, 10, 11, 12, 13]).expand(4, 8).clone()
+    calls = [dict(input_ids=ids, attention_mask=mask), dict(input_ids=ids, position_ids=pos),
+             dict(input_ids=ids, position_ids=pos, attention_mask=mask),
+             dict(input_ids=ids, attention_mask=mask, position_ids=pos)]
+    with torch.no_grad():
+        for kw in calls:
+            torch.testing.assert_close(pm(**kw).logits, ref(**kw).logits, rtol=1e-5,
+                                       atol=1e-5, msg=str(list(kw)))
+    pm(input_ids=ids, attention_mask=mask).logits.pow(2).mean().backward()
+    pm.zero_grad()
+    ref.train()
+    pm.train()
+    loss = pm(input_ids=ids, labels=ids).loss
+    loss.backward()
+    want = ref(input_ids=ids, labels=ids).loss
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(pm.gradients()[name], p.grad, rtol=1e-5, atol=1e-5)
+
+
+class _Scaled(torch.nn.Module):
+    """A learnable 0-dim temperature beside a small LM."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32, bias=False)
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, ids):
+        return self.head(self.emb(ids)) * self.scale
+
+
+@pytest.mark.parametrize("dp,tp", [(2, 1), (1, 2)])
+def test_a_zero_dim_parameter_is_assembled(dp, tp):
+    """pm.gradients() and pm.state_dict() of a model with a 0-dim parameter failed with a
+    PyTorch internal assert (index_put_ with no index)."""
+    model = _Scaled()
+    ref = copy.deepcopy(model)
+    pm = fxshard.parallelize(model, _mesh(dp, tp))
+    ids = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(1))
+    F.cross_entropy(pm(ids).flatten(0, 1), ids.flatten()).backward()
+    F.cross_entropy(ref(ids).flatten(0, 1), ids.flatten()).backward()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(pm.gradients()[name], p.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(pm.state_dict()[name], p.detach(), rtol=0, atol=0)
+    assert pm.gradients()["scale"].shape == ()
+
+
 def test_model_edit_after_training_is_an_error_and_load_state_dict_resets_in_place():
     model = _llama(layers=1)
     ids, labels = _data()

@@ -75,6 +75,16 @@ def signature(flat) -> tuple:
                   else ("const", repr(x)) for x in flat])
 
 
+def structure(args: tuple, kwargs: dict):
+    """The call's structure, part of the cache key beside :func:`signature`: which argument
+    each leaf is. ``pm(ids, attention_mask=m)`` and ``pm(ids, position_ids=p)`` have the same
+    leaves' shapes; keyed by leaves alone the second ran the first's program with ``p`` as the
+    mask. Keyword order counts too (the leaves are flattened in the call's order)."""
+    if not kwargs and all(isinstance(x, torch.Tensor) for x in args):
+        return len(args)    # the common call, without tree_structure's cost
+    return str(pytree.tree_structure((args, kwargs)))
+
+
 def compile_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx,
                     **options) -> Compiled:
     """:func:`fxshard.passes.pipeline.build_programs`' trace and programs, as a ``Compiled``
@@ -132,7 +142,8 @@ class ProgramCache:
         inputs; no weight sync, no load check."""
         micro = self.split(args, kwargs)
         # the model's train mode too: dropout's sites are traced in train mode, none in eval
-        key = (generation, signature(micro[0]) + (self.model.training,))
+        key = (generation, structure(args, kwargs),
+               signature(micro[0]) + (self.model.training,))
         c = self._entries.get(key)
         if c is not None:
             self.last, self.last_mode = c, "infer"
@@ -163,7 +174,8 @@ class ProgramCache:
         description)`` of a loss traced with the model (``train_step(loss_fn=)``): the key
         tells programs apart in this process, the description is what ranks agree on."""
         flat = pytree.tree_flatten((args, kwargs))[0]
-        key = ("train", signature(flat), None if extra is None else extra[0])
+        key = ("train", structure(args, kwargs), signature(flat),
+               None if extra is None else extra[0])
         if key not in self.training:
             agreed = {"generation": "train", "inputs": flat}
             if extra is not None:

@@ -30,6 +30,7 @@ import torch.fx._pytree as fx_pytree
 from ..checks import check_no_autocast
 from ..mesh import PP, SimulatedMesh, is_simulated
 from ..passes import PassCtx, PassReports
+from ..runtime.program_cache import structure
 from ..trace import _without_cache, cleanup_pass, trace
 from ..weights import tied_names
 from .dropout import add_dropout_sites, pack_seed, seeded
@@ -194,7 +195,7 @@ class PipelineTrainer:
                 f"virtual_stages= on every call")
         check_no_autocast(_WHERE)
         frozen = frozen_names(self.model)
-        key = (self.model.training, frozen) + tuple(
+        key = (self.model.training, frozen, structure(args, kwargs)) + tuple(
             (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
             for x in pytree.tree_leaves((args, kwargs)))
         if key not in self._programs:
