@@ -6,6 +6,7 @@ function, the argument, its value and the fix, instead of a failure deep inside 
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import numbers
 import warnings
@@ -50,11 +51,21 @@ def dropout_sites(model: torch.nn.Module) -> list[str]:
     probabilities (HuggingFace's functional ``attention_dropout``, GPT-2's ``attn_pdrop``)."""
     sites = [f"{name} (p={m.p})" for name, m in model.named_modules()
              if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
-    config = getattr(model, "config", None)
-    for key, value in sorted(vars(config).items()) if config is not None else ():
+    for key, value in _config_items(getattr(model, "config", None)):
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0:
             sites.append(f"config.{key}={value}")
     return sites
+
+
+def _config_items(config) -> list:
+    """A model config's fields, by name: an object's ``__dict__``, a slots dataclass's fields
+    (torchtitan's configs), nothing for anything else."""
+    if config is None:
+        return []
+    if dataclasses.is_dataclass(config):
+        return sorted((f.name, getattr(config, f.name, None))
+                      for f in dataclasses.fields(config))
+    return sorted(getattr(config, "__dict__", {}).items())
 
 
 def warn_training_in_eval_mode(where: str, model: torch.nn.Module) -> None:

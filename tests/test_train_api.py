@@ -7,6 +7,7 @@ sections, and the axes that cannot train yet. Sizes uneven on purpose (hidden 48
 intermediate 72, vocab 96, sequence 6); the reference is a copy of the model trained alone.
 """
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -227,6 +228,12 @@ def test_inference_follows_the_mode_and_unsupported_training_is_a_clear_error():
     assert pm(x.detach()).shape == (4, 6, 8)
 
 
+@dataclasses.dataclass(slots=True)
+class _SlotsConfig:
+    dim: int = 32
+    dropout: float = 0.1
+
+
 class _RunningStat(torch.nn.Module):
     """A layer whose forward updates a running mean under no_grad in train mode only, the
     case torch.export leaves out of its signature (the update sits in a
@@ -267,6 +274,11 @@ def test_pm_train_and_eval_and_a_state_update_in_forward_is_a_clear_error(recwar
     assert pm.eval() is pm and not model.training
     with torch.no_grad():
         torch.testing.assert_close(pm(ids), model(ids), rtol=0, atol=1e-5)
+    slotted = _Dropped()      # a config without __dict__ (torchtitan's slots dataclasses)
+    slotted.drop.p, slotted.config = 0.0, _SlotsConfig()
+    pm = fxshard.parallelize(slotted, mesh)
+    with pytest.warns(fxshard.checks.EvalModeWarning, match=r"\(config\.dropout=0\.1\)"):
+        pm(ids).sum().backward()
     chosen = fxshard.parallelize(_Dropped().eval(), mesh)    # eval chosen: nothing to say
     chosen(ids).sum().backward()
     assert not [w for w in recwarn if w.category is fxshard.checks.EvalModeWarning]
