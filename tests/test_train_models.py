@@ -74,7 +74,14 @@ def _mistral():
     return transformers.MistralForCausalLM(cfg)
 
 
-_MODELS = {"gpt2": _gpt2, "phi3": _phi3, "mixtral": _mixtral, "qwen2": _qwen2,
+def _bloom():     # ALiBi: baddbmm over a merged [B*H] dim, heads on tp
+    cfg = transformers.BloomConfig(vocab_size=V, hidden_size=48, n_layer=2, n_head=4,
+                                   hidden_dropout=0.0, attention_dropout=0.0,
+                                   bos_token_id=0, eos_token_id=0)
+    return transformers.BloomForCausalLM(cfg)
+
+
+_MODELS = {"gpt2": _gpt2, "bloom": _bloom, "phi3": _phi3, "mixtral": _mixtral, "qwen2": _qwen2,
            "qwen3": _qwen3, "mistral": _mistral,
            "gpt2_odd": lambda: _gpt2(vocab=TV + 1)}    # 91 rows: tp=2 cannot split them
 
@@ -450,6 +457,7 @@ def test_moe_trains(dp, tp, batch):
     ("mistral", ("dp", "tp"), True),       # 1 KV head: replicated on tp, its gradient reduced
     ("gpt2", ("fsdp", "tp"), False),
     ("mixtral", ("fsdp", "tp"), False),
+    ("bloom", ("fsdp", "tp"), True),       # ALiBi's [B*H, 1, S] bias strided like the heads
 ])
 def test_labels_loss_trains_through_parallelize(name, axes, sp):
     """HF's ``pm(ids, labels=labels).loss`` (the loss inside the model, vocab-parallel on tp)

@@ -311,9 +311,10 @@ def baddbmm_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         if self_shape != out_shape or isinstance(ins[0], Shard):
             return Decision(ins=[R] * 3, out=R)
         return Decision(ins=[P] + d.ins, out=P)
-    if isinstance(d.out, Shard):
+    if isinstance(d.out, (Shard, StridedShard)):   # strided: a merged [B*H] dim, H on tp
         sd = d.out.dim - (len(out_shape) - len(self_shape))
-        need = Shard(sd) if sd >= 0 and self_shape[sd] == out_shape[d.out.dim] else R
+        need = R if sd < 0 or self_shape[sd] != out_shape[d.out.dim] else \
+            Shard(sd) if isinstance(d.out, Shard) else replace(d.out, dim=sd)
         return Decision(ins=[need] + d.ins, out=d.out)
     return Decision(ins=[R] + d.ins, out=d.out)
 
