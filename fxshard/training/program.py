@@ -402,8 +402,20 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
     jctx.report("propagate_pass", changed=False, fused_slice_gradients=tag_sliced(gm))
     kept = _joint_propagate(gm, jctx, specs, joint, vocab_outputs)
     _gradient_targets(gm, joint, specs, jctx, kept)
-    gm = run_passes(gm, [vocab_parallel_loss_pass, insert_collectives_pass, drop_marks_pass,
-                         localize_pass], jctx)
+    try:
+        gm = run_passes(gm, [vocab_parallel_loss_pass, insert_collectives_pass,
+                             drop_marks_pass, localize_pass], jctx)
+    except NotImplementedError as e:
+        if "parts kept whole" not in str(e) or not ctx.partly_whole:
+            raise
+        fqn, why = next(iter(ctx.partly_whole.items()))
+        raise NotImplementedError(
+            f"{_WHERE}: {_model_name(model)}'s fused projection {fqn} has {why}; training "
+            f"it on mesh {ctx.mesh.describe()} is not supported yet (its backward contracts "
+            f"over the fused dim, where the whole parts' gradients are partial sums over tp). "
+            f"Use a tp size that divides every part (for grouped-query attention: at most "
+            f"the number of KV heads), or run it under torch.no_grad() (inference places "
+            f"it)") from None
     _localize_backward(gm, jctx)
     gm = run_passes(gm, [lower_ring_pass], jctx)
     gm = cuda_attention_backward_pass(gm, ctx=jctx)   # on CUDA: fxshard's Triton backward
