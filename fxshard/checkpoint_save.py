@@ -6,6 +6,8 @@
                                                    "weight_map": {name: file}}
     directory/model-00001-of-00003.safetensors    whole tensors, HF's names and layout
     ...
+    directory/config.json                         an HF model's config (and
+                                                  generation_config.json), as save_pretrained
 
 which ``transformers.AutoModelForCausalLM.from_pretrained(directory)`` and
 ``fxshard.load_safetensors(pm, directory)`` (any mesh) read. Tied weights are written once, under
@@ -35,6 +37,7 @@ it.
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -260,6 +263,23 @@ def _write_bytes(fh, t: torch.Tensor, e: _Entry) -> None:
         fh.write(flat.view(torch.uint8).numpy().tobytes())
 
 
+def _save_config(model, directory: str) -> list[str]:
+    """An HF model's ``config.json`` (with ``architectures``, as ``save_pretrained`` writes it)
+    and ``generation_config.json`` beside the weights, so ``from_pretrained(directory)``
+    reads the checkpoint alone; nothing for a model without an HF config."""
+    written = []
+    for attr, name in (("config", "config.json"), ("generation_config", "generation_config.json")):
+        cfg = getattr(model, attr, None)
+        if cfg is None or not callable(getattr(cfg, "save_pretrained", None)):
+            continue
+        if attr == "config":
+            cfg = copy.deepcopy(cfg)
+            cfg.architectures = [type(model).__name__]
+        cfg.save_pretrained(directory)
+        written.append(os.path.join(directory, name))
+    return written
+
+
 def save_safetensors(module, directory: str, *, max_shard_size="5GB") -> list[str]:
     """Write ``module``'s weights to ``directory`` as an HF checkpoint (see the module
     docstring); returns the files this process wrote. ``max_shard_size``: bytes per file
@@ -300,6 +320,7 @@ def save_safetensors(module, directory: str, *, max_shard_size="5GB") -> list[st
     if comm is not None:
         comm.barrier()
     if me == 0:
+        written += _save_config(getattr(module, "model", None), directory)
         index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
                  "weight_map": {e.name: names[k] for k, part in enumerate(files) for e in part}}
         with open(os.path.join(directory, INDEX), "w") as f:

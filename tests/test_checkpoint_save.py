@@ -31,10 +31,11 @@ def test_save_from_parallel_module_reads_back_in_hf_and_on_another_mesh(tmp_path
     index = json.load(open(tmp_path / "model.safetensors.index.json"))
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2 and all(f"-of-{len(shards):05d}" in f for f in shards)
-    assert sorted(os.path.basename(f) for f in files) == sorted(
-        shards + ["model.safetensors.index.json"])
+    assert sorted(os.path.basename(f) for f in files) == sorted(   # HF's config too, so
+        shards + ["model.safetensors.index.json", "config.json",     # from_pretrained reads
+                  "generation_config.json"])                          # the directory alone
+    assert json.load(open(tmp_path / "config.json"))["architectures"] == ["LlamaForCausalLM"]
     assert ("lm_head.weight" in index["weight_map"]) is not tie   # a tied weight once
-    ref.config.save_pretrained(str(tmp_path))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     want = ref.state_dict()
     for k, v in hf.state_dict().items():
@@ -83,7 +84,6 @@ def test_trained_shards_saved_equal_single_device_training(tmp_path):
         opt.step()
         opt.zero_grad()
     fxshard.save_safetensors(tm, str(tmp_path), max_shard_size="30KB")
-    single.config.save_pretrained(str(tmp_path))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     want, trained = single.state_dict(), tm.state_dict()
     for k, v in hf.state_dict().items():
@@ -140,7 +140,6 @@ def test_parallel_module_trained_saved_then_reloaded_elsewhere_trains_on(tmp_pat
     _pm_steps(pm, ids, labels, 2, clip=0.5)
     _single_steps(single, ids, labels, 2, clip=0.5)
     fxshard.save_safetensors(pm, str(tmp_path), max_shard_size="30KB")
-    single.config.save_pretrained(str(tmp_path))
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
     want, trained = single.state_dict(), pm.state_dict()
     for k, v in hf.state_dict().items():

@@ -111,6 +111,26 @@ def test_inference_ahead_of_training_reads_the_trained_shards_after(axes):
         torch.testing.assert_close(pm(ids), ref(ids), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("axes", [("fsdp", "tp"), ("pp", "tp")])
+def test_a_step_between_forward_and_backward_is_autograds_error(axes):
+    """``out = pm(x); opt.step(); loss(out).backward()``: on one device autograd refuses (a
+    weight saved for the backward was modified in place); fxshard's backward read the
+    stepped shards and gave gradients at the new weights (4e-3 off), silently."""
+    model = _llama(layers=2)
+    ids, labels = _data()
+    mesh = fxshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=axes)
+    pm = fxshard.parallelize(model, mesh, example_inputs=(ids,))
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    _loss(pm(ids), labels).backward()
+    out = pm(ids)
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _loss(out, labels).backward()
+    opt.zero_grad()
+    _loss(pm(ids), labels).backward()     # the usual order still trains
+    assert all(p.grad is not None for p in pm.parameters())
+
+
 @pytest.mark.parametrize("axes", [("dp", "tp"), ("fsdp", "tp"), ("pp", "tp")])
 def test_frozen_parameters_stay_frozen_and_unfreeze_as_on_one_device(axes):
     """Parameters frozen on the model (``requires_grad_(False)``) get no gradient and the

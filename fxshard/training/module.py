@@ -159,6 +159,10 @@ class _Step(torch.autograd.Function):
         outs, saved, extra = runner._run_forward(program, shards, user)
         ctx.runner, ctx.program, ctx.saved_per_rank = runner, program, saved
         ctx.n_user = len(user)
+        # the backward reads the shards: autograd's version check makes an in-place change
+        # between forward and backward (opt.step() before loss.backward()) its usual error,
+        # as on one device, instead of gradients at the changed weights
+        ctx.save_for_backward(*shards)
         outs = list(outs) + extra    # a vocab output's other blocks follow the outputs
         ctx.shapes = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None
                       for o in outs]
@@ -171,6 +175,7 @@ class _Step(torch.autograd.Function):
     def backward(ctx, *grad_outputs):
         program, runner = ctx.program, ctx.runner
         check_backward_once(_WHERE, ctx.saved_per_rank)
+        ctx.saved_tensors    # noqa: B018  (raises if a shard changed in place since forward)
 
         def grad(i):
             g, meta = grad_outputs[i], ctx.shapes[i]

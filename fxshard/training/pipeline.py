@@ -105,6 +105,7 @@ class _Pipe(torch.autograd.Function):
     def forward(ctx, runner, staged, n_params, *flat):
         outs, state = runner._forward_all(staged, list(flat[n_params:]))
         ctx.runner, ctx.staged, ctx.state, ctx.n_user = runner, staged, state, len(flat) - n_params
+        ctx.save_for_backward(*flat[:n_params])   # an in-place change before backward: error
         ctx.metas = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None
                      for o in outs]
         ctx.mark_non_differentiable(*[o for o in outs if isinstance(o, torch.Tensor)
@@ -115,6 +116,7 @@ class _Pipe(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grad_outputs):
         check_backward_once(_WHERE, ctx.state)
+        ctx.saved_tensors    # noqa: B018  (raises if a parameter changed in place since forward)
         grads = [g if g is not None or m is None else torch.zeros(m[0], dtype=m[1], device=m[2])
                  for g, m in zip(grad_outputs, ctx.metas)]
         run = ctx.runner
