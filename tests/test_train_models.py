@@ -81,7 +81,18 @@ def _bloom():     # ALiBi: baddbmm over a merged [B*H] dim, heads on tp
     return transformers.BloomForCausalLM(cfg)
 
 
-_MODELS = {"gpt2": _gpt2, "bloom": _bloom, "phi3": _phi3, "mixtral": _mixtral, "qwen2": _qwen2,
+def _deepseek_v2():   # MLA (expand_kv writes into a fresh tensor: aten.copy) and MoE
+    cfg = transformers.DeepseekV2Config(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=24,
+        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+        kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=8, n_group=1, topk_group=1, max_position_embeddings=32,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    return transformers.DeepseekV2ForCausalLM(cfg)
+
+
+_MODELS = {"gpt2": _gpt2, "bloom": _bloom, "deepseek_v2": _deepseek_v2, "phi3": _phi3, "mixtral": _mixtral, "qwen2": _qwen2,
            "qwen3": _qwen3, "mistral": _mistral,
            "gpt2_odd": lambda: _gpt2(vocab=TV + 1)}    # 91 rows: tp=2 cannot split them
 
@@ -475,12 +486,32 @@ def test_a_fused_projection_with_whole_parts_is_a_clear_training_error():
             pm(ids)
 
 
+def test_a_forward_the_backward_trace_cannot_follow_is_a_clear_error():
+    """litgpt's Mixtral picks each expert's tokens with torch.where(mask) (aten.nonzero: an
+    output shape that depends on the values): inference runs it, training is an error that
+    says why and what to change (it was torch's raw DynamicOutputShapeException)."""
+    pytest.importorskip("litgpt")
+    from tests.external_models import EXTERNAL
+    model = EXTERNAL["litgpt_mixtral"][2](1)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = fxshard.parallelize(model, _mesh(1, 2))
+        with torch.no_grad():
+            torch.testing.assert_close(pm(ids), model(ids), rtol=1e-5, atol=1e-5)
+        with pytest.raises(NotImplementedError, match=r"cannot train GPT: its forward has an op "
+                           r"whose output shape depends on the values \(aten\.nonzero.*fixed "
+                           r"shapes.*torch\.no_grad\(\)"):
+            pm(ids)
+
+
 @pytest.mark.parametrize("name,axes,sp", [
     ("qwen3", ("fsdp", "tp"), False),
     ("mistral", ("dp", "tp"), True),       # 1 KV head: replicated on tp, its gradient reduced
     ("gpt2", ("fsdp", "tp"), False),
     ("mixtral", ("fsdp", "tp"), False),
     ("bloom", ("fsdp", "tp"), True),       # ALiBi's [B*H, 1, S] bias strided like the heads
+    ("deepseek_v2", ("dp", "tp"), True),   # MLA's aten.copy replayed differentiably
 ])
 def test_labels_loss_trains_through_parallelize(name, axes, sp):
     """HF's ``pm(ids, labels=labels).loss`` (the loss inside the model, vocab-parallel on tp)

@@ -48,6 +48,29 @@ class Joint:
     seed: int | None = None       # the dropout step seed's user input index (dropout.py)
 
 
+def _backward_trace_error(model: torch.nn.Module, e: Exception) -> Exception:
+    """What failed when aot_autograd traced the backward of a forward that exported (and
+    runs under ``torch.no_grad()``), as a NotImplementedError that names the cause and the
+    ways on."""
+    name, first = type(model).__name__, (str(e).strip().splitlines() or [""])[0][:300]
+    if isinstance(e, NotImplementedError) and str(e).startswith("fxshard"):
+        return e
+    if type(e).__name__ == "DynamicOutputShapeException":
+        why = (f"an op whose output shape depends on the values ({first}: e.g. "
+               f"torch.where(mask) or nonzero picking the tokens of each MoE expert), which "
+               f"the backward trace cannot follow. Write it with fixed shapes (index_add_ / "
+               f"scatter over every token, or a dense mask), or run it under "
+               f"torch.no_grad() (inference traces it)")
+    elif "derivative for" in first and "not implemented" in first:
+        why = (f"an op without a derivative ({first}; aten::copy is an in-place write "
+               f"into a slice of a fresh tensor, e.g. new_empty(...)[..., :n] = k). Write "
+               f"it out of place (torch.cat), or run it under torch.no_grad()")
+    else:
+        why = (f"a step the backward trace (aot_autograd) failed on: {type(e).__name__}: "
+               f"{first}. The forward alone runs under torch.no_grad()")
+    return NotImplementedError(f"fxshard.training: cannot train {name}: its forward has {why}")
+
+
 class _Replay(torch.nn.Module):
     """The exported forward as a module aot_autograd can trace: parameters ``p<i>`` and
     buffers ``b<i>`` in the export's placeholder order, the user's tensors as arguments."""
@@ -72,7 +95,20 @@ class _Replay(torch.nn.Module):
     def forward(self, *inputs):
         values = [getattr(self, ref) if kind != "input" else inputs[ref]
                   for kind, ref in self.kinds]
-        return tuple(fx.Interpreter(self.gm).run(*values))
+        return tuple(_Differentiable(self.gm).run(*values))
+
+
+class _Differentiable(fx.Interpreter):
+    """Runs the exported forward with its ops that have no derivative written as ops that
+    have one: functional ``aten.copy(dst, src)`` (what export makes of ``buf[..., :n] = k``
+    into a fresh tensor, DeepSeek's MLA ``expand_kv``) as ``src`` cast and broadcast to
+    ``dst``'s dtype and shape, a copy: the same values, and a gradient into ``src``."""
+
+    def call_function(self, target, args, kwargs):
+        if target is torch.ops.aten.copy.default:
+            dst, src = args[0], args[1]
+            return src.to(dtype=dst.dtype, device=dst.device).expand(dst.shape).clone()
+        return super().call_function(target, args, kwargs)
 
 
 def joint_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Joint:
@@ -148,7 +184,10 @@ def joint_of(traced: Traced, model: torch.nn.Module, flat: list, tied: dict,
         n for n in traced.gm.graph.nodes if n.op == "placeholder")
         if n.meta.get("fxshard_buffer") is not None}
     with contextlib.ExitStack() as stack:
-        jd = aot_export_joint_with_descriptors(stack, replay, tuple(tensors))
+        try:
+            jd = aot_export_joint_with_descriptors(stack, replay, tuple(tensors))
+        except Exception as e:   # a raw trace error would not say what to change
+            raise _backward_trace_error(model, e) from e
         gm = jd.graph_module
     gm.graph._codegen = fx.graph.CodeGen()   # plain flat inputs and outputs
     params = []
