@@ -55,6 +55,11 @@ same ones. Variants:
                 ranks it fits 24 GB beside ``fxshard`` and ``dtensor``, which a third model
                 copy does not). Not in the default set: ``--variants
                 fxshard-layers,fxshard,dtensor --no-memory``.
+  fxshard-keep  ``fxshard-layers`` with ``fsdp_reshard_after_forward=False``: every weight
+                gathered once a step, in the forward, and kept for the backward (FSDP2's
+                ``reshard_after_forward=False``; gradients and AdamW state stay sharded):
+                ZeRO-2's traffic at the cost of the gathered weights' memory, to be read
+                against ``dtensor``'s peak memory. Not in the default set.
   fxshard-loss  the same with the cross-entropy inside the parallelized module (``WithLoss``:
                 ``pm(ids, labels)`` returns the loss, as HF's ``labels=``): vocab-parallel on
                 tp (max and sum-exp all-reduced), the logits never gathered, as Megatron's.
@@ -135,13 +140,14 @@ from benchmarks.common import (GENERATE, MegatronLlama, add_model_args,  # noqa:
                                slowest_rank, stats_ms, token_ids, write_json)
 
 BASELINE = "megatron"
-VARIANTS = ("megatron", "fxshard", "fxshard-dp", "fxshard-layers", "fxshard-loss",
-            "fxshard-lossfn", "fxshard-recompute", "fxshard-meta", "fxshard-compile", "dtensor")
+VARIANTS = ("megatron", "fxshard", "fxshard-dp", "fxshard-layers", "fxshard-keep",
+            "fxshard-loss", "fxshard-lossfn", "fxshard-recompute", "fxshard-meta",
+            "fxshard-compile", "dtensor")
 #: run unless ``--variants`` names others (fxshard-compile: Inductor's first compile is minutes;
 #: fxshard-lossfn: fxshard-loss's programs, reached through train_step; one model less in memory)
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS
                          if v not in ("fxshard-compile", "fxshard-lossfn", "fxshard-dp",
-                                      "fxshard-layers"))
+                                      "fxshard-layers", "fxshard-keep"))
 #: checked and measured for memory; timed only with ``--time-meta`` (the same programs as fxshard)
 UNTIMED = ("fxshard-meta",)
 #: ``--small``: the sizes of a check that it runs (seconds, not a measurement)
@@ -204,16 +210,17 @@ def build(name: str, model, mesh, args):
         m = dtensor_train(model, mesh)
         opt = adamw(m.parameters(), args)
         return lambda norms=None: dtensor_step(m, opt, ids, labels, norms), mean_over_fsdp
-    if name in ("fxshard", "fxshard-dp", "fxshard-layers", "fxshard-loss", "fxshard-lossfn",
+    if name in ("fxshard", "fxshard-dp", "fxshard-layers", "fxshard-keep", "fxshard-loss",
+                "fxshard-lossfn",
                 "fxshard-recompute", "fxshard-meta", "fxshard-compile"):
         import fxshard
         # fxshard-dp: the same ranks as (dp, tp), Megatron's parallelism
         on = _mesh(args, ("dp", "tp")) if name == "fxshard-dp" else mesh
         ids, labels = _batch(args)    # every rank passes the global batch; fxshard splits it
-        if name in ("fxshard-meta", "fxshard-layers"):  # meta-built, each rank loads its shards
-            with fxshard.init_empty_weights():
+        if name in ("fxshard-meta", "fxshard-layers", "fxshard-keep"):  # meta-built: each rank
+            with fxshard.init_empty_weights():                          # loads its shards
                 empty = bundled_llama(args)
-            reshard = "layers" if name == "fxshard-layers" else True
+            reshard = {"fxshard-layers": "layers", "fxshard-keep": False}.get(name, True)
             pm = fxshard.parallelize(empty.train(), on, example_inputs=(ids,),
                                      fsdp_reshard_after_forward=reshard)
             fxshard.load_safetensors(pm, args.checkpoint)
