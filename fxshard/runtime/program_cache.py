@@ -140,10 +140,10 @@ class ProgramCache:
             ) -> tuple[Compiled, list[list]]:
         """The programs of this signature (built on first use) and the microbatches' flat
         inputs; no weight sync, no load check."""
-        micro, shape = self.split(args, kwargs)
+        micro, tree = self.split(args, kwargs)
         # the call's structure (see structure()) and the model's train mode too: dropout's
         # sites are traced in train mode, none in eval
-        key = (generation, (shape,) + signature(micro[0]) + (self.model.training,))
+        key = (generation, (tree,) + signature(micro[0]) + (self.model.training,))
         c = self._entries.get(key)
         if c is not None:
             self.last, self.last_mode = c, "infer"
@@ -196,13 +196,13 @@ class ProgramCache:
         if not kwargs and (len(args) == 1 and isinstance(args[0], torch.Tensor)
                            or all(isinstance(x, torch.Tensor) for x in args)):
             flat = list(args)   # what tree_flatten gives, without its ~15 us per call
-            shape = len(flat)
+            tree = len(flat)
         else:
             flat, spec = pytree.tree_flatten((args, kwargs))
-            shape = str(spec)
+            tree = str(spec)
         m = self.options.microbatches
         if m == 1:
-            return [flat], shape
+            return [flat], tree
         for x in flat:
             if isinstance(x, torch.Tensor) and (x.dim() == 0 or x.shape[0] % m):
                 raise ValueError(
@@ -210,7 +210,7 @@ class ProgramCache:
                     f"microbatches={m} along dim 0 (batch {x.shape[0] if x.dim() else '-'}); "
                     f"use a batch that is a multiple of {m} or change microbatches")
         return [[x.chunk(m)[i] if isinstance(x, torch.Tensor) else x for x in flat]
-                for i in range(m)], shape
+                for i in range(m)], tree
 
     # -- building and dropping ---------------------------------------------------------
     def _build(self, args: tuple, kwargs: dict, generation: tuple | None) -> Compiled:

@@ -53,8 +53,6 @@ def _backward_trace_error(model: torch.nn.Module, e: Exception) -> Exception:
     runs under ``torch.no_grad()``), as a NotImplementedError that names the cause and the
     ways on."""
     name, first = type(model).__name__, (str(e).strip().splitlines() or [""])[0][:300]
-    if isinstance(e, NotImplementedError) and str(e).startswith("fxshard"):
-        return e
     if type(e).__name__ == "DynamicOutputShapeException":
         why = (f"an op whose output shape depends on the values ({first}: e.g. "
                f"torch.where(mask) or nonzero picking the tokens of each MoE expert), which "
@@ -187,6 +185,8 @@ def joint_of(traced: Traced, model: torch.nn.Module, flat: list, tied: dict,
         try:
             jd = aot_export_joint_with_descriptors(stack, replay, tuple(tensors))
         except Exception as e:   # a raw trace error would not say what to change
+            if isinstance(e, NotImplementedError) and str(e).startswith("fxshard"):
+                raise
             raise _backward_trace_error(model, e) from e
         gm = jd.graph_module
     gm.graph._codegen = fx.graph.CodeGen()   # plain flat inputs and outputs
