@@ -486,6 +486,26 @@ def test_a_fused_projection_with_whole_parts_is_a_clear_training_error():
             pm(ids)
 
 
+def test_deepseek_attention_is_split_on_tp():
+    """SDPA's math path (DeepSeek-V2's attention) calls ``_safe_softmax``, which had no rule:
+    the attention ran replicated (a FallbackWarning). Now it is split on the heads, in
+    inference and training, equal to one device."""
+    torch.manual_seed(0)
+    model = _deepseek_v2()
+    ref = copy.deepcopy(model)
+    ids, labels = _data()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        pm = fxshard.parallelize(model, _mesh(1, 2))
+        with torch.no_grad():
+            torch.testing.assert_close(pm(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+        _loss(pm(ids), labels).backward()
+    assert not [str(w.message) for w in seen if "safe_softmax" in str(w.message)]
+    _loss(ref(ids), labels).backward()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(pm.gradients()[name], p.grad, rtol=1e-5, atol=1e-5)
+
+
 def test_a_forward_the_backward_trace_cannot_follow_is_a_clear_error():
     """litgpt's Mixtral picks each expert's tokens with torch.where(mask) (aten.nonzero: an
     output shape that depends on the values): inference runs it, training is an error that

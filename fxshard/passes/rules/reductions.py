@@ -84,7 +84,8 @@ def cumsum_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     return softmax_rule(node, ins, ctx)
 
 
-@rule(aten._softmax.default, aten.softmax.int)   # log_softmax: rules/loss.py
+@rule(aten._softmax.default, aten.softmax.int,   # log_softmax: rules/loss.py
+      aten._safe_softmax.default)   # (a row of -inf gives zeros: SDPA's math path)
 def softmax_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     p = ins[0]
     dim = node.args[1] % ctx.ndim(node.args[0])
