@@ -25,6 +25,7 @@ import sys
 import torch
 import torch.fx as fx
 
+from ..mesh import TP
 from ..placement import Shard, StridedShard, local_shape
 from . import PassCtx
 
@@ -57,14 +58,13 @@ def _local(node: fx.Node, ctx: PassCtx) -> tuple[int, ...] | None:
     try:
         return local_shape(tuple(val.shape), spec, ctx.mesh, what=_describe(node))
     except ValueError as e:
-        tp = dict(zip(ctx.mesh.axis_names, spec)).get("tp")
-        if ctx.sequence_parallel and isinstance(tp, Shard) and tp.dim == 1 and \
-                val.dim() == 3 and val.shape[1] % ctx.mesh.axis_size("tp"):
+        on_tp, n = dict(zip(ctx.mesh.axis_names, spec)).get(TP), ctx.mesh.axis_size(TP)
+        if ctx.sequence_parallel and isinstance(on_tp, Shard) and on_tp.dim == 1 and \
+                val.dim() == 3 and val.shape[1] % n:
             raise ValueError(
                 f"{e} Here the dim is the sequence: sequence_parallel=True splits the "
-                f"{val.shape[1]} tokens over tp={ctx.mesh.axis_size('tp')}; pad the sequence "
-                f"to a multiple of {ctx.mesh.axis_size('tp')} or pass "
-                f"sequence_parallel=False") from None
+                f"{val.shape[1]} tokens over {TP}={n}; pad the sequence to a multiple of {n} "
+                f"or pass sequence_parallel=False") from None
         raise
 
 
