@@ -501,6 +501,10 @@ def test_deepseek_attention_is_split_on_tp():
             torch.testing.assert_close(pm(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
         _loss(pm(ids), labels).backward()
     assert not [str(w.message) for w in seen if "safe_softmax" in str(w.message)]
+    full = dict(ref.named_parameters())
+    for name in ("q_proj.weight", "kv_b_proj.weight", "o_proj.weight"):   # heads on tp
+        fqn = f"model.layers.0.self_attn.{name}"
+        assert pm.shards(0)[fqn].numel() * 2 == full[fqn].numel(), fqn
     _loss(ref(ids), labels).backward()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(pm.gradients()[name], p.grad, rtol=1e-5, atol=1e-5)
@@ -553,3 +557,6 @@ def test_labels_loss_trains_through_parallelize(name, axes, sp):
         assert not gathers, [n.name for n in gathers]
     adamw_steps_equal(pm, ref, lambda m: m(ids, labels=labels).loss, lr=1e-3,
                       on_first=no_logits_gather)
+    if name == "bloom":   # the fused qkv (and with it the ALiBi heads) split on tp
+        fqn = "transformer.h.0.self_attention.query_key_value.weight"
+        assert pm.shards(0)[fqn].shape[0] * 2 == ref.get_parameter(fqn).shape[0]
