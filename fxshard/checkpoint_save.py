@@ -46,7 +46,7 @@ import re
 import torch
 
 from .mesh import PP, is_simulated
-from .placement import Replicate, block_index
+from .placement import Replicate, add_block
 
 __all__ = ["save_safetensors"]
 
@@ -221,14 +221,6 @@ def _owners(spec: tuple, mesh) -> list[int]:
                    for n, c, p in zip(mesh.shape, mesh.coords(r), spec))]
 
 
-def _place(out: torch.Tensor, block: torch.Tensor, spec: tuple, mesh, rank: int) -> None:
-    index = block_index(tuple(out.shape), spec, mesh, rank)
-    if not out.dim():
-        out.add_(block)
-        return
-    grid = torch.meshgrid(*[torch.tensor(ix, dtype=torch.long, device=out.device)
-                            for ix in index], indexing="ij")
-    out.index_put_(grid, block.to(out.device), accumulate=True)
 
 
 def _assemble_local(e: _Entry, mesh) -> torch.Tensor:
@@ -236,7 +228,7 @@ def _assemble_local(e: _Entry, mesh) -> torch.Tensor:
     mesh = e.mesh or mesh
     out = torch.zeros(e.shape, dtype=e.dtype, device=torch.device("cpu"))
     for r in _owners(spec, mesh):
-        _place(out, getters[r](), spec, mesh, r)
+        add_block(out, getters[r](), spec, mesh, r)
     return out
 
 
@@ -363,7 +355,7 @@ class _Comm:
                 block = torch.empty(local_shape(e.shape, spec, mesh), dtype=e.dtype,
                                     device=self.device)
                 self.dist.recv(block, src=self.globals[r])
-            _place(out, block, spec, mesh, kept)
+            add_block(out, block, spec, mesh, kept)
         return out
 
     def barrier(self) -> None:

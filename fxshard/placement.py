@@ -29,7 +29,7 @@ from .mesh import MeshSpec, PP
 
 __all__ = ["Shard", "Replicate", "Partial", "Placement", "StridedShard", "Spec", "R", "P",
            "short", "short_spec", "local_shape", "shard_slices", "local_block", "shard_dim",
-           "block_pieces", "block_index"]
+           "block_pieces", "block_index", "owned_block", "add_block"]
 
 Spec = tuple  # tuple[Placement, ...], one per mesh axis
 
@@ -204,3 +204,47 @@ def local_block(t: torch.Tensor, spec: Spec, mesh: MeshSpec, rank: int) -> torch
            for n, c, p in zip(mesh.shape, coords, spec)):
         return torch.zeros_like(block)
     return block.clone()
+
+
+def _whole_replicas(spec: Spec, mesh: MeshSpec, coords: Sequence[int]) -> dict[int, list[int]]:
+    """{dim: the local positions this rank owns} for each dim a ``StridedShard`` with parts
+    kept whole splits on an axis where the rank is not coordinate 0: every rank of the axis
+    holds those parts, coordinate 0's copy is the one that counts."""
+    keep: dict[int, list[int]] = {}
+    for i, (n, c, p) in enumerate(zip(mesh.shape, coords, spec)):
+        if n == 1 or c == 0 or not isinstance(p, StridedShard) or not p.whole:
+            continue
+        assert p.dim not in keep and not any(shard_dim(q) == p.dim for q in spec[i + 1:]), spec
+        pos, mine = 0, []
+        for j, k in enumerate(p.local_parts(n)):
+            if j not in p.whole:
+                mine += range(pos, pos + k)
+            pos += k
+        keep[p.dim] = mine
+    return keep
+
+
+def owned_block(block: torch.Tensor, spec: Spec, mesh: MeshSpec,
+                coords: Sequence[int]) -> torch.Tensor:
+    """``block`` without the parts this rank holds as a copy of coordinate 0's (a fused
+    ``StridedShard``'s whole parts): what a norm or sum over ranks counts once."""
+    for d, mine in _whole_replicas(spec, mesh, coords).items():
+        block = block.index_select(d, torch.tensor(mine, dtype=torch.long, device=block.device))
+    return block
+
+
+def add_block(out: torch.Tensor, block: torch.Tensor, spec: Spec, mesh: MeshSpec,
+              rank: int) -> None:
+    """Add rank ``rank``'s ``block`` into the global ``out`` where it belongs (Partial blocks
+    sum; parts a ``StridedShard`` keeps whole are added from coordinate 0 only). The caller
+    skips the replicas of a ``Replicate`` axis."""
+    if not out.dim():          # a 0-dim tensor (a learnable scale): index_put_ has no grid
+        out.add_(block.to(out.device))
+        return
+    index = block_index(tuple(out.shape), spec, mesh, rank)
+    for d, mine in _whole_replicas(spec, mesh, mesh.coords(rank)).items():
+        index[d] = [index[d][k] for k in mine]
+    block = owned_block(block, spec, mesh, mesh.coords(rank))
+    grid = torch.meshgrid(*[torch.tensor(ix, dtype=torch.long, device=out.device)
+                            for ix in index], indexing="ij")
+    out.index_put_(grid, block.to(out.device), accumulate=True)

@@ -33,7 +33,7 @@ import torch.utils._pytree as pytree
 from ..checks import check_no_autocast
 from ..mesh import MeshSpec, is_simulated, mesh_spec
 from ..passes import PassCtx
-from ..placement import Partial, block_index, local_block
+from ..placement import Partial, add_block, local_block
 from ..runtime.program_cache import structure
 from ..trace import _without_cache
 from ..weights import tied_names
@@ -54,13 +54,7 @@ def assemble(blocks: list[torch.Tensor], shape: tuple, spec: tuple, mesh: MeshSp
         if any(n > 1 and c != 0 and not isinstance(p, Partial) and shard_dim_of(p) is None
                for n, c, p in zip(mesh.shape, coords, spec)):
             continue    # a replica of a block another rank gave already
-        if not shape:           # a 0-dim tensor (a learnable scale): index_put_ has no grid
-            out.add_(block)
-            continue
-        index = block_index(shape, spec, mesh, rank)
-        grid = torch.meshgrid(*[torch.tensor(ix, dtype=torch.long, device=out.device)
-                                for ix in index], indexing="ij")
-        out.index_put_(grid, block, accumulate=True)
+        add_block(out, block, spec, mesh, rank)
     return out
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..placement import Partial, shard_dim
+from ..placement import Partial, owned_block, shard_dim
 
 __all__ = ["gather_blocks", "owned_norm", "share_along"]
 
@@ -86,6 +86,7 @@ def owned_norm(backend, grads: list, specs: list, norm_type: float,
                 g = backend.all_reduce(g, axis)
         owner = all(c == 0 for a, n, c, p in zip(mesh.axis_names, mesh.shape, coords, spec)
                     if n > 1 and shard_dim(p) is None and a not in distinct)
+        g = owned_block(g, spec, mesh, coords)   # (a fused shard's whole parts: once)
         part = g.abs().amax() if inf else g.abs().pow(norm_type).sum()
         part = part.float() if owner else torch.zeros((), dtype=torch.float32,
                                                       device=g.device)
