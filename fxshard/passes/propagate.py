@@ -370,7 +370,9 @@ def _whole_weight_matmul(u: fx.Node, x: fx.Node, tp: int) -> bool:
         return False
     other = b if a is x else a
     w = other
-    while isinstance(w, fx.Node) and w.target in _WEIGHT_VIEWS:
+    # (a slice: a fused weight's part, trained per part, fxshard.training.joint)
+    while isinstance(w, fx.Node) and (w.target in _WEIGHT_VIEWS or
+                                      w.target is torch.ops.aten.slice.Tensor):
         w = w.args[0]
     if not isinstance(w, fx.Node) or w.op != "placeholder":
         return False

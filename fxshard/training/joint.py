@@ -46,6 +46,8 @@ class Joint:
     params: list                  # parameter FQNs in placeholder order
     tied: dict                    # a tied parameter's other names -> the name kept
     seed: int | None = None       # the dropout step seed's user input index (dropout.py)
+    flat: list | None = None      # the user inputs it was traced on (a rebuild reuses them)
+    grad_inputs: frozenset = frozenset()
 
 
 def _backward_trace_error(model: torch.nn.Module, e: Exception) -> Exception:
@@ -73,9 +75,11 @@ class _Replay(torch.nn.Module):
     """The exported forward as a module aot_autograd can trace: parameters ``p<i>`` and
     buffers ``b<i>`` in the export's placeholder order, the user's tensors as arguments."""
 
-    def __init__(self, traced: Traced, model: torch.nn.Module):
+    def __init__(self, traced: Traced, model: torch.nn.Module, split: dict | None = None):
         super().__init__()
         self.gm = traced.gm
+        self.split = {n: split[n.meta["fxshard_param"]] for n in traced.gm.graph.nodes
+                      if n.op == "placeholder" and n.meta.get("fxshard_param") in (split or {})}
         params = dict(model.named_parameters(remove_duplicate=False))
         self.kinds: list[tuple[str, object]] = []
         for i, node in enumerate(n for n in traced.gm.graph.nodes if n.op == "placeholder"):
@@ -93,16 +97,91 @@ class _Replay(torch.nn.Module):
     def forward(self, *inputs):
         values = [getattr(self, ref) if kind != "input" else inputs[ref]
                   for kind, ref in self.kinds]
-        return tuple(_Differentiable(self.gm).run(*values))
+        return tuple(_Differentiable(self.gm, self.split).run(*values))
+
+
+class _Parts:
+    """A fused projection's output held as its parts (``_Differentiable``): what a slice or
+    split of it at the parts' bounds on its last dim reads; anything else reads the cat."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.bounds, acc = [0], 0
+        for p in parts:
+            acc += p.shape[-1]
+            self.bounds.append(acc)
+
+    def part(self, dim: int, start: int, end: int):
+        """The part ``[start, end)`` of the last dim is, else None."""
+        last = self.parts[0].dim() - 1
+        end = min(end, self.bounds[-1])
+        if dim % (last + 1) == last and start in self.bounds and end in self.bounds and \
+                self.bounds.index(end) == self.bounds.index(start) + 1:
+            return self.parts[self.bounds.index(start)]
+        return None
 
 
 class _Differentiable(fx.Interpreter):
     """Runs the exported forward with its ops that have no derivative written as ops that
     have one: functional ``aten.copy(dst, src)`` (what export makes of ``buf[..., :n] = k``
     into a fresh tensor, DeepSeek's MLA ``expand_kv``) as ``src`` cast and broadcast to
-    ``dst``'s dtype and shape, a copy: the same values, and a gradient into ``src``."""
+    ``dst``'s dtype and shape, a copy: the same values, and a gradient into ``src``.
+
+    ``split``: fused weights (placeholder -> the sizes of their parts on dim 0) whose
+    ``linear`` runs as one ``linear`` per part on a slice of the weight (and bias); a slice or
+    split of the output at the parts' bounds reads the part itself. A multi-query ``qkv``
+    whose K/V parts tp keeps whole is trained this way: the whole parts' weight slices are
+    replicated, their gradients partial sums over tp that are reduced like any replicated
+    weight's (``fxshard.training.program``), the query part's slice is a plain shard::
+
+        linear(x, w_qkv)               ->  linear(x, slice(w_qkv, 0, 0, 48))
+        slice(linear, 2, 0, 48)  (q)        linear(x, slice(w_qkv, 0, 48, 60))
+        slice(linear, 2, 48, 60) (k)        linear(x, slice(w_qkv, 0, 60, 72))
+    """
+
+    def __init__(self, gm: fx.GraphModule, split: dict | None = None):
+        super().__init__(gm)
+        self.split = split or {}
+
+    def run_node(self, n: fx.Node):
+        if n.op == "call_function" and n.target is torch.ops.aten.linear.default and \
+                n.args[1] in self.split:
+            x, w, *b = self.fetch_args_kwargs_from_env(n)[0]
+            b = b[0] if b else None
+            parts, acc = [], 0
+            for size in self.split[n.args[1]]:
+                aten = torch.ops.aten
+                parts.append(aten.linear(
+                    x, aten.slice(w, 0, acc, acc + size),
+                    None if b is None else aten.slice(b, 0, acc, acc + size)))
+                acc += size
+            held = _Parts(parts)
+            if all(self._reads_a_part(u, held) for u in n.users):
+                return held
+            return torch.ops.aten.cat(parts, -1)
+        return super().run_node(n)
+
+    @staticmethod
+    def _reads_a_part(user: fx.Node, held: _Parts) -> bool:
+        aten = torch.ops.aten
+        if user.target is aten.slice.Tensor:
+            args = list(user.args) + [0, 0, None][len(user.args) - 1:]
+            return held.part(args[1], args[2] or 0,
+                             args[3] if args[3] is not None else held.bounds[-1]) is not None
+        if user.target is aten.split_with_sizes.default:
+            dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
+            return list(user.args[1]) == [p.shape[-1] for p in held.parts] and \
+                dim % held.parts[0].dim() == held.parts[0].dim() - 1
+        return False
 
     def call_function(self, target, args, kwargs):
+        if args and isinstance(args[0], _Parts):
+            held = args[0]
+            if target is torch.ops.aten.slice.Tensor:
+                full = list(args) + [0, 0, None][len(args) - 1:]
+                return held.part(full[1], full[2] or 0,
+                                 full[3] if full[3] is not None else held.bounds[-1])
+            return list(held.parts)   # split_with_sizes at the bounds (_reads_a_part)
         if target is torch.ops.aten.copy.default:
             dst, src = args[0], args[1]
             return src.to(dtype=dst.dtype, device=dst.device).expand(dst.shape).clone()
@@ -156,7 +235,7 @@ def _joint_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None) -> Jo
 
 
 def joint_of(traced: Traced, model: torch.nn.Module, flat: list, tied: dict,
-             grad_inputs: frozenset = frozenset()) -> Joint:
+             grad_inputs: frozenset = frozenset(), split: dict | None = None) -> Joint:
     """The joint graph of an exported (cleaned, untied) forward ``traced`` of ``model``'s
     parameters on the flat user inputs ``flat``. ``grad_inputs``: user input indices whose
     gradient the joint returns too, named ``input_grad_name(index)`` in ``Joint.grads`` (a
@@ -167,7 +246,7 @@ def joint_of(traced: Traced, model: torch.nn.Module, flat: list, tied: dict,
         TangentAOTInput)
     user = [n for n in traced.gm.graph.nodes if n.op == "placeholder"
             and n.meta.get("fxshard_input") is not None]
-    replay = _Replay(traced, model)
+    replay = _Replay(traced, model, split)
     tensors = [flat[n.meta["fxshard_input"]] for n in user]
     tensors = [t.detach().requires_grad_(True) if n.meta["fxshard_input"] in grad_inputs
                else t for n, t in zip(user, tensors)]
@@ -240,7 +319,7 @@ def joint_of(traced: Traced, model: torch.nn.Module, flat: list, tied: dict,
     seed = next((n.meta["fxshard_input"] for n in traced.gm.graph.nodes
                  if n.op == "placeholder" and n.meta.get("fxshard_seed")), None)
     return Joint(gm=gm, traced=traced, n_outputs=n_outputs, grads=grads, params=params,
-                 tied=tied, seed=seed)
+                 tied=tied, seed=seed, flat=list(flat), grad_inputs=grad_inputs)
 
 
 def _untie(traced: Traced, model: torch.nn.Module) -> dict:

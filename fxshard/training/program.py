@@ -327,6 +327,31 @@ def _vocab_backward(node: fx.Node, ctx: PassCtx) -> int:
     return 1
 
 
+def _split_partly_whole(model: torch.nn.Module, joint: Joint, specs: dict,
+                        ctx: PassCtx) -> Joint:
+    """The joint graph again, with every fused projection whose parts tp keeps partly whole
+    (``ctx.partly_whole``: a multi-query ``qkv`` on more tp ranks than KV heads) run as one
+    ``linear`` per part (``fxshard.training.joint._Differentiable``): the backward then holds
+    each part's gradient apart, the query part's a shard, the K/V parts' partial sums over tp
+    reduced as any replicated weight's, where one fused gradient would be partly a shard and
+    partly a partial sum, a layout no collective reduces. The forward still reads the one
+    weight (its slices), so the rank's shard and checkpoint layout are the inference ones."""
+    if not ctx.partly_whole:
+        return joint
+    from ..placement import StridedShard
+    split = {}
+    for fqn in ctx.partly_whole:
+        fused = [p for p in specs.get(fqn, ()) if isinstance(p, StridedShard) and p.dim == 0]
+        if fused:
+            split[fqn] = tuple(fused[0].parts)
+    if not split:
+        return joint
+    from .joint import _placeholders_for_meta, joint_of
+    with _placeholders_for_meta(model, tuple(joint.flat), {}):
+        return joint_of(joint.traced, model, joint.flat, joint.tied, joint.grad_inputs,
+                        split=split)
+
+
 def _fsdp_gathers(gm: fx.GraphModule, reshard_after_forward, ctx: PassCtx) -> set:
     """The all-gathers of fsdp-sharded parameters the forward saves rather than the backward
     redoes: none (``reshard_after_forward=True``), all (``False``) or those of the parameters
@@ -391,6 +416,7 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
               if n.op == "placeholder" and (n.meta.get("fxshard_param") or
                                             n.meta.get("fxshard_buffer"))}
     specs = forward_placements(joint, ctx)
+    joint = _split_partly_whole(model, joint, specs, ctx)
     jctx = PassCtx(mesh=ctx.mesh, sequence_parallel=ctx.sequence_parallel, strict=ctx.strict,
                    plan=ctx.plan, embedding_style=ctx.embedding_style,
                    ring_zigzag=ctx.ring_zigzag, aliases=ctx.aliases)
@@ -411,11 +437,12 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
         fqn, why = next(iter(ctx.partly_whole.items()))
         raise NotImplementedError(
             f"{_WHERE}: {_model_name(model)}'s fused projection {fqn} has {why}; training "
-            f"it on mesh {ctx.mesh.describe()} is not supported yet (its backward contracts "
-            f"over the fused dim, where the whole parts' gradients are partial sums over tp). "
-            f"Use a tp size that divides every part (for grouped-query attention: at most "
-            f"the number of KV heads), or run it under torch.no_grad() (inference places "
-            f"it)") from None
+            f"it on mesh {ctx.mesh.describe()} needs its output read part by part (a split "
+            f"or slices at the parts' bounds), and this forward also uses it whole (the "
+            f"whole parts' gradients would be partial sums over tp beside the split part's "
+            f"shard). Use a tp size that divides every part (for grouped-query attention: "
+            f"at most the number of KV heads), or run it under torch.no_grad() (inference "
+            f"places it)") from None
     _localize_backward(gm, jctx)
     gm = run_passes(gm, [lower_ring_pass], jctx)
     gm = cuda_attention_backward_pass(gm, ctx=jctx)   # on CUDA: fxshard's Triton backward

@@ -19,6 +19,8 @@ redistribution table::
         (zero-padding along the sliced dim; a shard of that dim is gathered first)
     slice_backward(grad: S(2) [B, S, 48], [B, S, 96], dim=2, 0, 48) -> S(2|48+24+24)
         (q of a fused qkv: padded into the fused layout the forward sliced it from)
+    slice_backward(grad: P [12, 48], [72, 48], dim=0, 48, 60) -> S(0|48+R12+R12)
+        (a part the fused layout keeps whole, K of a multi-query qkv: reduced first)
     _softmax_backward_data(grad, out, dim=-1): the softmax dim whole, others pass through
 
     grouped_mm_fallback_backward(x[S, K], w[E, K, N], offs[E], grad[S, N]) -> [grad_x, grad_w]
@@ -166,7 +168,9 @@ def _fused_source(node: fx.Node, ctx: RuleCtx):
     (``meta["fxshard_sliced"]``, set by ``fxshard.training.refine``), when it strides the
     padded dim with unit steps."""
     src = node.meta.get("fxshard_sliced")
-    spec = src.meta.get("fxshard_spec") if src is not None else None
+    # (a weight entering the joint graph as an input: the placement it arrives in)
+    spec = (src.meta.get("fxshard_then") or src.meta.get("fxshard_spec")) \
+        if src is not None else None
     if not isinstance(spec, tuple) or (len(node.args) > 5 and node.args[5] != 1):
         return None
     q = spec[ctx.mesh.axis_names.index(ctx.axis)]
@@ -183,6 +187,10 @@ def slice_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         # the gradient of one part of a fused projection's output (q of qkv): padded to the
         # whole fused dim in its layout, each rank its share of the part (no gather)
         return Decision(ins=[p], out=fused)
+    if fused is not None and fused.whole and fused_out(fused, *_slice_bounds(node)) == R:
+        # a part every rank holds whole (a multi-query qkv's K/V weight rows trained per
+        # part, fxshard.training.joint._Differentiable): its gradient reduced, then padded
+        return Decision(ins=[R], out=fused)
     if isinstance(p, Shard) and p.dim != _padded_dim(node):
         return Decision(ins=[p], out=p)
     if isinstance(p, Partial):
