@@ -221,8 +221,6 @@ def _owners(spec: tuple, mesh) -> list[int]:
                    for n, c, p in zip(mesh.shape, mesh.coords(r), spec))]
 
 
-
-
 def _assemble_local(e: _Entry, mesh) -> torch.Tensor:
     spec, getters = e.shards
     mesh = e.mesh or mesh

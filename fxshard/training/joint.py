@@ -112,7 +112,7 @@ class _Parts:
             self.bounds.append(acc)
 
     def part(self, dim: int, start: int, end: int):
-        """The part ``[start, end)`` of the last dim is, else None."""
+        """The part that ``[start, end)`` of dim ``dim`` is (the last dim only), else None."""
         last = self.parts[0].dim() - 1
         end = min(end, self.bounds[-1])
         if dim % (last + 1) == last and start in self.bounds and end in self.bounds and \
@@ -146,8 +146,9 @@ class _Differentiable(fx.Interpreter):
     def run_node(self, n: fx.Node):
         if n.op == "call_function" and n.target is torch.ops.aten.linear.default and \
                 n.args[1] in self.split:
-            x, w, *b = self.fetch_args_kwargs_from_env(n)[0]
-            b = b[0] if b else None
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            x, w = args[0], args[1]
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
             parts, acc = [], 0
             for size in self.split[n.args[1]]:
                 aten = torch.ops.aten

@@ -437,10 +437,10 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
         fqn, why = next(iter(ctx.partly_whole.items()))
         raise NotImplementedError(
             f"{_WHERE}: {_model_name(model)}'s fused projection {fqn} has {why}; training "
-            f"it on mesh {ctx.mesh.describe()} needs its output read part by part (a split "
-            f"or slices at the parts' bounds), and this forward also uses it whole (the "
-            f"whole parts' gradients would be partial sums over tp beside the split part's "
-            f"shard). Use a tp size that divides every part (for grouped-query attention: "
+            f"it on mesh {ctx.mesh.describe()} runs it part by part, which needs it used by "
+            f"a linear (x @ w.T) whose output is read part by part (a split or slices at "
+            f"the parts' bounds); this forward uses it otherwise (the whole parts' gradients "
+            f"would be partial sums over tp beside the split part's shard). Use a tp size that divides every part (for grouped-query attention: "
             f"at most the number of KV heads), or run it under torch.no_grad() (inference "
             f"places it)") from None
     _localize_backward(gm, jctx)
