@@ -496,6 +496,48 @@ def test_a_fused_projection_with_whole_parts_trains(dp, batch, sp):
         assert c["all_reduce", "tp"] == 2 * 2 + 1 + 4, c
 
 
+def _gpt_bigcode():
+    cfg = transformers.GPTBigCodeConfig(vocab_size=V, n_positions=16, n_embd=48, n_layer=2,
+                                        n_head=4, multi_query=True, resid_pdrop=0.0,
+                                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                        eos_token_id=0)
+    return transformers.GPTBigCodeForCausalLM(cfg), "transformer.h.0.attn.c_attn.weight"
+
+
+def _falcon():
+    cfg = transformers.FalconConfig(vocab_size=V, hidden_size=48, num_hidden_layers=2,
+                                    num_attention_heads=4, multi_query=True,
+                                    new_decoder_architecture=False, parallel_attn=True,
+                                    bias=False, alibi=False, hidden_dropout=0.0,
+                                    attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
+    return (transformers.FalconForCausalLM(cfg),
+            "transformer.h.0.self_attention.query_key_value.weight")
+
+
+@pytest.mark.parametrize("family", ["gpt_bigcode", "falcon"])
+@pytest.mark.parametrize("dp,batch,sp", [(1, "dp", False), (2, "fsdp", True)])
+def test_hf_multi_query_attention_splits_on_tp(family, dp, batch, sp):
+    """Multi-query attention cut out of a fused projection already head-shaped: GPTBigCode
+    (StarCoder) splits ``c_attn(x).unsqueeze(1)``, HF Falcon views ``x @ w.T`` into
+    ``heads + 2`` heads and splits those. tp held the whole attention on every rank (a
+    WholeWeightWarning). Now the query heads split and the one K/V head is kept whole
+    (``S(0|48+R12+R12)``), in inference and training (the projection trained part by
+    part), equal to one device."""
+    from fxshard.passes.rules import WholeWeightWarning
+    torch.manual_seed(0)
+    model, fqn = {"gpt_bigcode": _gpt_bigcode, "falcon": _falcon}[family]()
+    ref = copy.deepcopy(model)
+    ids, labels = _data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", WholeWeightWarning)
+        pm = fxshard.parallelize(model, _mesh(dp, 2, batch), sequence_parallel=sp,
+                                 example_inputs=(ids,))
+        with torch.no_grad():
+            torch.testing.assert_close(pm(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+        assert pm.shards(0)[fqn].shape == (24 + 12 + 12, 48 // dp), pm.shards(0)[fqn].shape
+        adamw_steps_equal(pm, ref, lambda m: _loss(m(ids), labels), lr=1e-3)
+
+
 @pytest.mark.parametrize("name,tp", [("litgpt_falcon", 2), ("litgpt_llama3", 4)])
 def test_litgpt_fused_qkv_with_more_tp_ranks_than_kv_groups_trains(name, tp):
     """litgpt's one ``qkv`` Linear with fewer KV groups than tp ranks (Falcon's multi-query

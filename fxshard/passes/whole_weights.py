@@ -157,7 +157,8 @@ def _parts_to_keep_whole(lin: fx.Node, tp: int, size: int, have: frozenset
         u = _gathered_before_use(g, tp)
         if u is not None and j not in have:
             views = [v for v in g.users if v.target in _RESHAPES]
-            why = next((r for v in views if (r := _heads_reason(v, tp, size))), None)
+            why = next((r for v in views if (r := _heads_reason(v, tp, size))), None) or \
+                _kv_heads_reason(g, size)
             if why is None:
                 # only heads that tp cannot split are kept whole: another gathered part (MLA's
                 # rotary key) would leave the rest of the part's path partly sharded
@@ -168,6 +169,35 @@ def _parts_to_keep_whole(lin: fx.Node, tp: int, size: int, have: frozenset
         return None
     return whole, "; ".join(f"part {j}: {why}" for j, why in sorted(gathered.items()))
 
+
+
+def _kv_heads_reason(node: fx.Node, size: int, budget: int = 32) -> str | None:
+    """``tp=2 exceeds the 1 KV head (...)`` when ``node``'s value reaches attention as its key
+    or value (through views and elementwise ops) with a number of heads ``size`` does not
+    divide: a part cut out of a fused projection already head-shaped (GPTBigCode's
+    ``c_attn(x).unsqueeze(1).split(..)``, HF Falcon's ``view(.., heads + 2, d).split(..)``),
+    where no later reshape names the heads; else None."""
+    from .rules.attention import sdpa_args
+    frontier, seen = [node], {node}
+    while frontier and budget > 0:
+        cur = frontier.pop(0)
+        budget -= 1
+        for u in cur.users:
+            if u.target is torch.ops.aten.scaled_dot_product_attention.default:
+                a = sdpa_args(u)
+                if cur is not a["key"] and cur is not a["value"]:
+                    continue
+                hkv = a["key"].meta["val"].shape[1]
+                if hkv % size == 0:
+                    return None
+                heads = f"{hkv} KV head{'s' * (hkv > 1)}"
+                return (f"tp={size} exceeds the {heads} ({node.name} reaches {u.name} as its "
+                        f"{'key' if cur is a['key'] else 'value'})" if hkv < size else
+                        f"the {heads} do not divide by tp={size} ({node.name} reaches {u.name})")
+            if u not in seen and u.op == "call_function":
+                seen.add(u)
+                frontier.append(u)
+    return None
 
 
 def _heads_kind(node: fx.Node, budget: int = 32) -> str:

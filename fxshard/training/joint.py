@@ -101,24 +101,63 @@ class _Replay(torch.nn.Module):
 
 
 class _Parts:
-    """A fused projection's output held as its parts (``_Differentiable``): what a slice or
-    split of it at the parts' bounds on its last dim reads; anything else reads the cat."""
+    """A fused projection's output held as its parts along dim ``dim`` (negative: the last,
+    or the heads dim after a view into heads), ``_Differentiable``'s: what a slice or split
+    of it at the parts' bounds reads."""
 
-    def __init__(self, parts: list):
-        self.parts = parts
+    def __init__(self, parts: list, dim: int = -1):
+        self.parts, self.dim = parts, dim
         self.bounds, acc = [0], 0
         for p in parts:
-            acc += p.shape[-1]
+            acc += p.shape[dim]
             self.bounds.append(acc)
 
-    def part(self, dim: int, start: int, end: int):
-        """The part that ``[start, end)`` of dim ``dim`` is (the last dim only), else None."""
-        last = self.parts[0].dim() - 1
-        end = min(end, self.bounds[-1])
-        if dim % (last + 1) == last and start in self.bounds and end in self.bounds and \
+    def part(self, start: int, end: int | None):
+        """The part that ``[start, end)`` of the parts' dim is (``_reads_parts`` checked)."""
+        end = self.bounds[-1] if end is None else min(end, self.bounds[-1])
+        start = start or 0
+        if start in self.bounds and end in self.bounds and \
                 self.bounds.index(end) == self.bounds.index(start) + 1:
             return self.parts[self.bounds.index(start)]
         return None
+
+
+def _reads_parts(node: fx.Node, sizes: list, dim: int = -1) -> bool:
+    """Every use of ``node`` (parts of ``sizes`` along its dim ``dim``, negative) reads one
+    part: a slice or split at the parts' bounds on that dim, or an unsqueeze before it
+    (GPTBigCode's ``c_attn(x).unsqueeze(1).split(..)``) or a view of the last dim into heads
+    (HF Falcon's ``view(b, s, heads + 2, d).split([heads, 1, 1], -2)``) whose uses do."""
+    aten = torch.ops.aten
+    shape = tuple(node.meta["val"].shape)
+    at = len(shape) + dim
+    bounds = [0]
+    for k in sizes:
+        bounds.append(bounds[-1] + k)
+    for user in node.users:
+        if not user.args or user.args[0] is not node:
+            return False
+        if user.target is aten.slice.Tensor:
+            args = list(user.args) + [0, 0, None][len(user.args) - 1:]
+            start, end = args[2] or 0, min(bounds[-1] if args[3] is None else args[3],
+                                           bounds[-1])
+            if args[1] % len(shape) != at or start not in bounds or end not in bounds or \
+                    bounds.index(end) != bounds.index(start) + 1:
+                return False
+        elif user.target is aten.split_with_sizes.default:
+            d = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
+            if list(user.args[1]) != list(sizes) or d % len(shape) != at:
+                return False
+        elif user.target is aten.unsqueeze.default:
+            if user.args[1] % (len(shape) + 1) > at or not _reads_parts(user, sizes, dim):
+                return False
+        elif user.target in (aten.view.default, aten.reshape.default) and dim == -1:
+            out = tuple(user.meta["val"].shape)
+            if out[:-2] != shape[:-1] or any(k % out[-1] for k in sizes) or \
+                    not _reads_parts(user, [k // out[-1] for k in sizes], -2):
+                return False
+        else:
+            return False
+    return True
 
 
 class _Differentiable(fx.Interpreter):
@@ -128,11 +167,12 @@ class _Differentiable(fx.Interpreter):
     ``dst``'s dtype and shape, a copy: the same values, and a gradient into ``src``.
 
     ``split``: fused weights (placeholder -> the sizes of their parts on dim 0) whose
-    ``linear`` runs as one ``linear`` per part on a slice of the weight (and bias); a slice or
-    split of the output at the parts' bounds reads the part itself. A multi-query ``qkv``
-    whose K/V parts tp keeps whole is trained this way: the whole parts' weight slices are
-    replicated, their gradients partial sums over tp that are reduced like any replicated
-    weight's (``fxshard.training.program``), the query part's slice is a plain shard::
+    ``linear`` (or ``x @ w.T``) runs as one per part on a slice of the weight (and bias)
+    when every use of its output reads one part (``_reads_parts``), which then reads that
+    part itself. A multi-query ``qkv`` whose K/V parts tp keeps whole is trained this way:
+    the whole parts' weight slices are replicated, their gradients partial sums over tp that
+    are reduced like any replicated weight's (``fxshard.training.program``), the query
+    part's slice is a plain shard::
 
         linear(x, w_qkv)               ->  linear(x, slice(w_qkv, 0, 0, 48))
         slice(linear, 2, 0, 48)  (q)        linear(x, slice(w_qkv, 0, 48, 60))
@@ -143,46 +183,54 @@ class _Differentiable(fx.Interpreter):
         super().__init__(gm)
         self.split = split or {}
 
+    def _fused_weight(self, n: fx.Node) -> fx.Node | None:
+        """The split weight ``n`` multiplies by: ``linear(x, w)`` or ``matmul(x, w.T)``."""
+        aten = torch.ops.aten
+        if n.op != "call_function" or len(n.args) < 2:
+            return None
+        if n.target is aten.linear.default:
+            return n.args[1] if n.args[1] in self.split else None
+        w = n.args[1]
+        if n.target is aten.matmul.default and isinstance(w, fx.Node) and \
+                (w.target is aten.t.default or w.target is aten.permute.default and
+                 list(w.args[1]) == [1, 0]) and w.args[0] in self.split:
+            return w.args[0]
+        return None
+
     def run_node(self, n: fx.Node):
-        if n.op == "call_function" and n.target is torch.ops.aten.linear.default and \
-                n.args[1] in self.split:
+        aten = torch.ops.aten
+        weight = self._fused_weight(n)
+        if weight is not None:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
-            x, w = args[0], args[1]
-            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            x, w = args[0], args[1]     # (matmul: w.T, sliced on its dim 1)
+            b = (args[2] if len(args) > 2 else kwargs.get("bias")) \
+                if n.target is aten.linear.default else None
             parts, acc = [], 0
-            for size in self.split[n.args[1]]:
-                aten = torch.ops.aten
-                parts.append(aten.linear(
-                    x, aten.slice(w, 0, acc, acc + size),
-                    None if b is None else aten.slice(b, 0, acc, acc + size)))
+            for size in self.split[weight]:
+                if n.target is aten.linear.default:
+                    parts.append(aten.linear(x, aten.slice(w, 0, acc, acc + size),
+                                             None if b is None else
+                                             aten.slice(b, 0, acc, acc + size)))
+                else:
+                    parts.append(aten.matmul(x, aten.slice(w, 1, acc, acc + size)))
                 acc += size
-            held = _Parts(parts)
-            if all(self._reads_a_part(u, held) for u in n.users):
-                return held
-            return torch.ops.aten.cat(parts, -1)
+            sizes = [p.shape[-1] for p in parts]
+            return _Parts(parts) if _reads_parts(n, sizes) else aten.cat(parts, -1)
+        if n.op == "call_function" and n.args and isinstance(n.args[0], fx.Node) and \
+                isinstance(self.env.get(n.args[0]), _Parts):
+            held, args = self.env[n.args[0]], n.args
+            if n.target is aten.slice.Tensor:
+                full = list(args) + [0, 0, None][len(args) - 1:]
+                return held.part(full[2], full[3])
+            if n.target is aten.unsqueeze.default:   # a dim before the parts' one
+                return _Parts([p.unsqueeze(args[1]) for p in held.parts], held.dim)
+            if n.target in (aten.view.default, aten.reshape.default):   # into heads
+                d = n.meta["val"].shape[-1]
+                return _Parts([p.unflatten(-1, (-1, d)) for p in held.parts], -2)
+            return list(held.parts)   # split_with_sizes at the bounds (_reads_parts)
         return super().run_node(n)
 
-    @staticmethod
-    def _reads_a_part(user: fx.Node, held: _Parts) -> bool:
-        aten = torch.ops.aten
-        if user.target is aten.slice.Tensor:
-            args = list(user.args) + [0, 0, None][len(user.args) - 1:]
-            return held.part(args[1], args[2] or 0,
-                             args[3] if args[3] is not None else held.bounds[-1]) is not None
-        if user.target is aten.split_with_sizes.default:
-            dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
-            return list(user.args[1]) == [p.shape[-1] for p in held.parts] and \
-                dim % held.parts[0].dim() == held.parts[0].dim() - 1
-        return False
-
     def call_function(self, target, args, kwargs):
-        if args and isinstance(args[0], _Parts):
-            held = args[0]
-            if target is torch.ops.aten.slice.Tensor:
-                full = list(args) + [0, 0, None][len(args) - 1:]
-                return held.part(full[1], full[2] or 0,
-                                 full[3] if full[3] is not None else held.bounds[-1])
-            return list(held.parts)   # split_with_sizes at the bounds (_reads_a_part)
         if target is torch.ops.aten.copy.default:
             dst, src = args[0], args[1]
             return src.to(dtype=dst.dtype, device=dst.device).expand(dst.shape).clone()

@@ -47,7 +47,8 @@ from . import UNDECIDED, Decision, RuleCtx, is_tensor_node, rule, tensor_inputs
 
 aten = torch.ops.aten
 
-_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+_RESHAPES = (aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+             aten.unsqueeze.default)
 _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
 
 
@@ -113,6 +114,21 @@ def _carries(user: fx.Node, src: fx.Node, dim: int) -> int | None:
     return e
 
 
+def _into_heads(user: fx.Node, src: fx.Node, dim: int) -> int | None:
+    """The output dim of reshape ``user`` that splits dim ``dim`` of ``src`` into (that dim,
+    the next): ``[B, S, 72] -> [B, S, 6, 12]`` gives 2; else None."""
+    val = user.meta.get("val")
+    if user.target not in _RESHAPES or user.args[0] is not src or \
+            not isinstance(val, torch.Tensor):
+        return None
+    in_shape, out_shape = tuple(src.meta["val"].shape), tuple(val.shape)
+    if len(out_shape) != len(in_shape) + 1 or out_shape[:dim] != in_shape[:dim] or \
+            out_shape[dim + 2:] != in_shape[dim + 1:] or \
+            out_shape[dim] * out_shape[dim + 1] != in_shape[dim]:
+        return None
+    return dim
+
+
 def fused_parts(node: fx.Node, dim: int, size: int, whole=frozenset()
                 ) -> tuple[int, ...] | None:
     """Part sizes of a fused projection: when every use of ``node``'s dim ``dim`` ends, through
@@ -121,21 +137,25 @@ def fused_parts(node: fx.Node, dim: int, size: int, whole=frozenset()
     (a plain projection)."""
     total = node.meta["val"].shape[dim]
     pieces: set[tuple[int, int]] = set()
-    stack, budget = [(node, dim)], 64
+    stack, budget = [(node, dim, 1)], 64
     while stack:
-        cur, d = stack.pop()
+        cur, d, scale = stack.pop()   # (scale: elements of ``node``'s dim per index of d)
         for u in cur.users:
             budget -= 1
             if budget < 0 or u.op != "call_function":
                 return None
             iv = split_intervals(u, d) if u.args and u.args[0] is cur else None
             if iv is not None:
-                pieces.update(iv)
+                pieces.update((a * scale, b * scale) for a, b in iv)
                 continue
             e = _carries(u, cur, d)
+            if e is not None:
+                stack.append((u, e, scale))
+                continue
+            e = _into_heads(u, cur, d)   # HF Falcon: view(.., heads + 2, d).split(.., -2)
             if e is None:
                 return None
-            stack.append((u, e))
+            stack.append((u, e, scale * u.meta["val"].shape[e + 1]))
     bounds = sorted({b for iv in pieces for b in iv} | {0, total})
     parts = tuple(b - a for a, b in zip(bounds[:-1], bounds[1:]))
     if len(parts) < 2 or any(k % size for j, k in enumerate(parts) if j not in whole) or \

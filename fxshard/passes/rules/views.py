@@ -64,7 +64,11 @@ def reshape_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         e = None if p.whole else _unmerge_dim(in_shape, out_shape, p)
         if e is not None:
             return Decision(ins=[p], out=Shard(e))
-        q = None if p.whole else _rescale_rows(in_shape, out_shape, p)
+        q = _rescale_rows(in_shape, out_shape, p)
+        if q is not None and p.whole:   # (whole parts: only when every split part's heads
+            q = replace(q, whole=p.whole)   # split evenly, the whole ones kept whole)
+            if any(k % ctx.size for j, k in enumerate(q.parts) if j not in q.whole):
+                q = None
         if q is not None:
             return Decision(ins=[p], out=q)
         return Decision(ins=[R], out=R)
