@@ -171,12 +171,9 @@ def _parts_to_keep_whole(lin: fx.Node, tp: int, size: int, have: frozenset
 
 
 
-def _kv_heads_reason(node: fx.Node, size: int, budget: int = 32) -> str | None:
-    """``tp=2 exceeds the 1 KV head (...)`` when ``node``'s value reaches attention as its key
-    or value (through views and elementwise ops) with a number of heads ``size`` does not
-    divide: a part cut out of a fused projection already head-shaped (GPTBigCode's
-    ``c_attn(x).unsqueeze(1).split(..)``, HF Falcon's ``view(.., heads + 2, d).split(..)``),
-    where no later reshape names the heads; else None."""
+def _attention_role(node: fx.Node, budget: int = 32) -> tuple[fx.Node, str] | None:
+    """The first attention ``node``'s value reaches (through views and elementwise ops) and
+    as which of its ``"query"``, ``"key"``, ``"value"``, else None."""
     from .rules.attention import sdpa_args
     frontier, seen = [node], {node}
     while frontier and budget > 0:
@@ -185,40 +182,42 @@ def _kv_heads_reason(node: fx.Node, size: int, budget: int = 32) -> str | None:
         for u in cur.users:
             if u.target is torch.ops.aten.scaled_dot_product_attention.default:
                 a = sdpa_args(u)
-                if cur is not a["key"] and cur is not a["value"]:
-                    continue
-                hkv = a["key"].meta["val"].shape[1]
-                if hkv % size == 0:
-                    return None
-                heads = f"{hkv} KV head{'s' * (hkv > 1)}"
-                return (f"tp={size} exceeds the {heads} ({node.name} reaches {u.name} as its "
-                        f"{'key' if cur is a['key'] else 'value'})" if hkv < size else
-                        f"the {heads} do not divide by tp={size} ({node.name} reaches {u.name})")
-            if u not in seen and u.op == "call_function":
+                role = next((r for r in ("key", "value", "query") if cur is a[r]), None)
+                if role is not None:
+                    return u, role
+            elif u not in seen and u.op == "call_function":
                 seen.add(u)
                 frontier.append(u)
     return None
 
 
-def _heads_kind(node: fx.Node, budget: int = 32) -> str:
+def _kv_heads_reason(node: fx.Node, size: int) -> str | None:
+    """``tp=2 exceeds the 1 KV head (...)`` when ``node``'s value reaches attention as its key
+    or value with a number of heads ``size`` does not divide: a part cut out of a fused
+    projection already head-shaped (GPTBigCode's ``c_attn(x).unsqueeze(1).split(..)``, HF
+    Falcon's ``view(.., heads + 2, d).split(..)``), where no later reshape names the heads;
+    else None."""
+    from .rules.attention import sdpa_args
+    found = _attention_role(node)
+    if found is None or found[1] == "query":
+        return None
+    u, role = found
+    hkv = sdpa_args(u)["key"].meta["val"].shape[1]
+    if hkv % size == 0:
+        return None
+    heads = f"{hkv} KV head{'s' * (hkv > 1)}"
+    if hkv < size:
+        return f"tp={size} exceeds the {heads} ({node.name} reaches {u.name} as its {role})"
+    return f"the {heads} do not divide by tp={size} ({node.name} reaches {u.name})"
+
+
+def _heads_kind(node: fx.Node) -> str:
     """"KV heads" or "query heads" when ``node``'s value reaches attention as its key/value or
     its query (through views and elementwise ops), else "heads"."""
-    from .rules.attention import sdpa_args
-    frontier, seen = [node], {node}
-    while frontier and budget > 0:
-        cur = frontier.pop(0)
-        budget -= 1
-        for u in cur.users:
-            if u.target is torch.ops.aten.scaled_dot_product_attention.default:
-                a = sdpa_args(u)
-                if cur is a["key"] or cur is a["value"]:
-                    return "KV heads"
-                if cur is a["query"]:
-                    return "query heads"
-            elif u not in seen and u.op == "call_function":
-                seen.add(u)
-                frontier.append(u)
-    return "heads"
+    found = _attention_role(node)
+    if found is None:
+        return "heads"
+    return "query heads" if found[1] == "query" else "KV heads"
 
 
 
