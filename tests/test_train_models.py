@@ -538,6 +538,28 @@ def test_hf_multi_query_attention_splits_on_tp(family, dp, batch, sp):
         adamw_steps_equal(pm, ref, lambda m: _loss(m(ids), labels), lr=1e-3)
 
 
+@pytest.mark.parametrize("step,reads", [(1, True), (2, False)])
+def test_only_slices_at_the_parts_bounds_read_a_part(step, reads):
+    """``_reads_parts`` (which uses of a fused output the part-by-part training may hand the
+    part itself): slices at the parts' bounds with step 1 do; a strided slice at the same
+    bounds takes every other element of the part, not the part."""
+    from fxshard.training.joint import _reads_parts
+
+    class Fused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(8, 16)
+
+        def forward(self, x):
+            y = self.qkv(x)
+            return y[..., 0:8] * 2, y[..., 8:12:step], y[..., 12:16]
+
+    gm = torch.export.export(Fused(), (torch.randn(2, 8),)).run_decompositions({}).graph_module
+    lin = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default)
+    assert _reads_parts(lin, [8, 4, 4]) is reads
+    assert _reads_parts(lin, [8, 8]) is False    # bounds that are not the slices'
+
+
 @pytest.mark.parametrize("name,tp", [("litgpt_falcon", 2), ("litgpt_llama3", 4)])
 def test_litgpt_fused_qkv_with_more_tp_ranks_than_kv_groups_trains(name, tp):
     """litgpt's one ``qkv`` Linear with fewer KV groups than tp ranks (Falcon's multi-query

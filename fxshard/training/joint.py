@@ -141,7 +141,8 @@ def _reads_parts(node: fx.Node, sizes: list, dim: int = -1) -> bool:
             start, end = args[2] or 0, min(bounds[-1] if args[3] is None else args[3],
                                            bounds[-1])
             if args[1] % len(shape) != at or start not in bounds or end not in bounds or \
-                    bounds.index(end) != bounds.index(start) + 1:
+                    bounds.index(end) != bounds.index(start) + 1 or \
+                    len(user.args) > 4 and user.args[4] != 1:
                 return False
         elif user.target is aten.split_with_sizes.default:
             d = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
