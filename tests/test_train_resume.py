@@ -2,7 +2,8 @@
 ``load_training_state``, a torch.distributed.checkpoint directory): two AdamW steps on mesh A,
 save, load into a new pm and a new optimizer on mesh B; steps 3-4 equal the uninterrupted
 single-device run (1e-5). Simulated meshes here; real ranks (gloo, fsdp4 -> dp2·tp2, each
-process writing its own shards, the resumed run recomputing its layers) in one launch. Sizes
+process writing its own shards, the resumed run recomputing its layers; then HF Phi-3's fused
+projections, strided shards, dp2·tp2 -> tp4) in one launch. Sizes
 uneven as tests/test_train_grads.py.
 """
 import copy
@@ -110,6 +111,46 @@ def _body(rank: int, report: dict, ckpt: str) -> None:
     dist.barrier()
     pm.close()
     pm2.close()
+    _fused_body(rank, report, ckpt + "_fused")
+
+
+def _phi3_one_kv_head():
+    import transformers
+    torch.manual_seed(0)
+    return transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        vocab_size=96, hidden_size=48, intermediate_size=72, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=32,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0))
+
+
+def _fused_body(rank: int, report: dict, ckpt: str) -> None:
+    """Phi-3's fused qkv_proj / gate_up_proj (strided shards, K/V kept whole on tp: no DTensor
+    placement, gathered whole for DCP) saved on dp2·tp2, resumed on tp4."""
+    import torch.distributed as dist
+    from fxshard.mesh import mesh_spec
+    ids, labels = _data(seq=6)
+    ref = _phi3_one_kv_head()
+    ref_opt = _adamw(ref.parameters())
+    _steps(lambda x: ref(x).logits, ref_opt, ids, labels, 4)
+    pm = fxshard.parallelize(_phi3_one_kv_head(), _mesh(dp=2, tp=2), example_inputs=(ids,))
+    opt = _adamw(pm.parameters())
+    _steps(lambda x: pm(x).logits, opt, ids, labels, 2)
+    fxshard.save_training_state(pm, opt, ckpt)
+    mesh_b = _mesh(tp=4)
+    pm2 = fxshard.parallelize(_phi3_one_kv_head(), mesh_b, example_inputs=(ids,))
+    opt2 = _adamw(pm2.parameters())
+    fxshard.load_training_state(pm2, opt2, ckpt)
+    _steps(lambda x: pm2(x).logits, opt2, ids, labels, 2)
+    spec, specs = mesh_spec(mesh_b), pm2.trainer._specs
+    full = dict(ref.named_parameters())
+    report["fused_spec"] = str(specs["model.layers.0.self_attn.qkv_proj.weight"])
+    report["fused_params"] = worst_block(pm2.shards(rank), full, specs, spec, rank)
+    report["fused_moments"] = worst_block(pm2.shards(rank), full, specs, spec, rank,
+                                          of=lambda p: opt2.state[p]["exp_avg_sq"],
+                                          full_of=lambda p: ref_opt.state[p]["exp_avg_sq"])
+    dist.barrier()
+    pm.close()
+    pm2.close()
 
 
 def test_resume_on_real_ranks_fsdp4_to_dp2_tp2(tmp_path):
@@ -117,5 +158,8 @@ def test_resume_on_real_ranks_fsdp4_to_dp2_tp2(tmp_path):
                        grad=True)
     for r, rep in reports.items():
         assert rep["params"] < 1e-5 and rep["moments"] < 1e-5 and rep["step"] == [4.0], rep
+        # (it raised NotImplementedError: a strided shard has no DTensor placement)
+        assert "StridedShard" in rep["fused_spec"], rep
+        assert rep["fused_params"] < 1e-5 and rep["fused_moments"] < 1e-5, rep
     # each process wrote its own file (DCP), the metadata once
     assert reports[0]["files"] == [".metadata"] + [f"__{r}_0.distcp" for r in range(WORLD)]

@@ -21,7 +21,9 @@ sharded like the parameter and is stored whole, by the parameter's name; any oth
 tensors are assembled from the shards and written by this process; on real ranks each
 parameter and state shard is given to DCP as a ``DTensor`` over the mesh, so each process
 writes only what it owns (replicas once) and DCP reads back, on any other mesh, exactly the
-slices each rank holds there. Loading copies into the shards in place (the optimizer's
+slices each rank holds there. A fused projection's strided shard (q, k, v each split) has no
+DTensor placement: it is gathered whole on every rank and written once (its whole value and
+state in memory during the save), and read whole, each rank keeping its block. Loading copies into the shards in place (the optimizer's
 references stay valid) and sets the optimizer's state and its groups' hyperparameters
 (``lr``, ``betas``, ...: a scheduler's changes carry over), as ``optimizer.load_state_dict``.
 Either mesh may be simulated or real; the files are the same.
@@ -105,12 +107,25 @@ def _sharded(value, shard: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == shard.shape
 
 
+def _as_dtensor(tm, fqn: str) -> bool:
+    """Real ranks hand ``fqn`` (and state sharded like it) to DCP as a DTensor: its placement
+    is Shard/Replicate on every axis. A fused projection's strided shard (``StridedShard``:
+    q, k, v each split, or some kept whole) has no DTensor placement: it is gathered whole."""
+    from torch.distributed.tensor import Replicate, Shard
+    return all(isinstance(p, (Shard, Replicate)) for p in tm._specs[fqn])
+
+
 def _whole(tm, fqn: str, blocks: dict, where: str):
-    """The whole value from every held rank's block (simulated) or this rank's as a DTensor."""
+    """The whole value from every held rank's block (simulated), or on real ranks this rank's
+    as a DTensor; a strided shard's from every rank's block, gathered (every rank holds the
+    same whole tensor; DCP writes it once)."""
+    from .module import assemble
     if not tm._simulated:
         (block,) = blocks.values()
-        return _dtensor(tm, fqn, block.detach(), where)
-    from .module import assemble
+        if _as_dtensor(tm, fqn):
+            return _dtensor(tm, fqn, block.detach(), where)
+        return assemble(tm._gather_blocks(block.detach()), tm._last.shapes[fqn],
+                        tm._specs[fqn], tm.spec)
     return assemble([blocks[r].detach() for r in tm.ranks], tm._last.shapes[fqn],
                     tm._specs[fqn], tm.spec)
 
@@ -205,7 +220,7 @@ def _empty(tm, fqn: str, meta, like: torch.Tensor, key: str | None = None):
     shape = tuple(tm._last.shapes[fqn])
     dtype = meta.properties.dtype
     if tuple(meta.size) == shape and len(shape) > 0:
-        if tm._simulated:
+        if tm._simulated or not _as_dtensor(tm, fqn):   # (a strided shard: read whole)
             return torch.empty(shape, dtype=dtype, device=like.device)
         return _dtensor(tm, fqn, torch.empty(like.shape, dtype=dtype, device=like.device),
                         _LOAD)
@@ -214,8 +229,9 @@ def _empty(tm, fqn: str, meta, like: torch.Tensor, key: str | None = None):
 
 
 def _block(tm, fqn: str, value, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s block of a loaded whole value (simulated) or DTensor (real)."""
-    if not tm._simulated:
+    """Rank ``rank``'s block of a loaded whole value or DTensor (real ranks)."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(value, DTensor):
         return value.to_local()
     from ..placement import local_block
     return local_block(value, tm._specs[fqn], tm.spec, rank)
@@ -279,5 +295,5 @@ def _sharded_like(value, tm, fqn: str) -> bool:
     if isinstance(value, DTensor):
         return True
     shape = tuple(tm._last.shapes[fqn])
-    return tm._simulated and isinstance(value, torch.Tensor) and len(shape) > 0 and \
-        tuple(value.shape) == shape
+    return (tm._simulated or not _as_dtensor(tm, fqn)) and isinstance(value, torch.Tensor) \
+        and len(shape) > 0 and tuple(value.shape) == shape
