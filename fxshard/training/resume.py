@@ -23,9 +23,10 @@ parameter and state shard is given to DCP as a ``DTensor`` over the mesh, so eac
 writes only what it owns (replicas once) and DCP reads back, on any other mesh, exactly the
 slices each rank holds there. A fused projection's strided shard (q, k, v each split) has no
 DTensor placement: it is gathered whole on every rank and written once (its whole value and
-state in memory during the save), and read whole, each rank keeping its block. Loading copies into the shards in place (the optimizer's
-references stay valid) and sets the optimizer's state and its groups' hyperparameters
-(``lr``, ``betas``, ...: a scheduler's changes carry over), as ``optimizer.load_state_dict``.
+state in memory during the save), and read whole, each rank keeping its block. Loading
+copies into the shards in place (the optimizer's references stay valid) and sets the
+optimizer's state and its groups' hyperparameters (``lr``, ``betas``, ...: a scheduler's
+changes carry over), as ``optimizer.load_state_dict``.
 Either mesh may be simulated or real; the files are the same.
 """
 from __future__ import annotations
