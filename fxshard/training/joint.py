@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from ..passes import PassReports
+from ..passes.rules.linear import split_intervals
 from ..trace import Traced, _without_cache, cleanup_pass, trace
 from .dropout import add_dropout_sites, pack_seed
 
@@ -112,14 +113,11 @@ class _Parts:
             acc += p.shape[dim]
             self.bounds.append(acc)
 
-    def part(self, start: int, end: int | None):
-        """The part that ``[start, end)`` of the parts' dim is (``_reads_parts`` checked)."""
-        end = self.bounds[-1] if end is None else min(end, self.bounds[-1])
-        start = start or 0
-        if start in self.bounds and end in self.bounds and \
-                self.bounds.index(end) == self.bounds.index(start) + 1:
-            return self.parts[self.bounds.index(start)]
-        return None
+    def part(self, start: int, end: int):
+        """The part that ``[start, end)`` of the parts' dim is (``_reads_parts`` checked that
+        it is one)."""
+        assert self.bounds[self.bounds.index(start) + 1] == end, (self.bounds, start, end)
+        return self.parts[self.bounds.index(start)]
 
 
 def _reads_parts(node: fx.Node, sizes: list, dim: int = -1) -> bool:
@@ -133,20 +131,13 @@ def _reads_parts(node: fx.Node, sizes: list, dim: int = -1) -> bool:
     bounds = [0]
     for k in sizes:
         bounds.append(bounds[-1] + k)
+    parts = set(zip(bounds[:-1], bounds[1:]))
     for user in node.users:
         if not user.args or user.args[0] is not node:
             return False
-        if user.target is aten.slice.Tensor:
-            args = list(user.args) + [0, 0, None][len(user.args) - 1:]
-            start, end = args[2] or 0, min(bounds[-1] if args[3] is None else args[3],
-                                           bounds[-1])
-            if args[1] % len(shape) != at or start not in bounds or end not in bounds or \
-                    bounds.index(end) != bounds.index(start) + 1 or \
-                    len(user.args) > 4 and user.args[4] != 1:
-                return False
-        elif user.target is aten.split_with_sizes.default:
-            d = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
-            if list(user.args[1]) != list(sizes) or d % len(shape) != at:
+        pieces = split_intervals(user, at)   # (a slice / split / chunk of that dim, step 1)
+        if pieces is not None:
+            if not set(pieces) <= parts or len(pieces) > 1 and pieces != sorted(parts):
                 return False
         elif user.target is aten.unsqueeze.default:
             if user.args[1] % (len(shape) + 1) > at or not _reads_parts(user, sizes, dim):
@@ -221,14 +212,14 @@ class _Differentiable(fx.Interpreter):
                 isinstance(self.env.get(n.args[0]), _Parts):
             held, args = self.env[n.args[0]], n.args
             if n.target is aten.slice.Tensor:
-                full = list(args) + [0, 0, None][len(args) - 1:]
-                return held.part(full[2], full[3])
+                (start, end), = split_intervals(n, n.args[0].meta["val"].dim() + held.dim)
+                return held.part(start, end)
             if n.target is aten.unsqueeze.default:   # a dim before the parts' one
                 return _Parts([p.unsqueeze(args[1]) for p in held.parts], held.dim)
             if n.target in (aten.view.default, aten.reshape.default):   # into heads
                 d = n.meta["val"].shape[-1]
                 return _Parts([p.unflatten(-1, (-1, d)) for p in held.parts], -2)
-            return list(held.parts)   # split_with_sizes at the bounds (_reads_parts)
+            return list(held.parts)   # a split into the parts (_reads_parts)
         return super().run_node(n)
 
     def call_function(self, target, args, kwargs):
