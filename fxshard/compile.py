@@ -165,6 +165,35 @@ def compile_stage(program: Program, example_module: fx.GraphModule,
     return CompiledStage(fn=compile_graph(gm, example), names=names, module=gm)
 
 
+def _unbacked_mode(gm: fx.GraphModule):
+    """The fake mode whose shape environment holds ``gm``'s sizes known only at run time
+    (``nonzero``'s ``u0``), or None when it has none."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and free_unbacked_symbols(val):
+            return val.fake_mode
+    return None
+
+
+def check_static_inputs(gm: fx.GraphModule, where: str) -> None:
+    """A NotImplementedError for a program whose inputs have a size known only at run time
+    (a training backward's saved rows of one MoE expert picked by ``torch.where(mask)``):
+    :func:`compile_graph` compiles for its example inputs' sizes, which the next step's
+    routing changes."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(val, torch.Tensor) and \
+                free_unbacked_symbols(val):
+            raise NotImplementedError(
+                f"{where}: compile=True: this program's input {node.name} {tuple(val.shape)} "
+                f"has a size known only when it runs (torch.where(mask) / nonzero, e.g. the "
+                f"tokens of one MoE expert saved for the backward), which Inductor would fix "
+                f"to the first step's. Use compile=False for this model (the eager programs "
+                f"handle it)")
+
+
 def compile_graph(gm: fx.GraphModule, example: list[torch.Tensor]):
     """Inductor's function for ``gm`` (tensor inputs only, static shapes as ``example``'s;
     nothing runs, so no collective executes): a stage with its weights as inputs, or a
@@ -176,6 +205,6 @@ def compile_graph(gm: fx.GraphModule, example: list[torch.Tensor]):
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     # a fake mode with a shape env, as dynamo would give: Inductor's FX graph cache needs one
     # (without it every process recompiles the same stage from scratch)
-    fake = FakeTensorMode(shape_env=ShapeEnv())
+    fake = _unbacked_mode(gm) or FakeTensorMode(shape_env=ShapeEnv())
     with torch.no_grad(), tracing(TracingContext(fake)):
         return compile_fx(gm, [fake.from_tensor(x, static_shapes=True) for x in example])

@@ -162,3 +162,26 @@ def test_generate_equals_greedy_single_device(name, mesh):
     finally:
         pm.close()
     assert torch.equal(got, want), (got, want)
+
+
+
+def test_compiled_where_routed_moe_matches_single_device():
+    """``compile=True`` on litgpt's Mixtral (``torch.where(mask)`` per expert: sizes known only
+    at run time): Inductor compiles the rank program in the shape environment that holds those
+    sizes (it raised while re-tracing ``nonzero``), and two batches that route differently
+    equal one device."""
+    _needs("litgpt_mixtral")
+    import torch._inductor.config
+
+    import fxshard
+    model = EXTERNAL["litgpt_mixtral"][2](1)
+    pm = fxshard.parallelize(model, fxshard.init_device_mesh("cpu", (2,),
+                                                             mesh_dim_names=("tp",)),
+                             compile=True)
+    try:   # (a cached graph would not re-trace: compiled here, not read from Inductor's cache)
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            for k in range(2):
+                ids = token_ids(4, 16).roll(k, 1) * (k + 1) % 128
+                torch.testing.assert_close(pm(ids), model(ids), rtol=1e-4, atol=1e-4)
+    finally:
+        pm.close()
