@@ -609,25 +609,6 @@ def test_deepseek_attention_is_split_on_tp():
         torch.testing.assert_close(pm.gradients()[name], p.grad, rtol=1e-5, atol=1e-5)
 
 
-def test_a_forward_the_backward_trace_cannot_follow_is_a_clear_error():
-    """litgpt's Mixtral picks each expert's tokens with torch.where(mask) (aten.nonzero: an
-    output shape that depends on the values): inference runs it, training is an error that
-    says why and what to change (it was torch's raw DynamicOutputShapeException)."""
-    pytest.importorskip("litgpt")
-    from tests.external_models import EXTERNAL
-    model = EXTERNAL["litgpt_mixtral"][2](1)
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pm = fxshard.parallelize(model, _mesh(1, 2))
-        with torch.no_grad():
-            torch.testing.assert_close(pm(ids), model(ids), rtol=1e-5, atol=1e-5)
-        with pytest.raises(NotImplementedError, match=r"cannot train GPT: its forward has an op "
-                           r"whose output shape depends on the values \(aten\.nonzero.*fixed "
-                           r"shapes.*torch\.no_grad\(\)"):
-            pm(ids)
-
-
 @pytest.mark.parametrize("name,axes,sp", [
     ("qwen3", ("fsdp", "tp"), False),
     ("mistral", ("dp", "tp"), True),       # 1 KV head: replicated on tp, its gradient reduced

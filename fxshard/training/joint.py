@@ -32,6 +32,7 @@ from ..passes import PassReports
 from ..passes.rules.linear import split_intervals
 from ..trace import Traced, _without_cache, cleanup_pass, trace
 from .dropout import add_dropout_sites, pack_seed
+from .dynamic_sizes import export_joint
 
 __all__ = ["Joint", "input_grad_name", "joint_graph", "joint_of"]
 
@@ -281,7 +282,6 @@ def joint_of(traced: Traced, model: torch.nn.Module, flat: list, tied: dict,
     parameters on the flat user inputs ``flat``. ``grad_inputs``: user input indices whose
     gradient the joint returns too, named ``input_grad_name(index)`` in ``Joint.grads`` (a
     pipeline stage's received activations, :mod:`fxshard.training.pipeline`)."""
-    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
     from torch._functorch._aot_autograd.descriptors import (
         BufferAOTInput, GradAOTOutput, ParamAOTInput, PlainAOTInput, PlainAOTOutput,
         TangentAOTInput)
@@ -301,14 +301,12 @@ def joint_of(traced: Traced, model: torch.nn.Module, flat: list, tied: dict,
     buffers = {f"b{i}": n.meta["fxshard_buffer"] for i, n in enumerate(
         n for n in traced.gm.graph.nodes if n.op == "placeholder")
         if n.meta.get("fxshard_buffer") is not None}
-    with contextlib.ExitStack() as stack:
-        try:
-            jd = aot_export_joint_with_descriptors(stack, replay, tuple(tensors))
-        except Exception as e:   # a raw trace error would not say what to change
-            if isinstance(e, NotImplementedError) and str(e).startswith("fxshard"):
-                raise
-            raise _backward_trace_error(model, e) from e
-        gm = jd.graph_module
+    try:
+        gm = export_joint(replay, tensors)
+    except Exception as e:   # a raw trace error would not say what to change
+        if isinstance(e, NotImplementedError) and str(e).startswith("fxshard"):
+            raise
+        raise _backward_trace_error(model, e) from e
     gm.graph._codegen = fx.graph.CodeGen()   # plain flat inputs and outputs
     params = []
     for node in gm.graph.nodes:

@@ -457,7 +457,9 @@ class TrainModule:
         if not self.compile:
             return direct(getattr(program.split, which))
         if which not in program.compiled:
-            from ..compile import compile_graph
+            from ..compile import check_static_inputs, compile_graph
+            for gm in (program.split.forward, program.split.backward):   # before either runs
+                check_static_inputs(gm, "fxshard.parallelize")
             program.compiled[which] = compile_graph(getattr(program.split, which), example())
         return program.compiled[which]
 

@@ -60,6 +60,7 @@ from ..passes.vocab_loss import split_loss_pass, vocab_parallel_loss_pass
 from .gqa import repeat_kv_pass
 from .cuda_attention import cuda_attention_backward_pass
 from .dropout import check_dropout_mesh
+from .dynamic_sizes import check_no_stand_ins, quiet
 from .context_parallel import drop_marks_pass, lower_ring_pass, mark_ulysses_pass
 from .joint import Joint, joint_graph
 from .refine import (dedupe_views_pass, gathered_many_times, mirrored_inputs,
@@ -374,8 +375,10 @@ def _fsdp_gathers(gm: fx.GraphModule, reshard_after_forward, ctx: PassCtx) -> se
 def _local_bytes(node: fx.Node, mesh: MeshSpec) -> int:
     """Bytes of a node's value on one rank (its global value and placement)."""
     from ..placement import local_shape
+    from ..explain import data_dependent
     val, spec = node.meta.get("val"), node.meta.get("fxshard_spec")
-    if not isinstance(val, torch.Tensor) or not isinstance(spec, tuple):
+    if not isinstance(val, torch.Tensor) or not isinstance(spec, tuple) or \
+            data_dependent(val.shape):    # (a size known only at run time: not counted)
         return 0
     return int(torch.Size(local_shape(tuple(val.shape), spec, mesh)).numel()) * \
         val.element_size()
@@ -401,6 +404,19 @@ def build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: 
     stage's, :mod:`fxshard.training.pipeline`). ``vocab_outputs``: an output the forward
     holds sharded on its last dim over ``tp`` (the logits) leaves it as each rank's block
     (:mod:`fxshard.training.vocab_output`), not gathered."""
+    with quiet():    # torch's log of the stand-ins of sizes known only at run time
+        program = _build_train_program(model, args, kwargs, ctx,
+                                       reshard_after_forward=reshard_after_forward,
+                                       recompute=recompute, joint=joint,
+                                       vocab_outputs=vocab_outputs)
+    for gm in (program.split.forward, program.split.backward):
+        check_no_stand_ins(gm, _WHERE)
+    return program
+
+
+def _build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx: PassCtx,
+                         *, reshard_after_forward, recompute, joint, vocab_outputs
+                         ) -> TrainProgram:
     check_training_axes(ctx.mesh)
     if ctx.mesh.axis_size(PP) > 1:
         raise NotImplementedError(
