@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import fxshard
 from tests.external_models import EXTERNAL, is_weight_of_layers, token_ids
 from tests.test_external_models import SAME_CODE, _needs
-from tests.train_checks import adamw_steps_equal
+from tests.train_checks import adamw_steps_equal, loss_and_grads_equal
 
 
 def _logits(out):
@@ -44,13 +44,7 @@ def test_training_on_fsdp_tp_sp_matches_single_device(name):
         out = _logits(module(ids))
         return F.cross_entropy(out.flatten(0, 1).float(), labels.flatten())
     try:
-        loss, want = loss_of(pm), loss_of(ref)
-        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
-        loss.backward()
-        want.backward()
-        grads = pm.gradients()
-        for fqn, p in ref.named_parameters():
-            torch.testing.assert_close(grads[fqn], p.grad, rtol=1e-5, atol=1e-5, msg=fqn)
+        loss_and_grads_equal(pm, ref, loss_of)
         mine = pm.trainer._shards[0]
         full = local = 0
         for fqn, p in ref.named_parameters():

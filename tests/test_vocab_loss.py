@@ -13,6 +13,7 @@ import fxshard
 from fxshard.explain import collectives_of
 from fxshard.training import parallelize_for_training
 from tests.models import hf_llama
+from tests.train_checks import loss_and_grads_equal
 
 V, B, S = 160, 2, 7      # V / tp (80, 40) is no other tensor's size
 
@@ -99,14 +100,7 @@ def test_training_with_the_loss_inside_gradients_equal_one_device(shape):
     model = LossOnly(hf_llama(hidden=48, intermediate=72, vocab=V))
     ids, labels = _data(2)
     tm = parallelize_for_training(model, _mesh(shape))
-    loss = tm(ids, labels)
-    ref = model(ids, labels)
-    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
-    loss.backward()
-    ref.backward()
-    grads = tm.gradients()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+    loss_and_grads_equal(tm, model, lambda m: m(ids, labels))
     for which in ("forward", "backward"):
         assert _vocab_sized(tm.rank_module(0, which), tm.spec) == [], which
     backward = _targets(tm.rank_module(0, "backward"))
@@ -162,12 +156,6 @@ def test_cross_entropy_inside_any_reduction_and_ignore_index(shape, reduction, i
     # the head column-parallel: its logits vocab-sharded (the auto plan pairs it rowwise)
     tm = parallelize_for_training(model, _mesh(shape), plan={"proj": "replicate",
                                                              "head": "colwise"})
-    loss, ref = tm(x, target), model(x, target)
-    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
-    loss.backward()
-    ref.backward()
-    grads = tm.gradients()
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+    loss_and_grads_equal(tm, model, lambda m: m(x, target))
     forward = tm.rank_module(0, "forward")
     assert "fxshard.vocab_nll_loss_forward.default" in _targets(forward)

@@ -19,6 +19,18 @@ def expert_rows(tm, which: str) -> list[int]:
     return out
 
 
+def loss_and_grads_equal(pm, ref, loss_of) -> None:
+    """One step's loss (``loss_of(module)``) and every parameter's gradient of ``pm`` (a
+    ParallelModule or TrainModule) equal the single-device ``ref``'s (1e-5)."""
+    loss, want = loss_of(pm), loss_of(ref)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+    loss.backward()
+    want.backward()
+    grads = pm.gradients()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def adamw_steps_equal(pm, ref, loss_of, *, steps: int = 3, lr: float = 1e-2,
                       clip: float = 0.5, eps: float = 1e-6, on_first=None) -> None:
     """Train ``pm`` (a ParallelModule or TrainModule) and the single-device ``ref`` alike,
