@@ -61,7 +61,7 @@ def test_max_shard_size_is_checked():
 
 def _train(model, mesh, ids, labels, steps=2):
     tm = parallelize_for_training(model, mesh, example_inputs=(ids,))
-    opt = torch.optim.AdamW(tm.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(tm.parameters(), lr=1e-3, eps=1e-6)
     for _ in range(steps):
         out = tm(ids)
         F.cross_entropy(out.logits.flatten(0, 1), labels.flatten()).backward()
@@ -78,7 +78,7 @@ def test_trained_shards_saved_equal_single_device_training(tmp_path):
     ids, labels = _ids(1), _ids(2)
     mesh = fxshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     tm = _train(model, mesh, ids, labels)
-    opt = torch.optim.AdamW(single.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(single.parameters(), lr=1e-3, eps=1e-6)
     for _ in range(2):
         F.cross_entropy(single(ids).logits.flatten(0, 1), labels.flatten()).backward()
         opt.step()
@@ -102,7 +102,7 @@ def test_trained_shards_saved_equal_single_device_training(tmp_path):
 
 
 def _single_steps(model, ids, labels, steps, clip=None):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
     for _ in range(steps):
         F.cross_entropy(model(ids).logits.flatten(0, 1), labels.flatten()).backward()
         if clip is not None:
@@ -112,7 +112,7 @@ def _single_steps(model, ids, labels, steps, clip=None):
 
 
 def _pm_steps(pm, ids, labels, steps, clip=None):
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)
     for _ in range(steps):
         F.cross_entropy(pm(ids).logits.flatten(0, 1), labels.flatten()).backward()
         if clip is not None:

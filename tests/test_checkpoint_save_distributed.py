@@ -37,7 +37,7 @@ def _data():
 
 def _step(params, forward, labels, clip=None):
     import torch.nn.functional as F
-    opt = torch.optim.AdamW(params, lr=1e-3)
+    opt = torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
     out = forward()
     out = getattr(out, "logits", out)    # (an HF model's output)
     F.cross_entropy(out.flatten(0, 1), labels.flatten()).backward()

@@ -197,7 +197,7 @@ def _check(model, mesh, *, steps=0, ring_zigzag=True, logits=lambda o: o):
         pm.zero_grad()
         ref.zero_grad()
         for step_model, params in ((pm, pm.parameters()), (ref, ref.parameters())):
-            opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+            opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-6)
             for _ in range(steps):
                 opt.zero_grad()
                 _loss(logits(step_model(ids)), labels).backward()
@@ -336,8 +336,8 @@ def _gloo_body(rank: int, report: dict) -> None:
     ids, labels = _data()
     pm = fxshard.parallelize(model, mesh, example_inputs=(ids,))
     report["ranks"] = pm.trainer.ranks
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=1e-6)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
     spec, specs = mesh_spec(mesh), pm.trainer._specs
     named = dict(ref.named_parameters())
     for step in range(2):

@@ -24,8 +24,8 @@ def _whole_on_every_rank(report, names, model, ids, loss_of, rank):
     ref = copy.deepcopy(model)
     mesh = fxshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
     tm = parallelize_for_training(copy.deepcopy(model), mesh, example_inputs=(ids,))
-    ours = torch.optim.AdamW(tm.parameters(), lr=1e-3)
-    theirs = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    ours = torch.optim.AdamW(tm.parameters(), lr=1e-3, eps=1e-6)
+    theirs = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
     key = "_".join(names)
     for step in range(3):
         ours.zero_grad()
@@ -76,7 +76,7 @@ def _body(rank: int, report: dict) -> None:
     ref_model = copy.deepcopy(model)
     with torch.no_grad():   # an inference program bound ahead of training: re-bound after
         report["before"] = (tm(ids) - ref_model(ids)).abs().max().item()
-    opt = torch.optim.AdamW(tm.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(tm.parameters(), lr=1e-3, eps=1e-6)
     out = tm(ids)
     # the logits: this rank's block (its dp rows, its tp columns:
     # fxshard.training.vocab_output), gathered on first use as a whole tensor (the
@@ -92,7 +92,7 @@ def _body(rank: int, report: dict) -> None:
     opt.zero_grad()
     loss_of(tm(ids)).backward()
     opt.step()
-    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, eps=1e-6)
     ref.step()
     ref.zero_grad()
     loss_of(ref_model(ids)).backward()

@@ -221,7 +221,7 @@ def test_adamw_steps_and_memory_per_rank():
     ids, labels = _data()
     mesh = _mesh(fsdp=2, tp=2)
     tm = parallelize_for_training(model, mesh, example_inputs=(ids,))
-    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, eps=1e-6)  # noqa: E731
     ours = make(tm.parameters())
     norms = []
     for _ in range(3):
@@ -312,7 +312,7 @@ def _steps_equal(pm, ref, x, steps=3):
     """``pm`` and the single-device ``ref`` through ``steps`` AdamW steps on
     ``(model(x) ** 2).sum()``: outputs, the first step's gradients and the final parameters
     equal (``ref`` is trained in place)."""
-    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, eps=1e-6)  # noqa: E731
     ours, theirs = make(pm.parameters()), make(ref.parameters())
     named = dict(ref.named_parameters())
     for step in range(steps):

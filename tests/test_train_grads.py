@@ -222,7 +222,7 @@ def test_optimizer_steps_equal_single_device(opt):
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     tm = parallelize_for_training(model, _mesh(2, 2), example_inputs=(ids,))
     make = (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)) if opt == "sgd" else \
-        (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1))
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, eps=1e-6))
     ours = make(tm.parameters())
     norms = []  # the gradient norm before clipping: above 0.5, so every step clips
     for step in range(3):
@@ -390,8 +390,8 @@ def test_partial_bias_trains_on_one_coordinate():
     tm = parallelize_for_training(model, _mesh(1, 2), example_inputs=(ids,))
     bias = "model.layers.0.mlp.down_proj.bias"
     assert isinstance(tm._specs[bias][1], torch.distributed.tensor.Partial)
-    ours = torch.optim.AdamW(tm.parameters(), lr=1e-3, weight_decay=0.1)
-    theirs = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    ours = torch.optim.AdamW(tm.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
+    theirs = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
     for _ in range(2):
         ours.zero_grad()
         theirs.zero_grad()
@@ -440,7 +440,7 @@ def test_compiled_training_programs_equal_single_device():
     compiled = tm._last.compiled
     assert set(compiled) == {"forward", "backward"}
     assert not any(isinstance(f, torch.fx.GraphModule) for f in compiled.values())
-    ours, theirs = (torch.optim.AdamW(ps, lr=1e-3) for ps in (tm.parameters(),
+    ours, theirs = (torch.optim.AdamW(ps, lr=1e-3, eps=1e-6) for ps in (tm.parameters(),
                                                               model.parameters()))
     ours.step()
     theirs.step()

@@ -62,7 +62,7 @@ def test_meta_built_blocks_are_owned_contiguous_aligned(tmp_path):
 
     opts = {}
     for pm in (plain, meta):       # training: shards, gradients, AdamW state
-        opts[pm] = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+        opts[pm] = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)
         for _ in range(2):
             opts[pm].zero_grad(set_to_none=False)
             F.cross_entropy(pm(ids).flatten(0, 1), ids.flatten()).backward()

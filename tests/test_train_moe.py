@@ -75,8 +75,8 @@ def test_sorted_moe_trains_on_each_ranks_tokens(axes):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tm = parallelize_for_training(model, mesh, example_inputs=(ids,))
-    ours = torch.optim.AdamW(tm.parameters(), lr=1e-2, weight_decay=0.1)
-    theirs = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    ours = torch.optim.AdamW(tm.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+    theirs = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
     for step in range(2):
         ours.zero_grad()
         theirs.zero_grad()

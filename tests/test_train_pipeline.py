@@ -236,8 +236,8 @@ def _gloo_case(rank: int, report: dict, axes: dict, opts: dict, out_dir: str) ->
     # are shared along pp)
     report["gradients"] = _worst_whole(pm.gradients(), ref, lambda p: p.grad)
     pm.zero_grad(), ref.zero_grad()
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
     report["loss"], report["norm"] = [], []
     for _ in range(3):
         loss = pm.train_step(ids, target=labels, loss_fn=_loss, schedule="1f1b")
@@ -286,7 +286,7 @@ def test_pp2_tp2_and_fsdp2_pp2_gloo_1f1b(tmp_path):
     # the single device, trained as the ranks were: GPipe's gradients dropped, three clipped
     # AdamW steps; then a fourth
     ref, (ids, labels) = _llama(2), _data()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
 
     def step():
         opt.zero_grad()
@@ -318,7 +318,7 @@ def test_pp2_tp2_and_fsdp2_pp2_gloo_1f1b(tmp_path):
         assert groups["optim"]["param_groups"][0]["params"] == \
             [n for n, _ in ref.named_parameters()], key
         pm = fxshard.parallelize(_llama(2), _mesh(fsdp=2, tp=2), example_inputs=(ids,))
-        opt2 = torch.optim.AdamW(pm.parameters(), lr=1.0)
+        opt2 = torch.optim.AdamW(pm.parameters(), lr=1.0, eps=1e-6)
         fxshard.load_training_state(pm, opt2, str(tmp_path / key / "dcp"))
         _loss(pm(ids), labels).backward()
         fxshard.clip_grad_norm_(pm, _CLIP)

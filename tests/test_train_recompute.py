@@ -88,7 +88,8 @@ def test_recompute_budget_recomputes_as_few_layers_as_fit_and_trains_as_one_devi
     pm, one = build(none - 1)              # one layer recomputed is enough
     assert every < one < none
     ref = copy.deepcopy(model)
-    opt, ref_opt = (torch.optim.AdamW(p, lr=1e-2) for p in (pm.parameters(), ref.parameters()))
+    opt, ref_opt = (torch.optim.AdamW(p, lr=1e-2, eps=1e-6)
+                    for p in (pm.parameters(), ref.parameters()))
     for _ in range(2):
         for o, step in ((opt, pm), (ref_opt, ref)):
             o.zero_grad()
