@@ -118,3 +118,39 @@ def test_a_stand_in_size_read_as_a_number_is_an_error():
     y = g2.placeholder("x")
     g2.output(g2.call_function(torch.ops.aten.slice.Tensor, (y, 0, 0, 2 ** 63 - 1)))
     check_no_stand_ins(torch.fx.GraphModule(torch.nn.Module(), g2), "where")   # no error
+
+
+def _where_moe_body(rank, report):
+    """One rank of a dp2·tp2 gloo job: litgpt's Mixtral, two AdamW steps on batches routed
+    differently; this rank's gradient and parameter shards against one device's."""
+    from tests.launch import mesh, worst_block
+    torch.manual_seed(0)
+    model = EXTERNAL["litgpt_mixtral"][2](1)
+    ref = copy.deepcopy(model).eval()
+    pm = fxshard.parallelize(model, mesh(dp=2, tp=2), example_inputs=(token_ids(4, 16),))
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-4)  # noqa: E731  (see above)
+    ours, theirs = make(pm.parameters()), make(ref.parameters())
+    report["grad"] = report["params"] = 0.0
+    for k in range(2):
+        ids = token_ids(4, 16).roll(k, 1) * (k + 1) % 128
+        for module in (pm, ref):
+            F.cross_entropy(_logits(module(ids)).flatten(0, 1), ids.roll(1, 1).flatten()
+                            ).backward()
+        report["grad"] = max(report["grad"], worst_block(
+            pm.shards(rank), dict(ref.named_parameters()), pm.trainer._specs, pm.spec, rank,
+            of=lambda p: p.grad))
+        for opt in (ours, theirs):
+            opt.step()
+            opt.zero_grad()
+    report["params"] = worst_block(pm.shards(rank), dict(ref.named_parameters()),
+                                   pm.trainer._specs, pm.spec, rank)
+
+
+def test_where_routed_moe_trains_on_gloo_ranks(tmp_path):
+    """The same programs under torch.distributed (4 gloo processes, dp2·tp2): sizes known only
+    at run time are read from each rank's own tensors."""
+    _needs("litgpt_mixtral")
+    from tests.launch import gloo_job
+    reports = gloo_job(_where_moe_body, 4, str(tmp_path), timeout_s=300, grad=True)
+    for r in reports.values():
+        assert r["grad"] < 1e-5 and r["params"] < 1e-5, r
