@@ -8,7 +8,6 @@ whose routing differs, and ``compile=True`` on it is a clear error.
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch

@@ -19,6 +19,8 @@ The backward half holds aten's backward ops (``embedding_dense_backward``, ``sil
 ``slice_backward``, CPU flash attention's backward, ...): their sharding rules are in
 ``fxshard/passes/rules/backward.py``. ``linear`` arrives decomposed (``t`` + ``mm``) and SDPA
 as the backend op it dispatches to (``_scaled_dot_product_flash_attention_for_cpu`` on CPU).
+A forward with a size that depends on the values (``torch.where(mask)``) is traced with that
+size symbolic: :mod:`fxshard.training.dynamic_sizes`.
 """
 from __future__ import annotations
 
