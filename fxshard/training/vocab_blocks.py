@@ -174,8 +174,9 @@ def _log_softmax(blocks: Blocks, xs) -> list[torch.Tensor]:
     xf = [x.float() for x in xs]
     top = blocks.max([x.amax(-1, keepdim=True) for x in xf])
     top = [torch.where(torch.isfinite(t), t, torch.zeros_like(t)) for t in top]
-    sums = blocks.sum([(x - t).exp().sum(-1, keepdim=True) for x, t in zip(xf, top)])
-    return [(x - t - s.log()).to(xs[0].dtype) for x, t, s in zip(xf, top, sums)]
+    zs = [x - t for x, t in zip(xf, top)]     # one [rows, V/tp] buffer per block: the result
+    sums = blocks.sum([z.exp().sum(-1, keepdim=True) for z in zs])
+    return [z.sub_(s.log()).to(xs[0].dtype) for z, s in zip(zs, sums)]
 
 
 class Normalized(torch.autograd.Function):
@@ -197,7 +198,10 @@ class Normalized(torch.autograd.Function):
         gs = [torch.zeros_like(o) if g is None else g.float() for g, o in zip(gs, outs)]
         if ctx.log:     # d log_softmax: g - softmax * sum(g)
             rows = ctx.blocks.sum([g.sum(-1, keepdim=True) for g in gs])
-            grads = [g - o.float().exp() * r for g, o, r in zip(gs, outs, rows)]
+            grads = []
+            for g, o, r in zip(gs, outs, rows):     # one new [rows, V/tp] buffer per block
+                e = o.float().exp().mul_(r)         # (o is saved: not written)
+                grads.append(torch.sub(g, e, out=e))
         else:           # d softmax: softmax * (g - sum(g * softmax))
             rows = ctx.blocks.sum([(g * o.float()).sum(-1, keepdim=True)
                                    for g, o in zip(gs, outs)])
