@@ -44,7 +44,7 @@ def test_training_on_fsdp_tp_sp_matches_single_device(name):
         return F.cross_entropy(out.flatten(0, 1).float(), labels.flatten())
     try:
         loss_and_grads_equal(pm, ref, loss_of)
-        mine = pm.trainer._shards[0]
+        mine = pm.shards(0)
         full = local = 0
         for fqn, p in ref.named_parameters():
             if p.dim() >= 2 and is_weight_of_layers(fqn) and fqn in mine:
@@ -77,6 +77,9 @@ def test_where_routed_moe_trains_over_steps_that_route_differently(axes):
         # AdamW's eps 1e-4: with 1e-6 its step amplifies the rounding of gradients near 0
         # (HF's Mixtral drifts alike, 3e-5 after three steps of lr 1e-2)
         adamw_steps_equal(pm, ref, loss_of, eps=1e-4)
+        experts = {f: p for f, p in ref.named_parameters() if ".experts." in f}
+        assert experts and all(pm.shards(0)[f].numel() * 2 == p.numel()   # split on tp
+                               for f, p in experts.items()), experts.keys()
         for which in ("forward", "backward"):
             code = pm.rank_module(0, which).code
             assert "nonzero" in code or which == "backward", code
