@@ -83,6 +83,33 @@ def test_cross_entropy_on_blocks_equals_the_joined_tensors(widths, ops, reductio
     _same(got, want, blocks, joined)
 
 
+def test_cross_entropy_on_blocks_saves_no_log_probabilities():
+    """Without label smoothing the cross-entropy runs in one piece on each block
+    (``CrossEntropyRows``): the only block-sized tensors autograd saves are the blocks
+    themselves (log-softmax then pick would save ``[rows, V/tp]`` log-probabilities), and
+    values and gradients equal the joined tensor's, in bfloat16 too."""
+    for dtype, tol in ((torch.float32, TOL), (torch.bfloat16, dict(rtol=2e-2, atol=2e-2))):
+        blocks, x, joined = _pair([4, 7, 2], lead=(15,), dtype=dtype)
+        target = torch.arange(15) % 13
+        target[3] = -100
+        saved = []
+
+        def pack(t):
+            saved.append(t)
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            got = F.cross_entropy(x, target)
+        big = [t for t in saved if t.dim() == 2 and t.shape[-1] > 1]
+        assert big and all(any(t.data_ptr() == b.data_ptr() for b in blocks) for t in big), \
+            [tuple(t.shape) for t in big]
+        want = F.cross_entropy(joined.float(), target).to(dtype)
+        torch.testing.assert_close(got, want.detach(), **tol)
+        got.backward()
+        want.backward()
+        for b, part in zip(blocks, joined.grad.split([4, 7, 2], -1)):
+            torch.testing.assert_close(b.grad, part, **tol)
+
+
 @pytest.mark.parametrize("name,fn", [
     ("log_softmax", lambda x: F.log_softmax(x, dim=-1)),
     ("softmax", lambda x: torch.softmax(x, -1)),

@@ -13,8 +13,10 @@ a row group over ``tp``; a loss's sum over rows runs over the batch axes (an all
 backward is the identity: every rank computes the same loss, and each rank's rows reach it
 only through its own share). :mod:`fxshard.training.vocab_output` builds the tensor on top;
 the math its loss ops run on the blocks is here too: ``log_softmax`` / ``softmax`` over the
-whole vocab (:class:`Normalized`), the picked targets (:class:`Pick`) and the sum over the
-vocab (:class:`Sum`), each with its backward.
+whole vocab (:class:`Normalized`), the picked targets (:class:`Pick`), the sum over the
+vocab (:class:`Sum`), and a cross-entropy's per-row ``logsumexp(x) - x[t]`` in one piece
+(:class:`CrossEntropyRows`: one logits-sized temporary in the forward and one, the
+gradient, in the backward, where log-softmax then pick make four), each with its backward.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import torch
 
 from ..mesh import TP
 
-__all__ = ["Blocks", "Normalized", "Pick", "Sum"]
+__all__ = ["Blocks", "Normalized", "Pick", "Sum", "CrossEntropyRows"]
 
 
 class Blocks:
@@ -256,3 +258,59 @@ class Sum(torch.autograd.Function):
         return (None, *[torch.zeros(s, dtype=dt, device=dev) if gs[i // ctx.k] is None else
                         gs[i // ctx.k].unsqueeze(-1).expand(s)
                         for i, (s, dt, dev) in enumerate(ctx.metas)])
+
+
+class CrossEntropyRows(torch.autograd.Function):
+    """Per row, ``logsumexp(x) - x[t]`` over the whole vocab from the blocks (``t``: each
+    block's rows of the target, in range; the caller masks ignored rows): one result per
+    row group. Saves the blocks and each row's ``logsumexp``, not the log-probabilities;
+    the backward is ``g * (softmax - onehot(t))`` written into one new buffer per block::
+
+        forward:  m = max(amax(x)), s = sum(exp(x - m))       (over tp)   lse = m + log(s)
+                  nll = lse - x[t]                           (x[t] from the block holding t)
+        backward: dx = exp(x - lse) * g;  dx[t] -= g          (no collective)
+    """
+
+    @staticmethod
+    def forward(ctx, blocks: Blocks, indices, starts, *xs):
+        xf = [x.float() for x in xs]
+        top = blocks.max([x.amax(-1, keepdim=True) for x in xf])
+        top = [torch.where(torch.isfinite(t), t, torch.zeros_like(t)) for t in top]
+        sums = []
+        for x, t in zip(xf, top):
+            z = x - t                     # the forward's one [rows, V/tp] temporary
+            sums.append(z.exp_().sum(-1, keepdim=True))
+            del z
+        sums = blocks.sum(sums)
+        lse = [t + s.log() for t, s in zip(top, sums)]
+        parts = []
+        for x, index, lo in zip(xf, indices, starts):
+            local = index - lo
+            inside = (local >= 0) & (local < x.shape[-1])
+            picked = x.gather(-1, local.clamp(0, x.shape[-1] - 1))
+            parts.append(torch.where(inside, picked, torch.zeros_like(picked)))
+        picked = blocks.sum(parts)
+        ctx.blocks, ctx.indices, ctx.starts = blocks, indices, starts
+        ctx.save_for_backward(*xs, *lse)
+        return tuple((l - p).squeeze(-1).to(xs[0].dtype)
+                     for l, p in zip(blocks.firsts(lse), blocks.firsts(picked)))
+
+    @staticmethod
+    def backward(ctx, *gs):
+        saved, k = ctx.saved_tensors, ctx.blocks.per_row
+        n = len(saved) // 2
+        grads = []
+        for i, (x, lse, index, lo) in enumerate(zip(saved[:n], saved[n:], ctx.indices,
+                                                    ctx.starts)):
+            g = gs[i // k]
+            if g is None:
+                grads.append(torch.zeros_like(x))
+                continue
+            g = g.float().unsqueeze(-1)
+            dx = torch.sub(x.float(), lse).exp_().mul_(g)   # the backward's one new buffer
+            local = index - lo
+            inside = (local >= 0) & (local < x.shape[-1])
+            dx.scatter_add_(-1, local.clamp(0, x.shape[-1] - 1),
+                            torch.where(inside, -g, torch.zeros_like(g)))
+            grads.append(dx.to(x.dtype))
+        return (None, None, None, *grads)

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-from .vocab_blocks import Blocks, Normalized, Pick, Sum
+from .vocab_blocks import Blocks, CrossEntropyRows, Normalized, Pick, Sum
 
 __all__ = ["VocabShardedTensor", "Blocks"]
 
@@ -354,17 +354,29 @@ def _class_weights(me, weight):
     return [weight.narrow(0, lo, w) for lo, w in zip(me._where.starts(widths), widths)]
 
 
-def _nll_loss(logp, target, weight, ignore_index, reduction, label_smoothing=0.0):
+def _nll_loss(logp, target, weight, ignore_index, reduction, label_smoothing=0.0,
+              logits=None):
     """PyTorch's ``nll_loss`` (and cross-entropy's smoothing term) on the blocks of
     ``logp``: per row group ``-w[t] * logp[t]`` (0 where ``t == ignore_index``), summed over
     the batch axes; the mean divides by the whole batch's weight of its valid targets (a
-    count without ``weight``), read from the whole ``target`` every rank has."""
+    count without ``weight``), read from the whole ``target`` every rank has. ``logits``
+    (a cross-entropy without smoothing; ``logp`` None): ``-logp[t]`` is computed from them
+    in one piece (``CrossEntropyRows``), the log-probabilities never made."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"{_WHERE}: reduction={reduction!r}; use 'mean', 'sum' or 'none'")
-    where = logp._where
     valid = target != ignore_index
     safe = torch.where(valid, target, torch.zeros_like(target))
-    picked = _pick(logp, safe.unsqueeze(-1))
+    if logits is not None:
+        where = logits._where
+        widths = [b.shape[-1] for b in logits._blocks]
+        indices = [where.row_slice(safe.unsqueeze(-1), i // where.per_row)
+                   for i in range(len(logits._blocks))]
+        picked = [-r.unsqueeze(-1) for r in CrossEntropyRows.apply(
+            where, indices, where.starts(widths), *logits._blocks)]
+        logp = logits     # (its dtype and shape below)
+    else:
+        where = logp._where
+        picked = _pick(logp, safe.unsqueeze(-1))
     rows, smooth = [], None
     if label_smoothing:
         parts = logp._blocks if weight is None else \
@@ -418,6 +430,8 @@ def _h_cross_entropy(input, target, weight=None, size_average=None, ignore_index
     if size_average is not None or reduce is not None or not _class_last(input, target) or \
             not _plain_weight(input, weight):
         return NotImplemented
+    if not label_smoothing:
+        return _nll_loss(None, target, weight, ignore_index, reduction, logits=input)
     return _nll_loss(_h_log_softmax(input, -1), target, weight, ignore_index, reduction,
                      label_smoothing)
 
