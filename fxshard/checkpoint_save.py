@@ -46,7 +46,7 @@ import re
 import torch
 
 from .mesh import PP, is_simulated
-from .placement import Replicate, add_block
+from .placement import Replicate, add_block, cut_to
 
 __all__ = ["save_safetensors"]
 
@@ -74,8 +74,11 @@ def shard_size_bytes(size) -> int:
 class _Entry:
     """One tensor of the checkpoint: its name, global shape and dtype, and how to get it."""
 
-    def __init__(self, name, shape, dtype, whole=None, shards=None, mesh=None, stage=None):
+    def __init__(self, name, shape, dtype, whole=None, shards=None, mesh=None, stage=None,
+                 padded=None):
         self.name, self.shape, self.dtype = name, tuple(shape), dtype
+        # the shards' global shape where it pads the model's (a vocab padded for tp)
+        self.padded = tuple(padded) if padded is not None else self.shape
         self.whole = whole        # () -> the whole tensor (a weight as loaded)
         self.shards = shards      # (spec, {rank: block getter}) of a trained parameter
         self.mesh = mesh          # the mesh of spec's ranks (a pipeline stage's), else None
@@ -156,9 +159,9 @@ def _train_entries(tm, mesh=None) -> list[_Entry]:
             out.append(_Entry(name, value.shape, value.dtype,
                               whole=lambda v=value: v.detach()))
             continue
-        out.append(_Entry(name, program.shapes[name], value.dtype,
+        out.append(_Entry(name, value.shape, value.dtype,
                           shards=(spec, {r: (lambda b=b: b.detach()) for r, b in held.items()}),
-                          mesh=mesh))
+                          mesh=mesh, padded=program.shapes[name]))
     return out
 
 
@@ -224,10 +227,10 @@ def _owners(spec: tuple, mesh) -> list[int]:
 def _assemble_local(e: _Entry, mesh) -> torch.Tensor:
     spec, getters = e.shards
     mesh = e.mesh or mesh
-    out = torch.zeros(e.shape, dtype=e.dtype, device=torch.device("cpu"))
+    out = torch.zeros(e.padded, dtype=e.dtype, device=torch.device("cpu"))
     for r in _owners(spec, mesh):
         add_block(out, getters[r](), spec, mesh, r)
-    return out
+    return cut_to(out, e.shape)
 
 
 def _header(entries: list[_Entry]) -> bytes:
@@ -345,16 +348,16 @@ class _Comm:
         from .placement import local_shape
         spec, getters = e.shards
         mesh = e.mesh or self.spec
-        out = torch.zeros(e.shape, dtype=e.dtype, device=torch.device("cpu"))
+        out = torch.zeros(e.padded, dtype=e.dtype, device=torch.device("cpu"))
         for r, kept in e.holders(self.spec):
             if r == self.rank:
                 block = getters[kept]()
             else:
-                block = torch.empty(local_shape(e.shape, spec, mesh), dtype=e.dtype,
+                block = torch.empty(local_shape(e.padded, spec, mesh), dtype=e.dtype,
                                     device=self.device)
                 self.dist.recv(block, src=self.globals[r])
             add_block(out, block, spec, mesh, kept)
-        return out
+        return cut_to(out, e.shape)
 
     def barrier(self) -> None:
         self.dist.barrier()

@@ -29,7 +29,8 @@ from .mesh import MeshSpec, PP
 
 __all__ = ["Shard", "Replicate", "Partial", "Placement", "StridedShard", "Spec", "R", "P",
            "short", "short_spec", "local_shape", "shard_slices", "local_block", "shard_dim",
-           "block_pieces", "block_index", "owned_block", "add_block"]
+           "block_pieces", "block_index", "owned_block", "add_block", "padded_block",
+           "pad_to", "cut_to", "reader_of"]
 
 Spec = tuple  # tuple[Placement, ...], one per mesh axis
 
@@ -248,3 +249,51 @@ def add_block(out: torch.Tensor, block: torch.Tensor, spec: Spec, mesh: MeshSpec
     grid = torch.meshgrid(*[torch.tensor(ix, dtype=torch.long, device=out.device)
                             for ix in index], indexing="ij")
     out.index_put_(grid, block.to(out.device), accumulate=True)
+
+
+# -- a vocab padded for tp (fxshard.passes.pad_vocab) ------------------------------------------
+
+def pad_to(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """``t`` with zeros appended on each dim where ``shape`` is longer (the model's table as
+    the rank programs hold it: rows padded to a multiple of ``tp``)."""
+    extra = [k - n for n, k in zip(t.shape, shape)]
+    assert len(shape) == t.dim() and min(extra, default=0) >= 0, (tuple(t.shape), shape)
+    if not any(extra):
+        return t
+    pad = []
+    for e in reversed(extra):
+        pad += [0, e]
+    return torch.nn.functional.pad(t, pad)
+
+
+def cut_to(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """``t`` cut to ``shape`` (the padded rows dropped: the model's shape again)."""
+    for d, n in enumerate(shape):
+        if t.shape[d] != n:
+            t = t.narrow(d, 0, n)
+    return t
+
+
+def padded_block(read, shape: Sequence[int], padded: Sequence[int], spec: Spec,
+                 mesh: MeshSpec, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s block, under ``spec`` of the ``padded`` shape, of a tensor of ``shape``
+    zero-padded to ``padded``; ``read(index)`` returns the slices ``index`` of the unpadded
+    tensor (a tensor's ``__getitem__``, a checkpoint's reader)."""
+    dim, pieces = block_pieces(tuple(padded), spec, mesh, rank)
+    parts = []
+    for index in pieces:
+        want = [s.stop - s.start for s in index]
+        clipped = tuple(slice(min(s.start, n), min(s.stop, n)) for s, n in zip(index, shape))
+        parts.append(pad_to(read(clipped), want))
+    block = torch.cat(parts, dim) if dim is not None else parts[0]
+    return block.clone() if any(b is block for b in parts) else block
+
+
+def reader_of(value, mesh: MeshSpec):
+    """``read(index)`` of the whole ``value`` for :func:`padded_block`: a tensor's slices, a
+    checkpoint's reader, or another source's whole value (read once) sliced."""
+    if hasattr(value, "_read"):
+        return value._read
+    if hasattr(value, "block"):
+        return value.block(tuple(Replicate() for _ in mesh.shape), mesh, 0).__getitem__
+    return value.detach().__getitem__

@@ -128,8 +128,9 @@ def test_tied_embedding_gradient_sums_both_uses(dp, tp):
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_tied_table_tp_does_not_divide_trains_as_megatron(sp):
-    """A tied table whose vocab (97) tp=2 does not divide stays split on the hidden dim; the
-    head's input gradient comes out hidden-sharded and is gathered where it is made
+    """A tied table whose vocab (97) tp=2 does not divide, split on the hidden dim by
+    ``plan=`` (by default it is padded and split on the vocab: tests/test_train_padded_vocab.py);
+    the head's input gradient comes out hidden-sharded and is gathered where it is made
     (``refine.mirrored_inputs``), so every layer's backward is Megatron's: no weight changes
     layout (it all-to-all'ed two per linear before), the counts are a layer's."""
     torch.manual_seed(0)
@@ -139,7 +140,8 @@ def test_tied_table_tp_does_not_divide_trains_as_megatron(sp):
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
     g = torch.Generator().manual_seed(1)
     ids, labels = (torch.randint(0, vocab, (B, S), generator=g) for _ in range(2))
-    tm = parallelize_for_training(model, _mesh(1, 2), sequence_parallel=sp)
+    tm = parallelize_for_training(model, _mesh(1, 2), sequence_parallel=sp,
+                                  plan={"model.embed_tokens": "embed_dim"})
     _check_grads(model, tm, ids, labels)
     assert tm.shards(0)["model.embed_tokens.weight"].shape == (vocab, 24)
     c = _collectives(tm, "backward")

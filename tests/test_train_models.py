@@ -125,7 +125,8 @@ def _collectives(tm, which):
     return out
 
 
-def _train_equal(name, dp, tp, steps=3, lr=1e-2, batch="dp", sequence_parallel=False):
+def _train_equal(name, dp, tp, steps=3, lr=1e-2, batch="dp", sequence_parallel=False,
+                 plan=None):
     """Gradients of the first step, then ``steps`` AdamW steps with clipping: equal one
     device's. Returns the TrainModule."""
     model = _model(name)
@@ -134,7 +135,7 @@ def _train_equal(name, dp, tp, steps=3, lr=1e-2, batch="dp", sequence_parallel=F
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tm = parallelize_for_training(model, _mesh(dp, tp, batch), example_inputs=(ids,),
-                                      sequence_parallel=sequence_parallel)
+                                      sequence_parallel=sequence_parallel, plan=plan)
     # eps 1e-6: GPT-2's key bias has a gradient of zero in exact arithmetic (softmax is
     # shift-invariant), rounding noise of ~1e-10 on one device and on ours; Adam's
     # m / (sqrt(v) + eps) with the default eps 1e-8 turns that noise into an update of
@@ -186,18 +187,19 @@ def test_fused_projections_train_on_tp(name, dp):
     assert c["all_reduce", "tp"] == 2 * 2 + 1 and c["all_gather", "tp"] == 0, c
 
 
-def _assert_vocab_parallel(tm, table, dp):
-    """The tied ``table`` [TV, 48] vocab-sharded on tp, both uses' gradients the rank's rows:
-    no op of the backward names V (the whole table's gradient, its slice), no collective
-    moves vocab-sized data; the lookup's backward and the lm_head's gradient matmul have
-    V/2 rows, and the table's gradient is their local sum."""
-    V = TV
+def _assert_vocab_parallel(tm, table, dp, vocab=TV):
+    """The tied ``table`` [vocab, 48] vocab-sharded on tp (padded to an even V where tp does
+    not divide ``vocab``), both uses' gradients the rank's rows: no op of the backward names
+    V (the whole table's gradient, its slice), no collective moves vocab-sized data; the
+    lookup's backward and the lm_head's gradient matmul have V/2 rows, and the table's
+    gradient is their local sum."""
+    V = -(-vocab // 2) * 2
     assert tm._specs[table][1] == fxshard.Shard(0) and tm.shards(1)[table].shape == (V // 2, 48)
     g = tm.rank_module(0, "backward").graph
     for n in g.nodes:
         ints = [a for a in torch.utils._pytree.tree_leaves((n.args, n.kwargs))
                 if isinstance(a, int)]
-        assert V not in ints, n.format_node()
+        assert V not in ints and vocab not in ints, n.format_node()
     for which in ("forward", "backward"):
         moved = [c for c in tm.collectives(which)
                  if c.axis == "tp" and (V in c.shape or V // 2 in c.shape)]
@@ -219,41 +221,49 @@ def _assert_vocab_parallel(tm, table, dp):
 
 @pytest.mark.parametrize("name,sp", [("qwen2", False), ("gpt2_odd", False), ("gpt2_odd", True)])
 def test_tied_embeddings_train_on_dp_tp(name, sp):
-    # dp2·tp2: a tied Qwen2 vocab-parallel; GPT-2 with 91 rows keeps the table's hidden dim
-    # split on tp (no even vocab shard), and trains equal too, also with sequence parallelism
+    # dp2·tp2: a tied Qwen2 vocab-parallel; GPT-2 with 91 rows too, padded to 92
+    # (fxshard.passes.pad_vocab), also with sequence parallelism
     tm = _train_equal(name, 2, 2, steps=2, lr=1e-3, sequence_parallel=sp)
     table = "model.embed_tokens.weight" if name == "qwen2" else "transformer.wte.weight"
     assert "lm_head.weight" not in tm.shards(0)
-    if name == "qwen2":
-        _assert_vocab_parallel(tm, table, 2)
-    else:
-        assert tm._specs[table][1] == fxshard.Shard(1), tm._specs[table]
-        assert tm.shards(3)[table].shape == (TV + 1, 24)
-    if sp:
-        # the lm_head's weight gradient contracts the sequence-sharded tokens: the logits'
-        # gradient [TV+1, B/dp*S] (replicated on tp) is sliced locally into the flattened
-        # tokens' fused layout, each batch row's sequence half (B/dp = 2 parts of S = 6),
-        # with no communication; the partial [TV+1, 48] is reduce-scattered to the rank's half
-        shards = [n for n in tm.rank_module(0, "backward").graph.nodes
-                  if getattr(n.meta.get("fxshard_collective"), "op", None) == "fused_shard"]
-        fused = [n for n in shards if n.args[1] == 1]
-        assert [(str(n.target), n.args[1:]) for n in fused] == \
-            [("fxshard.local_shard.default", (1, "tp", 2))] * (B // 2), shards
-        # and the head's input gradient [B/dp*S, H], gathered where it is made
-        # (training/refine.py::mirrored_inputs), is sliced into the same token layout
-        assert [n.args[1:] for n in shards if n not in fused] == [(0, "tp", 2)] * (B // 2)
-        mesh = fxshard.mesh.MeshSpec((2, 2), ("dp", "tp"))
-        assert [local_shape(n.args[0].meta["val"].shape, n.args[0].meta["fxshard_spec"], mesh)
-                for n in fused] == [(TV + 1, S)] * 2
-        # Megatron-SP's backward: each block's (2 layers, attention and MLP) input gradient
-        # reduce-scattered onto the LayerNorm's tokens and gathered for the block below; the
-        # table's gradient reduce-scattered, the head's input gradient gathered once; on tp
-        # only the LayerNorms' [48] weight and bias gradients are all-reduced (the blocks'
-        # [B, S, H] input gradients were all-reduced whole, x gathered for the norm)
-        c = _collectives(tm, "backward")
-        assert c["reduce_scatter", "tp"] == 2 * 2 + 1 and c["all_gather", "tp"] == 2 * 2 + 1, c
-        assert {x.shape for x in tm.collectives("backward")
-                if x.op == "all_reduce" and x.axis == "tp"} == {(48,)}
+    if not sp:
+        _assert_vocab_parallel(tm, table, 2, vocab=TV if name == "qwen2" else TV + 1)
+    else:   # (the lookup's gradient: a partial [92, 48] from the rank's tokens, reduce-scattered)
+        assert tm._specs[table][1] == fxshard.Shard(0) and tm.shards(3)[table].shape == (46, 48)
+
+
+def test_tied_table_split_on_hidden_dim_with_sequence_parallel():
+    """GPT-2 with 91 rows on dp2·tp2 with sequence parallelism, the table split on its hidden
+    dim by ``plan=`` (Megatron-SP's layout): trains equal, with Megatron-SP's collectives."""
+    tm = _train_equal("gpt2_odd", 2, 2, steps=2, lr=1e-3, sequence_parallel=True,
+                      plan={"transformer.wte": "embed_dim"})
+    table = "transformer.wte.weight"
+    assert tm._specs[table][1] == fxshard.Shard(1), tm._specs[table]
+    assert tm.shards(3)[table].shape == (TV + 1, 24)
+    # the lm_head's weight gradient contracts the sequence-sharded tokens: the logits'
+    # gradient [TV+1, B/dp*S] (replicated on tp) is sliced locally into the flattened
+    # tokens' fused layout, each batch row's sequence half (B/dp = 2 parts of S = 6),
+    # with no communication; the partial [TV+1, 48] is reduce-scattered to the rank's half
+    shards = [n for n in tm.rank_module(0, "backward").graph.nodes
+              if getattr(n.meta.get("fxshard_collective"), "op", None) == "fused_shard"]
+    fused = [n for n in shards if n.args[1] == 1]
+    assert [(str(n.target), n.args[1:]) for n in fused] == \
+        [("fxshard.local_shard.default", (1, "tp", 2))] * (B // 2), shards
+    # and the head's input gradient [B/dp*S, H], gathered where it is made
+    # (training/refine.py::mirrored_inputs), is sliced into the same token layout
+    assert [n.args[1:] for n in shards if n not in fused] == [(0, "tp", 2)] * (B // 2)
+    mesh = fxshard.mesh.MeshSpec((2, 2), ("dp", "tp"))
+    assert [local_shape(n.args[0].meta["val"].shape, n.args[0].meta["fxshard_spec"], mesh)
+            for n in fused] == [(TV + 1, S)] * 2
+    # Megatron-SP's backward: each block's (2 layers, attention and MLP) input gradient
+    # reduce-scattered onto the LayerNorm's tokens and gathered for the block below; the
+    # table's gradient reduce-scattered, the head's input gradient gathered once; on tp
+    # only the LayerNorms' [48] weight and bias gradients are all-reduced (the blocks'
+    # [B, S, H] input gradients were all-reduced whole, x gathered for the norm)
+    c = _collectives(tm, "backward")
+    assert c["reduce_scatter", "tp"] == 2 * 2 + 1 and c["all_gather", "tp"] == 2 * 2 + 1, c
+    assert {x.shape for x in tm.collectives("backward")
+            if x.op == "all_reduce" and x.axis == "tp"} == {(48,)}
 
 
 class _SideBlock(torch.nn.Module):
@@ -294,39 +304,31 @@ def test_whole_weight_matmul_beside_a_gather_keeps_the_shard_when_nothing_moves(
         [(n.name, n.args[0].format_node(), n.args[0].meta.get("fxshard_spec")) for n in sides]
 
 
-def test_a_tied_vocab_tp_does_not_divide_is_warned_about_with_the_fixes():
-    """GPT-2 with 91 rows on tp=2: the table is split on its hidden dim, so every forward
-    all-reduces the whole logits; a warning says so and names the fixes. A plan naming
-    either of the tied names silences it and places the table in inference and training
-    alike (the trace keeps ``lm_head.weight`` in one program, ``transformer.wte.weight`` in
-    the other: a plan on ``lm_head`` used to miss the training program)."""
-    from fxshard.passes.rules import VocabNotSplitWarning
+def test_a_plan_places_a_tied_table_alike_in_both_programs():
+    """GPT-2 with 91 rows on tp=2: padded and vocab-parallel by default
+    (tests/test_train_padded_vocab.py); a plan naming either of the tied names places the
+    table on its hidden dim in inference and training alike (the trace keeps
+    ``lm_head.weight`` in one program, ``transformer.wte.weight`` in the other: a plan on
+    ``lm_head`` used to miss the training program)."""
     ids, labels = (t % (TV + 1) for t in _data())
     mesh = _mesh(1, 2, "dp")
-    with pytest.warns(VocabNotSplitWarning, match=(
-            r"lm_head\.weight = transformer\.wte\.weight \[91, 48\].* 91 rows do not divide "
-            r"by mesh axis 'tp' of size 2.*\[B, S, 91\] logits.*pad_to_multiple_of=128\) gives "
-            r"128 rows.*plan=\{'transformer\.wte': 'embed_dim'\}")) as caught:
-        pm = fxshard.parallelize(_model("gpt2_odd"), mesh, example_inputs=(ids,))
+    for plan in ({"transformer.wte": "embed_dim"}, {"lm_head": "embed_dim"}):
+        pm = fxshard.parallelize(_model("gpt2_odd"), mesh, example_inputs=(ids,), plan=plan)
         with torch.no_grad():
             pm(ids)
+            held = dict(pm.rank_module(1).named_parameters())
+            table = held.get("lm_head.weight", held.get("transformer.wte.weight"))
+            assert table.shape == (TV + 1, 24), (plan, table.shape)
         _loss(pm(ids), labels).backward()
-    assert sum(w.category is VocabNotSplitWarning for w in caught) == 2   # both programs
-    for plan in ({"transformer.wte": "embed_dim"}, {"lm_head": "embed_dim"}):
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", VocabNotSplitWarning)
-            pm = fxshard.parallelize(_model("gpt2_odd"), mesh, example_inputs=(ids,), plan=plan)
-            with torch.no_grad():
-                pm(ids)
-            _loss(pm(ids), labels).backward()
+        assert pm.shards(1)["transformer.wte.weight"].shape == (TV + 1, 24), plan
     with pytest.raises(ValueError, match=r"plan= places the tied parameter .*two ways.*"
                                          r"lm_head\.weight by 'lm_head': 'colwise'"):
         pm = fxshard.parallelize(_model("gpt2"), mesh, example_inputs=(ids % TV,),
                                  plan={"lm_head": "colwise", "transformer.*": "replicate"})
         with torch.no_grad():
             pm(ids % TV)
-    with warnings.catch_warnings():   # a vocab tp divides: vocab-parallel, no warning
-        warnings.simplefilter("error", VocabNotSplitWarning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         pm = fxshard.parallelize(_model("gpt2"), mesh, example_inputs=(ids % TV,),
                                  plan={"lm_head": "replicate"})
         with torch.no_grad():

@@ -83,6 +83,47 @@ def test_cross_entropy_on_blocks_equals_the_joined_tensors(widths, ops, reductio
     _same(got, want, blocks, joined)
 
 
+_PADDED_OPS = [   # a loss's ops on blocks of a padded vocab: (name, fn of (x, target, weight))
+    ("ce", lambda x, t, w: F.cross_entropy(x, t)),
+    ("ce_smooth_weight", lambda x, t, w: F.cross_entropy(x, t, weight=w, label_smoothing=0.1,
+                                                         ignore_index=2)),
+    ("ce_rows", lambda x, t, w: F.cross_entropy(x, t, reduction="none")),
+    ("logp_at_targets", lambda x, t, w: x.log_softmax(-1).gather(-1, t[:, None])),
+    ("softmax", lambda x, t, w: x.softmax(-1)),
+    ("full", lambda x, t, w: x * 2.0 + 0),
+]
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(2, 4), width=st.integers(1, 5), short=st.integers(1, 4),
+       op=st.sampled_from(range(len(_PADDED_OPS))), seed=st.integers(0, 5))
+def test_blocks_of_a_padded_vocab_read_only_its_columns(n, width, short, op, seed):
+    """Blocks of a vocab padded for tp (``Blocks(valid=V)``, the last block's columns past
+    ``V`` hold garbage): every op reads the ``V`` columns only, as on the joined tensor cut to
+    ``V``; the padded columns get no gradient."""
+    total = n * width
+    pad = min(short, width - 1)       # (padding is less than a block: tp does not exceed V)
+    valid = total - pad
+    g = torch.Generator().manual_seed(seed)
+    whole = torch.randn(7, total, generator=g, dtype=torch.float64).float() * 3
+    blocks = [b.clone().requires_grad_(True) for b in whole.split(width, -1)]
+    x = VocabShardedTensor(blocks, Blocks(n, list(range(n)), valid=valid))
+    joined = whole[:, :valid].clone().requires_grad_(True)
+    assert x.shape == (7, valid)
+    target = torch.randint(0, valid, (7,), generator=g)
+    weight = torch.linspace(0.5, 1.5, valid)
+    name, fn = _PADDED_OPS[op]
+    got, want = fn(x, target, weight), fn(joined, target, weight)
+    torch.testing.assert_close(got, want.detach(), **TOL)
+    r = torch.randn(want.shape, generator=g)
+    (got * r).sum().backward()
+    (want * r).sum().backward()
+    grad = torch.cat([b.grad for b in blocks], -1)
+    torch.testing.assert_close(grad[:, :valid], joined.grad, **TOL)
+    if pad:
+        assert grad[:, valid:].abs().max().item() == 0, name
+
+
 def test_cross_entropy_on_blocks_saves_no_log_probabilities():
     """Without label smoothing the cross-entropy runs in one piece on each block
     (``CrossEntropyRows``): the only block-sized tensors autograd saves are the blocks

@@ -78,6 +78,8 @@ class PassCtx(PassReports):
     replicated: list = field(default_factory=list)   # (weight FQN, why it stays whole on tp)
     gathered: list = field(default_factory=list)     # (node, why a CP axis gathers around it)
     partly_whole: dict = field(default_factory=dict)  # fused weight FQN -> its parts kept whole
+    padded: dict = field(default_factory=dict)   # vocab-padded table FQN -> the model's shape
+    padded_outputs: dict | None = None   # training: output index -> vocab, left padded
     fsdp_whole: list = field(default_factory=list)   # (FQN, shape, bytes per rank, why) of the
     #                                                  parameters stored whole on fsdp
     # what the passes read beyond the graph (``fxshard.passes.pipeline.build_programs`` sets them)

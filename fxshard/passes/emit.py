@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..placement import local_block, local_shape
+from ..placement import local_block, local_shape, padded_block, reader_of
 from ..mesh import MeshSpec
 from . import PassCtx
 from .kv_cache import WRITE_POS, cache_keys, greedy_output
@@ -36,6 +36,7 @@ class Slot:
     spec: tuple
     shape: tuple
     dtype: torch.dtype
+    model_shape: tuple | None = None   # the model's shape where the vocab is padded (pad_vocab)
 
 
 @dataclass
@@ -91,7 +92,8 @@ def emit_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
         val = node.meta["val"]
         spec = node.meta["fxshard_spec"]
         kind = "param" if node.meta.get("fxshard_param") is not None else "buffer"
-        slots[fqn] = Slot(fqn, kind, spec, tuple(val.shape), val.dtype)
+        slots[fqn] = Slot(fqn, kind, spec, tuple(val.shape), val.dtype,
+                          getattr(ctx, "padded", {}).get(fqn))
         with graph.inserting_before(first):
             attr = graph.get_attr(fqn)
         attr.meta.update(node.meta)
@@ -111,7 +113,13 @@ def build_rank_module(program: Program, rank: int, mesh: MeshSpec, values: dict,
     root = torch.nn.Module()
     for fqn, slot in program.slots.items():
         full = values.get(fqn)
-        if hasattr(full, "block"):  # a checkpoint source that reads only this rank's block
+        if slot.model_shape is not None and full is not None and \
+                full.device.type != "meta" and tuple(full.shape) == slot.model_shape:
+            # a vocab padded for tp: the model's rows, zeros after them
+            t = padded_block(reader_of(full, mesh), slot.model_shape, slot.shape, slot.spec,
+                             mesh, rank)
+            t = t.to(device=device, dtype=slot.dtype)
+        elif hasattr(full, "block"):  # a checkpoint source that reads only this rank's block
             t = full.block(slot.spec, mesh, rank).to(device=device, dtype=slot.dtype)
         elif full is None or full.device.type == "meta":
             shape = local_shape(slot.shape, slot.spec, mesh, what=fqn)

@@ -47,6 +47,7 @@ from .kv_cache import decode_attention_pass, greedy_tokens_pass, prefill_cache_p
 from .localize import localize_pass
 from .lower_attention import lower_attention_pass
 from .moe_routing import moe_routing_pass
+from .pad_vocab import pad_vocab_pass
 from .propagate import propagate_pass
 from .reassociate import reassociate_partials_pass
 from .split_stages import assign_layers_to_stages, find_layer_stack, split_stages_pass
@@ -67,7 +68,8 @@ def _with(passes: list, new: GraphPass, *, before: GraphPass | None = None,
 
 FORWARD: list[GraphPass] = [
     cleanup_pass, eager_attention_pass, fold_causal_mask_pass, unrepeat_kv_pass,
-    moe_routing_pass, split_loss_pass, propagate_pass, reassociate_partials_pass,
+    moe_routing_pass, split_loss_pass, pad_vocab_pass, propagate_pass,
+    reassociate_partials_pass,
     vocab_parallel_loss_pass, insert_collectives_pass, lower_attention_pass, localize_pass,
     split_stages_pass, fsdp_buckets_pass, emit_pass]
 PREFILL = _with(FORWARD, prefill_cache_pass, after=lower_attention_pass)

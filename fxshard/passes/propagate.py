@@ -47,7 +47,6 @@ from .fsdp import fsdp_storage_pass
 from .moe_routing import TAG
 from .rules import (UNDECIDED, Decision, RuleCtx, fallback, held, lookup, tensor_inputs,
                     warn_fallback)
-from .rules.embedding import warn_vocab_not_split
 from .rules.experts import grouped_mm_rule
 from .rules.linear import addmm_rule, linear_rule, matmul_rule
 from .weight_views import (_OWNS_WEIGHTS, _WEIGHT_VIEWS, _dim_map, _is_weight_cast, _moved,
@@ -550,7 +549,6 @@ def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     if tp is not None and mesh.shape[tp] > 1:
         _list_replicated(gm, ctx, tp, why)
         _report_experts(gm, ctx, tp)
-        warn_vocab_not_split(gm, ctx, tp)
     fsdp_storage_pass(gm, ctx=ctx)
     sharded = sum(1 for n in gm.graph.nodes
                   if isinstance(n.meta.get("fxshard_spec"), tuple)

@@ -89,7 +89,12 @@ class _Replay(torch.nn.Module):
         for i, node in enumerate(n for n in traced.gm.graph.nodes if n.op == "placeholder"):
             if node.meta.get("fxshard_param") is not None:
                 fqn = node.meta["fxshard_param"]
-                self.register_parameter(f"p{i}", params[fqn])
+                p, shape = params[fqn], tuple(node.meta["val"].shape)
+                if tuple(p.shape) != shape:    # a vocab padded for tp: the padded table
+                    from ..placement import pad_to
+                    p = torch.nn.Parameter(pad_to(p.detach(), shape),
+                                           requires_grad=p.requires_grad)
+                self.register_parameter(f"p{i}", p)
                 self.kinds.append(("param", f"p{i}"))
             elif node.meta.get("fxshard_buffer") is not None:
                 value = traced.constants[node.meta["fxshard_buffer"]]
@@ -232,11 +237,14 @@ class _Differentiable(fx.Interpreter):
         return super().call_function(target, args, kwargs)
 
 
-def joint_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None = None) -> Joint:
+def joint_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
+                ctx=None) -> Joint:
     """Trace ``model`` on ``args``/``kwargs`` (real tensors; nothing is computed) and build
-    its joint forward+backward graph."""
+    its joint forward+backward graph. ``ctx`` (a ``PassCtx``): a vocab ``tp`` does not divide
+    is padded first (:mod:`fxshard.passes.pad_vocab`), so the joint holds the padded table
+    and its gradient."""
     with _placeholders_for_meta(model, args, kwargs):
-        return _joint_graph(model, args, kwargs)
+        return _joint_graph(model, args, kwargs, ctx)
 
 
 @contextlib.contextmanager
@@ -265,10 +273,15 @@ def _placeholders_for_meta(model: torch.nn.Module, args: tuple, kwargs: dict | N
             module._parameters[name] = p
 
 
-def _joint_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None) -> Joint:
+def _joint_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None, ctx=None) -> Joint:
     traced = trace(model, args, kwargs)
     cleanup_pass(traced.gm, ctx=PassReports())
     tied = _untie(traced, model)
+    if ctx is not None:
+        from ..passes.pad_vocab import pad_vocab_pass
+        from ..passes.pipeline import run_passes
+        ctx.padded_outputs = {}      # the logits left padded: blocks, or cut by the caller
+        run_passes(traced.gm, [pad_vocab_pass], ctx)
     # the user's tensors in the export's input order (non-tensor inputs are baked in)
     import torch.fx._pytree as fx_pytree
     flat = list(fx_pytree.tree_flatten_spec(

@@ -33,7 +33,7 @@ import torch.utils._pytree as pytree
 from ..checks import check_no_autocast
 from ..mesh import MeshSpec, is_simulated, mesh_spec
 from ..passes import PassCtx
-from ..placement import Partial, add_block, local_block
+from ..placement import Partial, add_block, cut_to, local_block
 from ..runtime.program_cache import structure
 from ..trace import _without_cache
 from ..weights import tied_names
@@ -101,8 +101,15 @@ def _bytes(tensors) -> int:
     return total
 
 
-def _block(value, spec: tuple, mesh: MeshSpec, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s block of ``value`` (a tensor, or a checkpoint source), a new tensor."""
+def _block(value, spec: tuple, mesh: MeshSpec, rank: int, shape: tuple | None = None
+           ) -> torch.Tensor:
+    """Rank ``rank``'s block of ``value`` (a tensor, or a checkpoint source), a new tensor.
+    ``shape``: the program's global shape, where it pads the model's rows (a vocab padded
+    for tp, :mod:`fxshard.passes.pad_vocab`)."""
+    if shape is not None and tuple(value.shape) != tuple(shape):
+        from ..placement import padded_block, reader_of
+        return padded_block(reader_of(value, mesh), tuple(value.shape), tuple(shape), spec,
+                            mesh, rank)
     if hasattr(value, "block"):   # a checkpoint's block is read into a tensor of its own
         block = value.block(spec, mesh, rank)
         return block if getattr(value, "fresh_blocks", False) else block.clone()
@@ -277,7 +284,8 @@ class TrainModule:
             for rank in self.ranks:
                 mine = {}
                 for fqn, spec in program.specs.items():
-                    block = _block(values[fqn], spec, self.spec, rank)
+                    block = _block(values[fqn], spec, self.spec, rank,
+                                   program.shapes.get(fqn))
                     mine[fqn] = torch.nn.Parameter(block) if fqn in params else block
                 self._shards[rank] = mine
             if self.store is not None:
@@ -345,9 +353,12 @@ class TrainModule:
         outs = list(outs)
         if program.vocab_outputs:    # those outputs: their tp blocks, fxshard.training.vocab_output
             from .vocab_output import VocabShardedTensor
-            where = self._vocab_blocks(program)
             for i, slots in self._tangent_slots(program).items():
+                where = self._vocab_blocks(program, program.padded_outputs.get(i))
                 outs[i] = VocabShardedTensor([outs[j] for j in slots], where)
+        for i, vocab in program.padded_outputs.items():   # a padded vocab, gathered: cut
+            if i not in program.vocab_outputs and isinstance(outs[i], torch.Tensor):
+                outs[i] = outs[i].narrow(-1, 0, vocab)
         return pytree.tree_unflatten(outs[:n], program.joint.traced.out_spec)
 
     # -- outputs kept as blocks (fxshard.training.vocab_output) -------------------------------
@@ -406,21 +417,23 @@ class TrainModule:
             nxt += extra
         return slots
 
-    def _vocab_blocks(self, program: TrainProgram):
+    def _vocab_blocks(self, program: TrainProgram, valid: int | None = None):
+        """The blocks' grid; ``valid``: the vocab where the blocks hold it padded (the
+        columns past it are never read)."""
         from ..mesh import TP
         from .vocab_blocks import Blocks
         n = self.spec.axis_size(TP)
         data = self._block_axes(program)
         rows = math.prod(size for _, size in data)
         if self._simulated:
-            return Blocks(n, list(range(n)), rows=rows, data_axes=data)
+            return Blocks(n, list(range(n)), rows=rows, data_axes=data, valid=valid)
         from ..runtime.distributed import backend_for
         backend = backend_for(self.mesh)
         row = 0
         for a, size in data:
             row = row * size + backend.axis_index(a)
         return Blocks(n, [backend.axis_index(TP)], backend, rows=rows, row_coords=[row],
-                      data_axes=data)
+                      data_axes=data, valid=valid)
 
     @property
     def ranks(self) -> list[int]:
@@ -533,6 +546,8 @@ class TrainModule:
                 out[fqn] = None
                 continue
             out[fqn] = assemble(blocks, program.shapes[fqn], self._specs[fqn], self.spec)
+            if fqn in program.padded:       # a vocab padded for tp: the model's rows
+                out[fqn] = cut_to(out[fqn], program.padded[fqn])
         for other, kept in program.joint.tied.items():   # one tensor, several names
             out[other] = out[kept]
         return out

@@ -89,6 +89,8 @@ class TrainProgram:
     training: bool = False      # the model's train mode when traced (dropout's sites)
     loss_fn: object = None      # train_step's loss traced with the model (with_loss.py)
     frozen: frozenset = frozenset()   # the parameters traced not requiring grad
+    padded: dict = field(default_factory=dict)   # vocab-padded FQN -> the model's shape
+    padded_outputs: dict = field(default_factory=dict)   # output index -> vocab (unpadded)
     vocab_outputs: dict = field(default_factory=dict)  # output index -> its blocks' spec
 
 
@@ -425,7 +427,7 @@ def _build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx:
             f"one program per stage: use fxshard.parallelize(model, mesh) and pm(x) or "
             f"pm.train_step (fxshard.training.pipeline)")
     if joint is None:
-        joint = joint_graph(model, args, kwargs)
+        joint = joint_graph(model, args, kwargs, ctx=ctx)
     check_dropout_mesh(joint.traced.gm, ctx.mesh)
     shapes = {n.meta.get("fxshard_param") or n.meta.get("fxshard_buffer"):
               tuple(n.meta["val"].shape) for n in joint.gm.graph.nodes
@@ -438,6 +440,7 @@ def _build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx:
                    ring_zigzag=ctx.ring_zigzag, aliases=ctx.aliases)
     # the forward's placements decided these lists: explain() shows them
     jctx.fsdp_whole, jctx.replicated = list(ctx.fsdp_whole), list(ctx.replicated)
+    jctx.padded = dict(ctx.padded)
     gm = repeat_kv_pass(joint.gm, ctx=jctx)
     gm = dedupe_views_pass(gm, ctx=jctx)
     gm = run_passes(gm, [split_loss_pass, mark_ulysses_pass], jctx)
@@ -474,4 +477,5 @@ def _build_train_program(model: torch.nn.Module, args: tuple, kwargs: dict, ctx:
                                             for f in split.weights},
                         shapes=shapes, joint=joint, ctx=jctx,
                         reports={**ctx.reports, **jctx.reports}, training=model.training,
-                        vocab_outputs=kept)
+                        vocab_outputs=kept, padded=dict(ctx.padded),
+                        padded_outputs=dict(ctx.padded_outputs or {}))

@@ -20,7 +20,7 @@ collectives; each refinement finds one after a sweep and the next sweep avoids i
 - ``mirrored_inputs``: the gradient of a matmul's input, where the backward's local choice
   shards it otherwise than the forward holds the input (whole, or sharded on another dim),
   is redistributed to the input's placement where it is made. A tied table split on the
-  hidden dim (a vocab ``tp`` does not divide): the head's input gradient
+  hidden dim (``plan={"lm_head": "embed_dim"}``): the head's input gradient
   ``mm(grad_logits, w)`` comes out hidden-sharded; kept so, it reached every layer's
   backward, where each weight was all-to-all'ed into its layout. Gathered (sequence
   parallel: to its sequence shard, where the input held one), the layers run Megatron's

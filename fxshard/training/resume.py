@@ -35,6 +35,7 @@ import contextlib
 import warnings
 
 import torch
+from ..placement import cut_to
 
 __all__ = ["save_training_state", "load_training_state"]
 
@@ -90,11 +91,32 @@ def _placements(tm, fqn: str, where: str) -> list:
     return list(spec)
 
 
+def _shape(tm, fqn: str) -> tuple:
+    """``fqn``'s shape in the model (and the checkpoint): the program's, less the rows a
+    vocab padded for tp added (:mod:`fxshard.passes.pad_vocab`)."""
+    return tuple(tm._last.padded.get(fqn, tm._last.shapes[fqn]))
+
+
+def _real_rows(tm, fqn: str, local: torch.Tensor) -> torch.Tensor:
+    """This process's block of a padded ``fqn`` cut to the model's rows it holds (DTensor's
+    uneven shards: ``torch.chunk``'s, ceil(V / tp) rows each, the last ranks' fewer)."""
+    from ..placement import block_pieces
+    shape, padded = _shape(tm, fqn), tuple(tm._last.shapes[fqn])
+    if shape == padded:
+        return local
+    _, (index,) = block_pieces(padded, tm._specs[fqn], tm.spec, tm.ranks[0])
+    for d, (s, n) in enumerate(zip(index, shape)):
+        local = local.narrow(d, 0, max(0, min(s.stop, n) - s.start))
+    return local
+
+
 def _dtensor(tm, fqn: str, local: torch.Tensor, where: str):
     """This process's block ``local`` of parameter ``fqn`` (or of a state sharded like it) as
-    a DTensor over the mesh, which tells DCP where the block lies in the whole."""
+    a DTensor over the mesh, which tells DCP where the block lies in the whole (a padded
+    vocab's: the model's rows only)."""
     from torch.distributed.tensor import DTensor
-    shape = torch.Size(tm._last.shapes[fqn])
+    shape = torch.Size(_shape(tm, fqn))
+    local = _real_rows(tm, fqn, local)
     stride = torch.empty(shape, device="meta").stride()
     # a pipeline stage's placements name every axis, pp replicated: the whole mesh's, on
     # which only the stage's ranks hold the name
@@ -125,10 +147,10 @@ def _whole(tm, fqn: str, blocks: dict, where: str):
         (block,) = blocks.values()
         if _as_dtensor(tm, fqn):
             return _dtensor(tm, fqn, block.detach(), where)
-        return assemble(tm._gather_blocks(block.detach()), tm._last.shapes[fqn],
-                        tm._specs[fqn], tm.spec)
-    return assemble([blocks[r].detach() for r in tm.ranks], tm._last.shapes[fqn],
-                    tm._specs[fqn], tm.spec)
+        return cut_to(assemble(tm._gather_blocks(block.detach()), tm._last.shapes[fqn],
+                               tm._specs[fqn], tm.spec), _shape(tm, fqn))
+    return cut_to(assemble([blocks[r].detach() for r in tm.ranks], tm._last.shapes[fqn],
+                           tm._specs[fqn], tm.spec), _shape(tm, fqn))
 
 
 def _groups(tm, optimizer, owners: dict) -> list:
@@ -218,7 +240,7 @@ def _empty(tm, fqn: str, meta, like: torch.Tensor, key: str | None = None):
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     if not isinstance(meta, TensorStorageMetadata):
         return None        # a Python value (a hyperparameter): replaced by the loaded one
-    shape = tuple(tm._last.shapes[fqn])
+    shape = _shape(tm, fqn)
     dtype = meta.properties.dtype
     if tuple(meta.size) == shape and len(shape) > 0:
         if tm._simulated or not _as_dtensor(tm, fqn):   # (a strided shard: read whole)
@@ -230,11 +252,15 @@ def _empty(tm, fqn: str, meta, like: torch.Tensor, key: str | None = None):
 
 
 def _block(tm, fqn: str, value, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s block of a loaded whole value or DTensor (real ranks)."""
+    """Rank ``rank``'s block of a loaded whole value or DTensor (real ranks); a padded
+    vocab's rows padded again."""
     from torch.distributed.tensor import DTensor
+    from ..placement import local_block, local_shape, pad_to, padded_block
+    shape, padded = _shape(tm, fqn), tuple(tm._last.shapes[fqn])
     if isinstance(value, DTensor):
-        return value.to_local()
-    from ..placement import local_block
+        return pad_to(value.to_local(), local_shape(padded, tm._specs[fqn], tm.spec))
+    if shape != padded:
+        return padded_block(value.__getitem__, shape, padded, tm._specs[fqn], tm.spec, rank)
     return local_block(value, tm._specs[fqn], tm.spec, rank)
 
 
@@ -250,11 +276,11 @@ def load_training_state(pm, optimizer: torch.optim.Optimizer, path: str) -> None
     for tm, fqn, shard in ((t, fqn, shard) for t in _parts(top)
                            for fqn, shard in t.shards(t.ranks[0]).items()):
         m = meta.get(f"model.{fqn}")
-        if m is None or tuple(getattr(m, "size", ())) != tuple(tm._last.shapes[fqn]):
+        if m is None or tuple(getattr(m, "size", ())) != _shape(tm, fqn):
             raise ValueError(
                 f"{_LOAD}: {path!r} holds {'no' if m is None else 'a different'} "
                 f"{fqn}{'' if m is None else f' (shape {tuple(m.size)})'}; the model's is "
-                f"{tuple(tm._last.shapes[fqn])}. Load a checkpoint of the same model")
+                f"{_shape(tm, fqn)}. Load a checkpoint of the same model")
         model[fqn] = _empty(tm, fqn, m, shard)
         prefix = f"optim.state.{fqn}."
         keys = {k[len(prefix):]: v for k, v in meta.items()
@@ -295,6 +321,6 @@ def _sharded_like(value, tm, fqn: str) -> bool:
     from torch.distributed.tensor import DTensor
     if isinstance(value, DTensor):
         return True
-    shape = tuple(tm._last.shapes[fqn])
+    shape = _shape(tm, fqn)
     return (tm._simulated or not _as_dtensor(tm, fqn)) and isinstance(value, torch.Tensor) \
         and len(shape) > 0 and tuple(value.shape) == shape

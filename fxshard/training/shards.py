@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..placement import local_block
+from ..placement import local_block, padded_block, reader_of
 
 __all__ = ["TrainedShard", "install", "load_into", "check_model_unchanged", "check_on_device"]
 
@@ -98,9 +98,16 @@ def load_into(tm, state_dict: dict) -> None:
             for fqn, shard in mine.items():
                 if fqn in state_dict:
                     value = state_dict[fqn]
-                    value = value.block(tm._specs[fqn], tm.spec, rank) \
-                        if hasattr(value, "block") else local_block(
-                            value.detach().to(shard.device), tm._specs[fqn], tm.spec, rank)
+                    padded = tm._last.shapes.get(fqn) if tm._last is not None else None
+                    if padded is not None and tuple(value.shape) != tuple(padded):
+                        # a vocab padded for tp: the model's rows, zeros after them
+                        value = padded_block(reader_of(value, tm.spec), tuple(value.shape),
+                                             tuple(padded), tm._specs[fqn], tm.spec, rank)
+                    elif hasattr(value, "block"):
+                        value = value.block(tm._specs[fqn], tm.spec, rank)
+                    else:
+                        value = local_block(value.detach().to(shard.device), tm._specs[fqn],
+                                            tm.spec, rank)
                     shard.copy_(value)
 
 

@@ -35,8 +35,9 @@ class Blocks:
 
     def __init__(self, n: int, coords: list[int], backend=None, axis: str = TP,
                  rows: int = 1, row_coords: list[int] | None = None,
-                 data_axes: tuple = ()):
+                 data_axes: tuple = (), valid: int | None = None):
         self.n, self.coords, self.backend, self.axis = n, list(coords), backend, axis
+        self.valid = valid      # a vocab padded for tp: the columns past it are never read
         self.rows, self.data_axes = rows, tuple(data_axes)
         self.row_coords = list(row_coords) if row_coords is not None else list(range(rows))
 
@@ -89,6 +90,24 @@ class Blocks:
             return [sum(first[:i]) for i in range(len(first))] * (len(widths) // self.per_row)
         return [self.coords[0] * widths[0]]
 
+    # -- a vocab padded for tp (fxshard.passes.pad_vocab) --------------------------------------
+    def pad_masks(self, xs: list[torch.Tensor]) -> list:
+        """Per block, a bool mask of its columns past ``valid`` (None: it has none)."""
+        if self.valid is None:
+            return [None] * len(xs)
+        out = []
+        for x, lo in zip(xs, self.starts([x.shape[-1] for x in xs])):
+            w = x.shape[-1]
+            out.append(None if lo + w <= self.valid else
+                       torch.arange(lo, lo + w, device=x.device) >= self.valid)
+        return out
+
+    def masked(self, xs: list[torch.Tensor], fill: float) -> list[torch.Tensor]:
+        """``xs`` with their padded columns set to ``fill`` (a new tensor where a block has
+        any: the last ``tp`` block only)."""
+        return [x if m is None else x.masked_fill(m, fill)
+                for x, m in zip(xs, self.pad_masks(xs))]
+
     # -- over the batch axes -----------------------------------------------------------------
     def row_slice(self, t: torch.Tensor, g: int) -> torch.Tensor:
         """The rows of the whole tensor ``t`` (dim 0) the ``g``-th held row group has."""
@@ -117,8 +136,10 @@ class Blocks:
     def gather(self, blocks: list[torch.Tensor]) -> torch.Tensor:
         """The whole tensor (differentiable: its gradient is sliced back to the blocks)."""
         if self.backend is None:
-            return self.row_cat([torch.cat(g, -1) for g in self.groups(blocks)])
-        return self.row_cat([_Gather.apply(self, blocks[0])])
+            out = self.row_cat([torch.cat(g, -1) for g in self.groups(blocks)])
+        else:
+            out = self.row_cat([_Gather.apply(self, blocks[0])])
+        return out if self.valid is None else out.narrow(-1, 0, self.valid)
 
 
 class _Gather(torch.autograd.Function):
@@ -173,7 +194,7 @@ class _RowSum(torch.autograd.Function):
 def _log_softmax(blocks: Blocks, xs) -> list[torch.Tensor]:
     """``log_softmax`` over the whole last dim, per block (fp32 inside, as PyTorch's kernels
     accumulate; a row of ``-inf`` gives NaN, as theirs)."""
-    xf = [x.float() for x in xs]
+    xf = blocks.masked([x.float() for x in xs], float("-inf"))
     top = blocks.max([x.amax(-1, keepdim=True) for x in xf])
     top = [torch.where(torch.isfinite(t), t, torch.zeros_like(t)) for t in top]
     zs = [x - t for x, t in zip(xf, top)]     # one [rows, V/tp] buffer per block: the result
@@ -208,6 +229,7 @@ class Normalized(torch.autograd.Function):
             rows = ctx.blocks.sum([(g * o.float()).sum(-1, keepdim=True)
                                    for g, o in zip(gs, outs)])
             grads = [o.float() * (g - r) for g, o, r in zip(gs, outs, rows)]
+        grads = ctx.blocks.masked(grads, 0.0)     # (a padded vocab's columns: no gradient)
         return (None, None, *[g.to(o.dtype) for g, o in zip(grads, outs)])
 
 
@@ -251,13 +273,16 @@ class Sum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, blocks: Blocks, *xs):
         ctx.metas, ctx.k = [(x.shape, x.dtype, x.device) for x in xs], blocks.per_row
+        ctx.blocks = blocks
+        xs = blocks.masked(list(xs), 0.0)      # (a padded vocab's columns: not summed)
         return tuple(blocks.firsts(blocks.sum([x.sum(-1) for x in xs])))
 
     @staticmethod
     def backward(ctx, *gs):
-        return (None, *[torch.zeros(s, dtype=dt, device=dev) if gs[i // ctx.k] is None else
-                        gs[i // ctx.k].unsqueeze(-1).expand(s)
-                        for i, (s, dt, dev) in enumerate(ctx.metas)])
+        grads = [torch.zeros(s, dtype=dt, device=dev) if gs[i // ctx.k] is None else
+                 gs[i // ctx.k].unsqueeze(-1).expand(s)
+                 for i, (s, dt, dev) in enumerate(ctx.metas)]
+        return (None, *ctx.blocks.masked(grads, 0.0))
 
 
 class CrossEntropyRows(torch.autograd.Function):
@@ -273,6 +298,7 @@ class CrossEntropyRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, blocks: Blocks, indices, starts, *xs):
+        xs = blocks.masked(list(xs), float("-inf"))   # (a padded vocab: -inf past it)
         xf = [x.float() for x in xs]
         top = blocks.max([x.amax(-1, keepdim=True) for x in xf])
         top = [torch.where(torch.isfinite(t), t, torch.zeros_like(t)) for t in top]

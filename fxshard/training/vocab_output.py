@@ -85,6 +85,8 @@ class VocabShardedTensor(torch.Tensor):
         b0 = blocks[0]
         width = sum(b.shape[-1] for b in blocks[:where.per_row]) if where.backend is None \
             else b0.shape[-1] * where.n
+        if where.valid is not None:     # a vocab padded for tp: the columns past it unread
+            width = where.valid
         lead = tuple(b0.shape[:-1])
         if where.rows > 1:      # dim 0 split over the batch axes
             lead = (lead[0] * where.rows, *lead[1:])
@@ -351,7 +353,11 @@ def _h_gather(me, dim, index, *, sparse_grad=False, out=None):
 def _class_weights(me, weight):
     """Each block's slice of a class ``weight`` (``[V]``) over its vocab range."""
     widths = [b.shape[-1] for b in me._blocks]
-    return [weight.narrow(0, lo, w) for lo, w in zip(me._where.starts(widths), widths)]
+    starts = me._where.starts(widths)
+    end = max(lo + w for lo, w in zip(starts, widths))
+    if end > weight.shape[0]:    # a padded vocab: no weight past it (its columns unread)
+        weight = torch.nn.functional.pad(weight, (0, end - weight.shape[0]))
+    return [weight.narrow(0, lo, w) for lo, w in zip(starts, widths)]
 
 
 def _nll_loss(logp, target, weight, ignore_index, reduction, label_smoothing=0.0,

@@ -53,11 +53,6 @@ class WholeWeightWarning(UserWarning):
     """Weight matrices of repeated layers stay whole on ``tp`` (every rank holds them)."""
 
 
-class VocabNotSplitWarning(UserWarning):
-    """A tied embedding table's vocab does not divide by ``tp``: the table is split on its
-    hidden dim, so the logits are all-reduced whole and the loss is not vocab-parallel."""
-
-
 @dataclass
 class Decision:
     """What a rule needs: input placements (aligned with ``tensor_inputs``), the output placement

@@ -10,10 +10,9 @@
 A table that is also a matmul's weight (an embedding tied to the lm_head: GPT-2's ``wte``,
 ``tie_word_embeddings=True``) takes ``vocab`` under the default ``embed_dim``: the lm_head is then
 column-parallel on the vocab (its ``[B, S, V/tp]`` logits gathered only where the model returns
-them) and both uses' gradients are the rank's ``[V/tp, E]`` rows, added locally. A vocab that
-``tp`` does not divide keeps ``embed_dim`` (shards are even; :func:`warn_vocab_not_split`
-says so, with the fixes). ``embed_dim``
-would make the lm_head row-parallel: an all-reduce of the whole ``[B, S, V]`` logits in the
+them) and both uses' gradients are the rank's ``[V/tp, E]`` rows, added locally (a vocab
+``tp`` does not divide reaches this rule padded to a multiple of ``tp``:
+:mod:`fxshard.passes.pad_vocab`). ``embed_dim`` would make the lm_head row-parallel: an all-reduce of the whole ``[B, S, V]`` logits in the
 forward and the ``[V, E]`` gradient computed whole on every rank. Wire bytes per rank and step
 (n tp ranks, ring; the forward alone is inference's)::
 
@@ -31,13 +30,11 @@ replicated and the ids' shard (batch on ``dp``, sequence on CP axes) passes thro
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.fx as fx
 
 from ...placement import P, R, Shard, shard_dim
-from . import UNDECIDED, Decision, RuleCtx, VocabNotSplitWarning, _caller_level, rule
+from . import UNDECIDED, Decision, RuleCtx, rule
 
 aten = torch.ops.aten
 
@@ -76,43 +73,3 @@ def embedding_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         return Decision(ins=[R, ids], out=ids)
     return Decision(ins=[R, R], out=R)
 
-
-def warn_vocab_not_split(gm: fx.GraphModule, ctx, tp: int) -> None:
-    """A warning per tied table (an embedding that is also the lm_head's weight) whose vocab
-    ``tp`` does not divide and that no ``plan=`` places: split on its hidden dim, the head is
-    row-parallel, so every forward all-reduces the whole ``[B, S, V]`` logits over tp and a
-    loss on them is computed over the whole vocab on every rank (GPT-2's 50257 rows on any
-    even tp). The fixes: a vocab padded to a multiple of tp, a tp that divides it, or
-    ``plan=`` (which silences this)."""
-    n = ctx.mesh.shape[tp]
-    seen = set()
-    for node in gm.graph.nodes:
-        if node.target is not aten.embedding.default:
-            continue
-        w = node.args[0]
-        fqn = w.meta.get("fxshard_param")
-        spec = w.meta.get("fxshard_spec")
-        if fqn is None or fqn in seen or not isinstance(spec, tuple) or \
-                shard_dim(spec[tp]) != 1 or not tied_to_matmul(w) or \
-                ctx.plan_for(fqn) is not None:
-            continue
-        seen.add(fqn)
-        vocab, hidden = w.meta["val"].shape[:2]
-        if vocab % n == 0:
-            continue
-        names = sorted({fqn, *ctx.aliases.get(fqn, ())})
-        module = names[-1].rpartition(".")[0]
-        padded = -(-vocab // (64 * n)) * 64 * n
-        warnings.warn(
-            f"fxshard: the embedding table {' = '.join(names)} [{vocab}, {hidden}] is also "
-            f"the lm_head's weight, and its {vocab} rows do not divide by mesh axis 'tp' of size "
-            f"{n} (mesh {ctx.mesh.describe()}): it is split on its hidden dim instead, so "
-            f"every forward all-reduces the whole [B, S, {vocab}] logits over tp, and a loss "
-            f"on them is computed over the whole vocab on every rank (not vocab-parallel). "
-            f"Correct, but slower. Pad the vocab to a multiple of {n} (with transformers: "
-            f"model.resize_token_embeddings({vocab}, pad_to_multiple_of={64 * n}) gives "
-            f"{padded} rows; the new rows are classes of the softmax, so this changes the "
-            f"model: trained, they learn to stay unlikely, as in nanoGPT's 50304-row GPT-2; "
-            f"read the logits as [..., :{vocab}]), use a tp size that divides {vocab}, or "
-            f"accept it with plan={{{module!r}: 'embed_dim'}} (silences this).",
-            VocabNotSplitWarning, stacklevel=_caller_level())

@@ -1,0 +1,249 @@
+"""A vocab ``tp`` does not divide (``fxshard.passes.pad_vocab``): GPT-2 with 91 rows (tied) and
+a Llama with 101 (untied head) hold ``ceil(V / tp)`` rows per rank, the last rank's tail rows
+zeros. Inference, training (loss on ``pm(ids)``'s blocks and ``labels=`` in the graph, AdamW
+steps with clipping), generation and checkpoints (HF safetensors both ways, the training state
+across meshes, real gloo ranks) equal the single device's, and neither the forward nor the
+backward program moves the ``[B, S, V]`` logits over ``tp``.
+"""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+import fxshard
+from tests.launch import gloo_job
+from tests.test_train_models import TV, _data, _loss, _mesh, _model, _train_equal
+
+GRAD = True   # autograd on (tests/conftest.py)
+V = TV + 1    # 91 rows: no tp > 1 divides them
+TABLE = "transformer.wte.weight"
+
+
+def _padded(tp: int) -> int:
+    return -(-V // tp) * tp
+
+
+def _logits_moves(tm, which: str, tp: int) -> list:
+    """Collectives of ``which`` program that move a logits-sized tensor (last dim the vocab,
+    padded or not, or its per-rank block) over tp."""
+    widths = {V, _padded(tp), _padded(tp) // tp}
+    return [(c.op, c.shape) for c in tm.collectives(which)
+            if c.axis == "tp" and c.shape and len(c.shape) >= 2 and c.shape[-1] in widths]
+
+
+@pytest.mark.parametrize("dp,tp,batch,sp", [(1, 2, "dp", False), (2, 2, "fsdp", True),
+                                            (1, 4, "dp", False)],
+                         ids=["tp2", "fsdp2tp2-sp", "tp4"])
+def test_tied_vocab_tp_does_not_divide_trains_vocab_parallel(dp, tp, batch, sp):
+    """Gradients, clipping, three AdamW steps and the state dict equal one device's
+    (``_train_equal``); the table is split on its rows (``ceil(91 / tp)`` each), the padded
+    rows stay zero with a zero gradient, and the logits never move over tp."""
+    tm = _train_equal("gpt2_odd", dp, tp, steps=3, lr=1e-3, batch=batch, sequence_parallel=sp)
+    spec = tm._specs[TABLE]
+    assert spec[1] == fxshard.Shard(0), spec
+    rows = _padded(tp) // tp
+    last = [r for r in range(dp * tp) if r % tp == tp - 1]
+    for r in range(dp * tp):
+        shard = tm.shards(r)[TABLE]
+        assert shard.shape[0] == rows, shard.shape
+        if r in last:      # its rows past 91: padding, never trained
+            pad = _padded(tp) - V
+            assert shard[-pad:].abs().max() == 0 and shard.grad[-pad:].abs().max() == 0
+    assert tm.gradients()[TABLE].shape == (V, 48)
+    assert tm.state_dict()["lm_head.weight"].shape == (V, 48)
+    for which in ("forward", "backward"):
+        assert _logits_moves(tm, which, tp) == [], which
+
+
+def test_labels_loss_in_the_graph_is_vocab_parallel():
+    """HF's ``labels=`` loss on the padded logits: the padded classes masked to -inf before the
+    log-softmax; loss and gradients equal one device, only per-row maxima and sums move."""
+    model = _model("gpt2_odd")
+    ref = copy.deepcopy(model)
+    ids, labels = (t % V for t in _data())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = fxshard.parallelize(model, _mesh(2, 2), example_inputs=(ids,))
+        loss = pm(ids, labels=labels).loss
+    want = ref(ids, labels=labels).loss
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-5)
+    loss.backward()
+    want.backward()
+    grads = pm.gradients()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+    reports = pm.trainer._last.reports
+    assert reports["pad_vocab_pass"] == {"padded_tables": 1, "masked": 1, "cut": 0}, reports
+    for which in ("forward", "backward"):
+        assert _logits_moves(pm.trainer, which, 2) == [], which
+
+
+def test_untied_head_tp_does_not_divide_is_padded():
+    """An untied lm_head with 101 rows (a Llama): padded and column-parallel on tp (it was
+    kept whole on every rank); the embedding keeps its hidden-dim split."""
+    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    ref = copy.deepcopy(model)
+    ids, labels = torch.randint(0, 101, (2, 12)), torch.randint(0, 101, (2, 12))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = fxshard.parallelize(model, _mesh(1, 2), example_inputs=(ids,))
+        with torch.no_grad():
+            torch.testing.assert_close(pm(ids).logits, ref(ids).logits, rtol=1e-4, atol=1e-4)
+        loss = pm(ids, labels=labels).loss
+    want = ref(ids, labels=labels).loss
+    loss.backward()
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-5)
+    grads = pm.gradients()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+    shards = pm.shards(1)
+    assert shards["lm_head.weight"].shape == (51, 64)
+    assert shards["model.embed_tokens.weight"].shape == (101, 32)
+
+
+def test_padded_vocab_inference_and_generation():
+    """Inference returns the model's 91 columns; greedy generation equals HF's; the plan shows
+    the table split on its rows."""
+    model = _model("gpt2_odd").eval()
+    ids = _data()[0] % V
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = fxshard.parallelize(model, _mesh(1, 2))
+        with torch.no_grad():
+            out = pm(ids).logits
+            torch.testing.assert_close(out, model(ids).logits, rtol=1e-4, atol=1e-4)
+            assert out.shape[-1] == V
+            got = pm.generate(ids[:, :3], max_new_tokens=5)
+            want = model.generate(ids[:, :3], max_new_tokens=5, do_sample=False,
+                                  pad_token_id=0, attention_mask=torch.ones_like(ids[:, :3]))
+    assert torch.equal(got, want)
+    text = str(pm.explain())
+    assert "pad_vocab_pass: 1 padded tables" in text, text
+    line = next(x for x in text.splitlines() if x.strip().startswith(("lm_head.weight",
+                                                                       TABLE)))
+    assert "tp:S(0)" in line and "(46, 48)" in line, line
+
+
+def test_padded_vocab_checkpoints_across_meshes(tmp_path):
+    """Trained on fsdp2·tp2: ``save_safetensors`` writes 91 rows (``from_pretrained`` equal),
+    a meta-built tp4 model loads them; the training state resumes on tp4 and two more steps
+    equal the uninterrupted single-device run."""
+    model = _model("gpt2_odd")
+    ref = copy.deepcopy(model)
+    ids, labels = (t % V for t in _data())
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+
+    def step(call, opt):
+        opt.zero_grad()
+        _loss(call(ids), labels).backward()
+        opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = fxshard.parallelize(model, _mesh(2, 2, "fsdp"), example_inputs=(ids,))
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)
+        for _ in range(2):
+            step(pm, opt)
+            step(ref, opt_ref)
+        fxshard.save_safetensors(pm, str(tmp_path / "hf"))
+        fxshard.save_training_state(pm, opt, str(tmp_path / "state"))
+        back = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"))
+        assert back.transformer.wte.weight.shape == (V, 48)
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(back.get_parameter(name), p.detach(), rtol=1e-5,
+                                       atol=1e-5, msg=name)
+        with fxshard.init_empty_weights():
+            empty = transformers.GPT2LMHeadModel(ref.config)
+        pm4 = fxshard.parallelize(empty.eval(), _mesh(1, 4), example_inputs=(ids,))
+        fxshard.load_safetensors(pm4, str(tmp_path / "hf"))
+        with torch.no_grad():
+            torch.testing.assert_close(pm4(ids).logits, ref.eval()(ids).logits, rtol=1e-4,
+                                       atol=1e-4)
+        ref.train()
+        pm2 = fxshard.parallelize(_model("gpt2_odd"), _mesh(1, 4), example_inputs=(ids,))
+        _loss(pm2(ids), labels).backward()   # (places the shards)
+        opt2 = torch.optim.AdamW(pm2.parameters(), lr=1e-3, eps=1e-6)
+        fxshard.load_training_state(pm2, opt2, str(tmp_path / "state"))
+        for _ in range(2):
+            step(pm2, opt2)
+            step(ref, opt_ref)
+    trained = pm2.state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-5, msg=name)
+    assert pm2.shards(3)[TABLE].shape == (23, 48)
+
+
+def _gloo_body(rank: int, report: dict, out_dir: str) -> None:
+    """dp2·tp2 on 4 gloo ranks: the loss on ``pm(ids)``'s blocks (a padded last block), two
+    AdamW steps; the whole gradients and parameters on every rank; each rank's writes of the
+    HF checkpoint and the training state (DCP: the table's blocks as uneven DTensor shards)."""
+    import torch.distributed as dist
+    from tests.launch import mesh
+    model = _model("gpt2_odd")
+    ref = copy.deepcopy(model)
+    ids, labels = (t % V for t in _data())
+    pm = fxshard.parallelize(model, mesh(dp=2, tp=2), example_inputs=(ids,))
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    for k in range(2):
+        for call, o in ((pm, opt), (ref, opt_ref)):
+            o.zero_grad()
+            _loss(call(ids), labels).backward()
+        if k == 0:
+            grads = pm.gradients()
+            report["grads"] = max((grads[n] - p.grad).abs().max().item()
+                                  for n, p in ref.named_parameters())
+        opt.step()
+        opt_ref.step()
+    trained = pm.state_dict()
+    report["params"] = max((trained[n] - p.detach()).abs().max().item()
+                           for n, p in ref.named_parameters())
+    report["rows"] = list(pm.shards(rank)[TABLE].shape)
+    fxshard.save_safetensors(pm, out_dir + "/hf")
+    fxshard.save_training_state(pm, opt, out_dir + "/state")
+    dist.barrier()
+    pm.close()
+
+
+def test_padded_vocab_on_gloo_ranks(tmp_path):
+    reports = gloo_job(_gloo_body, 4, str(tmp_path), str(tmp_path), timeout_s=600, grad=True)
+    for r, rep in reports.items():
+        assert rep["grads"] < 1e-5 and rep["params"] < 1e-5, rep
+        assert rep["rows"] == [46, 48], rep
+    # what the ranks wrote, read here: the single-device run's weights after two steps, and
+    # a training state that resumes on another (simulated) mesh
+    model = _model("gpt2_odd")
+    ref = copy.deepcopy(model)
+    ids, labels = (t % V for t in _data())
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+
+    def step():
+        opt_ref.zero_grad()
+        _loss(ref(ids), labels).backward()
+        opt_ref.step()
+    step()
+    step()
+    back = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"))
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(back.get_parameter(name), p.detach(), rtol=1e-5, atol=1e-5,
+                                   msg=name)
+    step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = fxshard.parallelize(model, _mesh(1, 4), example_inputs=(ids,))
+        _loss(pm(ids), labels).backward()
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)
+        fxshard.load_training_state(pm, opt, str(tmp_path / "state"))
+        opt.zero_grad()
+        _loss(pm(ids), labels).backward()
+        opt.step()
+    trained = pm.state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-5, msg=name)
