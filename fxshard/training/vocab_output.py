@@ -31,6 +31,11 @@ simulated mesh: joined; a real one: ``all_gather`` over ``tp``, then over the ba
 differentiably, and that tensor is kept for later ops. Ops that write in place are an error
 (the blocks would go stale): compute on ``x.full()``, the whole tensor.
 
+A vocab ``tp`` does not divide (:mod:`fxshard.passes.pad_vocab`) arrives as blocks of the padded
+vocab, ``ceil(V / tp)`` columns each (``Blocks.valid = V``): the tensor's shape says ``V``,
+its softmax, log-softmax and cross-entropy read the last block's columns past ``V`` as
+``-inf`` (they get no gradient), and :meth:`VocabShardedTensor.full` cuts them off.
+
 On a simulated mesh the tensor holds every block (the other axes hold replicas); under
 ``torchrun`` this rank's, and the reductions are collectives that every rank of the axis
 runs (the same loss on every rank, as with any output).
