@@ -69,6 +69,7 @@ class Explanation:
     fallbacks: list = field(default_factory=list)
     replicated: list = field(default_factory=list)      # (weight FQN, why it stays whole on tp)
     partly_whole: dict = field(default_factory=dict)    # fused weight FQN -> parts kept whole
+    padded: dict = field(default_factory=dict)          # vocab-padded FQN -> the model's shape
     fsdp_whole: list = field(default_factory=list)      # (FQN, shape, bytes per rank, why) of
     #                                                     the parameters stored whole on fsdp
     gathered: list = field(default_factory=list)        # (node, why a CP axis gathers there)
@@ -200,6 +201,12 @@ class Explanation:
         if self.partly_whole:
             lines += ["", f"Fused weights with parts kept whole on tp: {len(self.partly_whole)}"]
             lines += [f"  {fqn}: {why}" for fqn, why in self.partly_whole.items()]
+        if self.padded:
+            lines += ["", f"Vocab padded for tp (rows past the model's are zeros no result "
+                          f"reads; the model, its outputs and checkpoints keep its own): "
+                          f"{len(self.padded)}"]
+            lines += [f"  {fqn}: {shape[0]} -> {shape[0] + pad} rows"
+                      for fqn, (shape, pad) in sorted(self.padded.items())]
         if self.fsdp_whole:
             lines += ["", f"Parameters kept whole on fsdp (no dim takes a shard; gradient "
                           f"all-reduced): {len(self.fsdp_whole)}, "
@@ -353,6 +360,7 @@ def explain(pm, compiled) -> Explanation:
                      passes={p: dict(c) for p, c in compiled.ctx.reports.items()},
                      replicated=list(getattr(compiled.ctx, "replicated", [])),
                      partly_whole=dict(getattr(compiled.ctx, "partly_whole", {})),
+                     padded=_padded(compiled.programs, getattr(compiled.ctx, "padded", {})),
                      fsdp_whole=list(getattr(compiled.ctx, "fsdp_whole", [])),
                      gathered=list(getattr(compiled.ctx, "gathered", [])),
                      microbatches=getattr(pm, "microbatches", 1),
@@ -392,6 +400,16 @@ def explain(pm, compiled) -> Explanation:
     return ex
 
 
+def _padded(programs, padded: dict) -> dict:
+    """FQN -> (the model's shape, rows added) of each weight a program holds padded."""
+    out = {}
+    for program in programs:
+        for fqn, slot in program.slots.items():
+            if fqn in padded and tuple(slot.shape) != tuple(padded[fqn]):
+                out[fqn] = (tuple(padded[fqn]), slot.shape[0] - padded[fqn][0])
+    return out
+
+
 def explain_training(pm, tm) -> Explanation:
     """:func:`explain` of the training program ``pm(x)`` with grad runs (the forward rank
     program's collectives and placements), plus the backward's collectives with their bytes
@@ -408,7 +426,8 @@ def explain_training(pm, tm) -> Explanation:
     forward = Program(graph=program.split.forward.graph, slots=slots)
     ctx = SimpleNamespace(fallbacks=list(program.ctx.fallbacks), reports=program.reports,
                           replicated=list(getattr(program.ctx, "replicated", [])), gathered=[],
-                          fsdp_whole=list(getattr(program.ctx, "fsdp_whole", [])))
+                          fsdp_whole=list(getattr(program.ctx, "fsdp_whole", [])),
+                          padded=dict(program.padded))
     ex = explain(SimpleNamespace(spec=mesh, microbatches=1,
                                  unmatched_plan=getattr(pm, "unmatched_plan", [])),
                  SimpleNamespace(programs=[forward], ctx=ctx))

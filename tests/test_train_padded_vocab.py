@@ -6,6 +6,7 @@ across meshes, real gloo ranks) equal the single device's, and neither the forwa
 backward program moves the ``[B, S, V]`` logits over ``tp``.
 """
 import copy
+import re
 import warnings
 
 import pytest
@@ -75,6 +76,7 @@ def test_labels_loss_in_the_graph_is_vocab_parallel():
     grads = pm.gradients()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+    assert "weight: 91 -> 92 rows" in str(pm.explain())
     reports = pm.trainer._last.reports
     assert reports["pad_vocab_pass"] == {"padded_tables": 1, "masked": 1, "cut": 0}, reports
     for which in ("forward", "backward"):
@@ -127,6 +129,8 @@ def test_padded_vocab_inference_and_generation():
     assert torch.equal(got, want)
     text = str(pm.explain())
     assert "pad_vocab_pass: 1 padded tables" in text, text
+    assert re.search(r"Vocab padded for tp .*: 1\n  (lm_head|transformer\.wte)\.weight: "
+                     r"91 -> 92 rows", text), text
     line = next(x for x in text.splitlines() if x.strip().startswith(("lm_head.weight",
                                                                        TABLE)))
     assert "tp:S(0)" in line and "(46, 48)" in line, line
@@ -134,8 +138,9 @@ def test_padded_vocab_inference_and_generation():
 
 def test_padded_vocab_checkpoints_across_meshes(tmp_path):
     """Trained on fsdp2·tp2: ``save_safetensors`` writes 91 rows (``from_pretrained`` equal),
-    a meta-built tp4 model loads them; the training state resumes on tp4 and two more steps
-    equal the uninterrupted single-device run."""
+    a meta-built model loads them on tp4 (inference) and on tp2 (training: loss and
+    gradients); the training state resumes on tp4 and two more steps equal the uninterrupted
+    single-device run."""
     model = _model("gpt2_odd")
     ref = copy.deepcopy(model)
     ids, labels = (t % V for t in _data())
@@ -167,6 +172,18 @@ def test_padded_vocab_checkpoints_across_meshes(tmp_path):
             torch.testing.assert_close(pm4(ids).logits, ref.eval()(ids).logits, rtol=1e-4,
                                        atol=1e-4)
         ref.train()
+        with fxshard.init_empty_weights():      # trained on from the checkpoint, meta-built
+            empty = transformers.GPT2LMHeadModel(ref.config)
+        pm5 = fxshard.parallelize(empty.train(), _mesh(1, 2), example_inputs=(ids,))
+        fxshard.load_safetensors(pm5, str(tmp_path / "hf"))
+        mirror = copy.deepcopy(ref)
+        loss5, want5 = _loss(pm5(ids), labels), _loss(mirror(ids), labels)
+        torch.testing.assert_close(loss5, want5.detach(), rtol=1e-5, atol=1e-5)
+        loss5.backward()
+        want5.backward()
+        grads = pm5.gradients()
+        for name, p in mirror.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
         pm2 = fxshard.parallelize(_model("gpt2_odd"), _mesh(1, 4), example_inputs=(ids,))
         _loss(pm2(ids), labels).backward()   # (places the shards)
         opt2 = torch.optim.AdamW(pm2.parameters(), lr=1e-3, eps=1e-6)
@@ -247,3 +264,52 @@ def test_padded_vocab_on_gloo_ranks(tmp_path):
     trained = pm.state_dict()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-5, msg=name)
+
+
+class _TiedToy(torch.nn.Module):
+    """A tied table of 91 rows whose logits meet what the pass handles: a soft cap (tanh of
+    a scaled value: the padded columns are masked after it, where -inf would not survive),
+    a log-softmax, an argmax, a view that merges the vocab with another dim (read on the
+    model's rows), and the logits returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(V, 16)
+        self.norm = torch.nn.LayerNorm(16)
+
+    def forward(self, ids):
+        logits = torch.nn.functional.linear(self.norm(self.embed(ids)), self.embed.weight)
+        capped = torch.tanh(logits / 3.0) * 3.0
+        logp = capped.log_softmax(-1)
+        picked = logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        merged = logits.reshape(-1)[::7].sum()
+        best = capped.argmax(-1).float()
+        return logits, picked.mean() + 0.01 * merged + 1e-3 * best.sum()
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_padded_columns_never_reach_a_result(grad):
+    """The toy's outputs (and gradients) equal one device's on tp=2 in inference and
+    training: every read of the padded logits is masked or cut."""
+    torch.manual_seed(0)
+    model = _TiedToy()
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, V, (3, 5), generator=torch.Generator().manual_seed(2))
+    pm = fxshard.parallelize(model, _mesh(1, 2), example_inputs=(ids,))
+    with torch.set_grad_enabled(grad):
+        logits, loss = pm(ids)
+        want_logits, want = ref(ids)
+    torch.testing.assert_close(logits, want_logits.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-5)
+    if grad:
+        (loss + logits.square().mean()).backward()
+        (want + want_logits.square().mean()).backward()
+        grads = pm.gradients()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+        assert pm.shards(1)["embed.weight"].shape == (46, 16)
+    else:
+        assert dict(pm.rank_module(1).named_parameters())["embed.weight"].shape == (46, 16)
+    # one mask (the capped logits, before the log-softmax and the argmax), one cut (the
+    # logits, for the merging view and the output)
+    assert "pad_vocab_pass: 1 padded tables, 1 masked, 1 cut" in str(pm.explain())

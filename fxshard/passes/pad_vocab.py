@@ -99,9 +99,11 @@ def _tables(gm: fx.GraphModule, ctx: PassCtx, n: int) -> list[fx.Node]:
         if node in lookups:
             if ctx.embedding_style == "replicate":
                 continue
-        elif val.shape[0] not in vocabs or any(u.target is aten.embedding.default
-                                               for u in node.users):
-            continue
+        elif val.shape[0] not in vocabs or any(
+                u.target is aten.embedding.default or u.target is aten.linear.default and
+                (len(u.args) > 2 and u.args[2] is not None or u.kwargs.get("bias") is not None)
+                for u in node.users):
+            continue     # (a head with a bias of V: kept as it was, whole on tp)
         out.append(node)
     return out
 
@@ -237,22 +239,22 @@ class _Padder:
             srcs = [a for a in node.all_input_nodes if a in self.dims]
             if srcs:    # (masking fell back to a cut)
                 return self.visit(node)
-        old = node.meta.get("val")
+        old, args = node.meta.get("val"), node.args
         self._rewrite_shape(node)
         try:
             new = _value(node)
-        except Exception:   # (a shape the padded rows do not fit: compute it on the cut)
-            for s in [a for a in node.all_input_nodes if a in self.dims]:
-                node.replace_input_with(s, self.cut_of(s))
-            node.meta["val"] = _value(node)
+        except Exception:   # noqa: BLE001 (a shape the padded rows do not fit)
+            new = None
+        if isinstance(old, (tuple, list)) and isinstance(new, (tuple, list)) and \
+                all(_padded_dims(a, b, self.rows, self.padded) == [] for a, b in zip(old, new)):
+            node.meta["val"] = new               # (max.dim's values and indices: unpadded)
             return
         dims = _padded_dims(old, new, self.rows, self.padded)
-        if isinstance(old, (tuple, list)):       # (max.dim's values and indices: unpadded)
-            node.meta["val"] = new
+        if dims is None:     # the padded dim merged with another, or no value: on the cut
+            node.args = args
+            for s in [a for a in node.all_input_nodes if a in self.dims]:
+                node.replace_input_with(s, self.cut_of(s))
             return
-        if dims is None:
-            raise AssertionError((node.format_node(), getattr(old, "shape", old),
-                                  getattr(new, "shape", new)))
         node.meta["val"] = new
         if dims:
             self.dims[node] = dims
