@@ -4,7 +4,8 @@ GPT-2's tied table has 50257 rows: no ``tp > 1`` divides them, and an uneven sha
 ranks' programs differ. This pass makes the graph's table ``V' = ceil(V / tp) * tp`` rows long
 (the rank holds ``V' / tp`` rows; the last rank's rows past ``V`` are zeros that no result
 reads), so every rule sees an even vocab split: the lookup is vocab-parallel and the head
-column-parallel, as for a vocab that divides. The padded columns of the logits never reach a
+column-parallel, as for a vocab that divides (an untied head of ``V`` rows, without a bias, is
+padded alone: it was kept whole on every rank). The padded columns of the logits never reach a
 result: a softmax, log-softmax, max or argmax over the vocab reads them masked to ``-inf``
 (after any elementwise op on the way: a soft cap of ``-inf`` would not stay ``-inf``), their
 gradients are zeros, and any other use, a graph output included, reads the logits sliced back
@@ -84,10 +85,12 @@ def _tables(gm: fx.GraphModule, ctx: PassCtx, n: int) -> list[fx.Node]:
     """The vocab weights whose rows ``n`` does not divide and that ``plan=`` does not place:
     a tied table (an embedding's weight that is also a matmul's; not under
     ``embedding_style="replicate"``), and an untied head (a matmul's weight only, with as many
-    rows as an embedding table of the graph: the lm_head)."""
+    rows as the graph's largest embedding table: the lm_head)."""
     from .rules.embedding import tied_to_matmul
     lookups = {u.args[0] for u in gm.graph.nodes if u.target is aten.embedding.default}
-    vocabs = {t.meta["val"].shape[0] for t in lookups if isinstance(t, fx.Node)}
+    # the vocab: the largest table's rows (not a position table's)
+    vocabs = {max((t.meta["val"].shape[0] for t in lookups if isinstance(t, fx.Node)),
+                  default=None)}
     out = []
     for node in gm.graph.nodes:
         fqn = node.meta.get("fxshard_param")
@@ -306,7 +309,8 @@ class _Padder:
 
 
 def pad_vocab_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
-    """Pad each tied table whose vocab ``tp`` does not divide (see the module)."""
+    """Pad each vocab weight (a tied table, an untied head) whose rows ``tp`` does not divide
+    (see the module)."""
     n = ctx.mesh.axis_size(TP) if TP in ctx.mesh.axis_names else 1
     padded = getattr(ctx, "padded", None)
     if padded is None:
