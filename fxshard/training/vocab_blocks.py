@@ -102,6 +102,13 @@ class Blocks:
                        torch.arange(lo, lo + w, device=x.device) >= self.valid)
         return out
 
+    def valid_widths(self, xs: list[torch.Tensor]) -> list[int]:
+        """Per block, how many of its columns (the first ones) are the vocab's."""
+        widths = [x.shape[-1] for x in xs]
+        if self.valid is None:
+            return widths
+        return [max(0, min(w, self.valid - lo)) for w, lo in zip(widths, self.starts(widths))]
+
     def masked(self, xs: list[torch.Tensor], fill: float) -> list[torch.Tensor]:
         """``xs`` with their padded columns set to ``fill`` (a new tensor where a block has
         any: the last ``tp`` block only)."""
@@ -298,25 +305,29 @@ class CrossEntropyRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, blocks: Blocks, indices, starts, *xs):
-        xs = blocks.masked(list(xs), float("-inf"))   # (a padded vocab: -inf past it)
+        # a padded vocab (Blocks.valid): the columns past it are read nowhere (no copy)
+        widths = blocks.valid_widths(list(xs))
         xf = [x.float() for x in xs]
-        top = blocks.max([x.amax(-1, keepdim=True) for x in xf])
+        top = blocks.max([x.narrow(-1, 0, w).amax(-1, keepdim=True) if w else
+                          x.new_full((*x.shape[:-1], 1), float("-inf"))
+                          for x, w in zip(xf, widths)])
         top = [torch.where(torch.isfinite(t), t, torch.zeros_like(t)) for t in top]
         sums = []
-        for x, t in zip(xf, top):
-            z = x - t                     # the forward's one [rows, V/tp] temporary
-            sums.append(z.exp_().sum(-1, keepdim=True))
+        for x, t, w in zip(xf, top, widths):
+            z = (x - t).exp_()            # the forward's one [rows, V/tp] temporary
+            z.narrow(-1, w, z.shape[-1] - w).zero_()
+            sums.append(z.sum(-1, keepdim=True))
             del z
         sums = blocks.sum(sums)
         lse = [t + s.log() for t, s in zip(top, sums)]
         parts = []
-        for x, index, lo in zip(xf, indices, starts):
+        for x, index, lo, w in zip(xf, indices, starts, widths):
             local = index - lo
-            inside = (local >= 0) & (local < x.shape[-1])
+            inside = (local >= 0) & (local < w)
             picked = x.gather(-1, local.clamp(0, x.shape[-1] - 1))
             parts.append(torch.where(inside, picked, torch.zeros_like(picked)))
         picked = blocks.sum(parts)
-        ctx.blocks, ctx.indices, ctx.starts = blocks, indices, starts
+        ctx.blocks, ctx.indices, ctx.starts, ctx.widths = blocks, indices, starts, widths
         ctx.save_for_backward(*xs, *lse)
         return tuple((l - p).squeeze(-1).to(xs[0].dtype)
                      for l, p in zip(blocks.firsts(lse), blocks.firsts(picked)))
@@ -326,16 +337,17 @@ class CrossEntropyRows(torch.autograd.Function):
         saved, k = ctx.saved_tensors, ctx.blocks.per_row
         n = len(saved) // 2
         grads = []
-        for i, (x, lse, index, lo) in enumerate(zip(saved[:n], saved[n:], ctx.indices,
-                                                    ctx.starts)):
+        for i, (x, lse, index, lo, w) in enumerate(zip(saved[:n], saved[n:], ctx.indices,
+                                                       ctx.starts, ctx.widths)):
             g = gs[i // k]
             if g is None:
                 grads.append(torch.zeros_like(x))
                 continue
             g = g.float().unsqueeze(-1)
             dx = torch.sub(x.float(), lse).exp_().mul_(g)   # the backward's one new buffer
+            dx.narrow(-1, w, dx.shape[-1] - w).zero_()      # (a padded vocab's columns)
             local = index - lo
-            inside = (local >= 0) & (local < x.shape[-1])
+            inside = (local >= 0) & (local < w)
             dx.scatter_add_(-1, local.clamp(0, x.shape[-1] - 1),
                             torch.where(inside, -g, torch.zeros_like(g)))
             grads.append(dx.to(x.dtype))
