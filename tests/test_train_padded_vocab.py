@@ -27,6 +27,16 @@ def _padded(tp: int) -> int:
     return -(-V // tp) * tp
 
 
+def test_padded_rows():
+    """A multiple of tp; a large vocab's rows per rank a multiple of 64 too (an odd matmul
+    width is slow: benchmarks/padded_vocab.py)."""
+    from fxshard.passes.pad_vocab import padded_rows
+    assert [padded_rows(91, n) for n in (2, 3, 4, 8)] == [92, 93, 92, 96]
+    assert padded_rows(32001, 2) == 32128 and padded_rows(50257, 2) == 50304
+    assert padded_rows(50257, 8) == 50688 and padded_rows(8191, 2) == 8192   # (4096 a rank)
+    assert padded_rows(8189, 2) == 8190                     # (4095 a rank: not aligned)
+
+
 def _logits_moves(tm, which: str, tp: int) -> list:
     """Collectives of ``which`` program that move a logits-sized tensor (last dim the vocab,
     padded or not, or its per-rank block) over tp."""

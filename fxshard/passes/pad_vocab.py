@@ -2,8 +2,8 @@
 
 GPT-2's tied table has 50257 rows: no ``tp > 1`` divides them, and an uneven shard would make the
 ranks' programs differ. This pass makes the graph's table ``V' = ceil(V / tp) * tp`` rows long
-(the rank holds ``V' / tp`` rows; the last rank's rows past ``V`` are zeros that no result
-reads), so every rule sees an even vocab split: the lookup is vocab-parallel and the head
+(a large vocab's rows per rank rounded up to a multiple of 64: :func:`padded_rows`; the rank
+holds ``V' / tp`` rows; the rows past ``V`` are zeros that no result reads), so every rule sees an even vocab split: the lookup is vocab-parallel and the head
 column-parallel, as for a vocab that divides (an untied head of ``V`` rows, without a bias, is
 padded alone: it was kept whole on every rank). The padded columns of the logits never reach a
 result: a softmax, log-softmax, max or argmax over the vocab reads them masked to ``-inf``
@@ -76,9 +76,19 @@ def _plain_cross_entropy(node: fx.Node) -> bool:
     return args.get("weight") is None and not args.get("label_smoothing", 0.0)
 
 
+#: a large padded vocab's rows per rank are a multiple of this: a matmul of 16001 columns
+#: ran 12% slower than one of 16000 or 16064 on CPU (``benchmarks/padded_vocab.py``), and GPU
+#: kernels tile by 64 or 128 as well (Megatron pads to 128 per rank)
+ALIGN = 64
+
+
 def padded_rows(rows: int, n: int) -> int:
-    """``rows`` rounded up to a multiple of ``n``."""
-    return -(-rows // n) * n
+    """``rows`` rounded up to a multiple of ``n``; where each rank holds at least
+    ``ALIGN * ALIGN`` rows, to a multiple of ``n * ALIGN`` (at most 1/64 more rows)."""
+    per = -(-rows // n)
+    if per >= ALIGN * ALIGN:
+        per = -(-per // ALIGN) * ALIGN
+    return per * n
 
 
 def _tables(gm: fx.GraphModule, ctx: PassCtx, n: int) -> list[fx.Node]:
