@@ -17,6 +17,7 @@ import transformers
 import fxshard
 from tests.launch import gloo_job
 from tests.test_train_models import TV, _data, _loss, _mesh, _model, _train_equal
+from tests.train_checks import loss_and_grads_equal
 
 GRAD = True   # autograd on (tests/conftest.py)
 V = TV + 1    # 91 rows: no tp > 1 divides them
@@ -78,14 +79,7 @@ def test_labels_loss_in_the_graph_is_vocab_parallel():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = fxshard.parallelize(model, _mesh(2, 2), example_inputs=(ids,))
-        loss = pm(ids, labels=labels).loss
-    want = ref(ids, labels=labels).loss
-    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-5)
-    loss.backward()
-    want.backward()
-    grads = pm.gradients()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+        loss_and_grads_equal(pm, ref, lambda m: m(ids, labels=labels).loss)
     assert "weight: 91 -> 92 rows" in str(pm.explain())
     reports = pm.trainer._last.reports
     assert reports["pad_vocab_pass"] == {"padded_tables": 1, "masked": 1, "cut": 0}, reports
@@ -108,14 +102,7 @@ def test_untied_head_tp_does_not_divide_is_padded():
         pm = fxshard.parallelize(model, _mesh(1, 2), example_inputs=(ids,))
         with torch.no_grad():
             torch.testing.assert_close(pm(ids).logits, ref(ids).logits, rtol=1e-4, atol=1e-4)
-        loss = pm(ids, labels=labels).loss
-    want = ref(ids, labels=labels).loss
-    loss.backward()
-    want.backward()
-    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-5)
-    grads = pm.gradients()
-    for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+        loss_and_grads_equal(pm, ref, lambda m: m(ids, labels=labels).loss)
     shards = pm.shards(1)
     assert shards["lm_head.weight"].shape == (51, 64)
     assert shards["model.embed_tokens.weight"].shape == (101, 32)
@@ -186,14 +173,7 @@ def test_padded_vocab_checkpoints_across_meshes(tmp_path):
             empty = transformers.GPT2LMHeadModel(ref.config)
         pm5 = fxshard.parallelize(empty.train(), _mesh(1, 2), example_inputs=(ids,))
         fxshard.load_safetensors(pm5, str(tmp_path / "hf"))
-        mirror = copy.deepcopy(ref)
-        loss5, want5 = _loss(pm5(ids), labels), _loss(mirror(ids), labels)
-        torch.testing.assert_close(loss5, want5.detach(), rtol=1e-5, atol=1e-5)
-        loss5.backward()
-        want5.backward()
-        grads = pm5.gradients()
-        for name, p in mirror.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+        loss_and_grads_equal(pm5, copy.deepcopy(ref), lambda m: _loss(m(ids), labels))
         pm2 = fxshard.parallelize(_model("gpt2_odd"), _mesh(1, 4), example_inputs=(ids,))
         _loss(pm2(ids), labels).backward()   # (places the shards)
         opt2 = torch.optim.AdamW(pm2.parameters(), lr=1e-3, eps=1e-6)
