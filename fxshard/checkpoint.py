@@ -61,8 +61,16 @@ class SafetensorsSource:
     def device(self) -> torch.device:
         return torch.device("cpu")
 
-    def block(self, spec: tuple, mesh: MeshSpec, rank: int) -> torch.Tensor:
-        """Rank ``rank``'s block under ``spec`` (Partial: whole on coordinate 0, else zeros)."""
+    def block(self, spec: tuple, mesh: MeshSpec, rank: int, shape: tuple | None = None
+              ) -> torch.Tensor:
+        """Rank ``rank``'s block under ``spec`` (Partial: whole on coordinate 0, else zeros).
+        ``shape``: the global shape ``spec`` splits, where it pads this tensor's (a vocab
+        padded for tp: the rows past the file's read as zeros)."""
+        if shape is not None and tuple(shape) != tuple(self.shape):
+            from .placement import padded_block
+            t = padded_block(self._read, self.shape, shape, spec, mesh, rank)
+            self.reads.append(t.numel())
+            return t
         dim, pieces = block_pieces(self.shape, spec, mesh, rank)
         index = pieces[0]
         coords = mesh.coords(rank)

@@ -30,7 +30,7 @@ from .mesh import MeshSpec, PP
 __all__ = ["Shard", "Replicate", "Partial", "Placement", "StridedShard", "Spec", "R", "P",
            "short", "short_spec", "local_shape", "shard_slices", "local_block", "shard_dim",
            "block_pieces", "block_index", "owned_block", "add_block", "padded_block",
-           "pad_to", "cut_to", "reader_of"]
+           "pad_to", "cut_to"]
 
 Spec = tuple  # tuple[Placement, ...], one per mesh axis
 
@@ -288,12 +288,3 @@ def padded_block(read, shape: Sequence[int], padded: Sequence[int], spec: Spec,
     block = torch.cat(parts, dim) if dim is not None else parts[0]
     return block.clone() if any(b is block for b in parts) else block
 
-
-def reader_of(value, mesh: MeshSpec):
-    """``read(index)`` of the whole ``value`` for :func:`padded_block`: a tensor's slices, a
-    checkpoint's reader, or another source's whole value (read once) sliced."""
-    if hasattr(value, "_read"):
-        return value._read
-    if hasattr(value, "block"):
-        return value.block(tuple(Replicate() for _ in mesh.shape), mesh, 0).__getitem__
-    return value.detach().__getitem__

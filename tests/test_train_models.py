@@ -228,8 +228,17 @@ def test_tied_embeddings_train_on_dp_tp(name, sp):
     assert "lm_head.weight" not in tm.shards(0)
     if not sp:
         _assert_vocab_parallel(tm, table, 2, vocab=TV if name == "qwen2" else TV + 1)
-    else:   # (the lookup's gradient: a partial [92, 48] from the rank's tokens, reduce-scattered)
+    else:
         assert tm._specs[table][1] == fxshard.Shard(0) and tm.shards(3)[table].shape == (46, 48)
+        # the lookup's gradient: the tokens' [B, S, H] gradient gathered from the sequence
+        # shards, each rank its own rows (a partial [92, 48] from the rank's tokens,
+        # reduce-scattered, moved the whole table's size: more, with 92 rows > 24 tokens)
+        moved = [(c.op, c.shape) for c in tm.collectives("backward")
+                 if c.axis == "tp" and c.shape and c.shape[0] in (TV + 1, TV + 2)]
+        assert moved == [], moved
+        gathered = [c.shape for c in tm.collectives("backward")
+                    if c.axis == "tp" and c.op == "all_gather" and len(c.shape) == 3]
+        assert gathered == [(B // 2, S // 2, 48)], gathered
 
 
 def test_tied_table_split_on_hidden_dim_with_sequence_parallel():

@@ -102,10 +102,39 @@ def test_untied_head_tp_does_not_divide_is_padded():
         pm = fxshard.parallelize(model, _mesh(1, 2), example_inputs=(ids,))
         with torch.no_grad():
             torch.testing.assert_close(pm(ids).logits, ref(ids).logits, rtol=1e-4, atol=1e-4)
+        # column-parallel in inference too (the cut for the output gathers its logits only)
+        assert dict(pm.rank_module(1).named_parameters())["lm_head.weight"].shape == (51, 64)
         loss_and_grads_equal(pm, ref, lambda m: m(ids, labels=labels).loss)
     shards = pm.shards(1)
     assert shards["lm_head.weight"].shape == (51, 64)
     assert shards["model.embed_tokens.weight"].shape == (101, 32)
+
+
+def test_untied_head_on_pp_tp():
+    """pp2·tp2: the pipeline's stages train the padded head (the last stage's) as one device
+    does; inference after the step reads the trained shards, column-parallel."""
+    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    ref = copy.deepcopy(model)
+    ids, labels = torch.randint(0, 101, (2, 12)), torch.randint(0, 101, (2, 12))
+    mesh = fxshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = fxshard.parallelize(model, mesh, example_inputs=(ids,))
+        loss_and_grads_equal(pm, ref, lambda m: _loss(m(ids), labels))
+        for params in (pm.parameters(), ref.parameters()):
+            torch.optim.SGD(params, lr=0.1).step()
+        with torch.no_grad():
+            torch.testing.assert_close(pm(ids).logits, ref(ids).logits, rtol=1e-4, atol=1e-4)
+    trained = pm.state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-5, msg=name)
+    text = str(pm.explain())
+    line = next(x for x in text.splitlines() if x.strip().startswith("lm_head.weight "))
+    assert "tp:S(0)" in line and "(51, 64)" in line, line
 
 
 def test_padded_vocab_inference_and_generation():
@@ -131,6 +160,29 @@ def test_padded_vocab_inference_and_generation():
     line = next(x for x in text.splitlines() if x.strip().startswith(("lm_head.weight",
                                                                        TABLE)))
     assert "tp:S(0)" in line and "(46, 48)" in line, line
+
+
+def test_inference_without_the_lookup_after_training():
+    """Trained with the table padded (the lookup and the head), then a forward on
+    ``inputs_embeds`` (no lookup: that program does not pad the head): its slot takes the
+    trained table cut back to the model's 91 rows."""
+    model = _model("gpt2_odd")
+    ref = copy.deepcopy(model)
+    ids, labels = (t % V for t in _data())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = fxshard.parallelize(model, _mesh(1, 2), example_inputs=(ids,))
+        opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+        _loss(pm(ids), labels).backward()
+        opt.step()
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        _loss(ref(ids), labels).backward()
+        ref_opt.step()
+        embeds = torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            got, want = pm(inputs_embeds=embeds).logits, ref(inputs_embeds=embeds).logits
+    assert got.shape == want.shape == (2, 5, V)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_padded_vocab_checkpoints_across_meshes(tmp_path):
@@ -187,10 +239,23 @@ def test_padded_vocab_checkpoints_across_meshes(tmp_path):
     assert pm2.shards(3)[TABLE].shape == (23, 48)
 
 
+class _WideTable(torch.nn.Module):
+    """A tied table of 8193 rows (tp=2: 4097 a rank, rounded up to 4160)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(8193, 8)
+
+    def forward(self, ids):
+        return F.linear(self.embed(ids), self.embed.weight)
+
+
 def _gloo_body(rank: int, report: dict, out_dir: str) -> None:
     """dp2·tp2 on 4 gloo ranks: the loss on ``pm(ids)``'s blocks (a padded last block), two
     AdamW steps; the whole gradients and parameters on every rank; each rank's writes of the
-    HF checkpoint and the training state (DCP: the table's blocks as uneven DTensor shards)."""
+    HF checkpoint and the training state (DCP: a padded table gathered whole, the model's
+    rows; also one whose rows per rank are rounded up to 64)."""
     import torch.distributed as dist
     from tests.launch import mesh
     model = _model("gpt2_odd")
@@ -215,15 +280,39 @@ def _gloo_body(rank: int, report: dict, out_dir: str) -> None:
     report["rows"] = list(pm.shards(rank)[TABLE].shape)
     fxshard.save_safetensors(pm, out_dir + "/hf")
     fxshard.save_training_state(pm, opt, out_dir + "/state")
+    # a table whose rows per rank are rounded up to 64 (8193 -> 4160 a rank, not DTensor's
+    # 4097 / 4096): its training state too
+    wide = _WideTable()
+    pm2 = fxshard.parallelize(wide, mesh(dp=2, tp=2), example_inputs=(ids,))
+    opt2 = torch.optim.SGD(pm2.parameters(), lr=0.1)
+    pm2(ids).square().mean().backward()
+    opt2.step()
+    report["wide_rows"] = list(pm2.shards(rank)["embed.weight"].shape)
+    table = pm2.state_dict()["embed.weight"]      # (a collective: every rank)
+    if rank == 0:
+        torch.save(table, out_dir + "/wide.pt")
+    fxshard.save_training_state(pm2, opt2, out_dir + "/wide")
     dist.barrier()
     pm.close()
+    pm2.close()
 
 
 def test_padded_vocab_on_gloo_ranks(tmp_path):
     reports = gloo_job(_gloo_body, 4, str(tmp_path), str(tmp_path), timeout_s=600, grad=True)
     for r, rep in reports.items():
         assert rep["grads"] < 1e-5 and rep["params"] < 1e-5, rep
-        assert rep["rows"] == [46, 48], rep
+        assert rep["rows"] == [46, 48] and rep["wide_rows"] == [4160, 8], rep
+    # the wide table's training state: the model's 8193 rows, as trained, loaded on tp=4
+    wide = _WideTable()
+    ids = _data()[0] % V
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pm = fxshard.parallelize(wide, _mesh(1, 4), example_inputs=(ids,))
+        pm(ids).square().mean().backward()
+        opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+        fxshard.load_training_state(pm, opt, str(tmp_path / "wide"))
+    torch.testing.assert_close(pm.state_dict()["embed.weight"],
+                               torch.load(str(tmp_path / "wide.pt")), rtol=0, atol=0)
     # what the ranks wrote, read here: the single-device run's weights after two steps, and
     # a training state that resumes on another (simulated) mesh
     model = _model("gpt2_odd")
@@ -259,8 +348,8 @@ def test_padded_vocab_on_gloo_ranks(tmp_path):
 class _TiedToy(torch.nn.Module):
     """A tied table of 91 rows whose logits meet what the pass handles: a soft cap (tanh of
     a scaled value: the padded columns are masked after it, where -inf would not survive),
-    a log-softmax, an argmax, a view that merges the vocab with another dim (read on the
-    model's rows), and the logits returned."""
+    a log-softmax, an argmax, a view that merges the vocab with another dim and one that
+    moves it (both read on the model's rows), and the logits returned."""
 
     def __init__(self):
         super().__init__()
@@ -273,8 +362,9 @@ class _TiedToy(torch.nn.Module):
         logp = capped.log_softmax(-1)
         picked = logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
         merged = logits.reshape(-1)[::7].sum()
+        moved = logits[:2, :1].reshape(V, 2)[:, 0].sum()    # [2, 1, V] read as [V, 2]
         best = capped.argmax(-1).float()
-        return logits, picked.mean() + 0.01 * merged + 1e-3 * best.sum()
+        return logits, picked.mean() + 0.01 * (merged + moved) + 1e-3 * best.sum()
 
 
 @pytest.mark.parametrize("grad", [False, True])
@@ -300,6 +390,6 @@ def test_padded_columns_never_reach_a_result(grad):
         assert pm.shards(1)["embed.weight"].shape == (46, 16)
     else:
         assert dict(pm.rank_module(1).named_parameters())["embed.weight"].shape == (46, 16)
-    # one mask (the capped logits, before the log-softmax and the argmax), one cut (the
-    # logits, for the merging view and the output)
-    assert "pad_vocab_pass: 1 padded tables, 1 masked, 1 cut" in str(pm.explain())
+    # one mask (the capped logits, before the log-softmax and the argmax), two cuts (the
+    # logits, for the merging view and the output; their slice, for the moving view)
+    assert "pad_vocab_pass: 1 padded tables, 1 masked, 2 cut" in str(pm.explain())

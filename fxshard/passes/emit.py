@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..placement import local_block, local_shape, padded_block, reader_of
+from ..placement import local_block, local_shape, padded_block
 from ..mesh import MeshSpec
 from . import PassCtx
 from .kv_cache import WRITE_POS, cache_keys, greedy_output
@@ -113,14 +113,16 @@ def build_rank_module(program: Program, rank: int, mesh: MeshSpec, values: dict,
     root = torch.nn.Module()
     for fqn, slot in program.slots.items():
         full = values.get(fqn)
-        if slot.model_shape is not None and full is not None and \
+        if hasattr(full, "block"):  # a checkpoint source that reads only this rank's block
+            # (or trained shards; ``shape``: the slot's, a vocab padded for tp or not)
+            t = full.block(slot.spec, mesh, rank, shape=slot.shape)
+            t = t.to(device=device, dtype=slot.dtype)
+        elif slot.model_shape is not None and full is not None and \
                 full.device.type != "meta" and tuple(full.shape) == slot.model_shape:
             # a vocab padded for tp: the model's rows, zeros after them
-            t = padded_block(reader_of(full, mesh), slot.model_shape, slot.shape, slot.spec,
-                             mesh, rank)
+            t = padded_block(full.detach().__getitem__, slot.model_shape, slot.shape,
+                             slot.spec, mesh, rank)
             t = t.to(device=device, dtype=slot.dtype)
-        elif hasattr(full, "block"):  # a checkpoint source that reads only this rank's block
-            t = full.block(slot.spec, mesh, rank).to(device=device, dtype=slot.dtype)
         elif full is None or full.device.type == "meta":
             shape = local_shape(slot.shape, slot.spec, mesh, what=fqn)
             t = torch.empty(shape, dtype=slot.dtype, device="meta")

@@ -36,6 +36,7 @@ A table ``plan=`` places, or ``embedding_style="replicate"``, is not padded.
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -182,6 +183,7 @@ class _Padder:
             with self.graph.inserting_after(node):
                 for d in self.dims[node]:
                     out = self._new(aten.slice.Tensor, (out, d, 0, self.rows), node)
+                    out.meta["fxshard_vocab_cut"] = True    # (whole_weights: as the output)
             self.cut[node] = out
             self.counts["cut"] += 1
         return self.cut[node]
@@ -227,6 +229,22 @@ class _Padder:
                    else s for d, s in enumerate(shape)]
             node.update_arg(1, new)
 
+    def _keeps_vocab(self, node: fx.Node, new, dims: list[int]) -> bool:
+        """A view or reshape keeps the padded dim as a dim of its own: as many elements
+        before it and after it as in its input (``[2, 1, V] -> [V, 2]`` has the sizes right
+        and the elements in another order: it reads the cut)."""
+        if node.target not in (aten.view.default, aten.reshape.default,
+                               aten._unsafe_view.default):
+            return True
+        src = node.args[0]
+        before = self.dims.get(src, [])
+        if len(before) != 1 or len(dims) != 1:
+            return not before and not dims
+        shape_in, shape_out = tuple(src.meta["val"].shape), tuple(new.shape)
+        d_in, d_out = before[0], dims[0]
+        return math.prod(shape_in[:d_in]) == math.prod(shape_out[:d_out]) and \
+            math.prod(shape_in[d_in + 1:]) == math.prod(shape_out[d_out + 1:])
+
     def visit(self, node: fx.Node) -> None:
         srcs = [a for a in node.all_input_nodes if a in self.dims]
         if not srcs:
@@ -263,6 +281,8 @@ class _Padder:
             node.meta["val"] = new               # (max.dim's values and indices: unpadded)
             return
         dims = _padded_dims(old, new, self.rows, self.padded)
+        if dims is not None and not self._keeps_vocab(node, new, dims):
+            dims = None
         if dims is None:     # the padded dim merged with another, or no value: on the cut
             node.args = args
             for s in [a for a in node.all_input_nodes if a in self.dims]:

@@ -36,7 +36,8 @@ def _gathered_before_use(node: fx.Node, tp: int, budget: int = 64) -> fx.Node | 
     consumer that gathers it back (needs Replicate) before a row-parallel contraction turns
     it into a partial sum, or a fused (strided) shard reaches a consumer that wants it in any
     other layout (no collective re-orders the parts). The model's output does not count: it is
-    gathered anyway (except a fused shard, which must not reach it)."""
+    gathered anyway (except a fused shard, which must not reach it), nor does a padded vocab's
+    cut back to the model's vocab on its way there (:mod:`fxshard.passes.pad_vocab`)."""
     frontier, seen = [node], {node}
     while frontier and budget > 0:
         cur = frontier.pop()
@@ -44,7 +45,8 @@ def _gathered_before_use(node: fx.Node, tp: int, budget: int = 64) -> fx.Node | 
         have = cur.meta.get("fxshard_spec")
         strided = isinstance(have, tuple) and isinstance(have[tp], StridedShard)
         for u in cur.users:
-            if u.op == "output" and not strided:
+            if not strided and (u.op == "output" or u.meta.get("fxshard_vocab_cut") and
+                                all(w.op == "output" for w in u.users)):
                 continue
             for t, nd in zip(tensor_inputs(u), u.meta.get("fxshard_need") or []):
                 if t is cur and (isinstance(nd[tp], Replicate) or strided and nd[tp] != have[tp]):

@@ -106,13 +106,13 @@ def _block(value, spec: tuple, mesh: MeshSpec, rank: int, shape: tuple | None = 
     """Rank ``rank``'s block of ``value`` (a tensor, or a checkpoint source), a new tensor.
     ``shape``: the program's global shape, where it pads the model's rows (a vocab padded
     for tp, :mod:`fxshard.passes.pad_vocab`)."""
-    if shape is not None and tuple(value.shape) != tuple(shape):
-        from ..placement import padded_block, reader_of
-        return padded_block(reader_of(value, mesh), tuple(value.shape), tuple(shape), spec,
-                            mesh, rank)
     if hasattr(value, "block"):   # a checkpoint's block is read into a tensor of its own
-        block = value.block(spec, mesh, rank)
+        block = value.block(spec, mesh, rank, shape=shape)
         return block if getattr(value, "fresh_blocks", False) else block.clone()
+    if shape is not None and tuple(value.shape) != tuple(shape):
+        from ..placement import padded_block
+        return padded_block(value.detach().__getitem__, tuple(value.shape), tuple(shape),
+                            spec, mesh, rank)
     return local_block(value.detach(), spec, mesh, rank)     # a copy
 
 

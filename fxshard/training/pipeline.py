@@ -30,6 +30,8 @@ import torch.fx._pytree as fx_pytree
 from ..checks import check_no_autocast
 from ..mesh import PP, SimulatedMesh, is_simulated
 from ..passes import PassCtx, PassReports
+from ..passes.pad_vocab import pad_vocab_pass
+from ..passes.pipeline import run_passes
 from ..runtime.program_cache import structure
 from ..trace import _without_cache, cleanup_pass, trace
 from ..weights import tied_names
@@ -82,11 +84,11 @@ class _StageShard(TrainedShard):
         super().__init__(tm, fqn, spec, shape)
         self.trainer = trainer
 
-    def block(self, spec, mesh, rank):
-        if tuple(spec) == self.spec:
+    def block(self, spec, mesh, rank, shape=None):
+        if tuple(spec) == self.spec and (shape is None or tuple(shape) == self.shape):
             sub = self.trainer._sub_rank(rank) if self.tm._simulated else self.tm.sub_rank
             return self.tm._shards[sub][self.fqn].detach()
-        return super().block(spec, mesh, rank)
+        return super().block(spec, mesh, rank, shape)
 
 
 class _Staged:
@@ -220,6 +222,12 @@ class PipelineTrainer:
             traced = trace(self.model, args, kwargs)
         cleanup_pass(traced.gm, ctx=PassReports())
         tied = _untie(traced, self.model)
+        # a vocab tp does not divide: padded as the inference programs pad it (the outputs
+        # read back cut to the model's vocab)
+        padding = PassCtx(mesh=self.sub, plan=self.options.get("plan") or {},
+                          embedding_style=self.options.get("embedding", "embed_dim"),
+                          aliases=tied_names(self.model))
+        run_passes(traced.gm, [pad_vocab_pass], padding)
         flat = list(fx_pytree.tree_flatten_spec(
             (tuple(args), _without_cache(self.model, dict(kwargs))), traced.in_spec))
         # dropout: the whole model's sites (their indices survive the split) and a seed input
@@ -258,6 +266,7 @@ class PipelineTrainer:
             ctx = PassCtx(mesh=self.sub, sequence_parallel=tm.sequence_parallel,
                           strict=tm.strict, plan=tm.plan, embedding_style=tm.embedding,
                           ring_zigzag=tm.ring_zigzag, aliases=tied_names(self.model))
+            ctx.padded = dict(padding.padded)
             program = build_train_program(
                 self.model, (), {}, ctx, joint=joint, recompute=tm.recompute,
                 reshard_after_forward=tm.fsdp_reshard_after_forward)

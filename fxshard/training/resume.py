@@ -97,26 +97,11 @@ def _shape(tm, fqn: str) -> tuple:
     return tuple(tm._last.padded.get(fqn, tm._last.shapes[fqn]))
 
 
-def _real_rows(tm, fqn: str, local: torch.Tensor) -> torch.Tensor:
-    """This process's block of a padded ``fqn`` cut to the model's rows it holds (DTensor's
-    uneven shards: ``torch.chunk``'s, ceil(V / tp) rows each, the last ranks' fewer)."""
-    from ..placement import block_pieces
-    shape, padded = _shape(tm, fqn), tuple(tm._last.shapes[fqn])
-    if shape == padded:
-        return local
-    _, (index,) = block_pieces(padded, tm._specs[fqn], tm.spec, tm.ranks[0])
-    for d, (s, n) in enumerate(zip(index, shape)):
-        local = local.narrow(d, 0, max(0, min(s.stop, n) - s.start))
-    return local
-
-
 def _dtensor(tm, fqn: str, local: torch.Tensor, where: str):
     """This process's block ``local`` of parameter ``fqn`` (or of a state sharded like it) as
-    a DTensor over the mesh, which tells DCP where the block lies in the whole (a padded
-    vocab's: the model's rows only)."""
+    a DTensor over the mesh, which tells DCP where the block lies in the whole."""
     from torch.distributed.tensor import DTensor
-    shape = torch.Size(_shape(tm, fqn))
-    local = _real_rows(tm, fqn, local)
+    shape = torch.Size(tm._last.shapes[fqn])
     stride = torch.empty(shape, device="meta").stride()
     # a pipeline stage's placements name every axis, pp replicated: the whole mesh's, on
     # which only the stage's ranks hold the name
@@ -133,9 +118,12 @@ def _sharded(value, shard: torch.Tensor) -> bool:
 def _as_dtensor(tm, fqn: str) -> bool:
     """Real ranks hand ``fqn`` (and state sharded like it) to DCP as a DTensor: its placement
     is Shard/Replicate on every axis. A fused projection's strided shard (``StridedShard``:
-    q, k, v each split, or some kept whole) has no DTensor placement: it is gathered whole."""
+    q, k, v each split, or some kept whole) has no DTensor placement, and a vocab padded for
+    tp holds rows DTensor's uneven shards do not (64-row rounding): both are gathered whole,
+    the checkpoint holding the model's shape."""
     from torch.distributed.tensor import Replicate, Shard
-    return all(isinstance(p, (Shard, Replicate)) for p in tm._specs[fqn])
+    return fqn not in tm._last.padded and \
+        all(isinstance(p, (Shard, Replicate)) for p in tm._specs[fqn])
 
 
 def _whole(tm, fqn: str, blocks: dict, where: str):
@@ -255,10 +243,10 @@ def _block(tm, fqn: str, value, rank: int) -> torch.Tensor:
     """Rank ``rank``'s block of a loaded whole value or DTensor (real ranks); a padded
     vocab's rows padded again."""
     from torch.distributed.tensor import DTensor
-    from ..placement import local_block, local_shape, pad_to, padded_block
+    from ..placement import local_block, padded_block
     shape, padded = _shape(tm, fqn), tuple(tm._last.shapes[fqn])
     if isinstance(value, DTensor):
-        return pad_to(value.to_local(), local_shape(padded, tm._specs[fqn], tm.spec))
+        return value.to_local()
     if shape != padded:
         return padded_block(value.__getitem__, shape, padded, tm._specs[fqn], tm.spec, rank)
     return local_block(value, tm._specs[fqn], tm.spec, rank)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..placement import local_block, padded_block, reader_of
+from ..placement import cut_to, local_block, pad_to, padded_block
 
 __all__ = ["TrainedShard", "install", "load_into", "check_model_unchanged", "check_on_device"]
 
@@ -46,10 +46,14 @@ class TrainedShard:
     def _versions(self) -> tuple:
         return tuple(m[self.fqn]._version for m in self.tm._shards.values())
 
-    def block(self, spec: tuple, mesh, rank: int) -> torch.Tensor:
-        """Rank ``rank``'s block under ``spec``: its shard itself when ``spec`` is the
-        training placement, else a copy cut from the assembled whole (simulated mesh)."""
-        if tuple(spec) == self.spec:
+    def block(self, spec: tuple, mesh, rank: int, shape: tuple | None = None
+              ) -> torch.Tensor:
+        """Rank ``rank``'s block under ``spec`` of the global ``shape`` (default: the
+        training program's): its shard itself when both are the training ones, else a copy
+        cut from the assembled whole (simulated mesh; a vocab the training program padded
+        and the caller does not, or the other way round, is cut or padded first)."""
+        shape = self.shape if shape is None else tuple(shape)
+        if tuple(spec) == self.spec and shape == self.shape:
             return self.tm._shards[rank][self.fqn].detach()
         if not self.tm._simulated:
             raise NotImplementedError(
@@ -60,6 +64,9 @@ class TrainedShard:
         from .module import assemble
         whole = assemble([m[self.fqn].detach() for m in self.tm._shards.values()],
                          self.shape, self.spec, self.tm.spec)
+        if shape != self.shape:        # the model's rows, padded as the caller's program
+            model = self.tm._last.padded.get(self.fqn, self.shape)
+            whole = pad_to(cut_to(whole, model), shape)
         copy = local_block(whole, spec, mesh, rank)
         self.copies[rank] = (self._versions(), copy)
         return copy
@@ -99,12 +106,12 @@ def load_into(tm, state_dict: dict) -> None:
                 if fqn in state_dict:
                     value = state_dict[fqn]
                     padded = tm._last.shapes.get(fqn) if tm._last is not None else None
-                    if padded is not None and tuple(value.shape) != tuple(padded):
+                    if hasattr(value, "block"):
+                        value = value.block(tm._specs[fqn], tm.spec, rank, shape=padded)
+                    elif padded is not None and tuple(value.shape) != tuple(padded):
                         # a vocab padded for tp: the model's rows, zeros after them
-                        value = padded_block(reader_of(value, tm.spec), tuple(value.shape),
+                        value = padded_block(value.detach().__getitem__, tuple(value.shape),
                                              tuple(padded), tm._specs[fqn], tm.spec, rank)
-                    elif hasattr(value, "block"):
-                        value = value.block(tm._specs[fqn], tm.spec, rank)
                     else:
                         value = local_block(value.detach().to(shard.device), tm._specs[fqn],
                                             tm.spec, rank)

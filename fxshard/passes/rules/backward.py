@@ -12,6 +12,9 @@ redistribution table::
         -> [grad_q, grad_k, grad_v] on the same heads / batch shard
     embedding_dense_backward(grad: S(0) [B, S, E], ids: S(0) [B, S]) -> P [V, E]
         (each rank scatters its own tokens' rows; the sum over ranks is the gradient)
+    embedding_dense_backward(grad: R, ids: R) -> S(0)   (a vocab-sharded table: the rank's
+        rows; on tp a token shard, sequence parallelism, is gathered first where the table
+        has more rows than there are tokens: B·S·E bytes, not V·E)
     embedding_dense_backward(grad: S(2), ids: R)      -> S(1)   (the embed_dim table shard;
         a whole grad is sliced to the columns first when the table is S(1): node.meta
         ["fxshard_want"], the gradient's target placement, which the training driver sets)
@@ -32,6 +35,8 @@ Pointwise backward ops (``silu_backward``, ``threshold_backward``, ``gelu_backwa
 torch's pointwise tag and use the pointwise rule; ``mm``/``t``/``sum`` are forward rules.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.fx as fx
@@ -125,11 +130,16 @@ def embedding_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     if isinstance(grad, Partial):
         return Decision(ins=[P, R], out=P)
     token = next((p for p in (grad, ids) if isinstance(p, Shard) and p.dim < ctx.ndim(i)), None)
-    if token is not None and not by_freq:
+    vocab_table = want is not None and want[ctx.mesh.axis_names.index(ctx.axis)] == Shard(0) \
+        or _forward_table(node, i, ctx) == Shard(0)
+    if token is not None and not by_freq and \
+            not (ctx.is_tp and vocab_table and node.args[2] > math.prod(ctx.shape(i))):
         # every rank scatters its own tokens' rows: a partial sum of the table's gradient
+        # (a table vocab-sharded on tp, with more rows than tokens, under sequence
+        # parallelism: the tokens' gradient gathered instead, below, moves fewer bytes than
+        # reducing the [V, E] partial sum; fsdp's shards are reduce-scattered as any weight's)
         return Decision(ins=[token, token], out=P)
-    if (want is not None and want[ctx.mesh.axis_names.index(ctx.axis)] == Shard(0) or
-            _forward_table(node, i, ctx) == Shard(0)) and not by_freq:
+    if vocab_table and not by_freq:
         # a vocab-sharded table: each rank the gradient of its rows (fxshard.training's
         # localize makes it fxshard::vocab_embedding_backward); a tied table's gradient is
         # not the program's output itself (the lm_head's is added to it): the forward
