@@ -127,8 +127,10 @@ def _fake(vals):
     return detect_fake_mode(vals)
 
 
-def _value(node: fx.Node):
-    """The node's value computed again from its inputs' (fake) values."""
+def _value(node: fx.Node, mode=None):
+    """The node's value computed again from its inputs' (fake) values (``mode``: the fake
+    mode for a node without tensor inputs, a factory: never a real tensor on the traced
+    device)."""
     def val(a):
         return a.meta["val"] if isinstance(a, fx.Node) else a
     args = fx.node.map_arg(node.args, val)
@@ -136,7 +138,7 @@ def _value(node: fx.Node):
     if node.target is operator.getitem:
         return args[0][args[1]]
     mode = _fake([a.meta["val"] for a in node.all_input_nodes
-                  if isinstance(a.meta.get("val"), torch.Tensor)])
+                  if isinstance(a.meta.get("val"), torch.Tensor)]) or mode
     if mode is None:
         return node.target(*args, **kwargs)
     with mode:
@@ -173,7 +175,7 @@ class _Padder:
         for k in ("stack_trace", "nn_module_stack", "source_fn_stack", "fxshard_layer"):
             if k in like.meta:
                 node.meta[k] = like.meta[k]
-        node.meta["val"] = _value(node)
+        node.meta["val"] = _value(node, _fake([like.meta["val"]]))
         return node
 
     def cut_of(self, node: fx.Node) -> fx.Node:
