@@ -87,16 +87,22 @@ def test_labels_loss_in_the_graph_is_vocab_parallel():
         assert _logits_moves(pm.trainer, which, 2) == [], which
 
 
-def test_untied_head_tp_does_not_divide_is_padded():
-    """An untied lm_head with 101 rows (a Llama): padded and column-parallel on tp (it was
-    kept whole on every rank); the embedding keeps its hidden-dim split."""
+def _untied_llama(layers: int):
+    """An HF Llama with an untied head of 101 rows, its copy, and a batch of ids and labels."""
     cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96,
-                                   num_hidden_layers=1, num_attention_heads=4,
+                                   num_hidden_layers=layers, num_attention_heads=4,
                                    num_key_value_heads=2, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
-    ref = copy.deepcopy(model)
-    ids, labels = torch.randint(0, 101, (2, 12)), torch.randint(0, 101, (2, 12))
+    g = torch.Generator().manual_seed(1)
+    return model, copy.deepcopy(model), torch.randint(0, 101, (2, 12), generator=g), \
+        torch.randint(0, 101, (2, 12), generator=g)
+
+
+def test_untied_head_tp_does_not_divide_is_padded():
+    """An untied lm_head with 101 rows (a Llama): padded and column-parallel on tp (it was
+    kept whole on every rank); the embedding keeps its hidden-dim split."""
+    model, ref, ids, labels = _untied_llama(layers=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pm = fxshard.parallelize(model, _mesh(1, 2), example_inputs=(ids,))
@@ -113,13 +119,7 @@ def test_untied_head_tp_does_not_divide_is_padded():
 def test_untied_head_on_pp_tp():
     """pp2·tp2: the pipeline's stages train the padded head (the last stage's) as one device
     does; inference after the step reads the trained shards, column-parallel."""
-    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
-    ref = copy.deepcopy(model)
-    ids, labels = torch.randint(0, 101, (2, 12)), torch.randint(0, 101, (2, 12))
+    model, ref, ids, labels = _untied_llama(layers=2)
     mesh = fxshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
