@@ -93,7 +93,7 @@ def emit_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
         spec = node.meta["fxshard_spec"]
         kind = "param" if node.meta.get("fxshard_param") is not None else "buffer"
         slots[fqn] = Slot(fqn, kind, spec, tuple(val.shape), val.dtype,
-                          getattr(ctx, "padded", {}).get(fqn))
+                          ctx.padded.get(fqn))
         with graph.inserting_before(first):
             attr = graph.get_attr(fqn)
         attr.meta.update(node.meta)

@@ -36,6 +36,7 @@ A table ``plan=`` places, or ``embedding_style="replicate"``, is not padded.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 
@@ -48,8 +49,6 @@ from . import PassCtx
 aten = torch.ops.aten
 
 __all__ = ["pad_vocab_pass", "padded_rows"]
-
-_WHERE = "fxshard.passes.pad_vocab"
 
 # the padded dim is kept (moved by a transpose); values elsewhere computed as before
 _THROUGH = {
@@ -333,10 +332,8 @@ class _Padder:
             last = src.meta["val"].dim() - 1
             dim_ok = (node.args[1] % (last + 1) == last) if t is aten.gather.default \
                 else self.dims[src] == [last]
-            if dim_ok and src in self.masked.values():
-                return "through"
-            if dim_ok and src.target in _MASKED:
-                return "through"      # log-probabilities of the masked logits
+            if dim_ok and (src in self.masked.values() or src.target in _MASKED):
+                return "through"      # the masked logits, or their log-probabilities
         return "cut"
 
 
@@ -344,9 +341,6 @@ def pad_vocab_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     """Pad each vocab weight (a tied table, an untied head) whose rows ``tp`` does not divide
     (see the module)."""
     n = ctx.mesh.axis_size(TP) if TP in ctx.mesh.axis_names else 1
-    padded = getattr(ctx, "padded", None)
-    if padded is None:
-        ctx.padded = padded = {}
     tables = _tables(gm, ctx, n) if n > 1 else []
     counts = dict(tables=0, masked=0, cut=0)
     for w in tables:
@@ -354,20 +348,16 @@ def pad_vocab_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
         rows = val.shape[0]
         p = _Padder(gm, rows, padded_rows(rows, n), ctx)
         mode = _fake([val])
-        if mode is not None:
-            with mode:
-                w.meta["val"] = torch.empty((p.padded, *val.shape[1:]), dtype=val.dtype,
-                                            device=val.device)
-        else:
+        with mode if mode is not None else contextlib.nullcontext():
             w.meta["val"] = torch.empty((p.padded, *val.shape[1:]), dtype=val.dtype,
-                                        device="meta")
+                                        device=val.device if mode is not None else "meta")
         p.dims[w] = [0]
         for node in list(gm.graph.nodes):
             if node is not w:
                 p.visit(node)
         fqn = w.meta["fxshard_param"]
         for name in {fqn, *ctx.aliases.get(fqn, ())}:
-            padded[name] = tuple(val.shape)
+            ctx.padded[name] = tuple(val.shape)
         counts["tables"] += 1
         counts["masked"] += p.counts["masked"]
         counts["cut"] += p.counts["cut"]

@@ -35,6 +35,7 @@ import contextlib
 import warnings
 
 import torch
+
 from ..placement import cut_to
 
 __all__ = ["save_training_state", "load_training_state"]
