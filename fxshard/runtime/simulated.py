@@ -22,18 +22,17 @@ more, so their owners may go on). ``all_reduce`` instead has the last rank to ar
 and every rank copy the sum. Results are fresh tensors, never views of another rank's.
 
 The ranks of a run share the caller's intra-op threads (``torch.get_num_threads()`` divided
-by the number of ranks, at least 1): a new thread would otherwise start with OpenMP's default
-count, ignore the caller's ``torch.set_num_threads`` and oversubscribe the cores.
+by the number of ranks, at least 1) and give them back afterwards: every rank using all cores
+would run ``ranks`` times too many threads. The rank threads and that choice are in
+:mod:`fxshard.runtime.rank_threads`.
 """
 from __future__ import annotations
 
 import collections
 import concurrent.futures
 import functools
-import queue
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -41,6 +40,7 @@ import torch
 
 from fxshard.mesh import MeshSpec, mesh_spec
 from fxshard.runtime.context import use_backend
+from fxshard.runtime.rank_threads import RankThreads, intra_op_threads, with_intra_op_threads
 
 __all__ = ["SimulatedWorld", "SimulatedBackend"]
 
@@ -104,31 +104,6 @@ class _Mailbox:
     messages: collections.deque = field(default_factory=collections.deque)
 
 
-def _worker_loop(tasks: queue.SimpleQueue) -> None:
-    """Body of a rank thread: run ``(call, future)`` tasks until a ``None`` arrives.
-
-    It holds no reference to the world between tasks, so an unclosed world can be collected.
-    """
-    while True:
-        item = tasks.get()
-        if item is None:
-            return
-        call, future = item
-        del item
-        if future.set_running_or_notify_cancel():
-            try:
-                future.set_result(call())
-            except BaseException as exc:  # handed to run(), which re-raises it
-                future.set_exception(exc)
-                del exc
-        del call, future
-
-
-def _stop_workers(queues: list[queue.SimpleQueue]) -> None:
-    for q in queues:
-        q.put(None)
-
-
 class SimulatedWorld:
     """All ranks of ``mesh`` as persistent threads of this process.
 
@@ -148,9 +123,9 @@ class SimulatedWorld:
         self._slots: dict[tuple, _Slot] = {}
         self._mailboxes: dict[tuple[int, int], _Mailbox] = {}
         self._failure: tuple[int, BaseException] | None = None
-        self._queues: list[queue.SimpleQueue] = []
-        self._threads: list[threading.Thread] = []
-        self._finalizer: weakref.finalize | None = None
+        self._threads = RankThreads(
+            [f"fxshard-{self.describe_rank(r).replace(' ', '')}"
+             for r in range(self.mesh.world_size)])
         self._closed = False
 
     def __repr__(self) -> str:
@@ -165,12 +140,7 @@ class SimulatedWorld:
     def close(self) -> None:
         """Stop the worker threads; the world cannot run anything afterwards."""
         self._closed = True
-        if self._finalizer is not None:
-            self._finalizer()
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join(timeout=self.timeout)
-        self._threads = []
+        self._threads.close(timeout=self.timeout)
 
     def describe_rank(self, rank: int) -> str:
         coords = self.mesh.coords(rank)
@@ -185,7 +155,7 @@ class SimulatedWorld:
         where = "fxshard.runtime.SimulatedWorld.run"
         if self._closed:
             raise RuntimeError(f"{where}: this world was closed; create a new SimulatedWorld")
-        if threading.current_thread() in self._threads:
+        if threading.current_thread() in self._threads.threads:
             raise RuntimeError(f"{where}: called from inside a rank of the same world; a rank "
                                f"cannot start another run of its own world")
         ranks = list(range(self.mesh.world_size)) if ranks is None else [int(r) for r in ranks]
@@ -194,19 +164,15 @@ class SimulatedWorld:
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"{where}: ranks={ranks} repeats a rank; give each rank once")
         with self._run_lock:
-            self._start_workers()
             with self._lock:
                 self._slots.clear()
                 self._mailboxes.clear()
                 self._failure = None
-            # the caller's intra-op threads, shared by the ranks (a fresh thread would start
-            # with OpenMP's default count whatever torch.set_num_threads said, and oversubscribe)
-            threads = max(1, torch.get_num_threads() // len(ranks))
-            futures = []
-            for r in ranks:
-                future: concurrent.futures.Future = concurrent.futures.Future()
-                self._queues[r].put((functools.partial(self._run_rank, fn, r, threads), future))
-                futures.append(future)
+            # the caller's intra-op threads, shared by the ranks, the caller's count restored
+            threads, caller = intra_op_threads(len(ranks)), torch.get_num_threads()
+            futures = [self._threads.submit(r, functools.partial(
+                with_intra_op_threads, functools.partial(self._run_rank, fn, r), threads,
+                caller)) for r in ranks]
             try:
                 concurrent.futures.wait(futures)
             except BaseException as exc:  # e.g. KeyboardInterrupt: wake the ranks, then leave
@@ -219,21 +185,8 @@ class SimulatedWorld:
             self._check_mailboxes_drained()
             return [f.result() for f in futures]
 
-    def _start_workers(self) -> None:
-        if self._threads:
-            return
-        self._queues = [queue.SimpleQueue() for _ in range(self.mesh.world_size)]
-        self._threads = [
-            threading.Thread(target=_worker_loop, args=(q,), daemon=True,
-                             name=f"fxshard-{self.describe_rank(r).replace(' ', '')}")
-            for r, q in enumerate(self._queues)]
-        for t in self._threads:
-            t.start()
-        self._finalizer = weakref.finalize(self, _stop_workers, self._queues)
-
-    def _run_rank(self, fn: Callable[[int], Any], rank: int, threads: int) -> Any:
+    def _run_rank(self, fn: Callable[[int], Any], rank: int) -> Any:
         try:
-            torch.set_num_threads(threads)
             with use_backend(SimulatedBackend(self, rank)):
                 return fn(rank)
         except BaseException as exc:
