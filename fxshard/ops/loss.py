@@ -34,7 +34,14 @@ import torch
 from fxshard.ops.library import define_op
 from fxshard.runtime.context import current_backend
 
-__all__ = ["vocab_nll_loss_forward", "vocab_nll_loss_backward", "vocab_cross_entropy_backward"]
+__all__ = ["check_targets", "vocab_nll_loss_forward", "vocab_nll_loss_backward", "vocab_cross_entropy_backward"]
+
+
+def _product(sizes) -> int:
+    out = 1
+    for n in sizes:
+        out *= n
+    return out
 
 
 def _start(axes, sizes, classes: int) -> int:
@@ -42,6 +49,22 @@ def _start(axes, sizes, classes: int) -> int:
     for axis, n in zip(axes, sizes):
         flat = flat * n + backend.axis_index(axis)
     return flat * classes
+
+
+def check_targets(target, ignore_index: int | None, classes: int, where: str) -> None:
+    """Raise one device's ``IndexError`` for a target outside ``[0, classes)`` that is not
+    ``ignore_index`` (None: none is ignored): a vocab-parallel pick finds no rank holding it
+    and would add 0 silently. One reduction and one host read per call."""
+    bad = (target < 0) | (target >= classes)
+    if ignore_index is not None:
+        bad &= target != ignore_index
+    if bool(bad.any()):
+        value = int(target[bad].flatten()[0])
+        raise IndexError(
+            f"{where}: target {value} is out of bounds for {classes} classes (one device "
+            f"raises 'Target {value} is out of bounds.' too). Fix the labels: every target "
+            f"in [0, {classes})" + ("" if ignore_index is None else
+                                    f" or equal to ignore_index={ignore_index}") + ".")
 
 
 def _local_targets(target, ignore_index: int, start: int, classes: int):
@@ -52,9 +75,16 @@ def _local_targets(target, ignore_index: int, start: int, classes: int):
 
 @define_op("fxshard::vocab_nll_loss_forward",
            "(Tensor logp, Tensor target, int reduction, int ignore_index, str[] axes, "
-           "int[] sizes) -> (Tensor, Tensor)")
-def vocab_nll_loss_forward(logp, target, reduction: int, ignore_index: int, axes, sizes):
+           "int[] sizes, int valid=-1) -> (Tensor, Tensor)")
+def vocab_nll_loss_forward(logp, target, reduction: int, ignore_index: int, axes, sizes,
+                           valid: int = -1):
+    """``valid``: the classes of a vocab padded for tp (``passes/pad_vocab``; -1: every
+    class of the ``sizes`` shards)."""
     classes = logp.shape[1]
+    whole = valid if valid >= 0 else classes * _product(sizes)
+    split = ", ".join(f"{a}={n}" for a, n in zip(axes, sizes))
+    check_targets(target, ignore_index, whole,
+                  f"fxshard::vocab_nll_loss_forward (the vocab split over {split})")
     local, mine = _local_targets(target, ignore_index, _start(axes, sizes, classes), classes)
     picked = logp.gather(1, local.unsqueeze(1)).squeeze(1)
     losses = torch.where(mine, -picked, torch.zeros_like(picked))
@@ -67,7 +97,7 @@ def vocab_nll_loss_forward(logp, target, reduction: int, ignore_index: int, axes
 
 
 @vocab_nll_loss_forward.register_fake
-def _(logp, target, reduction, ignore_index, axes, sizes):
+def _(logp, target, reduction, ignore_index, axes, sizes, valid=-1):
     shape = (logp.shape[0],) if reduction == 0 else ()
     return logp.new_empty(shape), logp.new_empty(())
 

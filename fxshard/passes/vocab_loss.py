@@ -42,6 +42,7 @@ import math
 import torch
 import torch.fx as fx
 
+from ..mesh import TP
 from ..placement import P, R, Shard
 from . import PassCtx
 from .rules.loss import LOG_SOFTMAX, log_softmax_dim, sharded_dim_ok
@@ -227,6 +228,17 @@ def _fused_backward(graph: fx.Graph, node: fx.Node, saved: dict) -> bool:
     return True
 
 
+def _valid_classes(logp: fx.Node, ctx: PassCtx) -> int | None:
+    """The model's vocab where ``logp``'s class dim is a vocab ``pad_vocab`` padded."""
+    from .pad_vocab import padded_rows
+    width = logp.meta["val"].shape[1]
+    n = ctx.mesh.axis_size(TP) if TP in ctx.mesh.axis_names else 1
+    rows = {shape[0] for shape in ctx.padded.values()
+            if shape[0] != width and padded_rows(shape[0], n) == width}
+    assert len(rows) <= 1, (width, rows)
+    return rows.pop() if rows else None
+
+
 def _nll(node: fx.Node, ctx: PassCtx) -> bool:
     from ..ops.loss import vocab_nll_loss_backward, vocab_nll_loss_forward
     forward = node.target is aten.nll_loss_forward.default
@@ -241,6 +253,9 @@ def _nll(node: fx.Node, ctx: PassCtx) -> bool:
         logp, t, _, reduction, ignore = node.args
         node.target, node.args = vocab_nll_loss_forward.default, (logp, t, reduction, ignore,
                                                                   names, sizes)
+        valid = _valid_classes(logp, ctx)
+        if valid is not None:       # a padded vocab: its bound, not the padded width
+            node.args = (*node.args, valid)
     else:
         g, logp, t, _, reduction, ignore, total = node.args
         node.target = vocab_nll_loss_backward.default

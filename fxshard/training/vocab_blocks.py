@@ -41,6 +41,10 @@ class Blocks:
         self.rows, self.data_axes = rows, tuple(data_axes)
         self.row_coords = list(row_coords) if row_coords is not None else list(range(rows))
 
+    def describe(self) -> str:
+        """The blocks' axes, e.g. ``dp=2, tp=2``."""
+        return ", ".join(f"{a}={n}" for a, n in (*self.data_axes, (self.axis, self.n)))
+
     @property
     def per_row(self) -> int:
         """Blocks held per row group."""
@@ -89,6 +93,20 @@ class Blocks:
             first = widths[:self.per_row]
             return [sum(first[:i]) for i in range(len(first))] * (len(widths) // self.per_row)
         return [self.coords[0] * widths[0]]
+
+    def classes(self, widths: list[int]) -> int:
+        """The whole last dim's size (the model's vocab where it is padded for tp)."""
+        if self.valid is not None:
+            return self.valid
+        return sum(widths[:self.per_row]) if self.backend is None else self.n * widths[0]
+
+    def check_indices(self, indices: list, widths: list[int], where: str) -> None:
+        """One device's ``IndexError`` for an index outside the whole last dim: no block
+        would hold it, and the pick would add 0 silently (ignored targets come here as 0)."""
+        from ..ops.loss import check_targets
+        limit = self.classes(widths)
+        for index in {id(i): i for i in indices}.values():
+            check_targets(index, None, limit, where)
 
     # -- a vocab padded for tp (fxshard.passes.pad_vocab) --------------------------------------
     def pad_masks(self, xs: list[torch.Tensor]) -> list:
@@ -247,6 +265,8 @@ class Pick(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, blocks: Blocks, indices, starts, *xs):
+        blocks.check_indices(indices, [x.shape[-1] for x in xs],
+                             f"gather over the vocab blocks of pm(x)'s output ({blocks.describe()})")
         parts = []
         for x, index, lo in zip(xs, indices, starts):
             local = index - lo
@@ -306,6 +326,9 @@ class CrossEntropyRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, blocks: Blocks, indices, starts, *xs):
         # a padded vocab (Blocks.valid): the columns past it are read nowhere (no copy)
+        blocks.check_indices(indices, [x.shape[-1] for x in xs],
+                             f"cross_entropy over the vocab blocks of pm(x)'s output "
+                             f"({blocks.describe()})")
         widths = blocks.valid_widths(list(xs))
         xf = [x.float() for x in xs]
         top = blocks.max([x.narrow(-1, 0, w).amax(-1, keepdim=True) if w else
