@@ -2,10 +2,12 @@
 ``fxshard/ops/``, ``fxshard/kernels/`` imports nothing else of fxshard, and ``fxshard/ops/``
 imports only kernels, the runtime's backend context and itself (no import runs back up)."""
 import ast
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import fxshard
@@ -63,10 +65,16 @@ def test_the_import_scan_sees_relative_and_lazy_imports(tmp_path):
         (4, "fxshard.kernels.triton_attention")]
 
 
-def test_kernel_modules_import_with_the_rest_of_fxshard_blocked():
+KERNELS = sorted(p.stem for p in (PACKAGE / "kernels").glob("*.py") if p.stem != "__init__")
+TRITON_KERNELS = [name for name in KERNELS if name.startswith("triton_")]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _import_with_the_rest_blocked(modules: list[str], *, block_triton: bool) -> list[str]:
     """In a fresh interpreter where every fxshard module outside ``fxshard.kernels`` fails to
-    import (``fxshard`` itself a bare namespace), every kernels module imports and the torch
-    paths run."""
+    import (``fxshard`` itself a bare namespace; ``triton`` too with ``block_triton``), import
+    ``fxshard.kernels.<m>`` for each of ``modules`` and run the torch paths; the fxshard
+    modules then loaded."""
     code = f"""
 import importlib, importlib.abc, sys, types
 import torch
@@ -77,11 +85,13 @@ class Block(importlib.abc.MetaPathFinder):
             raise ImportError("blocked: " + name)
         return None
 
+if {block_triton!r}:
+    sys.modules["triton"] = None
 package = types.ModuleType("fxshard")
 package.__path__ = [{str(PACKAGE)!r}]
 sys.modules["fxshard"] = package
 sys.meta_path.insert(0, Block())
-for name in {sorted(p.stem for p in (PACKAGE / "kernels").glob("*.py") if p.stem != "__init__")!r}:
+for name in {modules!r}:
     importlib.import_module("fxshard.kernels." + name)
 from fxshard.kernels import attention, decode_attention
 q = torch.randn(1, 2, 3, 16)
@@ -94,8 +104,25 @@ print("ok", sorted(m for m in sys.modules if m.startswith("fxshard")))
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     loaded = eval(proc.stdout.split("ok", 1)[1])
-    assert "fxshard.kernels.triton_softmax" in loaded and all(
-        m == "fxshard" or m.startswith("fxshard.kernels") for m in loaded)
+    assert all(m == "fxshard" or m.startswith("fxshard.kernels") for m in loaded), loaded
+    return loaded
+
+
+def test_kernel_modules_import_with_the_rest_of_fxshard_and_triton_blocked():
+    """Every kernels module but the Triton ones imports, and the torch paths run, with the
+    rest of fxshard and triton itself unimportable (installed or not)."""
+    torch_only = [name for name in KERNELS if name not in TRITON_KERNELS]
+    assert {"attention", "decode"} <= set(torch_only) and TRITON_KERNELS, KERNELS
+    loaded = _import_with_the_rest_blocked(torch_only, block_triton=True)
+    assert {f"fxshard.kernels.{name}" for name in torch_only} <= set(loaded)
+    assert not any(m.startswith("fxshard.kernels.triton_") for m in loaded), loaded
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the gpu extra: "
+                                           "pip install -e '.[test,gpu]', as .ci/run does)")
+def test_triton_kernel_modules_import_with_the_rest_of_fxshard_blocked():
+    loaded = _import_with_the_rest_blocked(TRITON_KERNELS, block_triton=False)
+    assert {f"fxshard.kernels.{name}" for name in TRITON_KERNELS} <= set(loaded), loaded
 
 
 def test_every_op_is_defined_in_ops():
