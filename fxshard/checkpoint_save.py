@@ -28,7 +28,9 @@ writers need no messages. A training module's tensor is assembled one at a time 
 file's writer: on a simulated mesh from every rank's shard in this process; on a real mesh
 (``torchrun``) the owners of its blocks (the coordinate-0 replica of each slice) send them to
 the writer, which assembles and writes it, so a rank's peak is its own shards plus one whole
-tensor. Rank 0 writes the index last, after a barrier. A module trained on ``pp``: each
+tensor. Rank 0 writes the index last. All of it goes to a temporary sibling of ``directory``,
+switched in by rank 0 once every rank reported its files complete (:mod:`fxshard.atomic_dir`;
+a write that fails is reported then, and every rank raises). A module trained on ``pp``: each
 stage's shards are kept by the stage's ranks (on the mesh without ``pp``); under ``torchrun``
 a process knows only its own stages', so the stages first tell each other along ``pp`` which
 parameters they hold (name, placement, shape, dtype, pp coordinate: one object all-gather),
@@ -132,7 +134,7 @@ def _read_whole(value, shape) -> torch.Tensor:
     if hasattr(value, "block"):   # a checkpoint source: read the tensor whole
         from safetensors import safe_open
         with safe_open(value.file, framework="pt") as f:
-            return f.get_tensor(value.key)
+            return f.get_tensor(value.key).to(value.dtype)   # (read as the model's dtype)
     return value.detach()
 
 
@@ -259,7 +261,8 @@ def _write_bytes(fh, t: torch.Tensor, e: _Entry) -> None:
 def _save_config(model, directory: str) -> list[str]:
     """An HF model's ``config.json`` (with ``architectures``, as ``save_pretrained`` writes it)
     and ``generation_config.json`` beside the weights, so ``from_pretrained(directory)``
-    reads the checkpoint alone; nothing for a model without an HF config."""
+    reads the checkpoint alone; nothing for a model without an HF config. Returns the
+    names written."""
     written = []
     for attr, name in (("config", "config.json"), ("generation_config", "generation_config.json")):
         cfg = getattr(model, attr, None)
@@ -269,59 +272,78 @@ def _save_config(model, directory: str) -> list[str]:
             cfg = copy.deepcopy(cfg)
             cfg.architectures = [type(model).__name__]
         cfg.save_pretrained(directory)
-        written.append(os.path.join(directory, name))
+        written.append(name)
     return written
+
+
+def _owned(name: str) -> bool:
+    """A file of an HF safetensors save (what ``from_pretrained`` could read as the weights):
+    a new save leaves none of an older one's beside its own."""
+    return _WEIGHTS.fullmatch(name) is not None
+
+
+_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
 
 
 def save_safetensors(module, directory: str, *, max_shard_size="5GB") -> list[str]:
     """Write ``module``'s weights to ``directory`` as an HF checkpoint (see the module
     docstring); returns the files this process wrote. ``max_shard_size``: bytes per file
-    (an int or ``"5GB"``-style string; a larger tensor gets a file to itself)."""
+    (an int or ``"5GB"``-style string; a larger tensor gets a file to itself).
+
+    The checkpoint is written into a temporary sibling directory and switched in when every
+    file is complete (:mod:`fxshard.atomic_dir`): a save that fails leaves ``directory`` as it
+    was and raises an OSError naming the file; the weights files of an older save are
+    replaced, the directory's other files (a tokenizer) kept. On real ranks every rank must
+    call it."""
+    from .atomic_dir import replacing
+    from .runtime.agreement import together
     limit = shard_size_bytes(max_shard_size)
+    simulated = is_simulated(module.mesh)
+    if not simulated:
+        together(module.mesh, _WHERE, "save_safetensors(module, directory)")
     entries = _entries(module)
     files = _plan(entries, limit)
     n = len(files)
     names = [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
     mesh = module.spec
-    simulated = is_simulated(module.mesh)
     comm = None if simulated else _Comm(module.mesh)
     me = 0 if simulated else comm.rank
     world = 1 if simulated else mesh.world_size
-    os.makedirs(directory, exist_ok=True)
     written = []
-    for k, part in enumerate(files):
-        writer = k % world
-        if me != writer:
-            if comm is not None:
+    with replacing(directory, where=_WHERE, owned=_owned,
+                   rank=None if simulated else comm.dist.get_rank()) as stage:
+        for k, part in enumerate(files):
+            writer = k % world
+            if me != writer:
+                if comm is not None:
+                    for e in part:
+                        if e.shards is not None:
+                            comm.send_blocks(e, writer)
+                continue
+            with stage.file(names[k]) as fh:
+                fh.write(_header(part))
                 for e in part:
-                    if e.shards is not None:
-                        comm.send_blocks(e, writer)
-            continue
-        path = os.path.join(directory, names[k])
-        with open(path, "wb") as fh:
-            fh.write(_header(part))
-            for e in part:
-                if e.whole is not None:
-                    t = e.whole()
-                elif comm is None:
-                    t = _assemble_local(e, mesh)
-                else:
-                    t = comm.gather_whole(e)
-                _write_bytes(fh, t, e)
-                del t
-        written.append(path)
-    if comm is not None:
-        comm.barrier()
-    if me == 0:
-        written += _save_config(getattr(module, "model", None), directory)
-        index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
-                 "weight_map": {e.name: names[k] for k, part in enumerate(files) for e in part}}
-        with open(os.path.join(directory, INDEX), "w") as f:
-            json.dump(index, f, indent=2, sort_keys=True)
-        written.append(os.path.join(directory, INDEX))
-    if comm is not None:
-        comm.barrier()
-    return written
+                    if e.whole is not None:
+                        t = e.whole()
+                    elif comm is None:
+                        t = _assemble_local(e, mesh)
+                    else:
+                        t = comm.gather_whole(e)
+                    _write_bytes(fh, t, e)
+                    del t
+            written.append(names[k])
+        if me == 0:
+            try:
+                written += _save_config(getattr(module, "model", None), stage.path)
+            except OSError as e:
+                stage.fail(e, "config.json")
+            index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
+                     "weight_map": {e.name: names[k] for k, part in enumerate(files)
+                                    for e in part}}
+            with stage.file(INDEX) as fh:
+                fh.write(json.dumps(index, indent=2, sort_keys=True).encode())
+            written.append(INDEX)
+    return [os.path.join(directory, f) for f in written]
 
 
 class _Comm:
@@ -358,7 +380,4 @@ class _Comm:
                 self.dist.recv(block, src=self.globals[r])
             add_block(out, block, spec, mesh, kept)
         return cut_to(out, e.shape)
-
-    def barrier(self) -> None:
-        self.dist.barrier()
 
