@@ -28,6 +28,12 @@ copies into the shards in place (the optimizer's references stay valid) and sets
 optimizer's state and its groups' hyperparameters (``lr``, ``betas``, ...: a scheduler's
 changes carry over), as ``optimizer.load_state_dict``.
 Either mesh may be simulated or real; the files are the same.
+
+A save writes into a temporary sibling of the directory and switches it in when complete
+(:mod:`fxshard.atomic_dir`): a save that fails (a full disk) leaves the previous checkpoint as
+it was and raises an OSError (or RuntimeError) naming the file, on every rank; a load names a
+truncated or missing ``.distcp`` file. On real ranks every rank must make either call (else
+every rank that did raises, :func:`fxshard.runtime.agreement.together`).
 """
 from __future__ import annotations
 
@@ -50,6 +56,13 @@ def _trainer(pm, where: str):
     tm = getattr(pm, "trainer", pm)
     tm._require(where)
     return tm
+
+
+def _together(tm, where: str, call: str) -> None:
+    """Real ranks: every rank is making this call (else every rank raises, none waits)."""
+    if not tm._simulated:
+        from ..runtime.agreement import together
+        together(getattr(tm, "device_mesh", None) or tm.mesh, where, call)
 
 
 def _parts(tm) -> list:
@@ -170,6 +183,7 @@ def save_training_state(pm, optimizer: torch.optim.Optimizer, path: str) -> None
     ranks every process calls it and writes what it owns. See :mod:`fxshard.training.resume`."""
     import torch.distributed.checkpoint as dcp
     top = _trainer(pm, "save_training_state")
+    _together(top, _SAVE, "save_training_state(pm, optimizer, path)")
     owners = _owners(top, optimizer, _SAVE)
     model, state = {}, {}
     for tm, fqn in ((t, fqn) for t in _parts(top) for fqn in t.shards(t.ranks[0])):
@@ -199,8 +213,27 @@ def save_training_state(pm, optimizer: torch.optim.Optimizer, path: str) -> None
         state[fqn] = mine
     sd = {"model": model, "optim": {"state": state,
                                     "param_groups": _groups(top, optimizer, owners)}}
-    with _one_process(top):
-        dcp.save(sd, checkpoint_id=path, no_dist=top._simulated)
+    from torch.distributed.checkpoint.api import CheckpointException
+    from ..atomic_dir import replacing
+    rank = None if top._simulated else torch.distributed.get_rank()
+    with replacing(path, where=_SAVE, owned=_owned, rank=rank) as stage:
+        try:
+            with _one_process(top):
+                dcp.save(sd, checkpoint_id=stage.path, no_dist=top._simulated)
+        except CheckpointException as e:     # (a BaseException: every rank gets it)
+            r, (cause, _) = sorted(e.failures.items())[0]
+            stage.fail(cause, f"{_rank_files(stage.path, r)} (written by rank {r})")
+
+
+def _owned(name: str) -> bool:
+    """A file of a DCP checkpoint (a new save leaves none of an older one's beside its own)."""
+    return name == ".metadata" or name.endswith(".distcp")
+
+
+def _rank_files(directory: str, rank: int) -> str:
+    import os
+    names = sorted(f for f in os.listdir(directory) if f.startswith(f"__{rank}_"))
+    return ", ".join(names) or f"__{rank}_0.distcp"
 
 
 @contextlib.contextmanager
@@ -215,12 +248,44 @@ def _one_process(tm):
 
 
 def _metadata(path: str) -> dict:
+    """The checkpoint's tensors and values by key; every file its ``.metadata`` lists checked
+    to be there and long enough (a truncated ``.distcp`` named here, not by DCP's error)."""
     import torch.distributed.checkpoint as dcp
     try:
-        return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        meta = dcp.FileSystemReader(path).read_metadata()
     except FileNotFoundError as e:
         raise ValueError(f"{_LOAD}: {path!r} is not a torch.distributed.checkpoint directory "
                          f"written by fxshard.save_training_state ({e})") from None
+    except Exception as e:      # noqa: BLE001 - an unreadable .metadata
+        raise ValueError(f"{_LOAD}: the checkpoint {path!r} is damaged: its .metadata cannot "
+                         f"be read ({type(e).__name__}: {e}). Load an intact checkpoint (save "
+                         f"it again)") from e
+    _check_lengths(path, getattr(meta, "storage_data", None) or {})
+    return meta.state_dict_metadata
+
+
+def _check_lengths(path: str, storage: dict) -> None:
+    import os
+    need: dict = {}
+    for info in storage.values():
+        end = getattr(info, "offset", 0) + getattr(info, "length", 0)
+        name = getattr(info, "relative_path", None)
+        if name is not None:
+            need[name] = max(need.get(name, 0), end)
+    for name, end in sorted(need.items()):
+        file = os.path.join(path, name)
+        size = os.path.getsize(file) if os.path.isfile(file) else None
+        if size is None or size < end:
+            raise ValueError(
+                f"{_LOAD}: the checkpoint {path!r} is damaged: {file} "
+                f"{'is missing' if size is None else f'has {size} bytes'}, its .metadata says "
+                f"it holds {end} (truncated by a full disk or an interrupted copy?). Load an "
+                f"intact checkpoint (save it again)")
+
+
+def _data_files(path: str) -> list:
+    import os
+    return sorted(f for f in os.listdir(path) if f.endswith(".distcp"))
 
 
 def _empty(tm, fqn: str, meta, like: torch.Tensor, key: str | None = None):
@@ -259,6 +324,7 @@ def load_training_state(pm, optimizer: torch.optim.Optimizer, path: str) -> None
     shard and its groups' hyperparameters. On real ranks every process calls it."""
     import torch.distributed.checkpoint as dcp
     top = _trainer(pm, "load_training_state")
+    _together(top, _LOAD, "load_training_state(pm, optimizer, path)")
     _owners(top, optimizer, _LOAD)
     meta = _metadata(path)
     model, state = {}, {}
@@ -284,8 +350,17 @@ def load_training_state(pm, optimizer: torch.optim.Optimizer, path: str) -> None
     groups = [{k.split(".", 3)[3]: None for k in meta
                if k.startswith(f"optim.param_groups.{i}.")} for i in range(n_groups)]
     sd = {"model": model, "optim": {"state": state, "param_groups": groups}}
-    with _one_process(top):
-        dcp.load(sd, checkpoint_id=path, no_dist=top._simulated)
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        with _one_process(top):
+            dcp.load(sd, checkpoint_id=path, no_dist=top._simulated)
+    except (CheckpointException, Exception) as e:   # (a BaseException, naming no file;
+        r, (cause, _) = sorted(e.failures.items())[0] if isinstance(  # one process: raw)
+            e, CheckpointException) else (top.ranks[0], (e, None))
+        raise ValueError(
+            f"{_LOAD}: the checkpoint {path!r} is damaged: reading it failed on rank {r} "
+            f"({type(cause).__name__}: {str(cause).splitlines()[0][:160]}); its files {_data_files(path)} do not hold "
+            f"what its .metadata lists. Load an intact checkpoint (save it again)") from cause
     groups = sd["optim"]["param_groups"]
     with torch.no_grad():
         for tm in _parts(top):
