@@ -24,6 +24,7 @@ would keep mapped, and whose pages a column slice touches whole (counted in RSS)
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 import json
 import math
@@ -54,6 +55,9 @@ class SafetensorsSource:
     dtype: torch.dtype
     reads: list = field(default_factory=list)   # elements read per block() call, for tests
     start: int | None = None    # the byte where its data begins (None: read from the header)
+    #: the file's dtype where it is not ``dtype`` (the blocks are cast to ``dtype``, as
+    #: ``load_state_dict`` copies an integer tensor into a floating parameter)
+    stored: torch.dtype | None = None
     #: every block() is a new tensor of its own (no caller needs to copy it)
     fresh_blocks: ClassVar[bool] = True
 
@@ -66,6 +70,14 @@ class SafetensorsSource:
         """Rank ``rank``'s block under ``spec`` (Partial: whole on coordinate 0, else zeros).
         ``shape``: the global shape ``spec`` splits, where it pads this tensor's (a vocab
         padded for tp: the rows past the file's read as zeros)."""
+        t = self._block(spec, mesh, rank, shape)
+        return t if self.stored is None else t.to(self.dtype)
+
+    @property
+    def _stored(self) -> torch.dtype:
+        return self.stored or self.dtype
+
+    def _block(self, spec: tuple, mesh: MeshSpec, rank: int, shape) -> torch.Tensor:
         if shape is not None and tuple(shape) != tuple(self.shape):
             from .placement import padded_block
             t = padded_block(self._read, self.shape, shape, spec, mesh, rank)
@@ -76,7 +88,7 @@ class SafetensorsSource:
         coords = mesh.coords(rank)
         if any(isinstance(p, Partial) and n > 1 and c != 0
                for n, c, p in zip(mesh.shape, coords, spec)):
-            return torch.zeros([s.stop - s.start for s in index], dtype=self.dtype,
+            return torch.zeros([s.stop - s.start for s in index], dtype=self._stored,
                                device=self.device)
         if dim is not None:  # a fused weight: this rank's share of every part
             t = torch.cat([self._read(ix) for ix in pieces], dim)
@@ -93,14 +105,14 @@ class SafetensorsSource:
         shape = list(self.shape)
         index = tuple(index) or tuple(slice(0, n) for n in shape)
         size = [s.stop - s.start for s in index]
-        out = torch.empty(size, dtype=self.dtype, device="cpu")
+        out = torch.empty(size, dtype=self._stored, device="cpu")
         if out.numel() == 0:
             return out
         k = len(shape)             # dims k.. are whole: a run spans dim k-1's slice of them
         while k > 0 and index[k - 1] == slice(0, shape[k - 1]):
             k -= 1
         strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-        item = self.dtype.itemsize
+        item = self._stored.itemsize
         run = (size[k - 1] * strides[k - 1] if k else math.prod(shape)) * item
         first = index[k - 1].start * strides[k - 1] if k else 0
         dest = _buffer(out)
@@ -118,9 +130,9 @@ class SafetensorsSource:
         """``out`` (rows ``rows``, each ``width`` elements from ``first`` of a ``row``-element
         row) read as whole rows, ``_CHUNK`` bytes at a time, its columns copied out: one read per
         chunk instead of one per row."""
-        item = self.dtype.itemsize
+        item = self._stored.itemsize
         n = max(1, _CHUNK // (row * item))
-        bounce = torch.empty(min(n, rows.stop - rows.start), row, dtype=self.dtype,
+        bounce = torch.empty(min(n, rows.stop - rows.start), row, dtype=self._stored,
                              device="cpu")
         flat = out.view(rows.stop - rows.start, width)
         for r in range(rows.start, rows.stop, n):
@@ -295,7 +307,8 @@ def sources(path: str) -> dict[str, SafetensorsSource]:
 def load_safetensors(pm, path: str) -> None:
     """Load the unsharded checkpoint at ``path`` into ``pm``; every rank reads only its slices.
 
-    Tied weights saved once (``lm_head.weight`` absent while ``model.embed_tokens.weight`` is
+    A tensor stored as an integer for a floating parameter (or the other way round) is cast to
+    the parameter's dtype, as ``model.load_state_dict`` does. Tied weights saved once (``lm_head.weight`` absent while ``model.embed_tokens.weight`` is
     present, as HuggingFace saves tied models) are filled from their twin.
     """
     src = sources(path)
@@ -303,4 +316,16 @@ def load_safetensors(pm, path: str) -> None:
         for t in twins:
             if t not in src and name in src:
                 src[t] = src[name]
+    _cast_as_parameters(src, getattr(getattr(pm, "weights", None), "expected", {}))
     pm.load_state_dict(src)
+
+
+def _cast_as_parameters(src: dict, expected: dict) -> None:
+    """A tensor stored as an integer (or bool) for a floating weight, or the other way round,
+    is read as the model's dtype: what ``model.load_state_dict`` does on one device (it copies
+    into the parameter). Floating dtypes are left as stored, as before."""
+    for name, s in src.items():
+        want = expected.get(name, (None, None))[1]
+        if want is not None and s.stored is None and s.dtype != want and \
+                (s.dtype.is_floating_point != want.is_floating_point):
+            src[name] = dataclasses.replace(s, dtype=want, stored=s.dtype, reads=[])
