@@ -291,11 +291,10 @@ def test_cuda_training_program_runs_fxshard_attention_backward(monkeypatch):
     fxshard::attention_backward instead of aten's attention backward; run here on CPU tensors
     (the op's torch path), every gradient equals the single-device model's. On a cpu mesh the
     pass keeps aten's op."""
-    import fxshard.training.program as program
     from fxshard.mesh import SimulatedMesh
     from fxshard.training import parallelize_for_training
-
-    rewrite = program.cuda_attention_backward_pass
+    from fxshard.training.cuda_attention import cuda_attention_backward_pass as rewrite
+    from fxshard.training import pass_lists
 
     def rewrite_as_on_cuda(gm, *, ctx):   # only this pass sees cuda (the rest runs on CPU)
         on_cuda = dataclasses.replace(ctx, mesh=dataclasses.replace(ctx.mesh, device_type="cuda"))
@@ -310,7 +309,8 @@ def test_cuda_training_program_runs_fxshard_attention_backward(monkeypatch):
     cpu = parallelize_for_training(model, mesh, example_inputs=(ids,))
     assert _attention_targets(cpu.rank_module(0, "backward")) == [
         "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"]
-    monkeypatch.setattr(program, "cuda_attention_backward_pass", rewrite_as_on_cuda)
+    monkeypatch.setattr(pass_lists, "TRAIN_JOINT", [rewrite_as_on_cuda if p is rewrite else p
+                                                    for p in pass_lists.TRAIN_JOINT])
     tm = parallelize_for_training(model, mesh)
     out = tm(ids)
     assert tm._last.reports["cuda_attention_backward_pass"] == {"rewritten": 1, "left": 0}

@@ -31,6 +31,9 @@ model with fewer KV heads than tp ranks, under sequence parallelism: each all-to
 ``[B, S/tp, D]`` result to the heads; now both read the gather q_proj needs, as Megatron's
 replicated KV heads do, and their weight gradients need no all-reduce over the tokens).
 
+The refinements' finders are :mod:`fxshard.passes.propagate_refine`; ``propagate_once`` is
+one sweep (the joint graph's propagation, :mod:`fxshard.training.joint_propagate`, runs it too).
+
 Before (tp=2)::  linear(x, w_q) -> view [B,S,H,D] -> sdpa ... -> linear(a, w_o) -> add(res, .)
 After::          w_q: S(0) out S(2) -> S(2) -> S(1) ... w_o: S(1) out P -> add needs (R, R)
 """
@@ -44,8 +47,9 @@ import torch.fx as fx
 from ..placement import Partial, R, Replicate, Shard, StridedShard, shard_dim, short
 from . import PassCtx
 from .fsdp import fsdp_storage_pass
-from .moe_routing import TAG
-from .rules import (UNDECIDED, Decision, RuleCtx, fallback, held, lookup, tensor_inputs,
+from .propagate_refine import (gathered_beside_whole_weights, gathered_for_routing, reduced_twice,
+                               spec_of, untag_moved_regions)
+from .rules import (UNDECIDED, Decision, RuleCtx, fallback, lookup, tensor_inputs,
                     warn_fallback)
 from .rules.experts import grouped_mm_rule
 from .rules.linear import addmm_rule, linear_rule, matmul_rule
@@ -55,7 +59,7 @@ from .whole_weights import (_gathered_before_use, _list_replicated, _parts_to_ke
                             _why_gathered)
 from ..mesh import BATCH_AXES, FSDP, SEQUENCE_AXES, TP
 
-__all__ = ["propagate_pass", "input_spec"]
+__all__ = ["propagate_pass", "propagate_once", "input_spec"]
 
 _MAX_REFINEMENTS = 8
 
@@ -82,16 +86,13 @@ def input_spec(val: torch.Tensor, ctx: PassCtx, main: torch.Tensor | None = None
     return tuple(out)
 
 
-def _spec_of(node: fx.Node, param_spec: dict) -> object:
-    if node.name in param_spec:
-        return param_spec[node.name]
-    then = node.meta.get("fxshard_then")
-    return then if then is not None else node.meta.get("fxshard_spec")
-
-
-def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
-              reduced: dict | None = None, gathered: dict | None = None,
-              whole_parts: dict | None = None) -> dict:
+def propagate_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
+                   reduced: dict | None = None, gathered: dict | None = None,
+                   whole_parts: dict | None = None) -> dict:
+    """One sweep of the rules over ``gm`` in order, every node's placements in ``node.meta``;
+    ``replicate`` / ``reduced`` / ``gathered`` / ``whole_parts`` are the refinements so far
+    (:mod:`fxshard.passes.propagate_refine` finds them). Returns the weights tp made
+    column-parallel by default (FQN -> their linear), for the whole-weight refinement."""
     mesh = ctx.mesh
     axes = [(i, a, n) for i, (a, n) in enumerate(zip(mesh.axis_names, mesh.shape)) if n > 1]
     rctx = {a: RuleCtx(axis=a, size=n, mesh=mesh, sequence_parallel=ctx.sequence_parallel,
@@ -141,14 +142,14 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
         if node.op == "output":
             ins = tensor_inputs(node)
             node.meta["fxshard_need"] = [
-                _spec_of(t, param_spec) if ctx.keep_output_placement
+                spec_of(t, param_spec) if ctx.keep_output_placement
                 else tuple(R for _ in mesh.shape) for t in ins]
             continue
         if node.op != "call_function":
             node.meta["fxshard_spec"] = None
             continue
         if node.target is operator.getitem:
-            src = _spec_of(node.args[0], param_spec)
+            src = spec_of(node.args[0], param_spec)
             node.meta["fxshard_spec"] = src[node.args[1]] if isinstance(src, list) else None
             node.meta["fxshard_need"] = []
             continue
@@ -162,7 +163,7 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
             continue
         if not isinstance(val, (torch.Tensor, list, tuple)):
             node.meta["fxshard_spec"] = None
-            node.meta["fxshard_need"] = [_spec_of(t, param_spec) for t in ins_nodes]
+            node.meta["fxshard_need"] = [spec_of(t, param_spec) for t in ins_nodes]
             continue
         rule_fn = lookup(node.target)
         n_out = len(val) if isinstance(val, (list, tuple)) else None
@@ -173,7 +174,7 @@ def _run_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
         fell_back = False
         decisions: dict[int, Decision] = {}
         for i, a, n in axes:
-            cur = [_spec_of(t, param_spec)[i] for t in ins_nodes]
+            cur = [spec_of(t, param_spec)[i] for t in ins_nodes]
             cur = [(reduced or {}).get((t.name, i), p) if isinstance(p, Partial) else
                    (gathered or {}).get((t.name, i), p) if shard_dim(p) is not None else p
                    for t, p in zip(ins_nodes, cur)]
@@ -285,193 +286,6 @@ def _divides(shape, spec, ctx: PassCtx) -> bool:
     return True
 
 
-def _reduced_twice(gm: fx.GraphModule) -> dict[tuple[str, int], object]:
-    """(node, axis index) -> placement, for Partial values that one consumer needs reduced
-    (to that placement) while another keeps using the partial sum (which would then be
-    reduced a second time)."""
-    out = {}
-    for node in gm.graph.nodes:
-        spec = node.meta.get("fxshard_spec")
-        if not isinstance(spec, tuple) or node.meta.get("fxshard_param") is not None:
-            continue
-        for i, p in enumerate(spec):
-            if not isinstance(p, Partial):
-                continue
-            needs = [nd[i] for u in node.users if u.op != "output"
-                     for t, nd in zip(tensor_inputs(u), u.meta.get("fxshard_need") or [])
-                     if t is node]
-            done = [q for q in needs if not isinstance(q, Partial)]
-            if done and any(isinstance(q, Partial) for q in needs):
-                out[(node.name, i)] = done[0]
-    return out
-
-
-def _gathered_for_routing(gm: fx.GraphModule, tp: int) -> set[tuple[str, int]]:
-    """(node, ``tp``) for sharded values that a node of an MoE routing region needs gathered
-    while another consumer keeps the shard (the router: its ids and weights would then be
-    gathered separately, as each rank of tp needs every token's routing)."""
-    out = set()
-    for node in gm.graph.nodes:
-        spec = node.meta.get("fxshard_spec")
-        if not isinstance(spec, tuple) or shard_dim(spec[tp]) is None or \
-                node.meta.get("fxshard_param") is not None:
-            continue
-        needs = [(u, nd[tp]) for u in node.users if u.op != "output"
-                 for t, nd in zip(tensor_inputs(u), u.meta.get("fxshard_need") or [])
-                 if t is node]
-        if any(isinstance(q, Replicate) and u.meta.get(TAG) is not None for u, q in needs) and \
-                any(not isinstance(q, Replicate) for _, q in needs):
-            out.add((node.name, tp))
-        elif node.meta.get(TAG) is None and any(
-                isinstance(q, Replicate) and u.meta.get(TAG) is not None for u, q in needs):
-            out |= _gathered_above(node, tp)
-    return out
-
-
-_CONTRACTIONS = {torch.ops.aten.mm.default: (0, 1), torch.ops.aten.addmm.default: (1, 2),
-                 torch.ops.aten.linear.default: (0, 1), torch.ops.aten.matmul.default: (0, 1)}
-
-
-def gathered_beside_whole_weights(gm: fx.GraphModule, tp: int,
-                                  depth: int = 16) -> set[tuple[str, int]]:
-    """(node, ``tp``) for sharded values (sequence parallelism's token shard) that one
-    consumer needs gathered while a matmul with a weight whole on ``tp`` reads the shard, and
-    that matmul's result is moved on ``tp`` further down (K/V projections when ``tp`` exceeds
-    the KV heads: computed on the rank's tokens, then all-to-all'ed to the heads). Handed
-    gathered to all their consumers, the matmul runs on every token from the gather its
-    sibling (the q projection) needs anyway, and its result is sliced where it is needed:
-    Megatron's replicated KV heads, no collective of their own in the forward, and in the
-    backward their weight gradients come from the saved gathered input rather than being
-    all-reduced as partial sums over the tokens."""
-    out = set()
-    for node in gm.graph.nodes:
-        spec = node.meta.get("fxshard_spec")
-        if not isinstance(spec, tuple) or shard_dim(spec[tp]) is None or \
-                node.op == "placeholder" or node.meta.get("fxshard_then") is not None:
-            continue
-        needs = [(u, nd[tp]) for u in node.users if u.op != "output"
-                 for t, nd in zip(tensor_inputs(u), u.meta.get("fxshard_need") or [])
-                 if t is node]
-        if any(q == R for _, q in needs) and any(
-                q == spec[tp] and _whole_weight_matmul(u, node, tp) and
-                _moved_below(u, tp, depth) for u, q in needs):
-            out.add((node.name, tp))
-    return out
-
-
-def _whole_weight_matmul(u: fx.Node, x: fx.Node, tp: int) -> bool:
-    """``u`` multiplies ``x`` by a weight (a placeholder, through views) it uses whole on tp."""
-    operands = _CONTRACTIONS.get(u.target)
-    if operands is None:
-        return False
-    a, b = (u.args[k] for k in operands)
-    if a is not x and b is not x:
-        return False
-    other = b if a is x else a
-    w = other
-    # (a slice: a fused weight's part, trained per part, fxshard.training.joint)
-    while isinstance(w, fx.Node) and (w.target in _WEIGHT_VIEWS or
-                                      w.target is torch.ops.aten.slice.Tensor):
-        w = w.args[0]
-    if not isinstance(w, fx.Node) or w.op != "placeholder":
-        return False
-    need = dict(zip(tensor_inputs(u), u.meta.get("fxshard_need") or []))
-    return other in need and need[other][tp] == R
-
-
-def _moved_below(node: fx.Node, tp: int, depth: int) -> bool:
-    """A collective moves on tp ``node``'s value or a value computed from it alone (through
-    views and ops whose other inputs are whole on tp: RoPE's tables), within ``depth``
-    consumers. A consumer that mixes in another sharded value (a residual add) ends the walk:
-    what moves past it is not the matmul's result."""
-    ours, frontier = {node}, [node]
-    for _ in range(depth):
-        below = []
-        for n in frontier:
-            have = held(n)
-            if not isinstance(have, tuple) or shard_dim(have[tp]) is None:
-                continue
-            for u in n.users:
-                if u.op == "output" or u in ours:
-                    continue
-                ins = tensor_inputs(u)
-                if any(t is n and nd[tp] != have[tp]
-                       for t, nd in zip(ins, u.meta.get("fxshard_need") or [])):
-                    return True
-                if all(t in ours or _whole_on(t, tp) for t in ins):
-                    ours.add(u)
-                    below.append(u)
-        frontier = below
-    return False
-
-
-def _whole_on(node: fx.Node, tp: int) -> bool:
-    have = held(node)
-    return isinstance(have, tuple) and have[tp] == R
-
-
-def _needs_of(node: fx.Node, tp: int) -> list:
-    return [nd[tp] for u in node.users if u.op != "output"
-            for t, nd in zip(tensor_inputs(u), u.meta.get("fxshard_need") or []) if t is node]
-
-
-def _gathered_above(node: fx.Node, tp: int, depth: int = 12) -> set[tuple[str, int]]:
-    """The nearest sharded values above ``node`` (the routing's ids, weights, rows: gathered
-    one by one for a region) that another consumer gathers anyway (the MoE input, which the
-    shared expert's column-parallel linear reads whole, under sequence parallelism): handed
-    gathered to all their consumers, the router runs on every token and the routing needs
-    no gather of its own."""
-    out, seen, frontier = set(), {node}, [node]
-    for _ in range(depth):
-        up = []
-        for n in frontier:
-            for a in n.all_input_nodes:
-                spec = a.meta.get("fxshard_spec")
-                if a in seen or not isinstance(spec, tuple) or shard_dim(spec[tp]) is None or \
-                        a.meta.get("fxshard_param") is not None:
-                    continue
-                seen.add(a)
-                if any(isinstance(q, Replicate) for q in _needs_of(a, tp)):
-                    out.add((a.name, tp))
-                else:
-                    up.append(a)
-        frontier = up
-    return out
-
-
-def untag_moved_regions(gm: fx.GraphModule, ctx: PassCtx) -> bool:
-    """Untag the routing regions in which a collective would move rows (they then run
-    gathered: correct, slower) and report them; whether any was untagged (propagate again)."""
-    moved = _moved_inside_region(gm, ctx)
-    for node in gm.graph.nodes:
-        if node.meta.get(TAG) in moved:
-            del node.meta[TAG]
-    if moved:
-        ctx.report("propagate_pass", changed=False, routing_regions_gathered=len(moved))
-    return bool(moved)
-
-
-def _moved_inside_region(gm: fx.GraphModule, ctx: PassCtx) -> set[str]:
-    """Expert-routing regions (``moe_routing_pass``) in which a collective would move a value
-    on an axis where it holds the rank's own rows in the rank's own order: the only move
-    allowed there is slicing a whole value from outside the region to the rank's rows."""
-    bad = set()
-    for node in gm.graph.nodes:
-        region = node.meta.get(TAG)
-        if region is None or node.target is operator.getitem:
-            continue
-        for t, need in zip(tensor_inputs(node), node.meta.get("fxshard_need") or []):
-            have = _spec_of(t, {})
-            for i, (a, n) in enumerate(zip(ctx.mesh.axis_names, ctx.mesh.shape)):
-                if n == 1 or a == TP or have is None or need[i] == have[i]:
-                    continue
-                if t.meta.get(TAG) != region and isinstance(have[i], Replicate) and \
-                        shard_dim(need[i]) is not None:
-                    continue
-                bad.add(region)
-    return bad
-
-
 def _report_experts(gm: fx.GraphModule, ctx: PassCtx, tp: int) -> None:
     """Count, in ``explain()``'s pass log, the MoE expert weights split on ``tp``."""
     for node in gm.graph.nodes:
@@ -505,10 +319,10 @@ def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
                gathered_for_routing=0, gathered_for_whole_weights=0, replicated_on_tp=0,
                experts_split_on_tp=0)
     for _ in range(_MAX_REFINEMENTS):
-        auto_colwise = _run_once(gm, ctx, replicate, reduced, gathered, whole_parts)
+        auto_colwise = propagate_once(gm, ctx, replicate, reduced, gathered, whole_parts)
         if untag_moved_regions(gm, ctx):
             continue
-        twice = {k: v for k, v in _reduced_twice(gm).items() if k not in reduced}
+        twice = {k: v for k, v in reduced_twice(gm).items() if k not in reduced}
         # several consumers use these partial sums: reduced once, not by each
         ctx.report("propagate_pass", changed=False, reduced_once=len(twice))
         reduced.update(twice)
@@ -516,7 +330,7 @@ def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
             if twice:
                 continue
             break
-        once = _gathered_for_routing(gm, tp) - gathered.keys()
+        once = gathered_for_routing(gm, tp) - gathered.keys()
         # an expert-routing region and the router both read these: gathered once on tp
         ctx.report("propagate_pass", changed=False, gathered_for_routing=len(once))
         beside = gathered_beside_whole_weights(gm, tp) - gathered.keys() - once

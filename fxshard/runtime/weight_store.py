@@ -21,7 +21,7 @@ from ..mesh import MeshSpec
 from ..placement import R
 from ..weights import non_persistent_buffers
 
-__all__ = ["WeightStore", "WeightWatch"]
+__all__ = ["WeightStore", "WeightWatch", "check_model_unchanged"]
 
 _WHERE = "fxshard.parallelize"
 
@@ -106,6 +106,9 @@ class WeightStore:
         # the TrainModule whose shards are the parameters' values once training started
         # (fxshard.training.shards): the model object is no longer the truth then
         self.trained = None
+        # set with ``trained``: load_trained(trained, state_dict) copies whole tensors into
+        # its shards in place (training passes it in: the store imports nothing of training)
+        self.load_trained = None
         self.trained_sources: list = []
         # set when training's shards become the values: every program bound before (an
         # inference call ahead of training) holds slices of the old values and is re-bound
@@ -122,7 +125,6 @@ class WeightStore:
             return None
         changed = {k: v for k, v in changed.items() if v is not None and v.device.type != "meta"}
         if self.trained is not None:
-            from ..training.shards import check_model_unchanged
             self.edited.update(changed)     # an error on every call till loaded or written
             check_model_unchanged(self.edited)
             rebind, self.rebind = self.rebind, False
@@ -218,10 +220,23 @@ class WeightStore:
                     f"ParallelModule.load_state_dict: {k!r} has shape {got} but the model "
                     f"expects {shape}; load a checkpoint of the same configuration")
         if self.trained is not None:   # the trained shards take the values, in place
-            from ..training.shards import load_into
-            load_into(self.trained, state_dict)
+            self.load_trained(self.trained, state_dict)
             state_dict = {k: v for k, v in state_dict.items()
                           if not hasattr(self.values.get(k), "stale")}
         self.values.update(state_dict)
         self.seen()
         return any(k in self.buffer_fqns for k in state_dict)
+
+
+def check_model_unchanged(changed: dict) -> None:
+    """Raise for a change to the model object after training started (its weights are no
+    longer what the programs compute with: the trained shards are)."""
+    if changed:
+        names = sorted(changed)
+        raise ValueError(
+            f"{_WHERE}: the model's {names[:3]}{' ...' if len(names) > 3 else ''} changed "
+            f"after training started; the trained shards, not the model object, are the "
+            f"weights now (the model keeps its initial ones). To set new weights, call "
+            f"pm.load_state_dict(state_dict) (copies into the shards in place; the optimizer "
+            f"keeps working); to copy the trained weights into the model, "
+            f"model.load_state_dict(pm.state_dict()) and parallelize it again")

@@ -18,6 +18,10 @@ reduce-scatter) run just after it is made. Before/after on one linear::
     joint:     t = t(w); mm = mm(x, t); ...; mm_8 = mm(t(tangent), x); t_10 = t(t); mm_9 = ...
     forward:   t = t(w); mm = mm(x, t)                      -> (out, x)        (x saved)
     backward:  t = t(w); t_10 = t(t); mm_8 = mm(t(tangent), x); mm_9 = mm(tangent, t_10)
+
+``partition_pass`` is the last pass of :data:`fxshard.training.pass_lists.TRAIN_JOINT`: it
+leaves the :class:`Split` on ``ctx.split`` (the fsdp gathers to keep and the recompute
+choice from ``ctx``) and returns the joint graph unchanged.
 """
 from __future__ import annotations
 
@@ -27,10 +31,14 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..passes.fsdp_buckets import GRADIENTS
+from ..mesh import MeshSpec
+from ..passes.fsdp import AXIS as FSDP
+from ..passes.fsdp_buckets import GRADIENTS, layer_of
+from ..placement import local_shape
 from .recompute import choose, recomputable
+from .train_ctx import TrainCtx
 
-__all__ = ["Split", "partition"]
+__all__ = ["Split", "partition", "partition_pass"]
 
 
 @dataclass
@@ -204,3 +212,43 @@ def partition(gm: fx.GraphModule, n_outputs: int, grad_fqns: list, keep: set = f
                  inputs=[n.meta["fxshard_input"] for n in user], n_outputs=len(fwd_outs),
                  n_saved=len(saved), tangents=[t.meta["fxshard_tangent"] for t in tangents],
                  grads=[fqn for fqn, _ in grads])
+
+
+def partition_pass(gm: fx.GraphModule, *, ctx: TrainCtx) -> fx.GraphModule:
+    """Partition the joint graph (:func:`partition`) into ``ctx.split``: ``ctx.joint``'s
+    outputs and gradients, ``ctx.reshard_after_forward``'s gathers kept, ``ctx.recompute``."""
+    ctx.split = partition(gm, ctx.joint.n_outputs, ctx.joint.grads,
+                          keep=_fsdp_gathers(gm, ctx.reshard_after_forward, ctx),
+                          recompute=ctx.recompute, model_name=ctx.model_name,
+                          nbytes=lambda n: _local_bytes(n, ctx.mesh))
+    return gm
+
+
+def _fsdp_gathers(gm: fx.GraphModule, reshard_after_forward, ctx: TrainCtx) -> set:
+    """The all-gathers of fsdp-sharded parameters the forward saves rather than the backward
+    redoes: none (``reshard_after_forward=True``), all (``False``) or those of the parameters
+    outside the layer stack (``"layers"``: the embedding, the final norm, the head; what
+    FSDP2's root keeps when ``fully_shard`` wraps each layer and the model)."""
+    if reshard_after_forward is True:
+        return set()
+    out = set()
+    for node in gm.graph.nodes:
+        step = node.meta.get("fxshard_collective")
+        src = node.args[0] if node.args else None
+        fqn = src.meta.get("fxshard_param") if isinstance(src, fx.Node) else None
+        if step is not None and step.axis == FSDP and step.op == "all_gather" and \
+                fqn is not None and (reshard_after_forward is False or
+                                     layer_of(fqn, ctx) is None):
+            out.add(node)
+    return out
+
+
+def _local_bytes(node: fx.Node, mesh: MeshSpec) -> int:
+    """Bytes of a node's value on one rank (its global value and placement)."""
+    from ..explain import data_dependent
+    val, spec = node.meta.get("val"), node.meta.get("fxshard_spec")
+    if not isinstance(val, torch.Tensor) or not isinstance(spec, tuple) or \
+            data_dependent(val.shape):    # (a size known only at run time: not counted)
+        return 0
+    return int(torch.Size(local_shape(tuple(val.shape), spec, mesh)).numel()) * \
+        val.element_size()

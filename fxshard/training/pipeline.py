@@ -41,7 +41,7 @@ from .module import (TrainModule, _bytes, check_backward_once, check_inputs_need
                      frozen_names)
 from .program import build_train_program
 from .schedules import actions, global_order
-from .shards import TrainedShard
+from .shards import TrainedShard, load_into
 from .stages import example_received, split_forward
 
 __all__ = ["PipelineTrainer"]
@@ -286,7 +286,7 @@ class PipelineTrainer:
             if isinstance(v, TrainedShard) and not isinstance(v, _StageShard):
                 store.values[fqn] = _StageShard(self, v.tm, v.fqn, v.spec, v.shape)
                 fresh = True
-        store.trained = self
+        store.trained, store.load_trained = self, load_into
         store.trained_sources = list({id(v): v for v in store.values.values()
                                       if isinstance(v, TrainedShard)}.values())
         store.rebind |= fresh   # (a new input signature of the same shards: nothing to do)

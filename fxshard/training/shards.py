@@ -15,7 +15,7 @@ nothing re-sliced. A program that places a parameter differently gets a copy ass
 the shards (simulated mesh), and :meth:`TrainedShard.stale` tells the program cache to cut it
 again after the shards changed. From then on the model object is not the truth: it keeps its
 initial weights; a change to it is an error naming ``pm.load_state_dict`` (see
-:func:`check_model_unchanged`), which copies into the shards in place (:func:`load_into`).
+:func:`fxshard.runtime.weight_store.check_model_unchanged`), which copies into the shards in place (:func:`load_into`).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch
 
 from ..placement import cut_to, local_block, pad_to, padded_block
 
-__all__ = ["TrainedShard", "install", "load_into", "check_model_unchanged", "check_on_device"]
+__all__ = ["TrainedShard", "install", "load_into", "check_on_device"]
 
 _WHERE = "fxshard.parallelize"
 
@@ -86,7 +86,7 @@ def install(store, tm, program) -> None:
     for other, kept in program.joint.tied.items():
         if kept in program.specs and isinstance(store.values.get(kept), TrainedShard):
             store.values[other] = store.values[kept]
-    store.trained = tm
+    store.trained, store.load_trained = tm, load_into
     store.trained_sources = list({id(v): v for v in store.values.values()
                                   if isinstance(v, TrainedShard)}.values())
     store.rebind = True   # an inference program bound before reads the shards from now on
@@ -117,19 +117,6 @@ def load_into(tm, state_dict: dict) -> None:
                                             tm.spec, rank)
                     shard.copy_(value)
 
-
-def check_model_unchanged(changed: dict) -> None:
-    """Raise for a change to the model object after training started (its weights are no
-    longer what the programs compute with: the trained shards are)."""
-    if changed:
-        names = sorted(changed)
-        raise ValueError(
-            f"{_WHERE}: the model's {names[:3]}{' ...' if len(names) > 3 else ''} changed "
-            f"after training started; the trained shards, not the model object, are the "
-            f"weights now (the model keeps its initial ones). To set new weights, call "
-            f"pm.load_state_dict(state_dict) (copies into the shards in place; the optimizer "
-            f"keeps working); to copy the trained weights into the model, "
-            f"model.load_state_dict(pm.state_dict()) and parallelize it again")
 
 
 def check_on_device(store, model) -> None:
