@@ -11,13 +11,20 @@ FAIL), then the plan (collectives and parameter bytes per rank) and one layer of
 program; explain prints the plan only; "COMMAND --help" lists a command's options;
 generate prints greedy tokens from pm.generate, whether they equal the single-device model's
 (a plain loop without a cache) and the prefill time and decode tokens per second.
+The long steps (tracing, building the rank programs, the single-device reference) say what
+they are doing on stderr (--quiet: not), and fxshard's warnings come as one-line notes there
+with the CLI's options (--plan, --strict) as the fix.
 """
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import os
 import re
 import sys
+import time
+import warnings
 
 import torch
 from .mesh import DP, FSDP, RING, TP, ULYSSES
@@ -60,6 +67,23 @@ def _integer(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+_PLAN_STYLES = ("colwise", "rowwise", "vocab", "embed_dim", "replicate")
+
+
+def _parse_plan(text: str) -> dict[str, str]:
+    """``"model.layers.*.mlp.*=replicate,lm_head=embed_dim"`` -> the ``plan=`` dict of
+    fxshard.parallelize; an argparse error (usage, no traceback) for anything else."""
+    plan = {}
+    for part in text.split(","):
+        glob, eq, style = (p.strip() for p in part.partition("="))
+        if not eq or not glob or style not in _PLAN_STYLES:
+            raise argparse.ArgumentTypeError(
+                f"expected MODULE_GLOB=STYLE pairs with a style of {', '.join(_PLAN_STYLES)}, "
+                f"like model.layers.*.self_attn.k_proj=replicate; got {part!r}")
+        plan[glob] = style
+    return plan
 
 
 def _writable(path: str) -> str:
@@ -130,6 +154,15 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--batch", type=_positive, default=None,
                         help="batch size (default: the smallest multiple of dp x microbatches "
                              "that is >= 4)")
+    common.add_argument("--plan", type=_parse_plan, default=None, metavar="GLOB=STYLE,...",
+                        help="tensor-parallel overrides by module-name glob, e.g. "
+                             "model.layers.*.self_attn.k_proj=replicate (styles: "
+                             f"{', '.join(_PLAN_STYLES)}); parallelize's plan=")
+    common.add_argument("--strict", action="store_true",
+                        help="an op without a sharding rule, or a weight kept whole, is an "
+                             "error instead of a note")
+    common.add_argument("--quiet", action="store_true",
+                        help="no progress lines on stderr (the tracing and building steps)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 help="; ".join(f"{k}: {v}" for k, v in _COMMANDS.items()))
     for name, text in _COMMANDS.items():
@@ -156,6 +189,73 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Progress:
+    """What the long steps are doing, one line each on stderr, on rank 0 only (torchrun's
+    ``RANK``); nothing with ``--quiet``. fxshard's library calls print nothing themselves."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and os.environ.get("RANK", "0") == "0"
+
+    @contextlib.contextmanager
+    def step(self, doing: str, done: str = "done"):
+        """``doing ...`` before the step, ``done in N s`` after it."""
+        self.say(f"{doing} ...")
+        start = time.perf_counter()
+        yield
+        self.say(f"{done} in {time.perf_counter() - start:.1f} s")
+
+    def say(self, line: str) -> None:
+        if self.enabled:
+            print(line, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _notes(where: str):
+    """fxshard's warnings as one-line notes on stderr (rank 0 only), with the CLI's options as
+    the fix and without a source location (which would be runpy's); other warnings as usual."""
+    shown: set[str] = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        default_show = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if not category.__module__.startswith("fxshard"):
+                return default_show(message, category, filename, lineno, file, line)
+            note = f"{where}: note: {_cli_note(str(message))}"
+            if note not in shown and os.environ.get("RANK", "0") == "0":
+                shown.add(note)
+                print(note, file=sys.stderr, flush=True)
+        warnings.showwarning = show
+        yield
+
+
+def _cli_note(message: str) -> str:
+    """An fxshard warning on one line, its ``plan=`` / ``strict=True`` advice in the CLI's
+    options: ``--plan GLOB=STYLE,...``, ``--strict``."""
+    lines = message.removeprefix("fxshard: ").splitlines()
+    head, details = lines[0], [ln.strip() for ln in lines[1:] if ln.startswith(" ")]
+    advice = " ".join(ln for ln in lines[1:] if not ln.startswith(" "))
+    text = head.rstrip(".") + (f" ({'; '.join(details)})" if details else "") + "."
+    plans = re.findall(r"plan=(\{[^{}]*\})", advice)
+    fix = _plan_option(plans[-1]) if plans else None
+    if fix:
+        return (f"{text} Accept them with --plan '{fix}' (silences this note); --strict makes "
+                f"it an error.")
+    return f"{_for_the_cli(' '.join((text, advice)).strip())}"
+
+
+def _plan_option(literal: str) -> str | None:
+    """``"{'a.*': 'replicate'}"`` -> ``"a.*=replicate"`` (``--plan``'s form); None when it
+    names no real module (a placeholder such as ``'<attention projections>'``)."""
+    try:
+        plan = ast.literal_eval(literal)
+    except (ValueError, SyntaxError):
+        return None
+    if not isinstance(plan, dict) or any("<" in str(k) for k in plan):
+        return None
+    return ",".join(f"{k}={v}" for k, v in plan.items())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -169,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, name, unit * -(-default // unit))
     where = f"{parser.prog} {args.command}: error"
     try:
-        return _run(args)
+        with _notes(f"{parser.prog} {args.command}"):
+            return _run(args)
     except (ValueError, TypeError, NotImplementedError) as e:  # fxshard's errors say the fix
         parser.exit(2, f"{where}: {_for_the_cli(str(e))}\n")
     except MemoryError as e:
@@ -180,15 +281,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _for_the_cli(message: str) -> str:
-    """fxshard's messages suggest API fixes; the CLI takes no ``plan=``: drop that advice and
-    say what the CLI can change instead."""
+    """fxshard's messages suggest API fixes: ``plan={...}`` naming modules becomes ``--plan``,
+    ``strict=True`` ``--strict``; advice with a placeholder module (no ``--plan`` to give) is
+    dropped for what the CLI can change instead."""
+    message = message.replace("fxshard.parallelize(strict=True): ", "--strict: ")
+    message = message.replace("strict=True", "--strict")
+
+    def option(match: re.Match) -> str:
+        fix = _plan_option(match.group(1))
+        return f"--plan '{fix}'" if fix else match.group(0)
+    message = re.sub(r"plan=(\{[^{}]*\})", option, message)
     if "plan=" not in message:
         return message
     message = re.sub(r",? or [^.]*?plan=\{.*?\}\}?[^.]*", "", message)
     message = re.sub(r"(^|(?<=\. ))[^.]*plan=\{.*?\}\}?[^.]*\.?", "", message).rstrip()
     return (f"{message} From the CLI: change --mesh (sizes that divide the tiny Llama's 4 "
-            f"query heads, 2 KV heads and hidden size 64, e.g. --mesh tp=2); plan= is an argument "
-            f"of fxshard.parallelize in Python, not of the CLI")
+            f"query heads, 2 KV heads and hidden size 64, e.g. --mesh tp=2)")
 
 
 def _run(args) -> int:
@@ -201,28 +309,46 @@ def _run(args) -> int:
     # under torchrun this starts the default (gloo) process group
     mesh = fxshard.init_device_mesh("cpu", shape, mesh_dim_names=names)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    progress = _Progress(not args.quiet)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig.tiny(num_hidden_layers=args.layers)).eval()
+    options = dict(sequence_parallel=args.sp, microbatches=args.microbatches, plan=args.plan,
+                   strict=args.strict)
+    where = (f"{type(model).__name__} ({args.layers} layer{'s' * (args.layers > 1)}) on mesh "
+             f"{_mesh_text(args.mesh)}")
     if args.command == "generate":
         ids = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt_len),
                             device="cpu", generator=torch.Generator().manual_seed(args.seed))
-        pm = fxshard.parallelize(model, mesh, sequence_parallel=args.sp,
-                                 microbatches=args.microbatches)
+        pm = fxshard.parallelize(model, mesh, **options)   # traced at the first generate
     else:
         ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device="cpu",
                             generator=torch.Generator().manual_seed(1))
-        pm = fxshard.parallelize(model, mesh, example_inputs=(ids,), sequence_parallel=args.sp,
-                                 microbatches=args.microbatches)
+        with progress.step(f"tracing {where} and building its rank programs",
+                           f"built {_mesh_size(args.mesh)} rank programs"):
+            pm = fxshard.parallelize(model, mesh, example_inputs=(ids,), **options)
     try:
         if args.command == "generate":
-            return _generate(args, pm, model, ids, rank)
-        return _show(args, pm, model, ids, rank)
+            return _generate(args, pm, model, ids, rank, progress, where)
+        return _show(args, pm, model, ids, rank, progress)
     finally:
         # release fxshard's backend, then the process groups, before the interpreter exits:
         # gloo groups torn down at interpreter shutdown can abort a finished run
         pm.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _mesh_text(mesh: tuple[tuple[int, ...], tuple[str, ...]]) -> str:
+    shape, names = mesh
+    return "(" + ", ".join(f"{n}={k}" for n, k in zip(names, shape)) + ")"
+
+
+def _mesh_size(mesh: tuple[tuple[int, ...], tuple[str, ...]]) -> int:
+    """The number of ranks of a parsed ``--mesh``."""
+    size = 1
+    for k in mesh[0]:
+        size *= k
+    return size
 
 
 def greedy_reference(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -236,18 +362,24 @@ def greedy_reference(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
     return ids
 
 
-def _generate(args, pm, model, ids: torch.Tensor, rank: int) -> int:
-    import time
-
+def _generate(args, pm, model, ids: torch.Tensor, rank: int, progress: _Progress,
+              where: str) -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
-    pm.generate(ids, max_new_tokens=args.new_tokens)  # traces prefill and decode programs
-    start = time.perf_counter()
-    pm.generate(ids, max_new_tokens=1)                 # prefill and the first token only
-    prefill_s = time.perf_counter() - start
-    start = time.perf_counter()
-    got = pm.generate(ids, max_new_tokens=args.new_tokens)
-    total_s = time.perf_counter() - start
-    want = greedy_reference(model, ids, args.new_tokens)
+    with progress.step(f"tracing {where} for generation and building its prefill and decode "
+                       f"programs (the first pm.generate)",
+                       f"built {pm.spec.world_size} ranks' prefill and decode programs and "
+                       f"generated {args.new_tokens} tokens"):
+        pm.generate(ids, max_new_tokens=args.new_tokens)
+    with progress.step("timing the prefill and the decode steps"):
+        start = time.perf_counter()
+        pm.generate(ids, max_new_tokens=1)                 # prefill and the first token only
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        got = pm.generate(ids, max_new_tokens=args.new_tokens)
+        total_s = time.perf_counter() - start
+    with progress.step(f"the single-device reference: {args.new_tokens} greedy steps without "
+                       f"a cache"):
+        want = greedy_reference(model, ids, args.new_tokens)
     say(f"{_ran_on(pm)}")
     say(f"prompt: {args.batch} x {args.prompt_len} tokens (seed {args.seed}), "
         f"{args.new_tokens} new tokens per sequence, greedy")
@@ -268,11 +400,11 @@ def _generate(args, pm, model, ids: torch.Tensor, rank: int) -> int:
     return 0 if same else 1
 
 
-def _show(args, pm, model, ids, rank: int) -> int:
+def _show(args, pm, model, ids, rank: int, progress: _Progress) -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
     ok = True
     if args.command == "demo":  # the verdict first, then the (long) plan
-        with torch.no_grad():
+        with progress.step("running the mesh and the single-device model"), torch.no_grad():
             want = model(ids)
             got = pm(ids)
         err = (got - want).abs().max().item()
@@ -282,7 +414,8 @@ def _show(args, pm, model, ids, rank: int) -> int:
             f"{'PASS' if ok else 'FAIL'} (tolerance {TOLERANCE:g}, fp32)\n")
     say(pm.explain())
     if args.svg and rank == 0:
-        pm.explain().save(args.svg)
+        with progress.step(f"drawing the plan to {args.svg}"):
+            pm.explain().save(args.svg)
         say(f"\nplan drawn to {args.svg}")
     if args.command == "explain":
         return 0

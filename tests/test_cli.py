@@ -157,3 +157,96 @@ def test_generate_bad_argument_is_one_line_error(argv, message, capsys):
     err = capsys.readouterr().err
     assert info.value.code == 2 and "Traceback" not in err
     assert re.search(message, err), err
+
+
+WHOLE_KV = "model.layers.*.self_attn.k_proj=replicate,model.layers.*.self_attn.v_proj=replicate"
+
+
+def test_whole_weights_are_a_one_line_note_with_the_clis_options(capsys):
+    """tp=4 exceeds the tiny Llama's 2 KV heads: a note that gives --plan and --strict (which
+    the CLI takes), not parallelize's plan= and strict=True, and no warning location."""
+    assert main(["demo", "--mesh", "tp=4", "--sp", "--layers", "2", "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    assert ": PASS" in out
+    notes = [ln for ln in err.splitlines() if ln.startswith("python -m fxshard demo: note: ")]
+    assert len(notes) == 1 and err.splitlines() == notes, err
+    assert "4 weight matrices of repeated layers stay whole on mesh axis 'tp'" in notes[0]
+    assert "tp=4 exceeds the 2 KV heads" in notes[0]
+    assert f"--plan '{WHOLE_KV}'" in notes[0] and "--strict makes it an error" in notes[0]
+    for word in ("WholeWeightWarning", "plan={", "strict=True", "runpy", ".py:"):
+        assert word not in err, err
+
+
+def test_plan_option_accepts_the_whole_weights_and_strict_makes_them_an_error(capsys):
+    assert main(["demo", "--mesh", "tp=4", "--layers", "1", "--quiet", "--plan", WHOLE_KV]) == 0
+    out, err = capsys.readouterr()
+    assert ": PASS" in out and err == "", err
+    with pytest.raises(SystemExit) as info:
+        main(["explain", "--mesh", "tp=4", "--layers", "1", "--quiet", "--strict"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err and len(err.splitlines()) == 1
+    assert err.startswith("python -m fxshard explain: error: --strict: weight "
+                          "model.layers.0.self_attn.k_proj.weight"), err
+    assert "--plan 'model.layers.0.self_attn.k_proj=replicate' or drop --strict" in err, err
+
+
+@pytest.mark.parametrize("plan", ["model.layers.*", "x=foo", "=replicate"])
+def test_bad_plan_is_a_usage_error(plan, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--plan", plan])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "argument --plan: expected MODULE_GLOB=STYLE pairs" in err
+
+
+def test_readmes_first_cli_example_prints_no_warning():
+    """As the README runs it (python -m, so a warning's location would be runpy's)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    done = subprocess.run([sys.executable, "-m", "fxshard", "demo", "--mesh", "tp=4", "--sp",
+                           "--layers", "1"], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0 and ": PASS" in done.stdout, done.stderr[-3000:]
+    assert "Warning" not in done.stderr and "runpy" not in done.stderr, done.stderr
+    assert "python -m fxshard demo: note: 1 weight matrices" not in done.stderr
+    assert "python -m fxshard demo: note: 2 weight matrices of repeated layers" in done.stderr
+
+
+def test_long_steps_say_what_they_do_on_stderr_and_quiet_silences_them(capsys):
+    argv = ["generate", "--mesh", "tp=2", "--layers", "1", "--batch", "2", "--prompt-len", "4",
+            "--new-tokens", "3"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert lines[0] == ("tracing LlamaForCausalLM (1 layer) on mesh (tp=2) for generation and "
+                        "building its prefill and decode programs (the first pm.generate) ...")
+    assert re.fullmatch(r"built 2 ranks' prefill and decode programs and generated 3 tokens in "
+                        r"\d+\.\d s", lines[1]), lines
+    assert lines[2] == "timing the prefill and the decode steps ..."
+    assert any(ln.startswith("the single-device reference: 3 greedy steps") for ln in lines)
+    assert "tracing" not in out and "tokens equal the single-device" in out
+    assert main(["explain", "--mesh", "tp=2", "--layers", "2"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == ("tracing LlamaForCausalLM (2 layers) on mesh (tp=2) and building its "
+                      "rank programs ...")
+    assert re.fullmatch(r"built 2 rank programs in \d+\.\d s", err[1]), err
+    assert main([*argv, "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_library_calls_print_nothing(capsys):
+    import torch
+
+    import fxshard
+    from fxshard.models.llama import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig.tiny(num_hidden_layers=1)).eval()
+    ids = torch.randint(0, 128, (2, 8))
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    pm = fxshard.parallelize(model, mesh, example_inputs=(ids,))
+    try:
+        with torch.no_grad():
+            pm(ids)
+        pm.generate(ids, max_new_tokens=2)
+    finally:
+        pm.close()
+    assert capsys.readouterr() == ("", "")
