@@ -3,6 +3,8 @@ size (24). A small plain-PyTorch causal LM equals the single-device model on tp,
 Ulysses, and generates the greedy loop's tokens with a V cache of v's head size."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -61,3 +63,39 @@ def test_generate_equals_a_greedy_loop(mesh):
     torch.testing.assert_close(got, greedy_reference(model, ids, 5), rtol=0, atol=0)
     assert caches["kv.0.k"][-1] == 24 and caches["kv.0.v"][-1] == 16   # per-rank heads: 2
     assert caches["kv.0.k"][1] == caches["kv.0.v"][1] == 2   # 4 heads over 2 ranks
+
+
+def _hf_deepseek_v3():
+    """HF DeepSeek-V3 with a query LoRA (``q_lora_rank``, as its real configs): on tp=2 the
+    automatic plan splits ``kv_b_proj`` by heads for the prompt but not for one token."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    cfg = DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32,
+        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_group=1,
+        topk_group=1, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return DeepseekV3ForCausalLM(cfg).eval()
+
+
+def test_hf_deepseek_v3_generation_says_how_to_pin_its_cache_layout():
+    """Prompt and decode programs that would keep a KV cache in two layouts: a clear error
+    naming the cache, both shapes and the ``plan=`` that pins the projection (it was torch's
+    raw ``index_copy_(): Source/destination tensor must have same slice shapes``); with that
+    plan, and on dp=2, greedy generation equals HF's."""
+    model = _hf_deepseek_v3()
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    want = model.generate(ids, do_sample=False, max_new_tokens=4,
+                          attention_mask=torch.ones_like(ids), pad_token_id=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(NotImplementedError, match=r"cache kv\.0\.k as \[2, 2, 65, 24\].*"
+                           r"\[2, 4, 65, 24\].*plan=\{'model\.layers\.\*\.self_attn\.kv_b_proj'"
+                           r": 'colwise'\}"):
+            parallel(model, dict(tp=2)).generate(ids, max_new_tokens=4)
+        mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        pm = fxshard.parallelize(model, mesh,
+                                 plan={"model.layers.*.self_attn.kv_b_proj": "colwise"})
+        assert torch.equal(pm.generate(ids, max_new_tokens=4), want)
+        assert torch.equal(parallel(model, dict(dp=2)).generate(ids, max_new_tokens=4), want)

@@ -86,3 +86,39 @@ def check_same_caches(prefill, decode) -> None:
             f"written in a form fxshard does not lower for a single query, e.g. eager "
             f"attention with a mask built from position_ids); run the model with "
             f"attn_implementation='sdpa'")
+    shapes = [{k: shape for k, shape, _ in p.kv_caches} for p in (prefill.program,
+                                                                  decode.program)]
+    for key, shape in shapes[0].items():
+        if shapes[1].get(key, shape) != shape:
+            weight = _projection_of(prefill.program.graph, key)
+            fix = (f"plan={{{weight!r}: 'colwise'}}" if weight else
+                   "plan= naming the projection that makes it 'colwise'")
+            raise NotImplementedError(
+                f"{_WHERE}: the prompt's program keeps cache {key} as {list(shape)} per rank "
+                f"but the one-token decode program computes it as {list(shapes[1][key])} "
+                f"(the automatic plan placed its projection differently for one token). "
+                f"Pin the projection with {fix} in fxshard.parallelize")
+
+
+def _projection_of(graph, key: str) -> str | None:
+    """The weight of the nearest matmul above the K or V written into cache ``key``."""
+    import torch.fx as fx
+    writes = [n for n in graph.nodes if n.op == "call_function" and "cache_write" in
+              str(n.target) and n.args[0].meta.get("fxshard_state") == key]
+    todo = [writes[0].args[1]] if writes else []
+    seen = set()
+    while todo:
+        node = todo.pop(0)
+        if node in seen or not isinstance(node, fx.Node):
+            continue
+        seen.add(node)
+        if str(node.target) in ("aten.linear.default", "aten.mm.default",
+                                "aten.matmul.default"):
+            for arg in node.args[1:2]:
+                name = arg.meta.get("fxshard_param") or (arg.target if arg.op == "get_attr"
+                                                         else None)
+                if name:     # its module, layer indices as a glob: every layer alike
+                    return ".".join("*" if part.isdigit() else part
+                                    for part in str(name).split(".")[:-1])
+        todo += node.all_input_nodes
+    return None
