@@ -23,8 +23,6 @@ trained ones (on a real mesh gathered to every rank).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.fx as fx
 import torch.fx._pytree as fx_pytree
@@ -33,114 +31,19 @@ import torch.utils._pytree as pytree
 from ..checks import check_no_autocast
 from ..mesh import MeshSpec, is_simulated, mesh_spec
 from ..passes import PassCtx
-from ..placement import Partial, add_block, cut_to, local_block
+from ..placement import cut_to
 from ..runtime.program_cache import structure
 from ..trace import _without_cache
 from ..weights import tied_names
+from .autograd_step import Step, check_inputs_need_no_grad
+from .direct import direct
+from .output_blocks import OutputBlocks
 from .program import TrainProgram, build_train_program, check_training_axes
+from .rank_blocks import assemble, rank_block, storage_bytes
 
 __all__ = ["TrainModule", "parallelize_for_training", "assemble", "check_trainable"]
 
 _WHERE = "fxshard.training"
-
-
-def assemble(blocks: list[torch.Tensor], shape: tuple, spec: tuple, mesh: MeshSpec
-             ) -> torch.Tensor:
-    """The global tensor from every rank's block (``blocks[rank]``): shards placed where they
-    belong, Partial axes summed, Replicate axes read from coordinate 0."""
-    out = torch.zeros(shape, dtype=blocks[0].dtype, device=blocks[0].device)
-    for rank, block in enumerate(blocks):
-        coords = mesh.coords(rank)
-        if any(n > 1 and c != 0 and not isinstance(p, Partial) and shard_dim_of(p) is None
-               for n, c, p in zip(mesh.shape, coords, spec)):
-            continue    # a replica of a block another rank gave already
-        add_block(out, block, spec, mesh, rank)
-    return out
-
-
-def direct(gm):
-    """``gm`` called without its per-node ``OpOverload.__call__`` and ``nn.Module.__call__``
-    frames (``fxshard.compile._direct_forward``, as inference's eager stages), made once per
-    GraphModule and its code (again after a ``recompile``); ``gm`` itself where it is no
-    GraphModule or its code reads attributes of the module. As inference's eager stages, an
-    all-reduce of a value nothing else reads (a row-parallel matmul's output, a gradient
-    sum) sums in place, without a copy (``fxshard.passes.post_emit.TRAINING`` on a copy of
-    the graph: ``gm`` itself, what ``rank_module`` shows, is unchanged); the fsdp axis's
-    all-gathers run one ahead and its reduce-scatters in the background
-    (``prefetch_fsdp_pass``). Background tp all-reduces (``overlap_collectives_pass``) are
-    not in that list: measured, no gain on CPU gloo (``benchmarks/history/train_step.md``)."""
-    if not isinstance(gm, fx.GraphModule):
-        return gm
-    code = gm.code
-    made = gm.__dict__.get("_fxshard_direct")
-    if made is None or made[0] is not code:
-        from ..compile import _direct_forward
-        run = None
-        if any(n.op == "get_attr" for n in gm.graph.nodes):
-            fn = gm
-        else:
-            from ..passes import post_emit
-            from ..passes.pipeline import run_passes
-            graph = fx.Graph()
-            graph.output(graph.graph_copy(gm.graph, {}))
-            run = fx.GraphModule(torch.nn.Module(), graph, class_name=type(gm).__name__)
-            fn = _direct_forward(run_passes(run, post_emit.TRAINING, post_emit.PostEmitCtx()))
-        made = gm.__dict__["_fxshard_direct"] = (code, fn, run)   # run: the graph fn runs
-    return made[1]
-
-
-def _bytes(tensors) -> int:
-    """Bytes of the distinct storages of ``tensors`` (views of one storage count once)."""
-    seen, total = set(), 0
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            key = t.untyped_storage().data_ptr()
-            if key not in seen:
-                seen.add(key)
-                total += t.untyped_storage().nbytes()
-    return total
-
-
-def _block(value, spec: tuple, mesh: MeshSpec, rank: int, shape: tuple | None = None
-           ) -> torch.Tensor:
-    """Rank ``rank``'s block of ``value`` (a tensor, or a checkpoint source), a new tensor.
-    ``shape``: the program's global shape, where it pads the model's rows (a vocab padded
-    for tp, :mod:`fxshard.passes.pad_vocab`)."""
-    if hasattr(value, "block"):   # a checkpoint's block is read into a tensor of its own
-        block = value.block(spec, mesh, rank, shape=shape)
-        return block if getattr(value, "fresh_blocks", False) else block.clone()
-    if shape is not None and tuple(value.shape) != tuple(shape):
-        from ..placement import padded_block
-        return padded_block(value.detach().__getitem__, tuple(value.shape), tuple(shape),
-                            spec, mesh, rank)
-    return local_block(value.detach(), spec, mesh, rank)     # a copy
-
-
-def shard_dim_of(p):
-    from ..placement import shard_dim
-    return shard_dim(p)
-
-
-def check_inputs_need_no_grad(where: str, user: list) -> None:
-    """A NotImplementedError for a user input that requires grad: the rank programs give
-    gradients to the parameters only, so a module upstream of ``pm`` would get none."""
-    for i, x in enumerate(user):
-        if isinstance(x, torch.Tensor) and x.requires_grad:
-            raise NotImplementedError(
-                f"{where}: input {i} (shape {tuple(x.shape)}, {x.dtype}) requires grad, and "
-                f"fxshard does not yet compute gradients into its inputs (only into "
-                f"pm.parameters()): whatever made it would get no gradient. Parallelize the "
-                f"module that makes it together with the model, or pass it .detach()ed")
-
-
-def check_backward_once(where: str, saved) -> None:
-    """A clear error for a second backward through one forward (``retain_graph=True``): the
-    rank programs' saved activations are freed by the first."""
-    if saved is None:
-        raise RuntimeError(
-            f"{where}: a second backward through one pm(x) output (retain_graph=True?); "
-            f"fxshard frees the ranks' saved activations in the first backward. Call pm(x) "
-            f"again for another backward, or add the losses and call backward once")
 
 
 def frozen_names(model: torch.nn.Module) -> frozenset:
@@ -150,48 +53,7 @@ def frozen_names(model: torch.nn.Module) -> frozenset:
                      if not p.requires_grad)
 
 
-class _Step(torch.autograd.Function):
-    """Every rank's forward; its backward is every rank's backward. Inputs: the runner, the
-    number of shard tensors, every rank's shards (rank-major), then the user's tensors."""
-
-    @staticmethod
-    def forward(ctx, runner: "TrainModule", program: TrainProgram, n_shards: int, *flat):
-        shards, user = flat[:n_shards], flat[n_shards:]
-        outs, saved, extra = runner._run_forward(program, shards, user)
-        ctx.runner, ctx.program, ctx.saved_per_rank = runner, program, saved
-        ctx.n_user = len(user)
-        # the backward reads the shards: autograd's version check makes an in-place change
-        # between forward and backward (opt.step() before loss.backward()) its usual error,
-        # as on one device, instead of gradients at the changed weights
-        ctx.save_for_backward(*shards)
-        outs = list(outs) + extra    # a vocab output's other blocks follow the outputs
-        ctx.shapes = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None
-                      for o in outs]
-        ints = [o for o in outs if isinstance(o, torch.Tensor) and not o.is_floating_point()]
-        ctx.mark_non_differentiable(*ints)
-        return tuple(outs)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, *grad_outputs):
-        program, runner = ctx.program, ctx.runner
-        check_backward_once(_WHERE, ctx.saved_per_rank)
-        ctx.saved_tensors    # noqa: B018  (raises if a shard changed in place since forward)
-
-        def grad(i):
-            g, meta = grad_outputs[i], ctx.shapes[i]
-            return g if g is not None else torch.zeros(meta[0], dtype=meta[1], device=meta[2])
-        slots = runner._tangent_slots(program)
-
-        def tangents(rank):
-            return [grad(slots[i][runner._block_of(program, rank)] if i in slots else i)
-                    for i in program.split.tangents]
-        grads = runner._run_backward(program, ctx.saved_per_rank, tangents)
-        ctx.saved_per_rank = None
-        return (None, None, None, *grads, *([None] * ctx.n_user))
-
-
-class TrainModule:
+class TrainModule(OutputBlocks):
     """A model's training programs over a mesh; see :func:`parallelize_for_training`."""
 
     _distinct_axes: tuple = ()   # mesh axes whose coordinates hold other parameters (pp's)
@@ -284,7 +146,7 @@ class TrainModule:
             for rank in self.ranks:
                 mine = {}
                 for fqn, spec in program.specs.items():
-                    block = _block(values[fqn], spec, self.spec, rank,
+                    block = rank_block(values[fqn], spec, self.spec, rank,
                                    program.shapes.get(fqn))
                     mine[fqn] = torch.nn.Parameter(block) if fqn in params else block
                 self._shards[rank] = mine
@@ -348,7 +210,7 @@ class TrainModule:
         shards = [self._shards[r][fqn] for r in self.ranks for fqn in split.weights]
         # buffers (no gradient) ride along as inputs too; only parameters are autograd leaves
         differentiable = [s for s in shards if isinstance(s, torch.nn.Parameter)]
-        outs = _Step.apply(self, program, len(differentiable), *differentiable, *user)
+        outs = Step.apply(self, program, len(differentiable), *differentiable, *user)
         n = split.n_outputs
         outs = list(outs)
         if program.vocab_outputs:    # those outputs: their tp blocks, fxshard.training.vocab_output
@@ -360,80 +222,6 @@ class TrainModule:
             if i not in program.vocab_outputs and isinstance(outs[i], torch.Tensor):
                 outs[i] = outs[i].narrow(-1, 0, vocab)
         return pytree.tree_unflatten(outs[:n], program.joint.traced.out_spec)
-
-    # -- outputs kept as blocks (fxshard.training.vocab_output) -------------------------------
-    def _block_axes(self, program: TrainProgram) -> tuple:
-        """The batch axes (``((axis, size), ...)``, mesh order) that split the kept outputs'
-        dim 0 (every kept output is placed alike: the logits)."""
-        from ..mesh import BATCH_AXES
-        from ..placement import Shard
-        spec = next(iter(program.vocab_outputs.values()))
-        return tuple((a, n) for a, n, p in zip(self.spec.axis_names, self.spec.shape, spec)
-                     if n > 1 and a in BATCH_AXES and p == Shard(0))
-
-    def _block_ranks(self, program: TrainProgram) -> list[int]:
-        """The ranks whose blocks a kept output holds: each row group's (batch axes'
-        coordinates, the outer axis first) ``tp`` blocks in order, coordinate 0 on every other
-        axis (a simulated mesh); this process's rank (a real one)."""
-        if not self._simulated:
-            return list(self.ranks)
-        from ..mesh import TP
-        names = self.spec.axis_names
-        axes = [names.index(a) for a, _ in self._block_axes(program)]
-        sizes = [self.spec.shape[i] for i in axes]
-        tp = names.index(TP)
-        out = []
-        for row in range(math.prod(sizes)):
-            coords = [0] * len(names)
-            rest = row
-            for i, n in reversed(list(zip(axes, sizes))):
-                coords[i], rest = rest % n, rest // n
-            for c in range(self.spec.shape[tp]):
-                coords[tp] = c
-                out.append(self.spec.rank_of(coords))
-        return out
-
-    def _block_of(self, program: TrainProgram, rank: int) -> int:
-        """Which of the held blocks is ``rank``'s (its row group's, then its ``tp``
-        coordinate; a real mesh: 0)."""
-        if not self._simulated:
-            return 0
-        from ..mesh import TP
-        names, coords = self.spec.axis_names, self.spec.coords(rank)
-        row = 0
-        for a, n in self._block_axes(program):
-            row = row * n + coords[names.index(a)]
-        return row * self.spec.axis_size(TP) + coords[names.index(TP)]
-
-    def _tangent_slots(self, program: TrainProgram) -> dict:
-        """Output index -> the positions of its blocks among ``_Step``'s outputs (the
-        output's own position, then the extra blocks after the model's outputs)."""
-        slots, nxt = {}, program.split.n_outputs
-        if not program.vocab_outputs:
-            return slots
-        extra = len(self._block_ranks(program)) - 1
-        for i in sorted(program.vocab_outputs):
-            slots[i] = [i] + list(range(nxt, nxt + extra))
-            nxt += extra
-        return slots
-
-    def _vocab_blocks(self, program: TrainProgram, valid: int | None = None):
-        """The blocks' grid; ``valid``: the vocab where the blocks hold it padded (the
-        columns past it are never read)."""
-        from ..mesh import TP
-        from .vocab_blocks import Blocks
-        n = self.spec.axis_size(TP)
-        data = self._block_axes(program)
-        rows = math.prod(size for _, size in data)
-        if self._simulated:
-            return Blocks(n, list(range(n)), rows=rows, data_axes=data, valid=valid)
-        from ..runtime.distributed import backend_for
-        backend = backend_for(self.mesh)
-        row = 0
-        for a, size in data:
-            row = row * size + backend.axis_index(a)
-        return Blocks(n, [backend.axis_index(TP)], backend, rows=rows, row_coords=[row],
-                      data_axes=data, valid=valid)
 
     @property
     def ranks(self) -> list[int]:
@@ -487,7 +275,7 @@ class TrainModule:
         results = self._world_run(run)
         outs = list(results[self.ranks[0]][:split.n_outputs])
         saved = {r: list(out[split.n_outputs:]) for r, out in results.items()}
-        self._saved_bytes = {r: _bytes(s) for r, s in saved.items()}
+        self._saved_bytes = {r: storage_bytes(s) for r, s in saved.items()}
         extra = [results[r][i] for i in sorted(program.vocab_outputs)
                  for r in self._block_ranks(program)[1:]] if program.vocab_outputs else []
         return outs, saved, extra
@@ -572,8 +360,8 @@ class TrainModule:
         """Bytes rank ``rank`` holds: its parameter shards, their gradients, and the
         activations the last forward saved for the backward (distinct storages)."""
         mine = self.shards(rank)
-        return {"parameters": _bytes(mine.values()),
-                "gradients": _bytes(p.grad for p in mine.values() if p.grad is not None),
+        return {"parameters": storage_bytes(mine.values()),
+                "gradients": storage_bytes(p.grad for p in mine.values() if p.grad is not None),
                 "saved": (getattr(self, "_saved_bytes", None) or {}).get(rank, 0)}
 
     def collectives(self, which: str = "backward") -> list:

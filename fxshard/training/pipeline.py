@@ -37,95 +37,18 @@ from ..trace import _without_cache, cleanup_pass, trace
 from ..weights import tied_names
 from .dropout import add_dropout_sites, pack_seed, seeded
 from .joint import _placeholders_for_meta, _untie, input_grad_name, joint_of
-from .module import (TrainModule, _bytes, check_backward_once, check_inputs_need_no_grad,
-                     frozen_names)
+from .autograd_step import check_inputs_need_no_grad
+from .module import frozen_names
 from .program import build_train_program
+from .rank_blocks import storage_bytes
 from .schedules import actions, global_order
 from .shards import TrainedShard, load_into
+from .pipeline_stage import Pipe, StageModule, StageShard, Staged
 from .stages import example_received, split_forward
 
 __all__ = ["PipelineTrainer"]
 
 _WHERE = "fxshard.training.pipeline"
-
-
-class _StageModule(TrainModule):
-    """One stage's shards and programs on the mesh without ``pp`` (its ranks: the coordinates
-    of the other axes); on a real mesh its collectives run on the whole mesh's axis groups."""
-
-    def __init__(self, model, sub: SimulatedMesh, device_mesh, sub_rank: int, **kw):
-        super().__init__(model, sub, **kw)
-        self.device_mesh, self.sub_rank = device_mesh, sub_rank
-        self._simulated = device_mesh is None
-
-    @property
-    def ranks(self) -> list[int]:
-        return list(range(self.spec.world_size)) if self._simulated else [self.sub_rank]
-
-    def _world_run(self, fn) -> dict:
-        if self._simulated:
-            return super()._world_run(fn)
-        from ..runtime.context import use_backend
-        from ..runtime.distributed import backend_for
-        with use_backend(backend_for(self.device_mesh)):
-            return {self.sub_rank: fn(self.sub_rank)}
-
-    def _gather_blocks(self, block: torch.Tensor) -> list:
-        """This stage's ranks' blocks (over every axis but ``pp``), by rank on its mesh."""
-        from ..runtime.distributed import backend_for
-        from .world import gather_blocks
-        return gather_blocks(backend_for(self.device_mesh), block, skip=(PP,))
-
-
-class _StageShard(TrainedShard):
-    """A stage's trained parameter, its blocks asked for by rank of the whole mesh."""
-
-    def __init__(self, trainer, tm, fqn, spec, shape):
-        super().__init__(tm, fqn, spec, shape)
-        self.trainer = trainer
-
-    def block(self, spec, mesh, rank, shape=None):
-        if tuple(spec) == self.spec and (shape is None or tuple(shape) == self.shape):
-            sub = self.trainer._sub_rank(rank) if self.tm._simulated else self.tm.sub_rank
-            return self.tm._shards[sub][self.fqn].detach()
-        return super().block(spec, mesh, rank, shape)
-
-
-class _Staged:
-    """The stage programs of one (microbatch) input signature."""
-
-    def __init__(self, forwards, programs, traced, tied, n_flat, seed=None):
-        self.forwards, self.programs, self.traced = forwards, programs, traced
-        self.n_flat, self.seed = n_flat, seed   # seed: dropout's step seed input, or None
-        self.joint = type("JointInfo", (), {"tied": tied})()
-
-
-class _Pipe(torch.autograd.Function):
-    """Every stage's forward on every microbatch; its backward: every stage's backward."""
-
-    @staticmethod
-    def forward(ctx, runner, staged, n_params, *flat):
-        outs, state = runner._forward_all(staged, list(flat[n_params:]))
-        ctx.runner, ctx.staged, ctx.state, ctx.n_user = runner, staged, state, len(flat) - n_params
-        ctx.save_for_backward(*flat[:n_params])   # an in-place change before backward: error
-        ctx.metas = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None
-                     for o in outs]
-        ctx.mark_non_differentiable(*[o for o in outs if isinstance(o, torch.Tensor)
-                                      and not o.is_floating_point()])
-        return tuple(outs)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, *grad_outputs):
-        check_backward_once(_WHERE, ctx.state)
-        ctx.saved_tensors    # noqa: B018  (raises if a parameter changed in place since forward)
-        grads = [g if g is not None or m is None else torch.zeros(m[0], dtype=m[1], device=m[2])
-                 for g, m in zip(grad_outputs, ctx.metas)]
-        run = ctx.runner
-        acc = run._backward_all(ctx.staged, ctx.state, grads)
-        ctx.state = None
-        return (None, None, None, *[acc.get(id(p)) for p in run.parameters()],
-                *([None] * ctx.n_user))
 
 
 class PipelineTrainer:
@@ -142,9 +65,9 @@ class PipelineTrainer:
                                        zip(spec.axis_names, spec.shape)),
                                  spec.axis_names, spec.device_type)
         self.virtual = None          # virtual stages per rank, fixed by the first build
-        self.stage_modules: list[_StageModule] = []
+        self.stage_modules: list[StageModule] = []
         self._programs: dict = {}
-        self._last: _Staged | None = None
+        self._last: Staged | None = None
         self.schedule = None         # what the last step ran: name, time steps, peak bytes
         self.peak_saved: dict = {}
 
@@ -187,11 +110,11 @@ class PipelineTrainer:
             return x
         return [pytree.tree_unflatten([cut(x, i) for x in flat], spec) for i in range(m)]
 
-    def _program(self, args: tuple, kwargs: dict) -> _Staged:
+    def _program(self, args: tuple, kwargs: dict) -> Staged:
         """The stage programs for the whole inputs ``args``/``kwargs`` (their microbatch's)."""
         return self._staged(*self._split_inputs(args, kwargs)[0], virtual=self.virtual or 1)
 
-    def _staged(self, args: tuple, kwargs: dict, virtual: int = 1) -> _Staged:
+    def _staged(self, args: tuple, kwargs: dict, virtual: int = 1) -> Staged:
         if self.virtual is not None and virtual != self.virtual:
             raise ValueError(
                 f"{_WHERE}: the stages were built with virtual_stages={self.virtual} (their "
@@ -210,7 +133,7 @@ class PipelineTrainer:
         self._last = self._programs[key]
         return self._last
 
-    def _build(self, args, kwargs, virtual: int) -> _Staged:
+    def _build(self, args, kwargs, virtual: int) -> Staged:
         from ..passes.split_stages import assign_layers_to_stages, find_layer_stack
         from .program import check_training_axes
         check_training_axes(self.sub, _WHERE, "pipeline training")
@@ -239,7 +162,7 @@ class PipelineTrainer:
         if not self.stage_modules:
             me = None if self._simulated else self.ranks[0]
             for _ in range(n_stages):
-                self.stage_modules.append(_StageModule(
+                self.stage_modules.append(StageModule(
                     self.model, self.sub, None if self._simulated else self.mesh,
                     0 if me is None else self._sub_rank(me),
                     sequence_parallel=self.options.get("sequence_parallel", False),
@@ -275,7 +198,7 @@ class PipelineTrainer:
             programs.append(program)
         if self.store is not None:
             self._install()
-        return _Staged(forwards, programs, traced, tied, len(flat), seed)
+        return Staged(forwards, programs, traced, tied, len(flat), seed)
 
     def _install(self) -> None:
         """The stages' shards as the weight store's values, read by global rank (an
@@ -283,8 +206,8 @@ class PipelineTrainer:
         store = self.store
         fresh = store.trained is not self
         for fqn, v in list(store.values.items()):
-            if isinstance(v, TrainedShard) and not isinstance(v, _StageShard):
-                store.values[fqn] = _StageShard(self, v.tm, v.fqn, v.spec, v.shape)
+            if isinstance(v, TrainedShard) and not isinstance(v, StageShard):
+                store.values[fqn] = StageShard(self, v.tm, v.fqn, v.spec, v.shape)
                 fresh = True
         store.trained, store.load_trained = self, load_into
         store.trained_sources = list({id(v): v for v in store.values.values()
@@ -292,11 +215,11 @@ class PipelineTrainer:
         store.rebind |= fresh   # (a new input signature of the same shards: nothing to do)
 
     # -- one stage, one microbatch -------------------------------------------------------
-    def _flat(self, staged: _Staged, args, kwargs) -> list:
+    def _flat(self, staged: Staged, args, kwargs) -> list:
         return fx_pytree.tree_flatten_spec(
             (tuple(args), _without_cache(self.model, dict(kwargs))), staged.traced.in_spec)
 
-    def _micro(self, staged: _Staged, micro: list) -> list:
+    def _micro(self, staged: Staged, micro: list) -> list:
         """Each microbatch's flat inputs (+ dropout's seed, fxshard.training.dropout)."""
         flats = [list(self._flat(staged, a, k)) for a, k in micro]
         return flats if staged.seed is None else \
@@ -383,7 +306,7 @@ class PipelineTrainer:
         params = self.parameters()
         user = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         check_inputs_need_no_grad(_WHERE, user)
-        outs = _Pipe.apply(self, staged, len(params), *params, *user)
+        outs = Pipe.apply(self, staged, len(params), *params, *user)
         return pytree.tree_unflatten(list(outs), staged.traced.out_spec)
 
     def train_step(self, *args, loss_fn=None, target=None, schedule: str = "1f1b",
@@ -495,8 +418,8 @@ class PipelineTrainer:
         """Bytes rank ``rank`` holds: its stages' parameter shards and gradients, and the
         most bytes of saved activations alive at once during the last step."""
         mine = self.shards(rank)
-        return {"parameters": _bytes(mine.values()),
-                "gradients": _bytes(p.grad for p in mine.values() if p.grad is not None),
+        return {"parameters": storage_bytes(mine.values()),
+                "gradients": storage_bytes(p.grad for p in mine.values() if p.grad is not None),
                 "saved": self.peak_saved.get(rank, 0)}
 
     def rank_module(self, rank: int, which: str = "forward", stage: int | None = None):

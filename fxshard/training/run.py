@@ -15,7 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..mesh import PP
-from .module import _bytes
+from .rank_blocks import storage_bytes
 
 __all__ = ["StepRun"]
 
@@ -163,7 +163,7 @@ class StepRun:
         return self.t.spec.rank_of(c)
 
     def _count(self, k, i, saved) -> None:
-        self.bytes[(k, i)] = {self._global(k, r): _bytes(s) for r, s in saved.items()}
+        self.bytes[(k, i)] = {self._global(k, r): storage_bytes(s) for r, s in saved.items()}
         for g, b in self.bytes[(k, i)].items():
             self.alive[g] = self.alive.get(g, 0) + b
             self.peak[g] = max(self.peak.get(g, 0), self.alive[g])

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..placement import cut_to, local_block, pad_to, padded_block
+from .rank_blocks import assemble
 
 __all__ = ["TrainedShard", "install", "load_into", "check_on_device"]
 
@@ -61,7 +62,6 @@ class TrainedShard:
                 f"{self.spec} by training (mesh {mesh.describe()}); re-placing trained shards "
                 f"across processes is not built. Run this input under grad (training "
                 f"programs) or write the weights back with pm.state_dict()")
-        from .module import assemble
         whole = assemble([m[self.fqn].detach() for m in self.tm._shards.values()],
                          self.shape, self.spec, self.tm.spec)
         if shape != self.shape:        # the model's rows, padded as the caller's program
