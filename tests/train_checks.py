@@ -19,6 +19,34 @@ def expert_rows(tm, which: str) -> list[int]:
     return out
 
 
+def named(name: str):
+    """``assert_close``'s ``msg=`` that keeps its numbers (``msg=name`` drops them)."""
+    return lambda message: f"{name}: {message}"
+
+
+#: how much further from float64 a parallel fp32 result may be than the single-device fp32
+#: result: both round every sum, in a different order, so their errors are of one size; the
+#: floor (``FLOAT64_ULPS`` ulps of the value's scale) covers a single-device error that happens
+#: to be ~0 where the parallel one is a few roundings
+FLOAT64_FACTOR, FLOAT64_ULPS = 4.0, 64
+
+
+def no_further_from_float64(got: dict, ref32: dict, ref64: dict, what: str = "") -> None:
+    """Each tensor of ``got`` (the parallel fp32 result) is no further from the float64 run
+    ``ref64`` than ``FLOAT64_FACTOR`` times the single-device fp32 ``ref32``'s distance, plus
+    ``FLOAT64_ULPS`` fp32 ulps of its scale (DESIGN section 3: tolerances derived, not chosen;
+    long trajectories (several AdamW steps) drift from float64 on any CPU, in both)."""
+    eps = torch.finfo(torch.float32).eps
+    for name, exact in ref64.items():
+        exact = exact.detach().double()
+        single = (ref32[name].detach().double() - exact).abs().max().item()
+        ours = (got[name].detach().double() - exact).abs().max().item()
+        bound = FLOAT64_FACTOR * single + FLOAT64_ULPS * eps * exact.abs().max().item()
+        assert ours <= bound, (
+            f"{what}{name}: {ours:.3g} from float64, single-device fp32 {single:.3g}; "
+            f"bound {bound:.3g} ({FLOAT64_FACTOR}x + {FLOAT64_ULPS} ulps)")
+
+
 def loss_and_grads_equal(pm, ref, loss_of) -> None:
     """One step's loss (``loss_of(module)``) and every parameter's gradient of ``pm`` (a
     ParallelModule or TrainModule) equal the single-device ``ref``'s (1e-5)."""
@@ -28,7 +56,7 @@ def loss_and_grads_equal(pm, ref, loss_of) -> None:
     want.backward()
     grads = pm.gradients()
     for name, p in ref.named_parameters():
-        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=named(name))
 
 
 def adamw_steps_equal(pm, ref, loss_of, *, steps: int = 3, lr: float = 1e-2,
@@ -51,7 +79,7 @@ def adamw_steps_equal(pm, ref, loss_of, *, steps: int = 3, lr: float = 1e-2,
         if step == 0:
             grads = pm.gradients()
             for name, p in ref.named_parameters():
-                torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+                torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=named(name))
             if on_first is not None:
                 on_first(pm)
         torch.testing.assert_close(fxshard.clip_grad_norm_(pm, clip),
@@ -63,4 +91,4 @@ def adamw_steps_equal(pm, ref, loss_of, *, steps: int = 3, lr: float = 1e-2,
         theirs.zero_grad()
     trained = pm.state_dict()
     for name, p in ref.named_parameters():
-        torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-5, msg=named(name))
