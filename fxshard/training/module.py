@@ -153,6 +153,8 @@ class TrainModule(OutputBlocks):
             if self.store is not None:
                 from .shards import install
                 install(self.store, self, program)
+            from .optim import watch_model_parameters   # an optimizer over model.parameters()
+            watch_model_parameters(self.model, self.spec.describe())
             return
         for fqn, spec in program.specs.items():
             if self._specs.get(fqn, spec) != spec:

@@ -11,12 +11,55 @@ by the same factor, as torch's clipping scales the single-device model's::
 
 On a real mesh nothing is gathered: each rank's owned blocks' sums, all-reduced
 (``fxshard/training/world.py``).
+
+An optimizer built over ``model.parameters()`` instead of ``pm.parameters()`` would step
+tensors fxshard never reads once training started (``loss.backward()`` fills the shards, so
+their ``.grad`` stays None and the step changes nothing): :func:`watch_model_parameters`
+remembers a trained model's parameters and a global optimizer step pre-hook raises at
+``opt.step()`` when every one of them it holds has no gradient::
+
+    opt = torch.optim.AdamW(model.parameters())     # the model's, not the shards
+    loss_fn(pm(ids), labels).backward()             # fills pm.parameters()' .grad
+    opt.step()                                      # ValueError: use AdamW(pm.parameters())
 """
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "watch_model_parameters"]
+
+# registry: a trained model's parameter -> (its name, the mesh), while the parameter lives
+_WATCHED = WeakIdKeyDictionary()
+_HOOK: list = []     # the optimizer step pre-hook's handle, registered once
+
+
+def watch_model_parameters(model: torch.nn.Module, mesh_text: str) -> None:
+    """Remember ``model``'s parameters (training's shards replace them as the weights) so an
+    optimizer step over them, with no gradient on any, raises (:func:`_check_optimizer`)."""
+    for name, p in model.named_parameters():
+        _WATCHED[p] = (name, mesh_text)
+    if not _HOOK:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
+
+
+def _check_optimizer(optimizer, args, kwargs) -> None:
+    """Raise if ``optimizer`` steps a parallelized, trained model's own parameters and none
+    of them has a gradient: the step would silently do nothing."""
+    if not len(_WATCHED):
+        return
+    held = [p for group in optimizer.param_groups for p in group["params"] if p in _WATCHED]
+    if not held or any(p.grad is not None for p in held):
+        return
+    name, mesh_text = _WATCHED[held[0]]
+    kind = type(optimizer).__name__
+    raise ValueError(
+        f"torch.optim.{kind}.step: this optimizer holds the original model's parameters "
+        f"({name!r} and {len(held) - 1} more), which fxshard.parallelize (mesh {mesh_text}) "
+        f"no longer reads once training started: loss.backward() fills the parameter shards "
+        f"in pm.parameters(), so these have no gradient and the step would change nothing. "
+        f"Build the optimizer over the shards: opt = torch.optim.{kind}(pm.parameters(), ...)")
 
 
 def clip_grad_norm_(tm, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

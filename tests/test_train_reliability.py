@@ -1,0 +1,38 @@
+"""Training mistakes that used to give a silently wrong result (issue 43) or a poor error:
+each is now a clear error naming what to do, or the one-device result.
+
+An optimizer over ``model.parameters()`` (the shards are the weights), a detached loss in
+``train_step``, a loss function reading a global that changes, an optimizer state loaded into
+another optimizer type, and the PyTorch order ``AdamW(pm.parameters())`` right after
+``parallelize`` (issue 41)."""
+import copy
+
+import pytest
+import torch
+
+import fxshard
+from tests.test_train_grads import _data, _llama, _loss
+
+
+def _mesh(dp, tp):
+    return fxshard.init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+# -- item 6: an optimizer over the model's parameters -----------------------------------------
+def test_optimizer_over_model_parameters_raises_at_step():
+    model = _llama(layers=1)
+    ids, labels = _data()
+    pm = fxshard.parallelize(model, _mesh(1, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _loss(pm(ids), labels).backward()
+    with pytest.raises(ValueError, match=r"AdamW\(pm\.parameters\(\)") as e:
+        opt.step()
+    assert "original model's parameters" in str(e.value) and "model.embed_tokens.weight" in \
+        str(e.value), str(e.value)
+    # the right optimizer steps, and the model's own training (its own gradients) is not
+    # mistaken for it
+    good = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    good.step()
+    ref = copy.deepcopy(model)
+    _loss(ref(ids), labels).backward()
+    torch.optim.SGD(ref.parameters(), lr=1e-2).step()
