@@ -2,7 +2,7 @@
 
   python -m fxshard demo                        dp=2, tp=2 on a simulated mesh
   python -m fxshard demo --mesh tp=4 --sp       tensor + sequence parallel
-  python -m fxshard explain --mesh dp=2,tp=2,pp=2 --microbatches 2 --svg plan.svg
+  python -m fxshard explain --mesh dp=2,tp=2,pp=2 --microbatches 2 --svg /tmp/plan.svg
   python -m fxshard generate --mesh tp=2 --prompt-len 8 --new-tokens 16
   torchrun --nproc_per_node=4 -m fxshard demo --mesh dp=2,tp=2    real ranks (gloo)
 

@@ -250,3 +250,11 @@ def test_library_calls_print_nothing(capsys):
     finally:
         pm.close()
     assert capsys.readouterr() == ("", "")
+
+
+def test_help_examples_draw_outside_the_working_directory(capsys):
+    """Run inside a clone, the help's example leaves no untracked picture."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    svgs = re.findall(r"--svg (\S+)", capsys.readouterr().out)
+    assert svgs and all(s.startswith("/tmp/") for s in svgs), svgs
