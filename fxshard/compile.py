@@ -40,7 +40,8 @@ from .passes.emit import Program
 from .passes.pipeline import run_passes
 from .runtime.aten_bindings import aten_binding
 
-__all__ = ["CompiledStage", "compile_stage", "compile_graph", "eager_stage", "inductor_graph"]
+__all__ = ["CompiledStage", "compile_stage", "compile_graph", "direct_forward", "eager_stage",
+           "inductor_graph"]
 
 
 def _weights_as_inputs(program: Program) -> tuple[fx.GraphModule, list[str]]:
@@ -96,7 +97,7 @@ def _stand_in(i: int, op: torch._ops.OpOverload):
     return stand_in
 
 
-def _direct_forward(gm: fx.GraphModule):
+def direct_forward(gm: fx.GraphModule):
     """``gm``'s generated forward with every ``torch.ops.<ns>.<op>.<overload>(...)`` call
     made through the op's Python binding where one reaches exactly that overload
     (``fxshard.runtime.aten_bindings``: ``torch.mul`` for ``aten.mul.Tensor``), else through
@@ -135,7 +136,7 @@ def eager_stage(program: Program) -> CompiledStage:
     if program.eager is None:
         gm, names = _weights_as_inputs(program)
         gm = run_passes(gm, post_emit.EAGER, post_emit.PostEmitCtx())
-        program.eager = CompiledStage(fn=_direct_forward(gm), names=names, module=gm)
+        program.eager = CompiledStage(fn=direct_forward(gm), names=names, module=gm)
     return program.eager
 
 

@@ -29,7 +29,7 @@ from .export_errors import export_quietly, summarise_export_error
 
 aten = torch.ops.aten
 
-__all__ = ["Traced", "trace", "cleanup_pass"]
+__all__ = ["Traced", "trace", "cleanup_pass", "without_cache"]
 
 
 @dataclass
@@ -60,7 +60,7 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     out-of-place ``mul``): the passes move values between ranks, which would break the aliasing
     an in-place op relies on.
     """
-    kwargs = _without_cache(model, dict(kwargs or {}))
+    kwargs = without_cache(model, dict(kwargs or {}))
     on_meta = any(p.device.type == "meta" for p in model.parameters())
     meta_args = torch.utils._pytree.tree_map(_fake_like, args)
     meta_kwargs = torch.utils._pytree.tree_map(_fake_like, kwargs)
@@ -129,7 +129,7 @@ def _buffers_on_meta(model: torch.nn.Module, on_meta: bool):
             module._buffers[name] = buf
 
 
-def _without_cache(model: torch.nn.Module, kwargs: dict) -> dict:
+def without_cache(model: torch.nn.Module, kwargs: dict) -> dict:
     """Trace HuggingFace-style models without their KV cache: a forward with a ``use_cache``
     parameter (``config.use_cache=True`` by default) gets ``use_cache=False`` unless the caller
     set it. The output keeps its structure (``CausalLMOutputWithPast`` with

@@ -15,7 +15,7 @@ __all__ = ["direct"]
 
 def direct(gm):
     """``gm`` called without its per-node ``OpOverload.__call__`` and ``nn.Module.__call__``
-    frames (``fxshard.compile._direct_forward``, as inference's eager stages), made once per
+    frames (``fxshard.compile.direct_forward``, as inference's eager stages), made once per
     GraphModule and its code (again after a ``recompile``); ``gm`` itself where it is no
     GraphModule or its code reads attributes of the module. As inference's eager stages, an
     all-reduce of a value nothing else reads (a row-parallel matmul's output, a gradient
@@ -29,7 +29,7 @@ def direct(gm):
     code = gm.code
     made = gm.__dict__.get("_fxshard_direct")
     if made is None or made[0] is not code:
-        from ..compile import _direct_forward
+        from ..compile import direct_forward as _direct_forward
         run = None
         if any(n.op == "get_attr" for n in gm.graph.nodes):
             fn = gm

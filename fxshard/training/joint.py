@@ -32,7 +32,8 @@ import torch.fx as fx
 
 from ..passes import PassReports
 from ..passes.rules.linear import split_intervals
-from ..trace import Traced, _without_cache, cleanup_pass, trace
+from ..trace import Traced, cleanup_pass, trace
+from ..trace import without_cache as _without_cache
 from .dropout import add_dropout_sites, pack_seed
 from .dynamic_sizes import export_joint
 

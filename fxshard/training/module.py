@@ -33,7 +33,7 @@ from ..mesh import MeshSpec, is_simulated, mesh_spec
 from ..passes import PassCtx
 from ..placement import cut_to
 from ..runtime.program_cache import structure
-from ..trace import _without_cache
+from ..trace import without_cache as _without_cache
 from ..weights import tied_names
 from .autograd_step import Step, check_inputs_need_no_grad
 from .direct import direct

@@ -33,7 +33,8 @@ from ..passes import PassCtx, PassReports
 from ..passes.pad_vocab import pad_vocab_pass
 from ..passes.pipeline import run_passes
 from ..runtime.program_cache import structure
-from ..trace import _without_cache, cleanup_pass, trace
+from ..trace import cleanup_pass, trace
+from ..trace import without_cache as _without_cache
 from ..weights import tied_names
 from .dropout import add_dropout_sites, pack_seed, seeded
 from .joint import _placeholders_for_meta, _untie, input_grad_name, joint_of
