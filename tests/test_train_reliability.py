@@ -36,3 +36,20 @@ def test_optimizer_over_model_parameters_raises_at_step():
     ref = copy.deepcopy(model)
     _loss(ref(ids), labels).backward()
     torch.optim.SGD(ref.parameters(), lr=1e-2).step()
+
+
+# -- item 4: a detached loss in train_step ----------------------------------------------------
+@pytest.mark.parametrize("dp,tp", [(1, 2), (2, 1)])
+def test_train_step_detached_loss_raises_like_one_device(dp, tp):
+    ids, labels = _data()
+    model = _llama(layers=1)
+    with pytest.raises(RuntimeError, match="does not require grad"):   # one device
+        _loss(model(ids).detach(), labels).backward()
+    pm = fxshard.parallelize(model, _mesh(dp, tp))
+    with pytest.raises(RuntimeError, match=r"does not require grad.*train_step|train_step.*"
+                                           r"does not require grad") as e:
+        pm.train_step(ids, loss_fn=lambda out, t: _loss(out.detach(), t), target=labels)
+    assert "detach" in str(e.value)
+    # the same pm trains with the loss not detached
+    loss = pm.train_step(ids, loss_fn=_loss, target=labels)
+    assert torch.isfinite(loss) and all(p.grad is not None for p in pm.parameters())

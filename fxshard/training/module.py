@@ -178,10 +178,13 @@ class TrainModule(OutputBlocks):
         failed = self._untraced_losses
         if key not in failed:
             try:
-                return self._call(wrapped, {}, loss=loss_fn)
+                loss = self._call(wrapped, {}, loss=loss_fn)
             except Exception as e:   # noqa: BLE001 (the loss on the output is the same loss)
                 failed[key] = loss_fn   # held, so the key's ids stay this loss's
                 warn_not_traced(f"{_WHERE}.train_step", loss_fn, e)
+            else:
+                check_loss_differentiable(self._last, loss_fn)
+                return loss
         out = self._call(args, kwargs)
         return loss_fn(out, target) if target is not None else loss_fn(out)
 
@@ -387,6 +390,21 @@ class TrainModule(OutputBlocks):
             raise ValueError(f"{_WHERE}.TrainModule.{what}: nothing is traced yet; call the "
                              f"module once (tm(x)) first")
         return self._last
+
+
+def check_loss_differentiable(program: TrainProgram, loss_fn) -> None:
+    """The RuntimeError ``loss.backward()`` raises on one device for a loss that depends on
+    no trainable parameter (a ``.detach()`` inside ``loss_fn``): the traced program's loss
+    has no gradient to give, which would otherwise leave every ``.grad`` None silently."""
+    if program.split.tangents:
+        return
+    from .with_loss import describe_loss
+    raise RuntimeError(
+        f"{_WHERE}.train_step: element 0 of tensors does not require grad and does not have "
+        f"a grad_fn: the loss of loss_fn={describe_loss(loss_fn)} depends on no parameter "
+        f"that requires grad (a .detach(), .data or torch.no_grad() inside it, or every "
+        f"parameter frozen), so loss.backward() has nothing to fill, as on one device. "
+        f"Compute the loss from the model's output without detaching it")
 
 
 def check_trainable(where: str, mesh: MeshSpec, options) -> None:
