@@ -65,7 +65,10 @@ class Stage:
         sink = _Sink(self, name)
         try:
             if self.error is None:
-                sink.fh = open(self.join(name), "wb")
+                try:
+                    sink.fh = open(self.join(name), "wb")
+                except OSError as e:     # kept too: the rank goes on with the collectives
+                    self.fail(e, name)
             yield sink
         finally:
             sink.close()

@@ -185,3 +185,31 @@ def test_int64_weight_in_safetensors_is_cast_as_load_state_dict_casts(tmp_path):
     for k, v in one.state_dict().items():
         assert got[k].dtype == v.dtype, k
         torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_replacing_switches_whole_and_recovers_an_interrupted_switch(tmp_path, monkeypatch,
+                                                                     exchange):
+    from fxshard import atomic_dir
+    if not exchange:
+        monkeypatch.setattr(atomic_dir, "_exchange", lambda a, b: False)
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "old.bin").write_text("old")
+    (d / "keep.txt").write_text("user")
+    owned = lambda name: name.endswith(".bin")   # noqa: E731
+    with atomic_dir.replacing(str(d), where="t", owned=owned) as stage:
+        with stage.file("new.bin") as fh:
+            fh.write(b"new")
+    assert sorted(os.listdir(d)) == ["keep.txt", "new.bin"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    os.rename(d, tmp_path / ".ckpt.fxshard-old")     # a crash between the two renames
+    with pytest.raises(RuntimeError, match=r"t: writing x\.bin of the checkpoint .*boom"):
+        with atomic_dir.replacing(str(d), where="t", owned=owned) as stage:
+            assert sorted(os.listdir(d)) == ["keep.txt", "new.bin"]   # put back first
+            stage.fail(RuntimeError("boom"), "x.bin")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    monkeypatch.chdir(d)
+    with pytest.raises(ValueError, match="working directory"):
+        with atomic_dir.replacing(".", where="t", owned=owned):
+            pass
