@@ -6,6 +6,7 @@ Importing this package registers them all (``import fxshard`` does): one module 
     library.py      define_op / Op / direct_kernel: the thin dispatcher registration every op uses
     collectives.py  all_gather, all_reduce, reduce_scatter, all_to_all, local_shard, send, recv
                     (+ all_reduce_consuming, COLLECTIVE_OPS, is_communication, ...)
+    collective_args.py  their argument checks and the buckets' flat layout
     local.py        vocab_embedding, partial_from_replicate, zigzag_shard, zigzag_gather
     attention.py    attention (with its autograd kernel), attention_out
     ring.py         ring_attention (K/V around a ring_cp axis, merged by logsumexp)

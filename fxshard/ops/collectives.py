@@ -29,8 +29,9 @@ Eager training programs issue the fsdp collectives in the background through pla
 result with :func:`collective_wait`: the same values as the op.
 
 The real impls dispatch to the current backend (``fxshard.runtime.context``: the simulated
-mesh or torch.distributed). A size-1 axis is
-the identity (a copy: custom ops never return views of their inputs).
+mesh or torch.distributed); their argument checks and the buckets' flat layout are
+:mod:`fxshard.ops.collective_args`. A size-1 axis is the identity (a copy: custom ops never
+return views of their inputs).
 
 Purity. The collectives are pure functions of their inputs (every rank of a group runs the same
 program, so an unused collective is dropped on all of them alike). ``send`` and ``recv`` are
@@ -42,67 +43,23 @@ messages and keep their order. A hand-written CSE over a raw graph must skip the
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch._library.effects import EffectType
 
+from fxshard.ops.collective_args import (bucket_dims, check_peer, checked_backend, chunk_length,
+                                         gather_bucket_in, gather_bucket_out, gathered_shape,
+                                         norm_dim, scatter_bucket_in, scatter_bucket_out,
+                                         scattered_shape, size_mismatch)
 from fxshard.ops.library import define_op
-from fxshard.runtime.context import _CURRENT, Backend, current_backend
+from fxshard.runtime.context import CURRENT_BACKEND, current_backend
 
 __all__ = ["COLLECTIVE_OPS", "POINT_TO_POINT_OPS", "is_communication", "is_point_to_point",
            "all_reduce_consuming", "all_reduce_start", "collective_wait", "Pending",
            "all_gather_start", "all_gather_bucket_start", "reduce_scatter_start",
            "reduce_scatter_bucket_start", "START",
-           "checked_backend"]
+           "checked_backend", "size_mismatch"]
 
 _LIB = "fxshard"
-
-
-def checked_backend(op: str, axis: str, size: int) -> Backend:
-    """The current backend, after checking that ``size`` is the size of ``axis`` on it."""
-    backend = current_backend(f"torch.ops.fxshard.{op}")
-    if size != backend.axis_size(axis):
-        raise size_mismatch(op, axis, size, backend)
-    return backend
-
-
-def size_mismatch(op: str, axis: str, size: int, backend: Backend) -> ValueError:
-    """The error for a program built for another mesh (``size`` is not ``axis``'s size)."""
-    return ValueError(
-        f"torch.ops.fxshard.{op}: the program says mesh axis {axis!r} has size {size}, but "
-        f"the backend's mesh {backend.mesh.describe()} gives it size {backend.axis_size(axis)}. "
-        f"The per-rank program was built for another mesh; rebuild it with "
-        f"fxshard.parallelize for this mesh.")
-
-
-def _norm_dim(op: str, x: torch.Tensor, dim: int, name: str = "dim") -> int:
-    if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"torch.ops.fxshard.{op}: {name}={dim} is out of range for a tensor "
-                         f"of shape {list(x.shape)}")
-    return dim % x.dim()
-
-
-def _chunk(op: str, x: torch.Tensor, dim: int, axis: str, size: int, name: str = "dim") -> int:
-    """Length of one of ``size`` equal chunks of ``x`` along ``dim``, or a ValueError."""
-    if size < 1:
-        raise ValueError(f"torch.ops.fxshard.{op}: size={size} for mesh axis {axis!r}; an axis "
-                         f"size is >= 1")
-    n = x.shape[dim]
-    if n % size:
-        raise ValueError(
-            f"torch.ops.fxshard.{op}: {name}={dim} of a tensor of shape {list(x.shape)} has "
-            f"size {n}, which mesh axis {axis!r} of size {size} cannot split into equal chunks; "
-            f"pad that dim to a multiple of {size} or do not shard it on {axis!r}")
-    return n // size
-
-
-def _check_peer(op: str, backend: Backend, axis: str, peer: int) -> None:
-    size, me = backend.axis_size(axis), backend.axis_index(axis)
-    if not 0 <= peer < size or peer == me:
-        raise ValueError(
-            f"torch.ops.fxshard.{op}: peer={peer} on mesh axis {axis!r} of size {size} from "
-            f"coordinate {me}; the peer must be another coordinate in 0..{size - 1}")
 
 
 def _define(name: str, schema: str):
@@ -114,13 +71,13 @@ def _define(name: str, schema: str):
 @_define("all_gather", "(Tensor x, int dim, str axis, int size) -> Tensor")
 def _all_gather(x, dim, axis, size):
     backend = checked_backend("all_gather", axis, size)
-    dim = _norm_dim("all_gather", x, dim)
+    dim = norm_dim("all_gather", x, dim)
     return x.clone() if size == 1 else backend.all_gather(x, dim, axis)
 
 
 @_all_gather.register_fake
 def _(x, dim, axis, size):
-    dim = _norm_dim("all_gather", x, dim)
+    dim = norm_dim("all_gather", x, dim)
     shape = list(x.shape)
     shape[dim] *= size
     return x.new_empty(shape)
@@ -148,7 +105,7 @@ def all_reduce_consuming(x: torch.Tensor, axis: str, size: int) -> torch.Tensor:
     mesh itself (:meth:`fxshard.runtime.distributed.DistributedBackend.all_reduce_`): one
     frame per all-reduce, the most frequent op of a tensor-parallel step, where
     :func:`checked_backend` costs three."""
-    inplace = getattr(_CURRENT.get(), "all_reduce_", None)
+    inplace = getattr(CURRENT_BACKEND.get(), "all_reduce_", None)
     if inplace is not None and x.is_contiguous():
         return inplace(x, axis, size)
     backend = checked_backend("all_reduce", axis, size)
@@ -175,7 +132,7 @@ def all_reduce_start(x: torch.Tensor, axis: str, size: int, consume: bool) -> Pe
     else (:func:`all_reduce_consuming`'s condition), so the sum may be written into it.
     Other backends (the simulated mesh) reduce here and the wait only hands the result over.
     Eager rank programs call it (``fxshard.passes.post_emit.overlap_collectives_pass``)."""
-    start = getattr(_CURRENT.get(), "all_reduce_start", None)
+    start = getattr(CURRENT_BACKEND.get(), "all_reduce_start", None)
     if start is not None and size > 1:
         return start(x if consume and x.is_contiguous() else x.contiguous().clone(), axis, size)
     return Pending(all_reduce_consuming(x, axis, size) if consume
@@ -193,16 +150,16 @@ def collective_wait(pending: Pending) -> torch.Tensor:
 @_define("reduce_scatter", "(Tensor x, int dim, str axis, int size) -> Tensor")
 def _reduce_scatter(x, dim, axis, size):
     backend = checked_backend("reduce_scatter", axis, size)
-    dim = _norm_dim("reduce_scatter", x, dim)
-    _chunk("reduce_scatter", x, dim, axis, size)
+    dim = norm_dim("reduce_scatter", x, dim)
+    chunk_length("reduce_scatter", x, dim, axis, size)
     return x.clone() if size == 1 else backend.reduce_scatter(x, dim, axis)
 
 
 @_reduce_scatter.register_fake
 def _(x, dim, axis, size):
-    dim = _norm_dim("reduce_scatter", x, dim)
+    dim = norm_dim("reduce_scatter", x, dim)
     shape = list(x.shape)
-    shape[dim] = _chunk("reduce_scatter", x, dim, axis, size)
+    shape[dim] = chunk_length("reduce_scatter", x, dim, axis, size)
     return x.new_empty(shape)
 
 
@@ -211,9 +168,9 @@ def _(x, dim, axis, size):
 @_define("all_to_all", "(Tensor x, int split_dim, int concat_dim, str axis, int size) -> Tensor")
 def _all_to_all(x, split_dim, concat_dim, axis, size):
     backend = checked_backend("all_to_all", axis, size)
-    split_dim = _norm_dim("all_to_all", x, split_dim, "split_dim")
-    concat_dim = _norm_dim("all_to_all", x, concat_dim, "concat_dim")
-    _chunk("all_to_all", x, split_dim, axis, size, "split_dim")
+    split_dim = norm_dim("all_to_all", x, split_dim, "split_dim")
+    concat_dim = norm_dim("all_to_all", x, concat_dim, "concat_dim")
+    chunk_length("all_to_all", x, split_dim, axis, size, "split_dim")
     if size == 1:
         return x.clone()
     return backend.all_to_all(x, split_dim, concat_dim, axis)
@@ -221,10 +178,10 @@ def _all_to_all(x, split_dim, concat_dim, axis, size):
 
 @_all_to_all.register_fake
 def _(x, split_dim, concat_dim, axis, size):
-    split_dim = _norm_dim("all_to_all", x, split_dim, "split_dim")
-    concat_dim = _norm_dim("all_to_all", x, concat_dim, "concat_dim")
+    split_dim = norm_dim("all_to_all", x, split_dim, "split_dim")
+    concat_dim = norm_dim("all_to_all", x, concat_dim, "concat_dim")
     shape = list(x.shape)
-    shape[split_dim] = _chunk("all_to_all", x, split_dim, axis, size, "split_dim")
+    shape[split_dim] = chunk_length("all_to_all", x, split_dim, axis, size, "split_dim")
     shape[concat_dim] *= size
     return x.new_empty(shape)
 
@@ -234,107 +191,53 @@ def _(x, split_dim, concat_dim, axis, size):
 @_define("local_shard", "(Tensor x, int dim, str axis, int size) -> Tensor")
 def _local_shard(x, dim, axis, size):
     backend = checked_backend("local_shard", axis, size)
-    dim = _norm_dim("local_shard", x, dim)
-    n = _chunk("local_shard", x, dim, axis, size)
+    dim = norm_dim("local_shard", x, dim)
+    n = chunk_length("local_shard", x, dim, axis, size)
     start = backend.axis_index(axis) * n
     return x.narrow(dim, start, n).clone(memory_format=torch.contiguous_format)
 
 
 @_local_shard.register_fake
 def _(x, dim, axis, size):
-    dim = _norm_dim("local_shard", x, dim)
+    dim = norm_dim("local_shard", x, dim)
     shape = list(x.shape)
-    shape[dim] = _chunk("local_shard", x, dim, axis, size)
+    shape[dim] = chunk_length("local_shard", x, dim, axis, size)
     return x.new_empty(shape)
 
 
 # --- all_gather_bucket / reduce_scatter_bucket ----------------------------------------------
 
-def _bucket_dims(op: str, xs, dims) -> list[int]:
-    if len(xs) != len(dims) or not xs:
-        raise ValueError(f"torch.ops.fxshard.{op}: {len(xs)} tensors and {len(dims)} dims; give "
-                         f"one dim per tensor, at least one tensor")
-    if len({(x.dtype, x.device) for x in xs}) > 1:
-        raise ValueError(
-            f"torch.ops.fxshard.{op}: the tensors of one bucket must share a dtype and a "
-            f"device, got {sorted({f'{x.dtype} on {x.device}' for x in xs})}; bucket them by "
-            f"dtype")
-    return [_norm_dim(op, x, d) for x, d in zip(xs, dims)]
-
-
-def _gathered_shape(shape, dim: int, size: int) -> list[int]:
-    shape = list(shape)
-    shape[dim] *= size
-    return shape
-
-
 @_define("all_gather_bucket", "(Tensor[] xs, int[] dims, str axis, int size) -> Tensor[]")
 def _all_gather_bucket(xs, dims, axis, size):
     backend = checked_backend("all_gather_bucket", axis, size)
-    dims = _bucket_dims("all_gather_bucket", xs, dims)
+    dims = bucket_dims("all_gather_bucket", xs, dims)
     if size == 1:
         return [x.clone() for x in xs]
-    return _gather_bucket_out(backend.all_gather(_gather_bucket_in(xs), 0, axis), xs, dims, size)
-
-
-def _gather_bucket_in(xs) -> torch.Tensor:
-    return torch.cat([x.reshape(-1) for x in xs])                        # copy-in
-
-
-def _gather_bucket_out(gathered: torch.Tensor, xs, dims, size: int) -> list[torch.Tensor]:
-    gathered = gathered.view(size, -1)                                   # rank-major
-    out = []
-    for part, x, d in zip(gathered.split([x.numel() for x in xs], 1), xs, dims):
-        # rank r's block of x at row r: put the ranks next to each other along dim d
-        y = part.reshape(size, *x.shape).movedim(0, d).reshape(_gathered_shape(x.shape, d, size))
-        y = y.contiguous()   # (the per-tensor all_gather's layout)
-        if len(xs) > 1 and y.untyped_storage().data_ptr() == \
-                gathered.untyped_storage().data_ptr():
-            y = y.clone()   # never a view that keeps the whole bucket alive
-        out.append(y)
-    return out
+    return gather_bucket_out(backend.all_gather(gather_bucket_in(xs), 0, axis), xs, dims, size)
 
 
 @_all_gather_bucket.register_fake
 def _(xs, dims, axis, size):
-    dims = _bucket_dims("all_gather_bucket", xs, dims)
-    return [x.new_empty(_gathered_shape(x.shape, d, size)) for x, d in zip(xs, dims)]
-
-
-def _scattered_shape(op: str, x, dim: int, axis: str, size: int) -> list[int]:
-    shape = list(x.shape)
-    shape[dim] = _chunk(op, x, dim, axis, size)
-    return shape
+    dims = bucket_dims("all_gather_bucket", xs, dims)
+    return [x.new_empty(gathered_shape(x.shape, d, size)) for x, d in zip(xs, dims)]
 
 
 @_define("reduce_scatter_bucket", "(Tensor[] xs, int[] dims, str axis, int size) -> Tensor[]")
 def _reduce_scatter_bucket(xs, dims, axis, size):
     backend = checked_backend("reduce_scatter_bucket", axis, size)
-    dims = _bucket_dims("reduce_scatter_bucket", xs, dims)
-    shapes = [_scattered_shape("reduce_scatter_bucket", x, d, axis, size)
+    dims = bucket_dims("reduce_scatter_bucket", xs, dims)
+    shapes = [scattered_shape("reduce_scatter_bucket", x, d, axis, size)
               for x, d in zip(xs, dims)]
     if size == 1:
         return [x.clone() for x in xs]
-    flat = _scatter_bucket_in(xs, dims, shapes, size)
-    return _scatter_bucket_out(backend.reduce_scatter(flat, 0, axis), shapes)
-
-
-def _scatter_bucket_in(xs, dims, shapes, size: int) -> torch.Tensor:
-    # rank r's chunk of every tensor in row r, flattened in the chunk's own (contiguous) order
-    rows = [x.reshape(*x.shape[:d], size, s[d], *x.shape[d + 1:]).movedim(d, 0).reshape(size, -1)
-            for x, d, s in zip(xs, dims, shapes)]
-    return torch.cat(rows, 1).reshape(-1)
-
-
-def _scatter_bucket_out(mine: torch.Tensor, shapes) -> list[torch.Tensor]:
-    return [p.reshape(s).clone() for p, s in
-            zip(mine.split([math.prod(s) for s in shapes]), shapes)]
+    flat = scatter_bucket_in(xs, dims, shapes, size)
+    return scatter_bucket_out(backend.reduce_scatter(flat, 0, axis), shapes)
 
 
 @_reduce_scatter_bucket.register_fake
 def _(xs, dims, axis, size):
-    dims = _bucket_dims("reduce_scatter_bucket", xs, dims)
-    return [x.new_empty(_scattered_shape("reduce_scatter_bucket", x, d, axis, size))
+    dims = bucket_dims("reduce_scatter_bucket", xs, dims)
+    return [x.new_empty(scattered_shape("reduce_scatter_bucket", x, d, axis, size))
             for x, d in zip(xs, dims)]
 
 
@@ -360,7 +263,7 @@ class _Then(Pending):
 
 def _starter(op: str, axis: str, size: int, kind: str):
     """The backend's ``<kind>_start`` after the size check, or None (compute at once)."""
-    start = getattr(_CURRENT.get(), f"{kind}_start", None)
+    start = getattr(CURRENT_BACKEND.get(), f"{kind}_start", None)
     if start is None or size == 1:
         return None
     checked_backend(op, axis, size)
@@ -372,7 +275,7 @@ def all_gather_start(x: torch.Tensor, dim: int, axis: str, size: int) -> Pending
     start = _starter("all_gather", axis, size, "all_gather")
     if start is None:
         return Pending(_all_gather.__wrapped__(x, dim, axis, size))
-    return start(x, _norm_dim("all_gather", x, dim), axis)
+    return start(x, norm_dim("all_gather", x, dim), axis)
 
 
 def all_gather_bucket_start(xs, dims, axis: str, size: int) -> Pending:
@@ -380,9 +283,9 @@ def all_gather_bucket_start(xs, dims, axis: str, size: int) -> Pending:
     start = _starter("all_gather_bucket", axis, size, "all_gather")
     if start is None:
         return Pending(_all_gather_bucket.__wrapped__(xs, dims, axis, size))
-    dims = _bucket_dims("all_gather_bucket", xs, dims)
-    return _Then(start(_gather_bucket_in(xs), 0, axis),
-                 lambda gathered: _gather_bucket_out(gathered, xs, dims, size))
+    dims = bucket_dims("all_gather_bucket", xs, dims)
+    return _Then(start(gather_bucket_in(xs), 0, axis),
+                 lambda gathered: gather_bucket_out(gathered, xs, dims, size))
 
 
 def reduce_scatter_start(x: torch.Tensor, dim: int, axis: str, size: int) -> Pending:
@@ -390,8 +293,8 @@ def reduce_scatter_start(x: torch.Tensor, dim: int, axis: str, size: int) -> Pen
     start = _starter("reduce_scatter", axis, size, "reduce_scatter")
     if start is None:
         return Pending(_reduce_scatter.__wrapped__(x, dim, axis, size))
-    dim = _norm_dim("reduce_scatter", x, dim)
-    _chunk("reduce_scatter", x, dim, axis, size)
+    dim = norm_dim("reduce_scatter", x, dim)
+    chunk_length("reduce_scatter", x, dim, axis, size)
     return start(x, dim, axis)
 
 
@@ -400,11 +303,11 @@ def reduce_scatter_bucket_start(xs, dims, axis: str, size: int) -> Pending:
     start = _starter("reduce_scatter_bucket", axis, size, "reduce_scatter")
     if start is None:
         return Pending(_reduce_scatter_bucket.__wrapped__(xs, dims, axis, size))
-    dims = _bucket_dims("reduce_scatter_bucket", xs, dims)
-    shapes = [_scattered_shape("reduce_scatter_bucket", x, d, axis, size)
+    dims = bucket_dims("reduce_scatter_bucket", xs, dims)
+    shapes = [scattered_shape("reduce_scatter_bucket", x, d, axis, size)
               for x, d in zip(xs, dims)]
-    return _Then(start(_scatter_bucket_in(xs, dims, shapes, size), 0, axis),
-                 lambda mine: _scatter_bucket_out(mine, shapes))
+    return _Then(start(scatter_bucket_in(xs, dims, shapes, size), 0, axis),
+                 lambda mine: scatter_bucket_out(mine, shapes))
 
 
 START = {}
@@ -416,7 +319,7 @@ START = {}
 @_define("send", "(Tensor x, str axis, int peer) -> ()")
 def _send(x, axis, peer):
     backend = current_backend("torch.ops.fxshard.send")
-    _check_peer("send", backend, axis, peer)
+    check_peer("send", backend, axis, peer)
     backend.send(x, axis, peer)
 
 
@@ -428,7 +331,7 @@ def _(x, axis, peer):
 @_define("recv", "(int[] shape, ScalarType dtype, Device device, str axis, int peer) -> Tensor")
 def _recv(shape, dtype, device, axis, peer):
     backend = current_backend("torch.ops.fxshard.recv")
-    _check_peer("recv", backend, axis, peer)
+    check_peer("recv", backend, axis, peer)
     return backend.recv(list(shape), dtype, device, axis, peer)
 
 

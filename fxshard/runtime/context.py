@@ -19,7 +19,8 @@ import torch
 
 from fxshard.mesh import MeshSpec
 
-__all__ = ["Backend", "current_backend", "use_backend", "axis_index", "axis_size"]
+__all__ = ["Backend", "CURRENT_BACKEND", "current_backend", "use_backend", "axis_index",
+           "axis_size"]
 
 
 @runtime_checkable
@@ -77,12 +78,16 @@ class Backend(Protocol):
         ...
 
 
-_CURRENT: ContextVar[Backend | None] = ContextVar("fxshard_runtime_backend", default=None)
+CURRENT_BACKEND: ContextVar[Backend | None] = ContextVar("fxshard_runtime_backend", default=None)
+"""The backend installed in this thread (None outside one). :func:`current_backend` reads it
+with a helpful error; hot paths that only probe for an optional method (a backend's in-place
+or background collectives, ``fxshard.ops.collectives``) read ``CURRENT_BACKEND.get()``."""
+_CURRENT = CURRENT_BACKEND   # the runtime's own name for it (fxshard.runtime.executor)
 
 
 def current_backend(op: str = "fxshard runtime") -> Backend:
     """The backend installed in this thread, or a RuntimeError telling how to install one."""
-    backend = _CURRENT.get()
+    backend = CURRENT_BACKEND.get()
     if backend is None:
         raise RuntimeError(
             f"{op} was called outside any fxshard backend. Per-rank programs contain "
@@ -95,11 +100,11 @@ def current_backend(op: str = "fxshard runtime") -> Backend:
 @contextlib.contextmanager
 def use_backend(backend: Backend) -> Iterator[Backend]:
     """Install ``backend`` as the current backend of this thread for the ``with`` block."""
-    token = _CURRENT.set(backend)
+    token = CURRENT_BACKEND.set(backend)
     try:
         yield backend
     finally:
-        _CURRENT.reset(token)
+        CURRENT_BACKEND.reset(token)
 
 
 def axis_index(axis: str) -> int:
