@@ -59,11 +59,11 @@ def describe(value):
     return repr(value)
 
 
-def agree(mesh, seen: set, where: str, *values) -> None:
+def agree(mesh, seen: set, where: str, *values, fix: str | None = None) -> None:
     """Check that every rank of ``mesh`` calls with the same ``values`` (described by
     :func:`describe`), the first time this process sees them (``seen``: the signatures agreed
     so far, updated); a ValueError on every rank naming the ranks and what each has where
-    they differ."""
+    they differ, and ``fix`` (what to do; default: give every rank the same arguments)."""
     from ..mesh import is_simulated
     if is_simulated(mesh):
         return
@@ -86,9 +86,9 @@ def agree(mesh, seen: set, where: str, *values) -> None:
         for text, ranks in groups.items())
     raise ValueError(
         f"{where}: the ranks disagree on this call (this is rank {dist.get_rank()}): {sides}. "
-        f"Under torchrun every rank must make the same calls with the same input shapes, "
-        f"dtypes and options (each rank passes the same global input); give every rank the "
-        f"same arguments")
+        + (fix or "Under torchrun every rank must make the same calls with the same input "
+                  "shapes, dtypes and options (each rank passes the same global input); give "
+                  "every rank the same arguments"))
 
 
 def _differing(signatures: list) -> set | None:

@@ -89,6 +89,7 @@ class TrainModule(OutputBlocks):
         self._world = None
         self._untraced_losses: dict = {}   # loss_key -> a loss export could not trace
         self._frozen: frozenset = frozenset()   # the shards' requires_grad follows the model's
+        self._agreed: set = set()     # frozen sets the ranks agreed on (a real mesh)
 
     # -- building ------------------------------------------------------------------------
     def _program(self, args: tuple, kwargs: dict, loss=None) -> TrainProgram:
@@ -97,6 +98,7 @@ class TrainModule(OutputBlocks):
         check_no_autocast(_WHERE)
         mode = self.model.training    # train mode traces dropout's sites, eval mode none
         frozen = frozen_names(self.model)   # (traced into the joint graph: no gradient made)
+        agree_frozen(self.mesh, self._agreed, frozen)
         extra = None
         if loss is not None:
             from .with_loss import describe_loss, loss_key
@@ -390,6 +392,19 @@ class TrainModule(OutputBlocks):
             raise ValueError(f"{_WHERE}.TrainModule.{what}: nothing is traced yet; call the "
                              f"module once (tm(x)) first")
         return self._last
+
+
+def agree_frozen(mesh, seen: set, frozen: frozenset) -> None:
+    """Under torchrun every rank must freeze the same parameters (``requires_grad_(False)``):
+    a parameter frozen on one rank only would train on the others, half of its shards
+    stepped. Exchanged once per new frozen set (:func:`fxshard.runtime.agreement.agree`); a
+    ValueError on every rank naming each rank's set."""
+    from ..runtime.agreement import agree
+    agree(mesh, seen, f"{_WHERE} (pm(x) / train_step with grad enabled)",
+          {"frozen_parameters": sorted(frozen)},
+          fix="Every rank must freeze the same parameters (requires_grad_(False) on every "
+              "rank, before the same step), or a parameter trains on some ranks only; "
+              "freeze outside any `if rank == ...:`")
 
 
 def check_loss_differentiable(program: TrainProgram, loss_fn) -> None:

@@ -71,6 +71,7 @@ class PipelineTrainer:
         self._last: Staged | None = None
         self.schedule = None         # what the last step ran: name, time steps, peak bytes
         self.peak_saved: dict = {}
+        self._agreed: set = set()    # frozen sets the ranks agreed on (a real mesh)
 
     # -- coordinates ---------------------------------------------------------------------
     def _sub_rank(self, rank: int) -> int:
@@ -123,6 +124,8 @@ class PipelineTrainer:
                 f"virtual_stages= on every call")
         check_no_autocast(_WHERE)
         frozen = frozen_names(self.model)
+        from .module import agree_frozen    # every rank freezes the same parameters
+        agree_frozen(self.mesh, self._agreed, frozen)
         key = (self.model.training, frozen, structure(args, kwargs)) + tuple(
             (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
             for x in pytree.tree_leaves((args, kwargs)))
