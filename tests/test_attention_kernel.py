@@ -504,7 +504,7 @@ def test_without_triton_only_the_triton_backend_is_disabled(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", None)
     monkeypatch.delitem(sys.modules, "fxshard.kernels.triton_attention", raising=False)
     monkeypatch.delattr(fxshard.kernels, "triton_attention", raising=False)
-    attention_module._triton_module.cache_clear()
+    attention_module.triton_module.cache_clear()
     try:
         q = torch.randn(1, 2, 4, 16)
         out, lse = attention(q, q, q, causal=True)
@@ -513,7 +513,7 @@ def test_without_triton_only_the_triton_backend_is_disabled(monkeypatch):
                                              r"which is not installed; .* backend='torch'"):
             attention(q, q, q, backend="triton")
     finally:
-        attention_module._triton_module.cache_clear()
+        attention_module.triton_module.cache_clear()
 
 
 def test_triton_error_messages(monkeypatch):

@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 
 __all__ = ["attention", "merge_attention", "auto_attention", "attention_backward",
-           "check_inputs", "cpu_flash", "torch_attention"]
+           "check_inputs", "cpu_flash", "scale_of", "torch_attention", "triton_module"]
 
 _NAME = "fxshard.kernels.attention"
 _BACKENDS = ("auto", "torch", "triton")
@@ -190,7 +190,8 @@ def check_inputs(q, k, v, mask, scale, q_offset, kv_offset, softcap=0.0) -> None
                          f"cap of softcap * tanh(score / softcap)) or None / 0 for no cap.")
 
 
-def _scale_of(q: torch.Tensor, scale: Optional[float]) -> float:
+def scale_of(q: torch.Tensor, scale: Optional[float]) -> float:
+    """The softmax scale: ``scale``, or ``1 / sqrt(head_dim)`` of ``q`` where it is None."""
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
@@ -300,7 +301,7 @@ def cpu_flash(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_offset,
             and q_BHSD.dtype in (torch.float32, torch.float64) and q_BHSD.shape[2] > 0
             and k_BHSD.shape[2] > 0 and _all_finite(q_BHSD, k_BHSD, v_BHSD)):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q_BHSD, k_BHSD, v_BHSD, 0.0, bool(causal), scale=_scale_of(q_BHSD, scale))
+            q_BHSD, k_BHSD, v_BHSD, 0.0, bool(causal), scale=scale_of(q_BHSD, scale))
     return None
 
 
@@ -319,7 +320,7 @@ def torch_attention(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_of
                       softcap)
     if flash is not None:
         return flash[0].contiguous(), flash[1].to(torch.float32).contiguous()
-    s_BKGST = _masked_scores(q_BHSD, k_BHSD, mask, causal, _scale_of(q_BHSD, scale),
+    s_BKGST = _masked_scores(q_BHSD, k_BHSD, mask, causal, scale_of(q_BHSD, scale),
                              q_offset, kv_offset, softcap)
     if q_BHSD.device.type == "cpu" and not _all_finite(q_BHSD, k_BHSD) and \
             sdpa_zeroes_nan_rows(q_BHSD.dtype, seq_kv, mask):  # as torch's SDPA here: an all-NaN row sees no key
@@ -341,7 +342,7 @@ def torch_attention(q_BHSD, k_BHSD, v_BHSD, mask, causal, scale, q_offset, kv_of
 
 
 @functools.cache
-def _triton_module():
+def triton_module():
     """The Triton kernel module, or None when triton is not installed."""
     try:
         from . import triton_attention
@@ -355,11 +356,11 @@ def _triton_module():
 def _triton_attention(q, k, v, causal, scale, q_offset, kv_offset, softcap=0.0):
     if q.shape[2] == 0 or k.shape[2] == 0:  # nothing to launch: the torch result is exact
         return torch_attention(q, k, v, None, causal, scale, q_offset, kv_offset, softcap)
-    module = _triton_module()
+    module = triton_module()
     if module is None:
         raise ValueError(f"{_NAME}: the Triton backend needs the triton package, which is not "
                          f"installed; install triton or use backend='torch'.")
-    return module.attention_fwd(q, k, v, causal=bool(causal), scale=_scale_of(q, scale),
+    return module.attention_fwd(q, k, v, causal=bool(causal), scale=scale_of(q, scale),
                                 q_offset=int(q_offset), kv_offset=int(kv_offset),
                                 softcap=float(softcap or 0.0))
 
@@ -369,7 +370,7 @@ def auto_attention(q, k, v, mask, causal, scale, q_offset, kv_offset, softcap=0.
     triton is installed), torch otherwise. The kernel of ``fxshard::attention`` after its checks,
     and what eager rank programs call (their inputs passed :func:`check_inputs` in the op's fake
     impl when the program was traced, with the shapes and dtypes every call has)."""
-    if q.device.type == "cuda" and mask is None and _triton_module() is not None:
+    if q.device.type == "cuda" and mask is None and triton_module() is not None:
         return _triton_attention(q, k, v, causal, scale, q_offset, kv_offset, softcap)
     return torch_attention(q, k, v, mask, causal, scale, q_offset, kv_offset, softcap)
 
@@ -385,7 +386,7 @@ def attention_backward(q_BHSD, k_BHSD, v_BHSD, mask, out_BHSD, lse_BHS, dout_BHS
     head_dim_v = v_BHSD.shape[3]
     group = heads_q // k_BHSD.shape[1]
     cdtype = _compute_dtype(q_BHSD.dtype)
-    scale = _scale_of(q_BHSD, scale)
+    scale = scale_of(q_BHSD, scale)
     shape_5d = (batch, k_BHSD.shape[1], group, seq_q)
     s_BKGST = _masked_scores(q_BHSD, k_BHSD, mask, causal, scale, q_offset, kv_offset, softcap)
     lse_BKGS = lse_BHS.to(cdtype).view(shape_5d)

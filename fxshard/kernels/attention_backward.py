@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from .attention import _compute_dtype, _masked_scores, _scale_of
+from .attention import _compute_dtype, _masked_scores, scale_of
 
 __all__ = ["attention_block_backward"]
 
@@ -82,7 +82,7 @@ def attention_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 torch.zeros(k.shape, dtype=cdtype, device=q.device),
                 torch.zeros(v.shape, dtype=cdtype, device=q.device))
     group = heads_q // heads_kv
-    scale = _scale_of(q, scale)
+    scale = scale_of(q, scale)
     softcap = float(softcap or 0.0)
     shape_5d = (batch, heads_kv, group, seq_q)
     s = _masked_scores(q, k, mask, causal, scale, q_offset, kv_offset, softcap)

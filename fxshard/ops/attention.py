@@ -107,8 +107,8 @@ def _triton_backward_takes(q, v, mask, out, dout, lse, dlse) -> bool:
     """Whether the Triton backward runs these inputs (else the torch one, same math)."""
     if q.device.type != "cuda" or mask is not None:
         return False
-    from fxshard.kernels.attention import _triton_module
-    if _triton_module() is None:
+    from fxshard.kernels.attention import triton_module
+    if triton_module() is None:
         return False
     from fxshard.kernels.triton_attention import HEAD_DIMS
     return (q.dtype in (torch.float16, torch.bfloat16, torch.float32)
@@ -136,10 +136,10 @@ def attention_backward_op(q, k, v, mask, out, lse, dout, dlse, causal, scale, q_
     torch otherwise."""
     _check_backward(q, k, v, mask, out, lse, dout, dlse, scale, q_offset, kv_offset, softcap)
     if _triton_backward_takes(q, v, mask, out, dout, lse, dlse):
-        from fxshard.kernels.attention import _scale_of
+        from fxshard.kernels.attention import scale_of
         from fxshard.kernels.triton_attention_bwd import attention_bwd
         return attention_bwd(q, k, v, out, dout, lse, causal=bool(causal),
-                             scale=_scale_of(q, scale), q_offset=int(q_offset),
+                             scale=scale_of(q, scale), q_offset=int(q_offset),
                              kv_offset=int(kv_offset), softcap=float(softcap or 0.0),
                              dlse=dlse, grad_dtype=q.dtype)
     grads = attention_backward(q, k, v, mask, out, lse, dout, dlse, causal, scale, q_offset,

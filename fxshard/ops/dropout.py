@@ -8,7 +8,8 @@ every mesh (``fxshard/training/dropout.py`` rewrites the forward's dropouts to u
             mul = mul(add_1, dropout_mask); dropout = mul(mul, 1.1111111111111112)
 
 ``seed`` is a 0-d int64 on the host: the step seed with a pipeline microbatch's index and the
-microbatch count packed below it (a microbatch keeps its rows of the whole batch's mask).
+microbatch count packed below it (:func:`pack_seed`; a microbatch keeps its rows of the
+whole batch's mask).
 """
 from __future__ import annotations
 
@@ -16,9 +17,15 @@ import torch
 
 from fxshard.ops.library import define_op
 
-__all__ = ["draw_mask", "dropout_mask"]
+__all__ = ["draw_mask", "dropout_mask", "pack_seed"]
 
 _MB = 1 << 12          # microbatch index and count are packed below the step seed
+
+
+def pack_seed(step: int, microbatch: int = 0, microbatches: int = 1) -> torch.Tensor:
+    """The program's seed input: a 0-d int64 (so no batch or sequence axis splits it)."""
+    return torch.tensor((step * _MB + microbatch) * _MB + microbatches, dtype=torch.int64,
+                        device="cpu")   # read on the host by fxshard::dropout_mask
 
 
 def _generator_seed(step: int, site: int) -> int:

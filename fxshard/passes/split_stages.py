@@ -39,7 +39,8 @@ from . import PassCtx
 from .insert_collectives import collective_target
 from ..mesh import PP
 
-__all__ = ["assign_layers_to_stages", "find_layer_stack", "split_stages_pass"]
+__all__ = ["assign_layers_to_stages", "find_layer_stack", "is_constant", "layer_of",
+           "split_stages_pass"]
 
 
 def assign_layers_to_stages(num_layers: int, num_stages: int) -> list[int]:
@@ -88,7 +89,7 @@ def find_layer_stack(model: torch.nn.Module) -> tuple[str, tuple[str, ...]]:
     return best
 
 
-def _layer_of(node: fx.Node, prefix: str, index: dict[str, int]) -> int | None:
+def layer_of(node: fx.Node, prefix: str, index: dict[str, int]) -> int | None:
     """Index of the layer of ``stack`` (``prefix`` = ``"stack."``) that ``node`` runs in."""
     for path, _ in (node.meta.get("nn_module_stack") or {}).values():
         if path.startswith(prefix):
@@ -98,7 +99,10 @@ def _layer_of(node: fx.Node, prefix: str, index: dict[str, int]) -> int | None:
     return None
 
 
-def _is_constant(node: fx.Node, const: dict) -> bool:
+def is_constant(node: fx.Node, const: dict) -> bool:
+    """Whether ``node`` depends on no input (a buffer, or a call on constants only; never a
+    send or recv), given ``const`` for the nodes before it: such a value (RoPE tables, a
+    constant mask) is recomputed on each stage instead of sent."""
     if node.op == "placeholder":
         return node.meta.get("fxshard_buffer") is not None
     if node.op != "call_function" or "fxshard.send" in str(node.target) or \
@@ -124,8 +128,8 @@ def split_stages_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     stage: dict[fx.Node, int] = {}
     current = 0
     for n in nodes:
-        const[n] = _is_constant(n, const)
-        layer = _layer_of(n, prefix, index)
+        const[n] = is_constant(n, const)
+        layer = layer_of(n, prefix, index)
         if layer is not None:
             current = layer_stages[layer]
         if n.op == "call_function":

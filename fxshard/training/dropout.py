@@ -35,7 +35,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..ops.dropout import _MB, draw_mask, dropout_mask  # noqa: F401 (re-exported)
+from ..ops.dropout import draw_mask, dropout_mask, pack_seed  # noqa: F401 (re-exported)
 from ..passes.rules import Decision, rule
 from ..placement import R
 
@@ -48,12 +48,6 @@ _WHERE = "fxshard.training"
 _SDPA = aten.scaled_dot_product_attention.default
 _RANDOM = ("bernoulli", "rand", "randn", "randint", "rand_like", "randn_like", "randperm",
            "normal", "uniform", "exponential", "multinomial", "native_dropout")
-
-
-def pack_seed(step: int, microbatch: int = 0, microbatches: int = 1) -> torch.Tensor:
-    """The program's seed input: a 0-d int64 (so no batch or sequence axis splits it)."""
-    return torch.tensor((step * _MB + microbatch) * _MB + microbatches, dtype=torch.int64,
-                        device="cpu")   # read on the host by fxshard::dropout_mask
 
 
 def step_seed(mesh=None) -> int:

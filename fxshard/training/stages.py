@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..passes.split_stages import _is_constant, _layer_of
+from ..passes.split_stages import is_constant, layer_of
 from ..trace import Traced
 
 __all__ = ["StageForward", "example_received", "split_forward"]
@@ -46,7 +46,7 @@ class StageForward:
 def _stage_of_nodes(nodes, prefix: str, index: dict, layer_stages: list) -> dict:
     stage, current = {}, 0
     for n in nodes:
-        layer = _layer_of(n, prefix, index)
+        layer = layer_of(n, prefix, index)
         if layer is not None:
             current = layer_stages[layer]
         if n.op == "call_function":
@@ -62,7 +62,7 @@ def split_forward(traced: Traced, stack: str, names: tuple, layer_stages: list,
     prefix, index = f"{stack}." if stack else "", {k: i for i, k in enumerate(names)}
     const: dict = {}
     for n in nodes:
-        const[n] = _is_constant(n, const) or n.op == "get_attr"
+        const[n] = is_constant(n, const) or n.op == "get_attr"
     stage = _stage_of_nodes(nodes, prefix, index, layer_stages)
     output = nodes[-1]
     # the user's flat inputs (+ dropout's step seed, fxshard.training.dropout), then received
