@@ -89,10 +89,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (RUNTIME_TP, MegatronLlama, _wait, add_model_args,  # noqa: E402
+from benchmarks.common import (RUNTIME_TP, MegatronLlama, add_model_args,  # noqa: E402
                                bundled_llama, dtensor_tp, environment, format_table as table,
                                launch, reproduce, slowest_rank, stats_ms, time_calls,
-                               token_ids, write_json)
+                               token_ids, wait_collective, write_json)
 
 TOL = 1e-4
 TP = 2
@@ -161,12 +161,12 @@ def micro_collectives(backend, hidden_shape, logits_shape, iters):
     cases = {
         f"all_reduce {h} dist.all_reduce(clone)": plain_ar,
         f"all_reduce {h} funcol.all_reduce":
-            lambda: _wait(funcol.all_reduce(x, "sum", group=group)),
+            lambda: wait_collective(funcol.all_reduce(x, "sum", group=group)),
         f"all_reduce {h} torch.ops.fxshard.all_reduce":
             lambda: torch.ops.fxshard.all_reduce(x, "tp", TP),
         f"all_gather {lg} dist.all_gather+cat": plain_ag,
         f"all_gather {lg} funcol.all_gather_tensor":
-            lambda: _wait(funcol.all_gather_tensor(y, gather_dim=2, group=group)),
+            lambda: wait_collective(funcol.all_gather_tensor(y, gather_dim=2, group=group)),
         f"all_gather {lg} torch.ops.fxshard.all_gather":
             lambda: torch.ops.fxshard.all_gather(y, 2, "tp", TP),
     }
