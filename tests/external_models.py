@@ -72,7 +72,7 @@ def _sdpa(blocks):
     return blocks
 
 
-def _torchtitan_llama3(layers: int):
+def _torchtitan_llama3(layers: int, fuse_qkv: bool = False):
     from torchtitan.models import llama3 as t
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     config = t.Llama3Model.Config(
@@ -83,7 +83,7 @@ def _torchtitan_llama3(layers: int):
         lm_head=Linear.Config(in_features=HIDDEN, out_features=VOCAB,
                               param_init=t._output_linear_init(HIDDEN)),
         layers=_sdpa(t._build_llama3_layers(
-            fuse_qkv=False, n_layers=layers, dim=HIDDEN, n_heads=4, n_kv_heads=2,
+            fuse_qkv=fuse_qkv, n_layers=layers, dim=HIDDEN, n_heads=4, n_kv_heads=2,
             hidden_dim=128, attn_backend="flex",
             rope=ComplexRoPE.Config(dim=16, max_seq_len=SEQ, theta=500000, scaling="llama"))))
     torch.manual_seed(0)

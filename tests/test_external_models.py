@@ -185,3 +185,38 @@ def test_compiled_where_routed_moe_matches_single_device():
                 torch.testing.assert_close(pm(ids), model(ids), rtol=1e-4, atol=1e-4)
     finally:
         pm.close()
+
+
+class _Renamed(torch.nn.Module):
+    """A fused ``qkv`` parameter that a state-dict hook saves as ``q`` / ``k`` / ``v`` (the
+    pattern of torchtitan's fused ``wqkv``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.randn(12, 4))
+        self.register_buffer("scale", torch.ones(4))
+        self._register_state_dict_hook(self._split)
+
+    @staticmethod
+    def _split(module, sd, prefix, local_metadata):
+        for name, part in zip("qkv", sd.pop(prefix + "qkv").chunk(3)):
+            sd[prefix + name] = part
+        return sd
+
+    def forward(self, x):
+        return x @ (self.qkv * self.scale).t()
+
+
+@pytest.mark.parametrize("build", ["toy", "torchtitan_llama3_fused"])
+def test_a_state_dict_that_renames_parameters_is_refused_clearly(build):
+    """fxshard keeps weights by state-dict name: a model whose state dict renames its
+    parameters ran on empty weights (inference: 'built on the meta device') and, trained,
+    saved its initial wq/wk/wv. Refused at parallelize, naming the weights and the fix."""
+    import fxshard
+    from tests.external_models import _torchtitan_llama3
+    model = _Renamed() if build == "toy" else _torchtitan_llama3(1, fuse_qkv=True)
+    mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    fused = "qkv" if build == "toy" else "layers.0.attention.qkv_linear.wqkv.weight"
+    with pytest.raises(NotImplementedError, match=rf"state_dict\(\) names its weights unlike its "
+                       rf"parameters.*{fused} saved as .*fuse_qkv=False"):
+        fxshard.parallelize(model, mesh)

@@ -19,7 +19,7 @@ import torch
 from ..checks import check_state_dict_values
 from ..mesh import MeshSpec
 from ..placement import R
-from ..weights import non_persistent_buffers
+from ..weights import check_state_dict_names, non_persistent_buffers
 
 __all__ = ["WeightStore", "WeightWatch", "check_model_unchanged"]
 
@@ -96,6 +96,7 @@ class WeightStore:
 
     def __init__(self, model: torch.nn.Module, spec: MeshSpec):
         self.spec = spec
+        check_state_dict_names(model)
         self.values: dict = {k: v for k, v in model.state_dict(keep_vars=True).items()}
         self.expected = {k: (tuple(v.shape), v.dtype) for k, v in self.values.items()}
         extra = non_persistent_buffers(model)  # in no state dict or checkpoint
