@@ -287,9 +287,27 @@ def _joint_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None, ctx=N
     import torch.fx._pytree as fx_pytree
     flat = list(fx_pytree.tree_flatten_spec(
         (tuple(args), _without_cache(model, dict(kwargs or {}))), traced.in_spec))
+    factories_on_device(traced.gm, next((t.device for t in flat if isinstance(t, torch.Tensor)
+                                         and t.device.type != "meta"), torch.device("cpu")))
     if add_dropout_sites(traced.gm, len(flat)) is not None:
         flat.append(pack_seed(0))
     return joint_of(traced, model, flat, tied)
+
+
+def factories_on_device(gm: fx.GraphModule, device: torch.device) -> int:
+    """A forward traced on meta inputs bakes ``device="meta"`` into the factory ops that take
+    an input's device (``torch.arange(S, device=ids.device)``: positions for a learned table);
+    the joint graph replays it on the inputs' ``device`` (inference's ``localize_pass`` does
+    the same for rank programs). Returns how many ops moved."""
+    moved = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.kwargs.get("device"), torch.device) \
+                and node.kwargs["device"].type == "meta":
+            node.update_kwarg("device", device)
+            moved += 1
+    if moved:
+        gm.recompile()
+    return moved
 
 
 def joint_of(traced: Traced, model: torch.nn.Module, flat: list, tied: dict,
