@@ -53,3 +53,60 @@ def test_train_step_detached_loss_raises_like_one_device(dp, tp):
     # the same pm trains with the loss not detached
     loss = pm.train_step(ids, loss_fn=_loss, target=labels)
     assert torch.isfinite(loss) and all(p.grad is not None for p in pm.parameters())
+
+
+# -- item 5: a loss function reading a value that changes -------------------------------------
+SCALE = 1.0
+
+
+class _Config:
+    scale = 1.0
+
+
+CONFIG = _Config()
+
+
+def _scaled_by_global(out, target):
+    return _loss(out, target) * SCALE
+
+
+def _scaled_by_attribute(out, target):
+    return _loss(out, target) * CONFIG.scale
+
+
+@pytest.mark.parametrize("how", ["global", "closure", "attribute", "module_object"])
+def test_loss_fn_reading_a_changing_value_is_traced_again(how):
+    """The loss after the value changed is one device's (15.1, not the first trace's 5.04)."""
+    global SCALE
+    ids, labels = _data()
+    model = _llama(layers=1)
+    ref = copy.deepcopy(model)
+    pm = fxshard.parallelize(model, _mesh(1, 2))
+    box = {"scale": 1.0}
+
+    def closure_fn():
+        scale = box["scale"]
+        return lambda out, target: _loss(out, target) * scale
+    ce = torch.nn.CrossEntropyLoss()
+
+    def module_object_fn(out, target):
+        return ce(out.flatten(0, 1), target.flatten())
+
+    def set_scale(v):
+        global SCALE
+        SCALE = v
+        CONFIG.scale = v
+        box["scale"] = v
+        ce.reduction = "mean" if v == 1.0 else "sum"
+    fn = {"global": lambda: _scaled_by_global, "closure": closure_fn,
+          "attribute": lambda: _scaled_by_attribute, "module_object": lambda: module_object_fn}[how]
+    try:
+        for v in (1.0, 3.0, 3.0, 1.0):
+            set_scale(v)
+            got = pm.train_step(ids, loss_fn=fn(), target=labels)
+            want = fn()(ref(ids), labels)
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5,
+                                       msg=f"{how}: value {v}")
+            pm.zero_grad()
+    finally:
+        set_scale(1.0)

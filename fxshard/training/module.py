@@ -88,6 +88,7 @@ class TrainModule(OutputBlocks):
         self._specs: dict | None = None
         self._world = None
         self._untraced_losses: dict = {}   # loss_key -> a loss export could not trace
+        self._loss_traces: dict = {}       # loss_key (without its reads) -> traces built
         self._frozen: frozenset = frozenset()   # the shards' requires_grad follows the model's
         self._agreed: set = set()     # frozen sets the ranks agreed on (a real mesh)
 
@@ -130,6 +131,13 @@ class TrainModule(OutputBlocks):
                                       reshard_after_forward=self.fsdp_reshard_after_forward,
                                       recompute=self.recompute, vocab_outputs=True)
         program.loss_fn = loss   # held: loss_key's ids stay this loss's while the entry lives
+        if loss is not None:     # (and the tensors it reads: their ids are in the key too)
+            from .with_loss import RETRACE_WARN, loss_key, read_tensors, warn_retraced
+            program.loss_reads = read_tensors(loss)
+            base = loss_key(loss, reads=False)
+            self._loss_traces[base] = self._loss_traces.get(base, 0) + 1
+            if self._loss_traces[base] == RETRACE_WARN:
+                warn_retraced(f"{_WHERE}.train_step", loss, RETRACE_WARN)
         program.frozen = frozen_names(self.model)
         self._place(program)
         return program
@@ -176,7 +184,7 @@ class TrainModule(OutputBlocks):
         from .with_loss import loss_key, warn_not_traced
         inner = (tuple(args), _without_cache(self.model, dict(kwargs)))
         wrapped = inner + ((target,) if target is not None else ())
-        key = loss_key(loss_fn)
+        key = loss_key(loss_fn, reads=False)
         failed = self._untraced_losses
         if key not in failed:
             try:
