@@ -60,7 +60,7 @@ the p10's ratio (less sensitive to other load on the machine), and the median CP
 blocked on the peer; gloo's own threads are not counted) with its ratio. Micro-benchmarks
 explain the gaps: one collective through ``dist.*``, ``funcol`` and ``torch.ops.fxshard.*``
 (wall and thread CPU time), and ``fxshard.attention`` (the op fxshard lowers SDPA to) vs SDPA
-on one rank's shapes.
+on one rank's shapes (both in ``benchmarks/runtime_tp_diagnostics.py``).
 Compile cost: seconds from the call to the first output (tracing, passes, Inductor, both ranks
 waiting for each other) for fxshard eager and compiled, Megatron under ``torch.compile`` and
 ``torch.compile`` of the unsharded model (rank 0 alone). ``--no-compile`` skips the compiled
@@ -71,8 +71,6 @@ Numbers and environment go to ``--json`` (default ``benchmarks/runtime_tp.json``
 from __future__ import annotations
 
 import argparse
-import copy
-import operator
 import os
 import statistics
 import sys
@@ -84,111 +82,20 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (RUNTIME_TP, MegatronLlama, add_model_args,  # noqa: E402
                                bundled_llama, dtensor_tp, environment, format_table as table,
                                launch, reproduce, slowest_rank, stats_ms, time_calls,
-                               token_ids, wait_collective, write_json)
+                               token_ids, write_json)
+from benchmarks.runtime_tp_diagnostics import (micro_attention, micro_collectives,  # noqa: E402
+                                               with_sdpa)
 
 TOL = 1e-4
 TP = 2
 BASELINE = "megatron"
 DIAG_ATTENTION = "fxshard compiled fxattn (diag.)"
-
-
-# --- fxshard GraphModule with SDPA instead of fxshard.attention (diagnostic) --------------
-
-def _sdpa_as_fxshard_attention(q, k, v, mask, causal, scale, q_offset, kv_offset):
-    """Same contract as ``fxshard::attention`` for the cases in this benchmark (no mask, zero
-    offsets); returns ``(out, None)`` - the programs here only read ``[0]``."""
-    assert mask is None and q_offset == 0 and kv_offset == 0
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
-    return out, None
-
-
-def with_sdpa(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, int]:
-    graph = copy.deepcopy(gm.graph)
-    n = 0
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.fxshard.attention.default:
-            for user in node.users:  # only out[0] may be used
-                assert user.target is operator.getitem and user.args[1] == 0
-            node.target = _sdpa_as_fxshard_attention
-            n += 1
-    out = torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__ + "Sdpa")
-    return out, n
-
-
-# --- micro-benchmarks ----------------------------------------------------------------------
-
-def _micro(fns: dict, iters: int, before=None) -> dict:
-    res = {}
-    for name, fn in fns.items():
-        time_calls(fn, 10)
-        if before is not None:
-            before()
-        cpu = []
-        res[name] = stats_ms(time_calls(fn, iters, cpu))
-        res[name]["cpu_median_ms"] = statistics.median(cpu) * 1e3
-    return res
-
-
-def micro_collectives(backend, hidden_shape, logits_shape, iters):
-    """One all_reduce / all_gather: plain torch.distributed, torch's functional collectives,
-    torch.ops.fxshard.* (DistributedBackend -> funcol); same tensors, both ranks in lockstep.
-    Wall time and this thread's CPU time per call."""
-    from fxshard.runtime import use_backend
-    x = torch.randn(hidden_shape)
-    y = torch.randn(logits_shape)
-    group = dist.group.WORLD
-
-    def plain_ar():
-        t = x.clone()
-        dist.all_reduce(t)
-        return t
-
-    def plain_ag():
-        parts = [torch.empty_like(y) for _ in range(TP)]
-        dist.all_gather(parts, y)
-        return torch.cat(parts, -1)
-
-    h, lg = list(hidden_shape), list(logits_shape)
-    cases = {
-        f"all_reduce {h} dist.all_reduce(clone)": plain_ar,
-        f"all_reduce {h} funcol.all_reduce":
-            lambda: wait_collective(funcol.all_reduce(x, "sum", group=group)),
-        f"all_reduce {h} torch.ops.fxshard.all_reduce":
-            lambda: torch.ops.fxshard.all_reduce(x, "tp", TP),
-        f"all_gather {lg} dist.all_gather+cat": plain_ag,
-        f"all_gather {lg} funcol.all_gather_tensor":
-            lambda: wait_collective(funcol.all_gather_tensor(y, gather_dim=2, group=group)),
-        f"all_gather {lg} torch.ops.fxshard.all_gather":
-            lambda: torch.ops.fxshard.all_gather(y, 2, "tp", TP),
-    }
-    with use_backend(backend):
-        return _micro(cases, iters, before=dist.barrier)
-
-
-def micro_attention(cfg, batch, seq, iters):
-    """fxshard.attention (torch reference impl on CPU) vs SDPA, one rank's local heads."""
-    hq, hkv, d = cfg.num_attention_heads // TP, cfg.num_key_value_heads // TP, cfg.head_dim
-    g = torch.Generator().manual_seed(1)
-    q = torch.randn(batch, hq, seq, d, generator=g)
-    k = torch.randn(batch, hkv, seq, d, generator=g)
-    v = torch.randn(batch, hkv, seq, d, generator=g)
-    scale = d ** -0.5
-    return _micro({
-        f"fxshard.attention [{batch},{hq}|{hkv},{seq},{d}]":
-            lambda: torch.ops.fxshard.attention(q, k, v, None, True, scale, 0, 0),
-        f"F.scaled_dot_product_attention [{batch},{hq}|{hkv},{seq},{d}]":
-            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                                   enable_gqa=hq != hkv),
-    }, iters)
 
 
 # --- the worker ----------------------------------------------------------------------------
@@ -329,8 +236,8 @@ def worker(rank: int, args) -> dict:
         dist.barrier()
         micro_c = micro_collectives(backend, (args.batch, args.seq, cfg.hidden_size),
                                     (args.batch, args.seq, cfg.vocab_size // TP),
-                                    args.micro_iters)
-        micro_a = micro_attention(cfg, args.batch, args.seq, args.micro_iters) \
+                                    args.micro_iters, tp=TP)
+        micro_a = micro_attention(cfg, args.batch, args.seq, args.micro_iters, tp=TP) \
             if rank == 0 else {}
     model_sizes = {k: getattr(cfg, k) for k in (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
