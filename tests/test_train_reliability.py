@@ -110,3 +110,33 @@ def test_loss_fn_reading_a_changing_value_is_traced_again(how):
             pm.zero_grad()
     finally:
         set_scale(1.0)
+
+
+# -- item 8: an optimizer state loaded into another optimizer type -----------------------------
+def test_load_training_state_into_another_optimizer_type_raises(tmp_path):
+    ids, labels = _data()
+    pm = fxshard.parallelize(_llama(layers=1), _mesh(1, 2), example_inputs=(ids,))
+    adamw = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
+    _loss(pm(ids), labels).backward()
+    adamw.step()
+    fxshard.save_training_state(pm, adamw, str(tmp_path / "ckpt"))
+    sgd = torch.optim.SGD(pm.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="AdamW.*SGD") as e:
+        fxshard.load_training_state(pm, sgd, str(tmp_path / "ckpt"))
+    assert "load_training_state" in str(e.value)
+    assert sgd.param_groups[0]["weight_decay"] == 0 and "betas" not in sgd.param_groups[0]
+    # the same type loads
+    again = torch.optim.AdamW(pm.parameters(), lr=5e-3)
+    fxshard.load_training_state(pm, again, str(tmp_path / "ckpt"))
+    assert again.param_groups[0]["lr"] == 1e-2 and again.param_groups[0]["weight_decay"] == 0.1
+
+
+def test_load_training_state_checks_group_keys_without_a_recorded_type():
+    """A checkpoint with no recorded optimizer type (saved before it was): its groups' keys."""
+    from fxshard.training import resume
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    saved = dict(torch.optim.AdamW(params, lr=1e-2).param_groups[0])
+    with pytest.raises(ValueError, match=r"betas") as e:
+        resume._check_same_optimizer("ckpt", None, [saved], torch.optim.SGD(params, lr=0.1))
+    assert "SGD" in str(e.value)
+    resume._check_same_optimizer("ckpt", None, [saved], torch.optim.AdamW(params, lr=0.1))

@@ -212,7 +212,8 @@ def save_training_state(pm, optimizer: torch.optim.Optimizer, path: str) -> None
             mine[key] = value
         state[fqn] = mine
     sd = {"model": model, "optim": {"state": state,
-                                    "param_groups": _groups(top, optimizer, owners)}}
+                                    "param_groups": _groups(top, optimizer, owners),
+                                    "class": _class_name(optimizer)}}
     from torch.distributed.checkpoint.api import CheckpointException
     from ..atomic_dir import replacing
     rank = None if top._simulated else torch.distributed.get_rank()
@@ -350,6 +351,8 @@ def load_training_state(pm, optimizer: torch.optim.Optimizer, path: str) -> None
     groups = [{k.split(".", 3)[3]: None for k in meta
                if k.startswith(f"optim.param_groups.{i}.")} for i in range(n_groups)]
     sd = {"model": model, "optim": {"state": state, "param_groups": groups}}
+    if "optim.class" in meta:      # (a checkpoint saved before it was recorded has none)
+        sd["optim"]["class"] = None
     from torch.distributed.checkpoint.api import CheckpointException
     try:
         with _one_process(top):
@@ -362,6 +365,7 @@ def load_training_state(pm, optimizer: torch.optim.Optimizer, path: str) -> None
             f"({type(cause).__name__}: {str(cause).splitlines()[0][:160]}); its files {_data_files(path)} do not hold "
             f"what its .metadata lists. Load an intact checkpoint (save it again)") from cause
     groups = sd["optim"]["param_groups"]
+    _check_same_optimizer(path, sd["optim"].get("class"), groups, optimizer)
     with torch.no_grad():
         for tm in _parts(top):
             for rank in tm.ranks:
@@ -378,6 +382,42 @@ def load_training_state(pm, optimizer: torch.optim.Optimizer, path: str) -> None
                 for k, v in state[fqn].items()}
     for group, saved in zip(optimizer.param_groups, groups):
         group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _class_name(optimizer) -> str:
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+
+
+def _check_same_optimizer(path: str, saved_class, groups: list, optimizer) -> None:
+    """A ValueError for a checkpoint of another optimizer type (recorded at save), or whose
+    param groups hold hyperparameters this optimizer has not (AdamW's ``betas`` into SGD):
+    loading it would give this optimizer the other's settings and state silently."""
+    mine = type(optimizer).__qualname__
+    if saved_class is not None and saved_class != _class_name(optimizer):
+        raise ValueError(
+            f"{_LOAD}: {path!r} holds the state of a {saved_class.rsplit('.', 1)[-1]} "
+            f"optimizer ({saved_class}) but this optimizer is a {mine} "
+            f"({_class_name(optimizer)}); its state and hyperparameters do not apply. Build "
+            f"the optimizer the checkpoint was saved with, "
+            f"{saved_class.rsplit('.', 1)[-1]}(pm.parameters(), ...), or start this one "
+            f"fresh (load only the weights: pm.load_state_dict)")
+    if saved_class is not None:
+        return
+    # no type recorded: hyperparameters of a torch optimizer this one has not (the keys an LR
+    # scheduler adds to a group, initial_lr, are no optimizer's: not compared)
+    import inspect
+    known = {name for cls in vars(torch.optim).values()
+             if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+             for name in inspect.signature(cls).parameters} - {"params"}
+    for i, (group, saved) in enumerate(zip(optimizer.param_groups, groups)):
+        foreign = sorted((set(saved) - set(group)) & known)
+        if foreign:
+            raise ValueError(
+                f"{_LOAD}: param group {i} of {path!r} has hyperparameters {foreign} that this "
+                f"{mine} optimizer has not (its are {sorted(set(group) - {'params'})}): the "
+                f"checkpoint is another optimizer's. Build the optimizer the checkpoint was "
+                f"saved with, or start this one fresh (load only the weights: "
+                f"pm.load_state_dict)")
 
 
 def _sharded_like(value, tm, fqn: str) -> bool:
