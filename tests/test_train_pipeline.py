@@ -439,3 +439,68 @@ def test_training_state_resumes_across_pp(tmp_path, a, b):
     no_further_from_float64(pm2.state_dict(), dict(ref.named_parameters()),
                             dict(ref64.named_parameters()))
     assert {float(s["step"]) for s in opt2.state.values()} == {4.0}
+
+
+def _uneven_labels():
+    """Labels whose ignored (-100) tokens differ per microbatch of 2: 1 in the first half of
+    the batch, 7 in the second."""
+    ids, labels = _data()
+    labels = labels.clone()
+    labels[0, 2] = -100
+    labels[2:, :3] = -100
+    labels[3, 4] = -100
+    return ids, labels
+
+
+_LOSSES = {
+    "mean-ignored": _loss,
+    "sum": lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten(), reduction="sum"),
+    "sum-over-count": lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten(),
+                                                     reduction="sum") / 17.0,
+}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("kind", list(_LOSSES))
+def test_microbatch_losses_weigh_as_the_whole_batch(kind, schedule):
+    """A mean over tokens with ignored tokens spread unevenly over the microbatches, a sum,
+    and a sum over a constant: the pipeline's loss and gradients equal one device's (each
+    microbatch's mean was divided by m: gradients off by 0.024; a sum was divided by m)."""
+    model, (ids, labels) = _llama(), _uneven_labels()
+    loss_fn = _LOSSES[kind]
+    pm = fxshard.parallelize(model, _mesh(pp=2), microbatches=2)
+    loss = pm.train_step(ids, target=labels, loss_fn=loss_fn, schedule=schedule)
+    ref = loss_fn(model(ids), labels)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
+    _close_grads(model, pm)
+
+
+def test_hf_labels_weigh_microbatches_by_the_models_own_loss():
+    """HF's labels= (the model shifts them): unevenly ignored tokens per microbatch, loss and
+    gradients equal one device's."""
+    from tests.models import hf_llama
+    model = hf_llama(layers=2, vocab=V)
+    ref = copy.deepcopy(model)
+    ids, labels = _uneven_labels()
+    pm = fxshard.parallelize(model, _mesh(pp=2), microbatches=2)
+    loss = pm.train_step(ids, labels=labels)
+    want = ref(ids, labels=labels).loss
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-5)
+    grads = pm.gradients()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=named(name))
+
+
+def test_a_loss_coupling_microbatches_is_refused():
+    """A loss that is no weighted sum of its microbatches' losses (here a batch-wide
+    normalisation) cannot equal one device on a pipeline: a ValueError before the step."""
+    model, (ids, labels) = _llama(), _data()
+
+    def coupled(out, t):
+        return _loss(out, t) / out.std()
+    pm = fxshard.parallelize(model, _mesh(pp=2), microbatches=2)
+    with pytest.raises(ValueError, match=r"not a sum or a mean of its 2 microbatches' losses"):
+        pm.train_step(ids, target=labels, loss_fn=coupled)
+    assert all(p.grad is None for p in pm.parameters())

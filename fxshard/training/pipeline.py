@@ -316,31 +316,31 @@ class PipelineTrainer:
     def train_step(self, *args, loss_fn=None, target=None, schedule: str = "1f1b",
                    virtual_stages: int | None = None, **kwargs) -> torch.Tensor:
         """One forward and backward of every microbatch under ``schedule``; the loss is
-        ``loss_fn(output_i, target_i)`` per microbatch (``target`` cut as the inputs),
-        divided by the number of microbatches; the gradients are added to the shards'
-        ``.grad`` as ``loss.backward()`` would. Returns the loss (the microbatches' mean).
-        Without ``loss_fn``, HF's ``labels=``: the model's loss per microbatch weighted by
-        its share of the counted labels (``labels[:, 1:] != -100``), the whole batch's
-        token mean exactly."""
+        ``loss_fn(output_i, target_i)`` per microbatch (``target`` cut as the inputs), each
+        weighted so that their sum is the whole batch's loss on one device (1/m for a mean
+        whose microbatches count alike, 1 for a sum, each microbatch's share of the counted
+        targets for a mean over tokens: :mod:`fxshard.training.microbatch_loss`); the
+        gradients are added to the shards' ``.grad`` as ``loss.backward()`` would. Returns
+        the loss. Without ``loss_fn``, HF's ``labels=``: the model's loss per microbatch,
+        weighted alike through the model's own ``loss_function``."""
         from .run import _MODEL_LOSS
-        weights = None
+        labels = None
         if loss_fn is None:
             labels = kwargs.get("labels")
             if not isinstance(labels, torch.Tensor):
                 raise ValueError(f"{_WHERE}.train_step: pass loss_fn= (a loss of the output and "
                                  f"target=) or HF's labels= (mesh {self.spec.describe()})")
-            counted = (labels[:, 1:] != -100).sum(1)
-            per = [c.sum() for c in counted.chunk(self.microbatches)]
-            weights = [c / torch.stack(per).sum().clamp(min=1) for c in per]
             loss_fn = _MODEL_LOSS
         v = virtual_stages or self.virtual or (2 if schedule == "interleaved_1f1b" else 1)
         micro = self._split_inputs(args, kwargs)
         targets = self._split_inputs((target,), {}) if target is not None else None
         staged = self._staged(*micro[0], virtual=v)
+        from .microbatch_loss import pipeline_loss_weights
         from .run import StepRun
         run = StepRun(self, staged, self._micro(staged, micro))
-        run.loss_fn, run.weights = loss_fn, weights
+        run.loss_fn = loss_fn
         run.targets = [t[0][0] for t in targets] if targets is not None else None
+        run.weights = pipeline_loss_weights(self, run, target, labels, where=_WHERE)
         per_rank = actions(schedule, self.pp, self.microbatches, v)
         self._acc = {}
         steps = self._execute(staged, None, per_rank, run)

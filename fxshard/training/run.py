@@ -106,11 +106,12 @@ class StepRun:
         with torch.enable_grad():
             out = pytree.tree_unflatten(list(leaves), self.staged.traced.out_spec)
             target = self.targets[i] if self.targets is not None else None
-            if self.loss_fn is _MODEL_LOSS:     # HF's labels=: the mean over counted tokens
+            # the microbatch's share of the whole batch's loss (training/microbatch_loss)
+            if self.loss_fn is _MODEL_LOSS:     # HF's labels=: the model's own loss
                 loss = out["loss"] * self.weights[i]
             else:
                 loss = (self.loss_fn(out, target) if target is not None else
-                        self.loss_fn(out)) / self.m
+                        self.loss_fn(out)) * self.weights[i]
             diff = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
             got = iter(torch.autograd.grad(loss, diff, allow_unused=True))
         self.out_grads[i] = [next(got) if isinstance(x, torch.Tensor) and x.requires_grad
@@ -149,6 +150,21 @@ class StepRun:
                 self.grads[i][(name, k)] = g
             else:
                 self._send(g, p, self._tag(name, i, k, True))
+
+    def probe_output(self, g: torch.Generator, device) -> object:
+        """One microbatch's output with random floating leaves from ``g`` (fp32), zeros for
+        the others: what :func:`fxshard.training.microbatch_loss.microbatch_weights`
+        evaluates the loss on."""
+        leaves = []
+        for meta in self._out_meta(self.last):
+            if meta is None:
+                leaves.append(None)
+                continue
+            shape, dtype = meta
+            leaves.append(torch.randn(shape, generator=g, device=device)
+                          if dtype.is_floating_point else
+                          torch.zeros(shape, dtype=dtype, device=device))
+        return pytree.tree_unflatten(leaves, self.staged.traced.out_spec)
 
     def _out_meta(self, k: int) -> list:
         out = next(n for n in reversed(self.staged.forwards[k].traced.gm.graph.nodes)
@@ -209,7 +225,7 @@ class StepRun:
                  for g in grads] for i in range(self.m)]
 
     def total_loss(self) -> torch.Tensor:
-        """The step's loss: the sum of the microbatches' (each divided by their count);
+        """The step's loss: the sum of the microbatches' (each times its weight);
         a real mesh: computed on the last stage, sent to the others."""
         if self._local(self.last):
             total = torch.stack(self.losses).sum()
