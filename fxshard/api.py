@@ -10,7 +10,8 @@ grad) ``pm(x)`` runs the training forward (:mod:`fxshard.training`) and its outp
 backpropagates into ``pm.parameters()``, each rank's parameter shards; under
 ``torch.no_grad()`` it is the inference program. Both are cached per input signature::
 
-    opt = torch.optim.AdamW(pm.parameters())     # after a first call, or example_inputs=
+    opt = torch.optim.AdamW(pm.parameters())     # right away for a language model (inputs
+                                                 # from its config), else example_inputs=
     loss_fn(pm(ids), labels).backward(); fxshard.clip_grad_norm_(pm, 1.0); opt.step()
     pm.gradients(); pm.state_dict()              # whole, by the model's names
     pm.rank_module(r, "backward")                # rank r's backward program
@@ -205,16 +206,51 @@ class ParallelModule:
         return loss.detach()
 
     def _trained(self, what: str):
-        """The trainer, its shards placed (on ``example_inputs`` if no call placed them)."""
+        """The trainer, its shards placed (on ``example_inputs`` if no call placed them, or
+        on inputs inferred from the model's config: :meth:`_inferred_example`)."""
         tm = self.trainer
-        if tm._last is None and self._example is not None:
-            self.programs.sync_weights()
-            tm._program(*self._example)
         if tm._last is None:
-            raise ValueError(f"ParallelModule.{what}: no training program yet; call pm(x) "
-                             f"once with grad enabled, or pass example_inputs= to "
-                             f"fxshard.parallelize")
+            example = self._example or self._inferred_example(what)
+            self.programs.sync_weights()
+            tm._program(*example)
         return tm
+
+    def _inferred_example(self, what: str) -> tuple:
+        """Example inputs for a language model whose config names its vocabulary and positions
+        and whose forward takes ``input_ids`` first (HF's causal LMs, fxshard's Llama):
+        token ids ``[B, S]``, ``B`` the world size times the microbatches and ``S`` a multiple
+        of twice the world size (every batch and sequence axis divides them), at least 8, at
+        most the model's positions. The shards' placement comes from the plan and the
+        parameters' shapes, not the input's: a later batch trains these same shards (a program
+        that would place one otherwise is an error naming it). Otherwise a ValueError showing
+        ``example_inputs=``."""
+        import inspect
+        cfg = getattr(self.model, "config", None)
+        vocab = getattr(cfg, "vocab_size", None)
+        positions = next((getattr(cfg, a) for a in ("max_position_embeddings", "n_positions",
+                                                    "max_seq_len", "seq_length")
+                          if isinstance(getattr(cfg, a, None), int)), None)
+        try:
+            first = next(iter(inspect.signature(self.model.forward).parameters), None)
+        except (TypeError, ValueError):
+            first = None
+        if not isinstance(vocab, int) or positions is None or first != "input_ids":
+            raise ValueError(
+                f"ParallelModule.{what}: the parameter shards are placed when the first "
+                f"training program is built, and fxshard cannot infer example inputs for "
+                f"{type(self.model).__name__} (mesh {self.spec.describe()}; it infers them for "
+                f"a language model whose config has vocab_size and max_position_embeddings and "
+                f"whose forward takes input_ids). Give a batch like the training one when "
+                f"parallelizing: pm = fxshard.parallelize(model, mesh, example_inputs=(ids,)), "
+                f"then opt = torch.optim.AdamW(pm.parameters()); or call pm(ids) once with "
+                f"grad enabled before building the optimizer")
+        world = self.spec.world_size
+        step = 2 * world
+        seq = min(max(step, -(-8 // step) * step), positions)
+        batch = world * max(1, self.options.microbatches)
+        device = torch.device(self.spec.device_type)
+        ids = torch.zeros((batch, seq), dtype=torch.long, device=device)
+        return (ids,), {}
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The parameter shards ``loss.backward()`` fills and an optimizer steps: every rank's

@@ -140,3 +140,25 @@ def test_load_training_state_checks_group_keys_without_a_recorded_type():
         resume._check_same_optimizer("ckpt", None, [saved], torch.optim.SGD(params, lr=0.1))
     assert "SGD" in str(e.value)
     resume._check_same_optimizer("ckpt", None, [saved], torch.optim.AdamW(params, lr=0.1))
+
+
+# -- issue 41: the PyTorch order, the optimizer right after parallelize -------------------------
+@pytest.mark.parametrize("dp,tp", [(2, 2), (1, 2)])
+def test_optimizer_right_after_parallelize_trains_like_one_device(dp, tp):
+    """``AdamW(pm.parameters())`` before any call (no example_inputs=): the shards placed on
+    inputs inferred from the config are the ones the real batch trains."""
+    from tests.train_checks import adamw_steps_equal
+    model = _llama(layers=1)
+    ids, labels = _data()
+    pm = fxshard.parallelize(copy.deepcopy(model), _mesh(dp, tp))
+    adamw_steps_equal(pm, model, lambda m: _loss(m(ids), labels), steps=2)
+
+
+def test_optimizer_right_after_parallelize_without_inferable_inputs_teaches_the_fix():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    pm = fxshard.parallelize(model, fxshard.init_device_mesh("cpu", (2,),
+                                                            mesh_dim_names=("tp",)))
+    with pytest.raises(ValueError, match=r"parallelize\(model, mesh, example_inputs=\(ids,\)\)"
+                       ) as e:
+        torch.optim.AdamW(pm.parameters())
+    assert "ParallelModule.parameters" in str(e.value) and "Sequential" in str(e.value)
