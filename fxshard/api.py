@@ -200,6 +200,12 @@ class ParallelModule:
             loss = self.trainer.loss_step(loss_fn, target, args, kwargs)
         else:
             out = self(*args, **kwargs)
+            if loss_fn is None and not (hasattr(out, "keys") and "loss" in out.keys()):
+                raise ValueError(
+                    f"ParallelModule.train_step: no loss_fn= and the model's output "
+                    f"({type(out).__name__}) holds no 'loss' (mesh {self.spec.describe()}); "
+                    f"pass the loss and its target: pm.train_step(ids, loss_fn=loss_fn, "
+                    f"target=labels), or HF's labels= to a model that computes its loss")
             loss = out["loss"] if loss_fn is None else \
                 loss_fn(out, target) if target is not None else loss_fn(out)
         loss.backward()
@@ -255,7 +261,24 @@ class ParallelModule:
     def parameters(self) -> list[torch.nn.Parameter]:
         """The parameter shards ``loss.backward()`` fills and an optimizer steps: every rank's
         (simulated mesh, rank-major) or this process's rank's (real mesh)."""
-        return self._trained("parameters").parameters()
+        from .training.optim import remember_owner
+        shards = self._trained("parameters").parameters()
+        remember_owner(self.trainer, shards)    # clip_grad_norm_(pm.parameters(), ...)
+        return shards
+
+    def named_parameters(self):
+        """``(name, shard)`` of this process's rank on a real mesh (one shard per name, as
+        ``model.named_parameters()``); on a simulated mesh of several ranks every name has a
+        shard per rank: an AttributeError saying what to use."""
+        tm = self._trained("named_parameters")
+        if len(tm.ranks) != 1:
+            raise AttributeError(
+                f"ParallelModule.named_parameters: on a simulated mesh "
+                f"({self.spec.describe()}) each parameter name has one shard per rank "
+                f"({len(tm.ranks)} ranks), so a name does not pick one tensor. Use "
+                f"pm.parameters() for an optimizer (every rank's shards), pm.shards(rank) for "
+                f"rank's shards by name, pm.state_dict() / pm.gradients() for whole tensors")
+        return iter(tm.shards(tm.ranks[0]).items())
 
     def shards(self, rank: int) -> dict:
         """Rank ``rank``'s parameter shards by the model's names."""
@@ -341,14 +364,32 @@ class ParallelModule:
         from .weights import tied_names
         return tied_names(self.model)
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load the unsharded model's state dict; each rank keeps only its slices.
+    def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
+        """Load the unsharded model's state dict; each rank keeps only its slices. Returns
+        torch's ``_IncompatibleKeys(missing_keys, unexpected_keys)``.
 
-        Every key of ``model.state_dict()`` is required; the model's non-persistent buffers
-        (in no checkpoint) may be given too, by name. Once training started it copies into
-        the trained shards in place (an optimizer over ``pm.parameters()`` keeps working)."""
+        With ``strict`` every key of ``model.state_dict()`` is required (else a ValueError);
+        ``strict=False`` loads the keys it has and keeps the current values of the others.
+        The model's non-persistent buffers (in no checkpoint) may be given too, by name. Once
+        training started it copies into the trained shards in place (an optimizer over
+        ``pm.parameters()`` keeps working). ``assign=True`` is not supported (the ranks hold
+        slices, never the given tensors)."""
+        from torch.nn.modules.module import _IncompatibleKeys
+        if assign:
+            raise ValueError(
+                f"ParallelModule.load_state_dict: assign=True (mesh {self.spec.describe()}); "
+                f"each rank holds its slices of the values, copied, never the given tensors. "
+                f"Call pm.load_state_dict(state_dict) (assign=False)")
+        known = set(self.weights.expected) | set(self.weights.non_persistent)
+        missing = sorted(set(self.weights.expected) - set(state_dict))
+        unexpected = sorted(set(state_dict) - known)
+        if not strict and (missing or unexpected):
+            current = self.state_dict() if missing else {}
+            state_dict = {**{k: current[k] for k in missing},
+                          **{k: v for k, v in state_dict.items() if k in known}}
         retrace = self.weights.load(state_dict)
         self.programs.invalidate(retrace=retrace)
+        return _IncompatibleKeys([] if strict else missing, [] if strict else unexpected)
 
     def close(self) -> None:
         """Release the ranks' threads (simulated mesh) or this process's backend and its

@@ -162,3 +162,77 @@ def test_optimizer_right_after_parallelize_without_inferable_inputs_teaches_the_
                        ) as e:
         torch.optim.AdamW(pm.parameters())
     assert "ParallelModule.parameters" in str(e.value) and "Sequential" in str(e.value)
+
+
+# -- issue 43 item 11: poor errors made clear, torch's signatures -----------------------------
+def test_train_step_without_loss_fn_on_a_tensor_output_says_pass_loss_fn():
+    ids, labels = _data()
+    pm = fxshard.parallelize(_llama(layers=1), _mesh(1, 2))
+    with pytest.raises(ValueError, match=r"loss_fn=.*target="):
+        pm.train_step(ids)
+
+
+def test_named_parameters_and_clip_grad_norm_on_the_shards():
+    ids, labels = _data()
+    model = _llama(layers=1)
+    pm = fxshard.parallelize(copy.deepcopy(model), _mesh(2, 2), example_inputs=(ids,))
+    with pytest.raises(AttributeError, match=r"pm\.shards\(rank\)"):
+        pm.named_parameters()
+    _loss(pm(ids), labels).backward()
+    _loss(model(ids), labels).backward()
+    want = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    # torch's signature, the shards as torch's clip_grad_norm_ takes parameters
+    got = fxshard.clip_grad_norm_(pm.parameters(), 1e9, norm_type=2.0,
+                                  error_if_nonfinite=True, foreach=None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match=r"fxshard.clip_grad_norm_\(pm, max_norm\)"):
+        fxshard.clip_grad_norm_(pm.parameters()[:3], 1.0)
+    pm.parameters()[0].grad[0] = float("nan")
+    with pytest.raises(RuntimeError, match="non-finite"):
+        fxshard.clip_grad_norm_(pm, 1.0, error_if_nonfinite=True)
+
+
+def test_load_state_dict_takes_torchs_signature():
+    from torch.nn.modules.module import _IncompatibleKeys
+    ids, _ = _data()
+    model = _llama(layers=1)
+    pm = fxshard.parallelize(copy.deepcopy(model), _mesh(1, 2), example_inputs=(ids,))
+    other = _llama(layers=1)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(0.5)
+    sd = {k: v for k, v in other.state_dict().items() if k != "lm_head.weight"}
+    sd["extra.weight"] = torch.zeros(1)
+    got = pm.load_state_dict(sd, strict=False)
+    assert isinstance(got, _IncompatibleKeys)
+    assert got.missing_keys == ["lm_head.weight"] and got.unexpected_keys == ["extra.weight"]
+    now = pm.state_dict()
+    torch.testing.assert_close(now["lm_head.weight"], model.state_dict()["lm_head.weight"])
+    torch.testing.assert_close(now["model.norm.weight"], other.state_dict()["model.norm.weight"])
+    assert pm.load_state_dict(other.state_dict(), strict=True) == _IncompatibleKeys([], [])
+    with pytest.raises(ValueError, match="assign"):
+        pm.load_state_dict(other.state_dict(), assign=True)
+
+
+def _pp_mesh():
+    return fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+
+
+@pytest.mark.parametrize("virtual,match", [(-1, "virtual_stages=-1"),
+                                           (3, r"virtual_stages=3 on pp=2.*4 layers")])
+def test_bad_virtual_stages_name_virtual_stages(virtual, match):
+    ids, labels = _data(batch=4)
+    pm = fxshard.parallelize(_llama(layers=4), _pp_mesh(), microbatches=2)
+    with pytest.raises(ValueError, match=match):
+        pm.train_step(ids, loss_fn=_loss, target=labels, schedule="interleaved_1f1b",
+                      virtual_stages=virtual)
+
+
+def test_interleaved_after_example_inputs_gives_advice_that_works():
+    ids, labels = _data(batch=4)
+    pm = fxshard.parallelize(_llama(layers=4), _pp_mesh(), microbatches=2,
+                             example_inputs=(ids,))
+    pm.parameters()
+    with pytest.raises(ValueError, match=r"virtual_stages=1 by an earlier call") as e:
+        pm.train_step(ids, loss_fn=_loss, target=labels, schedule="interleaved_1f1b")
+    assert "pm.train_step(..., schedule='interleaved_1f1b', virtual_stages=2)" in str(e.value)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["clip_grad_norm_", "watch_model_parameters"]
+__all__ = ["clip_grad_norm_", "watch_model_parameters", "remember_owner"]
 
 # registry: a trained model's parameter -> (its name, the mesh), while the parameter lives
 _WATCHED = WeakIdKeyDictionary()
@@ -62,11 +62,42 @@ def _check_optimizer(optimizer, args, kwargs) -> None:
         f"Build the optimizer over the shards: opt = torch.optim.{kind}(pm.parameters(), ...)")
 
 
-def clip_grad_norm_(tm, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip the gradients of ``tm`` (a :class:`fxshard.ParallelModule` or a
-    :class:`~fxshard.training.TrainModule`) to the global norm ``max_norm``; returns the norm
-    before clipping (as ``torch.nn.utils``)."""
-    tm = getattr(tm, "trainer", tm)
+_OWNERS = WeakIdKeyDictionary()    # registry: a shard pm.parameters() gave -> its trainer
+
+
+def remember_owner(trainer, shards) -> None:
+    """``shards`` (what ``pm.parameters()`` returns) belong to ``trainer``, so
+    ``clip_grad_norm_(pm.parameters(), ...)`` finds whose gradients to clip."""
+    for p in shards:
+        _OWNERS[p] = trainer
+
+
+def _owner(parameters, where: str):
+    """The trainer whose every shard ``parameters`` (an iterable of shards) is."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    owners = {id(_OWNERS[p]): _OWNERS[p] for p in params if p in _OWNERS}
+    if len(owners) == 1 and len(params) == sum(p in _OWNERS for p in params):
+        tm = next(iter(owners.values()))
+        if len(params) == len(tm.parameters()):
+            return tm
+    raise TypeError(
+        f"{where}: parameters must be a ParallelModule (pm), a TrainModule, or all of "
+        f"pm.parameters(); got {len(params)} tensors of which {sum(p in _OWNERS for p in params)} "
+        f"are shards of one fxshard module. The norm is the whole model's, so pass the module: "
+        f"fxshard.clip_grad_norm_(pm, max_norm); for a model that is not parallelized use "
+        f"torch.nn.utils.clip_grad_norm_")
+
+
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
+    """Clip the gradients of ``parameters`` (a :class:`fxshard.ParallelModule`, a
+    :class:`~fxshard.training.TrainModule`, or all of ``pm.parameters()``) to the global norm
+    ``max_norm``; returns the norm before clipping; torch's signature
+    (``error_if_nonfinite``: a RuntimeError for a nan or inf norm; ``foreach`` accepted)."""
+    if hasattr(parameters, "trainer") or hasattr(parameters, "_require"):
+        tm = getattr(parameters, "trainer", parameters)
+    else:
+        tm = _owner(parameters, "fxshard.clip_grad_norm_")
     tied = tm._require("clip_grad_norm_").joint.tied    # other names of one tensor: once
     norm_type = float(norm_type)
     if not tm._simulated:     # each rank its owned blocks, the sums all-reduced
@@ -82,6 +113,11 @@ def clip_grad_norm_(tm, max_norm: float, norm_type: float = 2.0) -> torch.Tensor
             return torch.zeros((), device=torch.device(tm.spec.device_type))
         total = torch.linalg.vector_norm(
             torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"fxshard.clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
+            f"non-finite ({total.item()}), so it cannot be clipped. To disable this error and "
+            f"scale the gradients by the non-finite norm anyway, set error_if_nonfinite=False")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in tm.parameters():
         if p.grad is not None:

@@ -119,9 +119,14 @@ class PipelineTrainer:
     def _staged(self, args: tuple, kwargs: dict, virtual: int = 1) -> Staged:
         if self.virtual is not None and virtual != self.virtual:
             raise ValueError(
-                f"{_WHERE}: the stages were built with virtual_stages={self.virtual} (their "
-                f"shards are placed so); this call asks for {virtual}. Pass the same "
-                f"virtual_stages= on every call")
+                f"{_WHERE}: the stages were built with virtual_stages={self.virtual} by an "
+                f"earlier call (parallelize(example_inputs=), pm(x), pm.parameters() or a "
+                f"train_step; their shards are placed so), and this call asks for {virtual}. "
+                f"The first training call fixes it: make it pm.train_step(..., "
+                f"schedule='interleaved_1f1b', virtual_stages={virtual}) (parallelize without "
+                f"example_inputs=, the optimizer built after that step), or keep "
+                f"virtual_stages={self.virtual} (schedule "
+                f"{'gpipe or 1f1b' if self.virtual == 1 else 'interleaved_1f1b or gpipe'})")
         check_no_autocast(_WHERE)
         frozen = frozen_names(self.model)
         from .module import agree_frozen    # every rank freezes the same parameters
@@ -331,7 +336,23 @@ class PipelineTrainer:
                 raise ValueError(f"{_WHERE}.train_step: pass loss_fn= (a loss of the output and "
                                  f"target=) or HF's labels= (mesh {self.spec.describe()})")
             loss_fn = _MODEL_LOSS
-        v = virtual_stages or self.virtual or (2 if schedule == "interleaved_1f1b" else 1)
+        if virtual_stages is not None and (isinstance(virtual_stages, bool) or not isinstance(
+                virtual_stages, int) or virtual_stages < 1):
+            raise ValueError(
+                f"{_WHERE}.train_step: virtual_stages={virtual_stages!r} (mesh "
+                f"{self.spec.describe()}); pass a positive int, the stages each pp rank holds "
+                f"(2 or more for schedule='interleaved_1f1b', 1 otherwise)")
+        v = virtual_stages or (2 if schedule == "interleaved_1f1b" and self.virtual in (None, 1)
+                               else self.virtual or 1)   # (stages built with 1: _staged says so)
+        if self.virtual is None and v > 1:
+            from ..passes.split_stages import find_layer_stack
+            layers = len(find_layer_stack(self.model)[1])
+            if layers < self.pp * v:
+                raise ValueError(
+                    f"{_WHERE}.train_step: virtual_stages={v} on pp={self.pp} cuts the model "
+                    f"into {self.pp * v} stages of at least one layer each, but it has "
+                    f"{layers} layers (mesh {self.spec.describe()}); use virtual_stages <= "
+                    f"{max(1, layers // self.pp)}")
         micro = self._split_inputs(args, kwargs)
         targets = self._split_inputs((target,), {}) if target is not None else None
         staged = self._staged(*micro[0], virtual=v)

@@ -35,8 +35,10 @@ def actions(schedule: str, pp: int, m: int, v: int = 1) -> list[list[tuple[str, 
     if schedule == "interleaved_1f1b" and (v < 2 or m % pp):
         raise ValueError(
             f"{_WHERE}: schedule='interleaved_1f1b' needs virtual_stages >= 2 (got {v}) and "
-            f"microbatches divisible by pp={pp} (got {m}); pass virtual_stages=2 on the first "
-            f"call and microbatches= a multiple of {pp} to fxshard.parallelize")
+            f"microbatches divisible by pp={pp} (got {m}); pass virtual_stages=2 to the first "
+            f"pm.train_step(..., schedule='interleaved_1f1b') (before any pm(x) or "
+            f"example_inputs= builds the stages) and microbatches= a multiple of {pp} to "
+            f"fxshard.parallelize")
     out = []
     for r in range(pp):
         mine = [c * pp + r for c in range(v)]
