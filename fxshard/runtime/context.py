@@ -82,7 +82,6 @@ CURRENT_BACKEND: ContextVar[Backend | None] = ContextVar("fxshard_runtime_backen
 """The backend installed in this thread (None outside one). :func:`current_backend` reads it
 with a helpful error; hot paths that only probe for an optional method (a backend's in-place
 or background collectives, ``fxshard.ops.collectives``) read ``CURRENT_BACKEND.get()``."""
-_CURRENT = CURRENT_BACKEND   # the runtime's own name for it (fxshard.runtime.executor)
 
 
 def current_backend(op: str = "fxshard runtime") -> Backend:

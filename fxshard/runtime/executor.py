@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from ..mesh import MeshSpec, PP, is_simulated
 from ..passes.emit import Program, build_rank_module
-from .context import _CURRENT, use_backend
+from .context import CURRENT_BACKEND, use_backend
 from .weight_store import WeightStore
 
 __all__ = ["Executor", "bind_inputs"]
@@ -172,7 +172,7 @@ class Executor:
                 c, r, micro, state(r) if state is not None else None))
             return next(r for r in results if r is not None)
         backend = self.backend()
-        token = _CURRENT.set(backend)   # use_backend(backend), minus its generator's frames
+        token = CURRENT_BACKEND.set(backend)   # use_backend(backend), minus its generator's frames
         try:
             out = self.run_rank(c, backend.rank, micro,
                                 state(backend.rank) if state is not None else None)
@@ -180,7 +180,7 @@ class Executor:
                 out = self.share_output(c, backend, out, len(micro))
             backend.flush()  # a failed send surfaces in this forward, not a later one
         finally:
-            _CURRENT.reset(token)
+            CURRENT_BACKEND.reset(token)
         return out
 
     def on_ranks(self, driver, bind: list[tuple] = ()) -> list:
