@@ -22,7 +22,7 @@ from .rules import UNDECIDED, lookup
 from .rules.embedding import embedding_rule
 from .rules.experts import grouped_mm_rule
 from .rules.linear import addmm_rule, linear_rule, matmul_rule
-from .rules.views import _permutation
+from .rules.views import permutation
 
 _OWNS_WEIGHTS = (linear_rule, embedding_rule, addmm_rule, grouped_mm_rule, matmul_rule)
 _WEIGHT_VIEWS = (torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
@@ -82,7 +82,7 @@ def _dim_map(node: fx.Node, src: fx.Node):
     """How ``node`` (a weight view or cast of ``src``) renumbers dims: a permutation or none."""
     if _is_weight_cast(node):
         return list(range(src.meta["val"].dim()))
-    return _permutation(node, src.meta["val"].dim())
+    return permutation(node, src.meta["val"].dim())
 
 
 def _place_through_views(gm: fx.GraphModule, views: dict, param_spec: dict) -> None:

@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from ..placement import Replicate, StridedShard, shard_dim
 from . import PassCtx
-from .rules import WholeWeightWarning, _caller_level, tensor_inputs
+from .rules import WholeWeightWarning, caller_level, tensor_inputs
 from ..mesh import TP
 
 _RESHAPES = (torch.ops.aten.view.default, torch.ops.aten.reshape.default,
@@ -286,4 +286,4 @@ def _warn_whole(layered: list, ctx: PassCtx, size: int) -> None:
         f"them in full.\n" + "\n".join(lines) + "\n"
         f"Shard them with plan= or a sharding rule (fxshard.passes.rules.rule) for the op "
         f"named; accept them with plan={modules!r} (silences this); strict=True makes it an "
-        f"error.", WholeWeightWarning, stacklevel=_caller_level())
+        f"error.", WholeWeightWarning, stacklevel=caller_level())

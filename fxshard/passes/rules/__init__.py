@@ -30,7 +30,7 @@ from ...mesh import MeshSpec, TP
 from ...placement import R
 
 __all__ = ["rule", "lookup", "Decision", "RuleCtx", "UNDECIDED", "tensor_inputs", "fallback",
-           "FallbackWarning", "WholeWeightWarning", "token_local", "held"]
+           "FallbackWarning", "WholeWeightWarning", "token_local", "held", "caller_level"]
 
 aten = torch.ops.aten
 
@@ -161,10 +161,10 @@ def fallback(node: fx.Node, ins: list, ctx: RuleCtx, *, why: str = "no sharding 
 def warn_fallback(node: fx.Node, why: str) -> None:
     warnings.warn(f"fxshard: {node.target} ({node.name}) {why}; it runs replicated (correct, "
                   f"but every rank computes it whole)", FallbackWarning,
-                  stacklevel=_caller_level())
+                  stacklevel=caller_level())
 
 
-def _caller_level() -> int:
+def caller_level() -> int:
     """Stack level of the first frame outside the fxshard package (the user's call)."""
     import os
     import sys

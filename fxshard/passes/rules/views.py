@@ -157,7 +157,7 @@ def expand_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     return Decision(ins=[R], out=R)
 
 
-def _permutation(node: fx.Node, ndim: int) -> list[int]:
+def permutation(node: fx.Node, ndim: int) -> list[int]:
     """perm[out_dim] = in_dim."""
     if node.target is aten.permute.default:
         return [_norm(d, ndim) for d in node.args[1]]
@@ -176,10 +176,10 @@ def _permutation(node: fx.Node, ndim: int) -> list[int]:
 def permute_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     p = ins[0]
     if isinstance(p, Shard):
-        perm = _permutation(node, ctx.ndim(node.args[0]))
+        perm = permutation(node, ctx.ndim(node.args[0]))
         return Decision(ins=[p], out=Shard(perm.index(p.dim)))
     if isinstance(p, StridedShard):
-        perm = _permutation(node, ctx.ndim(node.args[0]))
+        perm = permutation(node, ctx.ndim(node.args[0]))
         return Decision(ins=[p], out=replace(p, dim=perm.index(p.dim)))
     return Decision(ins=[p], out=p)
 
