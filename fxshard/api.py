@@ -45,6 +45,7 @@ from .checks import (check_parallelize_args, inference_only, out_of_vocabulary,
                      unmatched_plan_patterns, warn_training_in_eval_mode)
 from .mesh import MeshSpec, PP, is_simulated, mesh_spec
 from .passes import PLAN_STYLES
+from .runtime.agreement import together
 from .runtime.executor import Executor
 from .runtime.program_cache import Options, ProgramCache
 from .runtime.weight_store import WeightStore
@@ -222,41 +223,11 @@ class ParallelModule:
         return tm
 
     def _inferred_example(self, what: str) -> tuple:
-        """Example inputs for a language model whose config names its vocabulary and positions
-        and whose forward takes ``input_ids`` first (HF's causal LMs, fxshard's Llama):
-        token ids ``[B, S]``, ``B`` the world size times the microbatches and ``S`` a multiple
-        of twice the world size (every batch and sequence axis divides them), at least 8, at
-        most the model's positions. The shards' placement comes from the plan and the
-        parameters' shapes, not the input's: a later batch trains these same shards (a program
-        that would place one otherwise is an error naming it). Otherwise a ValueError showing
-        ``example_inputs=``."""
-        import inspect
-        cfg = getattr(self.model, "config", None)
-        vocab = getattr(cfg, "vocab_size", None)
-        positions = next((getattr(cfg, a) for a in ("max_position_embeddings", "n_positions",
-                                                    "max_seq_len", "seq_length")
-                          if isinstance(getattr(cfg, a, None), int)), None)
-        try:
-            first = next(iter(inspect.signature(self.model.forward).parameters), None)
-        except (TypeError, ValueError):
-            first = None
-        if not isinstance(vocab, int) or positions is None or first != "input_ids":
-            raise ValueError(
-                f"ParallelModule.{what}: the parameter shards are placed when the first "
-                f"training program is built, and fxshard cannot infer example inputs for "
-                f"{type(self.model).__name__} (mesh {self.spec.describe()}; it infers them for "
-                f"a language model whose config has vocab_size and max_position_embeddings and "
-                f"whose forward takes input_ids). Give a batch like the training one when "
-                f"parallelizing: pm = fxshard.parallelize(model, mesh, example_inputs=(ids,)), "
-                f"then opt = torch.optim.AdamW(pm.parameters()); or call pm(ids) once with "
-                f"grad enabled before building the optimizer")
-        world = self.spec.world_size
-        step = 2 * world
-        seq = min(max(step, -(-8 // step) * step), positions)
-        batch = world * max(1, self.options.microbatches)
-        device = torch.device(self.spec.device_type)
-        ids = torch.zeros((batch, seq), dtype=torch.long, device=device)
-        return (ids,), {}
+        """Example inputs for the first training program: :func:`fxshard.example_inputs.
+        language_model_example`."""
+        from .example_inputs import language_model_example
+        return language_model_example(self.model, self.spec, self.options.microbatches,
+                                      f"ParallelModule.{what}")
 
     def parameters(self) -> list[torch.nn.Parameter]:
         """The parameter shards ``loss.backward()`` fills and an optimizer steps: every rank's
@@ -285,8 +256,11 @@ class ParallelModule:
         return self._trained("shards").shards(rank)
 
     def gradients(self) -> dict:
-        """Full gradients by the model's parameter names, assembled from the shards."""
-        return self._trained("gradients").gradients()
+        """Full gradients by the model's parameter names, assembled from the shards (a real
+        mesh: gathered to every rank; every rank must call it)."""
+        trained = self._trained("gradients")
+        together(self.mesh, "ParallelModule.gradients", "gradients()")
+        return trained.gradients()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.parameters():
@@ -297,8 +271,11 @@ class ParallelModule:
 
     def state_dict(self) -> dict:
         """The full state dict by the model's names: the trained parameters once training
-        started (assembled from the shards), the model's (or loaded) weights before."""
+        started (assembled from the shards; a real mesh: gathered to every rank, so every
+        rank must call it), the model's (or loaded) weights before."""
         from .placement import R
+        if self.weights.trained is not None:
+            together(self.mesh, "ParallelModule.state_dict", "state_dict()")
         out = {}
         for k in self.weights.expected:
             v = self.weights.values.get(k)

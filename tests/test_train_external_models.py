@@ -158,7 +158,8 @@ def test_where_routed_moe_trains_on_gloo_ranks(tmp_path):
         assert r["grad"] < 1e-5 and r["params"] < 1e-5, r
 
 
-@pytest.mark.parametrize("axes", [dict(dp=2), dict(fsdp=2, tp=2)], ids=["dp2", "fsdp2tp2"])
+@pytest.mark.parametrize("axes", [dict(dp=2), dict(fsdp=2, tp=2), dict(pp=2)],
+                         ids=["dp2", "fsdp2tp2", "pp2"])
 def test_pytorch_tensor_parallel_test_transformer_trains(axes):
     """The model of PyTorch's own tensor-parallel tests (``common_dtensor.Transformer``):
     its learned position table is read at ``torch.arange(S, device=tokens.device)``, which
@@ -169,7 +170,8 @@ def test_pytorch_tensor_parallel_test_transformer_trains(axes):
                                                                              Transformer)
     torch.manual_seed(0)
     model = Transformer(ModelArgs(n_layers=2, vocab_size=64, max_seq_len=16, dim=32,
-                                  n_heads=4, dropout_p=0.0))
+                                  n_heads=4, dropout_p=0.0,
+                                  weight_tying="pp" not in axes))   # pp: a clear error if tied
     ref, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
     ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
     labels = ids.roll(1, 1)

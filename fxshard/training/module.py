@@ -32,6 +32,7 @@ from ..checks import check_no_autocast
 from ..mesh import MeshSpec, is_simulated, mesh_spec
 from ..passes import PassCtx
 from ..placement import cut_to
+from ..runtime.agreement import together
 from ..runtime.program_cache import structure
 from ..trace import without_cache as _without_cache
 from ..weights import tied_names
@@ -40,17 +41,11 @@ from .direct import direct
 from .output_blocks import OutputBlocks
 from .program import TrainProgram, build_train_program, check_training_axes
 from .rank_blocks import assemble, rank_block, storage_bytes
+from .step_checks import agree_frozen, check_loss_differentiable, frozen_names
 
 __all__ = ["TrainModule", "parallelize_for_training", "assemble", "check_trainable"]
 
 _WHERE = "fxshard.training"
-
-
-def frozen_names(model: torch.nn.Module) -> frozenset:
-    """The names of ``model``'s parameters that do not require grad: frozen, they get no
-    gradient and an optimizer leaves them, as on one device."""
-    return frozenset(n for n, p in model.named_parameters(remove_duplicate=False)
-                     if not p.requires_grad)
 
 
 class TrainModule(OutputBlocks):
@@ -364,11 +359,13 @@ class TrainModule(OutputBlocks):
     def gradients(self) -> dict:
         """Full gradients by the model's parameter names, assembled from the shards (a real
         mesh: gathered to every rank; every rank must call it)."""
+        together(self.mesh, f"{_WHERE}.TrainModule.gradients", "gradients()")
         return self._assembled(lambda p: p.grad)
 
     def state_dict(self) -> dict:
         """The trained parameters, whole, by the model's names (a real mesh: gathered to
         every rank; every rank must call it)."""
+        together(self.mesh, f"{_WHERE}.TrainModule.state_dict", "state_dict()")
         return self._assembled(lambda p: p.detach())
 
     def memory(self, rank: int) -> dict:
@@ -400,34 +397,6 @@ class TrainModule(OutputBlocks):
             raise ValueError(f"{_WHERE}.TrainModule.{what}: nothing is traced yet; call the "
                              f"module once (tm(x)) first")
         return self._last
-
-
-def agree_frozen(mesh, seen: set, frozen: frozenset) -> None:
-    """Under torchrun every rank must freeze the same parameters (``requires_grad_(False)``):
-    a parameter frozen on one rank only would train on the others, half of its shards
-    stepped. Exchanged once per new frozen set (:func:`fxshard.runtime.agreement.agree`); a
-    ValueError on every rank naming each rank's set."""
-    from ..runtime.agreement import agree
-    agree(mesh, seen, f"{_WHERE} (pm(x) / train_step with grad enabled)",
-          {"frozen_parameters": sorted(frozen)},
-          fix="Every rank must freeze the same parameters (requires_grad_(False) on every "
-              "rank, before the same step), or a parameter trains on some ranks only; "
-              "freeze outside any `if rank == ...:`")
-
-
-def check_loss_differentiable(program: TrainProgram, loss_fn) -> None:
-    """The RuntimeError ``loss.backward()`` raises on one device for a loss that depends on
-    no trainable parameter (a ``.detach()`` inside ``loss_fn``): the traced program's loss
-    has no gradient to give, which would otherwise leave every ``.grad`` None silently."""
-    if program.split.tangents:
-        return
-    from .with_loss import describe_loss
-    raise RuntimeError(
-        f"{_WHERE}.train_step: element 0 of tensors does not require grad and does not have "
-        f"a grad_fn: the loss of loss_fn={describe_loss(loss_fn)} depends on no parameter "
-        f"that requires grad (a .detach(), .data or torch.no_grad() inside it, or every "
-        f"parameter frozen), so loss.backward() has nothing to fill, as on one device. "
-        f"Compute the loss from the model's output without detaching it")
 
 
 def check_trainable(where: str, mesh: MeshSpec, options) -> None:

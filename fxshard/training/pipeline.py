@@ -37,14 +37,16 @@ from ..trace import cleanup_pass, trace
 from ..trace import without_cache as _without_cache
 from ..weights import tied_names
 from .dropout import add_dropout_sites, pack_seed, seeded
-from .joint import _placeholders_for_meta, _untie, input_grad_name, joint_of
+from .joint import (_placeholders_for_meta, _untie, factories_on_device, input_grad_name,
+                    joint_of)
 from .autograd_step import check_inputs_need_no_grad
-from .module import frozen_names
+from .step_checks import frozen_names
 from .program import build_train_program
 from .rank_blocks import storage_bytes
 from .schedules import actions, global_order
 from .shards import TrainedShard, load_into
-from .pipeline_stage import Pipe, StageModule, StageShard, Staged
+from .pipeline_stage import (Pipe, StageModule, StageShard, Staged, check_virtual_stages,
+                             make_stage_modules)
 from .stages import example_received, split_forward
 
 __all__ = ["PipelineTrainer"]
@@ -117,19 +119,10 @@ class PipelineTrainer:
         return self._staged(*self._split_inputs(args, kwargs)[0], virtual=self.virtual or 1)
 
     def _staged(self, args: tuple, kwargs: dict, virtual: int = 1) -> Staged:
-        if self.virtual is not None and virtual != self.virtual:
-            raise ValueError(
-                f"{_WHERE}: the stages were built with virtual_stages={self.virtual} by an "
-                f"earlier call (parallelize(example_inputs=), pm(x), pm.parameters() or a "
-                f"train_step; their shards are placed so), and this call asks for {virtual}. "
-                f"The first training call fixes it: make it pm.train_step(..., "
-                f"schedule='interleaved_1f1b', virtual_stages={virtual}) (parallelize without "
-                f"example_inputs=, the optimizer built after that step), or keep "
-                f"virtual_stages={self.virtual} (schedule "
-                f"{'gpipe or 1f1b' if self.virtual == 1 else 'interleaved_1f1b or gpipe'})")
+        check_virtual_stages(self.virtual, virtual, _WHERE)
         check_no_autocast(_WHERE)
         frozen = frozen_names(self.model)
-        from .module import agree_frozen    # every rank freezes the same parameters
+        from .step_checks import agree_frozen    # every rank freezes the same parameters
         agree_frozen(self.mesh, self._agreed, frozen)
         key = (self.model.training, frozen, structure(args, kwargs)) + tuple(
             (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
@@ -162,6 +155,8 @@ class PipelineTrainer:
         run_passes(traced.gm, [pad_vocab_pass], padding)
         flat = list(fx_pytree.tree_flatten_spec(
             (tuple(args), _without_cache(self.model, dict(kwargs))), traced.in_spec))
+        factories_on_device(traced.gm, next((t.device for t in flat if isinstance(
+            t, torch.Tensor) and t.device.type != "meta"), torch.device("cpu")))
         # dropout: the whole model's sites (their indices survive the split) and a seed input
         seed = add_dropout_sites(traced.gm, len(flat), _WHERE)
         if seed is not None:
@@ -169,19 +164,7 @@ class PipelineTrainer:
         forwards = split_forward(traced, stack, names, layer_stages, n_stages)
         device = torch.device(self.spec.device_type)
         if not self.stage_modules:
-            me = None if self._simulated else self.ranks[0]
-            for _ in range(n_stages):
-                self.stage_modules.append(StageModule(
-                    self.model, self.sub, None if self._simulated else self.mesh,
-                    0 if me is None else self._sub_rank(me),
-                    sequence_parallel=self.options.get("sequence_parallel", False),
-                    plan=self.options.get("plan"), strict=self.options.get("strict", False),
-                    embedding=self.options.get("embedding", "embed_dim"), store=self.store,
-                    compile=self.options.get("compile", False),
-                    recompute=self.options.get("recompute"),
-                    ring_zigzag=self.options.get("ring_zigzag", True),
-                    fsdp_reshard_after_forward=self.options.get(
-                        "fsdp_reshard_after_forward", True)))
+            self.stage_modules = make_stage_modules(self, n_stages)
         programs = []
         for k, (sf, tm) in enumerate(zip(forwards, self.stage_modules)):
             if not self._mine(k):

@@ -17,7 +17,8 @@ from .autograd_step import check_backward_once
 from .module import TrainModule
 from .shards import TrainedShard
 
-__all__ = ["StageModule", "StageShard", "Staged", "Pipe"]
+__all__ = ["StageModule", "StageShard", "Staged", "Pipe", "make_stage_modules",
+           "check_virtual_stages"]
 
 _WHERE = "fxshard.training.pipeline"
 
@@ -99,3 +100,35 @@ class Pipe(torch.autograd.Function):
         ctx.state = None
         return (None, None, None, *[acc.get(id(p)) for p in run.parameters()],
                 *([None] * ctx.n_user))
+
+
+def make_stage_modules(trainer, n_stages: int) -> list[StageModule]:
+    """One :class:`StageModule` per stage of ``trainer`` (a ``PipelineTrainer``), with its
+    options; on a real mesh each holds this process's rank."""
+    me = None if trainer._simulated else trainer.ranks[0]
+    opt = trainer.options.get
+    return [StageModule(
+        trainer.model, trainer.sub, None if trainer._simulated else trainer.mesh,
+        0 if me is None else trainer._sub_rank(me),
+        sequence_parallel=opt("sequence_parallel", False), plan=opt("plan"),
+        strict=opt("strict", False), embedding=opt("embedding", "embed_dim"),
+        store=trainer.store, compile=opt("compile", False), recompute=opt("recompute"),
+        ring_zigzag=opt("ring_zigzag", True),
+        fsdp_reshard_after_forward=opt("fsdp_reshard_after_forward", True))
+        for _ in range(n_stages)]
+
+
+def check_virtual_stages(built: int | None, asked: int, where: str) -> None:
+    """The stages (and the shards placed on them) were built for ``built`` virtual stages
+    per rank by an earlier call; a call asking for another number is a ValueError saying
+    how the first call fixes it."""
+    if built is None or asked == built:
+        return
+    raise ValueError(
+        f"{where}: the stages were built with virtual_stages={built} by an earlier call "
+        f"(parallelize(example_inputs=), pm(x), pm.parameters() or a train_step; their shards "
+        f"are placed so), and this call asks for {asked}. The first training call fixes it: "
+        f"make it pm.train_step(..., schedule='interleaved_1f1b', virtual_stages={asked}) "
+        f"(parallelize without example_inputs=, the optimizer built after that step), or keep "
+        f"virtual_stages={built} (schedule "
+        f"{'gpipe or 1f1b' if built == 1 else 'interleaved_1f1b or gpipe'})")
