@@ -118,6 +118,20 @@ def _mismatch_body(rank: int, report: dict, tmp: str) -> None:
         _raised(report, "alone", lambda: fxshard.save_safetensors(pm, os.path.join(tmp, "b")))
     report["alone_s"] = time.monotonic() - start
     report["b_exists"] = os.path.exists(os.path.join(tmp, "b"))
+    # once trained, pm.state_dict() gathers the shards: on rank 0 only it hung (SIGABRT in gloo)
+    ids, labels = _data()
+    trained = fxshard.parallelize(_model().requires_grad_(True), mesh(tp=WORLD))
+    import torch.nn.functional as F
+    with torch.enable_grad():
+        F.cross_entropy(trained(ids).flatten(0, 1), labels.flatten()).backward()
+    dist.barrier()
+    start = time.monotonic()
+    if rank == 0:
+        _raised(report, "state_dict", trained.state_dict)
+    else:
+        time.sleep(2 * TIMEOUT_S)
+        _raised(report, "state_dict", trained.state_dict)
+    report["state_dict_s"] = time.monotonic() - start
 
 
 def _together_call(pm):
@@ -139,3 +153,8 @@ def test_gloo_a_collective_call_not_every_rank_makes_raises_on_every_rank(tmp_pa
         assert ("did not make it" in err["text"]) is (rank == 0), err
         assert r["b_exists"] is False, r
     assert reports[0]["alone_s"] < 3 * TIMEOUT_S, reports[0]
+    for rank, r in reports.items():
+        err = r["state_dict"]
+        assert err is not None and err["type"] == "RuntimeError", (rank, r)
+        assert "state_dict() is a collective call" in err["text"], err
+    assert reports[0]["state_dict_s"] < 3 * TIMEOUT_S, reports[0]
