@@ -214,6 +214,9 @@ def test_a_state_dict_that_renames_parameters_is_refused_clearly(build):
     saved its initial wq/wk/wv. Refused at parallelize, naming the weights and the fix."""
     import fxshard
     from tests.external_models import _torchtitan_llama3
+    if build != "toy":
+        pytest.importorskip("torchtitan", reason="torchtitan is not installed (.ci/run installs "
+                                                 "it with --no-deps)")
     model = _Renamed() if build == "toy" else _torchtitan_llama3(1, fuse_qkv=True)
     mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     fused = "qkv" if build == "toy" else "layers.0.attention.qkv_linear.wqkv.weight"
