@@ -236,3 +236,32 @@ def test_interleaved_after_example_inputs_gives_advice_that_works():
     with pytest.raises(ValueError, match=r"virtual_stages=1 by an earlier call") as e:
         pm.train_step(ids, loss_fn=_loss, target=labels, schedule="interleaved_1f1b")
     assert "pm.train_step(..., schedule='interleaved_1f1b', virtual_stages=2)" in str(e.value)
+
+
+def test_torchs_clip_grad_norm_on_the_shards_is_the_models_norm():
+    """``torch.nn.utils.clip_grad_norm_(pm.parameters(), ...)``, the call training scripts
+    make, counted every rank's copy of a replicated shard (1.550 where one device's norm is
+    1.092): given fxshard's shards it now computes the model's norm and clips as one device;
+    on other tensors it is torch's own."""
+    import copy
+    import torch.nn.functional as F
+    from fxshard.models.llama import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig.tiny(num_hidden_layers=1, vocab_size=64,
+                                              hidden_size=32, intermediate_size=48,
+                                              num_attention_heads=4, num_key_value_heads=2))
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (4, 6), generator=torch.Generator().manual_seed(0))
+    mesh = fxshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    pm = fxshard.parallelize(model, mesh)
+    params = pm.parameters()
+    F.cross_entropy(pm(ids).flatten(0, 1), ids.flatten()).backward()
+    F.cross_entropy(ref(ids).flatten(0, 1), ids.flatten()).backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    got = torch.nn.utils.clip_grad_norm_(params, 0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    grads = pm.gradients()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    with pytest.raises(TypeError, match="fxshard.clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_(params[:1] + [torch.zeros(2, requires_grad=True)], 0.5)

@@ -67,9 +67,39 @@ _OWNERS = WeakIdKeyDictionary()    # registry: a shard pm.parameters() gave -> i
 
 def remember_owner(trainer, shards) -> None:
     """``shards`` (what ``pm.parameters()`` returns) belong to ``trainer``, so
-    ``clip_grad_norm_(pm.parameters(), ...)`` finds whose gradients to clip."""
+    ``clip_grad_norm_(pm.parameters(), ...)`` finds whose gradients to clip, torch's included
+    (:func:`_route_torch_clip`)."""
     for p in shards:
         _OWNERS[p] = trainer
+    if not _ROUTED:
+        _route_torch_clip()
+
+
+_ROUTED: list = []   # torch's clip_grad_norm_ as it was, once routed
+
+
+def _route_torch_clip() -> None:
+    """``torch.nn.utils.clip_grad_norm_(pm.parameters(), ...)``, the call every training
+    script makes, would count every rank's copy of a replicated shard (a norm of 1.550 where
+    one device's is 1.092) and clip by it. From the first ``pm.parameters()`` on, torch's
+    function hands shards of one fxshard module to :func:`clip_grad_norm_` (the model's
+    norm, as on one device) and anything else to itself, unchanged; a mix of shards and
+    other tensors is the TypeError of :func:`_owner`."""
+    import functools
+    import torch.nn.utils
+    import torch.nn.utils.clip_grad as clip_grad
+    original = clip_grad.clip_grad_norm_
+    _ROUTED.append(original)
+
+    @functools.wraps(original)
+    def routed(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if any(p in _OWNERS for p in params):
+            return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    clip_grad.clip_grad_norm_ = routed
+    if torch.nn.utils.clip_grad_norm_ is original:
+        torch.nn.utils.clip_grad_norm_ = routed
 
 
 def _owner(parameters, where: str):
