@@ -352,6 +352,8 @@ class ParallelModule:
         ``pm.parameters()`` keeps working). ``assign=True`` is not supported (the ranks hold
         slices, never the given tensors)."""
         from torch.nn.modules.module import _IncompatibleKeys
+        from .checks import check_state_dict_values
+        check_state_dict_values("ParallelModule.load_state_dict", state_dict)  # (a dict first)
         if assign:
             raise ValueError(
                 f"ParallelModule.load_state_dict: assign=True (mesh {self.spec.describe()}); "
