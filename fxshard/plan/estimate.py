@@ -1,0 +1,428 @@
+"""``fxshard.estimate``: memory and step time of one configuration, from its rank programs.
+
+::
+
+    with fxshard.init_empty_weights():
+        model = LlamaForCausalLM(config)                     # meta: no weights
+    e = fxshard.estimate(model, mesh={"fsdp": 8, "tp": 8}, hardware="h100", batch=64,
+                         seq=8192, mixed_precision="bf16")
+    e.memory["peak"], e.step_time["total"], e.tokens_per_second
+    print(e)
+
+How (each step is real fxshard output priced by :class:`~fxshard.plan.hardware.Hardware`):
+
+1. :mod:`fxshard.plan.units` builds the forward and backward rank programs of one layer
+   (the loss traced with the model: vocab-parallel cross-entropy) and
+   :mod:`fxshard.plan.costs` reads their FLOPs, bytes, collectives and live bytes.
+2. Compute: each node's time is ``max(flops / achieved flop/s, bytes / achieved bandwidth)``;
+   a stage of ``L`` layers costs ``rest + L * layer`` (the rest: embedding, final norm, head,
+   loss; counted on the slowest stage).
+3. Communication, per collective: ``steps * latency + wire bytes / bandwidth`` of its link
+   level: an axis whose group of ranks fits in one node (axes nest as listed, the last
+   innermost) uses ``intra_node``, else ``inter_node``. tp / sequence / context-parallel
+   collectives sit on the critical path (exposed). A weight's all-gather and a gradient's
+   reduction (dp, fsdp) run behind the compute of their program (fxshard prefetches one
+   gather ahead and reduces gradients as soon as they are ready): exposed is what exceeds
+   that compute, and at least one layer's worth (the last reduction has nothing to hide
+   behind).
+4. Pipeline: the schedule's own order of forwards and backwards
+   (:func:`fxshard.training.schedules.actions`) played out with those stage times and a
+   send/recv per microbatch and direction; the bubble is what the timeline adds to the
+   busy time, and the most microbatches a rank holds at once scale the saved activations.
+5. Memory per device: parameters, gradients (float32, as the parameters), optimizer state
+   (AdamW/Adam: 2x parameters; SGD: none), activations (the saved values of the microbatches
+   in flight plus the largest live set of the programs' walk), communication buffers
+   (gathered fsdp weights alive at the peak).
+
+Mixed precision: ``mixed_precision="bf16"`` (or a policy with ``param_dtype=torch.bfloat16``)
+is costed analytically until fxshard builds it as graph nodes: float32 activations and
+gathered weights count as bfloat16 (half the bytes; matmul and attention at the bf16 peak),
+parameters, gradients, gradient reductions and optimizer state stay float32 (FSDP2 with
+``reduce_dtype=float32``). Inference (``training=False``): the prefill is the inference
+program's forward; a decode step is priced from it too (each weight and the KV cache read
+once, the same collectives on one token), and the KV cache's bytes come from the config's
+layers, KV heads and head size (``2 * layers * kv_heads * head_dim * positions``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..mesh import AXIS_NAMES, DP, FSDP, PP, RING, TP, ULYSSES, canonical_axis
+from ..placement import local_shape, Shard
+from .hardware import INTER, INTRA, Hardware
+from .units import Unit, build_unit, layer_stack
+
+__all__ = ["Estimate", "estimate"]
+
+_WHERE = "fxshard.estimate"
+_OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
+
+
+@dataclass
+class Estimate:
+    """One configuration's prediction (see :func:`estimate`)."""
+
+    mesh: dict
+    options: dict
+    memory: dict                      # bytes per device: peak and its parts
+    step_time: dict                   # seconds: total, compute, exposed_comm, bubble, ...
+    tokens_per_second: float          # the whole mesh
+    tokens_per_second_per_device: float
+    fits: bool
+    hardware: str
+    training: bool = True
+    flops_per_step: float = 0.0       # counted FLOPs per device per step
+    mfu: float = 0.0                  # model FLOPs / (step time * bf16 or fp32 peak)
+    notes: list = field(default_factory=list)
+
+    def __str__(self) -> str:
+        mesh = ", ".join(f"{a}={n}" for a, n in self.mesh.items())
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        gib = 2 ** 30
+        m, t = self.memory, self.step_time
+        lines = [f"fxshard.estimate on {self.hardware}: mesh ({mesh}); {opts}",
+                 f"  memory per device: {m['peak'] / gib:.2f} GiB peak "
+                 f"({'fits' if self.fits else 'DOES NOT FIT'} in "
+                 f"{m['capacity'] / gib:.1f} GiB usable)",
+                 "    " + ", ".join(f"{k} {v / gib:.2f}" for k, v in m.items()
+                                    if k not in ("peak", "capacity"))]
+        if self.training:
+            lines.append(f"  step time: {t['total'] * 1e3:.1f} ms = compute "
+                         f"{t['compute'] * 1e3:.1f} + exposed communication "
+                         f"{t['exposed_comm'] * 1e3:.1f} + pipeline bubble "
+                         f"{t['bubble'] * 1e3:.1f} (communication in all "
+                         f"{t['comm'] * 1e3:.1f})")
+        else:
+            lines.append(f"  prefill: {t['prefill'] * 1e3:.1f} ms, decode step: "
+                         f"{t['decode'] * 1e3:.2f} ms")
+        lines.append(f"  tokens/s: {self.tokens_per_second:,.0f} "
+                     f"({self.tokens_per_second_per_device:,.1f} per device)"
+                     + (f", MFU {self.mfu:.1%}" if self.training else ""))
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _mesh_axes(mesh) -> dict:
+    if not isinstance(mesh, dict) or not mesh:
+        raise ValueError(f"{_WHERE}: mesh={mesh!r}; give {{axis: size}}, e.g. "
+                         f"{{'fsdp': 8, 'tp': 8}} (axes: {', '.join(AXIS_NAMES)})")
+    out = {}
+    for axis, n in mesh.items():
+        name = canonical_axis(axis, where=_WHERE)
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"{_WHERE}: mesh axis {name!r} has size {n!r}; use an int >= 1")
+        out[name] = n
+    return out
+
+
+def _hardware(hardware) -> Hardware:
+    if isinstance(hardware, Hardware):
+        return hardware
+    if isinstance(hardware, str):
+        return Hardware.preset(hardware)
+    raise ValueError(f"{_WHERE}: hardware={hardware!r}; give fxshard.Hardware, a preset name "
+                     f"('h100', 'h200', 'a100', 'mi300x') or fxshard.calibrate()'s result")
+
+
+def _half(mixed_precision) -> bool:
+    if mixed_precision is None:
+        return False
+    if mixed_precision in ("bf16", "bfloat16", torch.bfloat16):
+        return True
+    dtype = getattr(mixed_precision, "param_dtype", None)
+    if dtype in (torch.bfloat16, torch.float16):
+        return True
+    raise ValueError(f"{_WHERE}: mixed_precision={mixed_precision!r}; use None, 'bf16' or a "
+                     f"policy with param_dtype=torch.bfloat16")
+
+
+def level_of(axes: dict, axis: str, devices_per_node: int) -> str:
+    """``intra_node`` when a group of ``axis`` fits in one node (axes nest in the order
+    given, the last innermost: a group's ranks are ``stride`` apart)."""
+    names = list(axes)
+    stride = math.prod(axes[a] for a in names[names.index(axis) + 1:])
+    return INTRA if stride * axes[axis] <= devices_per_node else INTER
+
+
+def check_divides(unit: Unit, axes: dict) -> None:
+    """A ValueError naming the weight, dim and axis when the candidate's dp/fsdp size does
+    not divide a dim the unit shards on it (the unit was built with at most 2)."""
+    for fqn, (shape, spec, _, _) in unit.weights.items():
+        if spec is None:
+            continue
+        for axis, p in zip(unit.mesh.axis_names, spec):
+            n = axes.get(axis, 1)
+            if isinstance(p, Shard) and axis in (FSDP, DP) and shape[p.dim] % n:
+                raise ValueError(f"{_WHERE}: {fqn} {tuple(shape)} dim {p.dim} ({shape[p.dim]}) "
+                                 f"does not divide over {axis}={n}")
+
+
+def _weight_bytes(unit: Unit, axes: dict, layers: int) -> float:
+    """Parameter bytes per device of a stage with ``layers`` layers (plus the rest)."""
+    from ..mesh import MeshSpec
+    target = MeshSpec(tuple(axes[a] if a != PP else 1 for a in unit.mesh.axis_names),
+                      unit.mesh.axis_names)
+    total = 0.0
+    for _fqn, (shape, spec, dtype, in_layer) in unit.weights.items():
+        local = shape if spec is None else local_shape(tuple(shape), spec, target)
+        nbytes = math.prod(local) * dtype.itemsize
+        total += nbytes * (layers if in_layer else 1)
+    return total
+
+
+def _node_time(item, hw: Hardware, b: float, half: bool) -> float:
+    scale = b if item.batch else 1.0
+    dtype = torch.bfloat16 if half and item.dtype == torch.float32 else item.dtype
+    nbytes = item.bytes * scale * (0.5 if half and item.dtype == torch.float32 else 1.0)
+    eff = {"matmul": hw.matmul_efficiency, "attention": hw.attention_efficiency}.get(
+        item.kind, hw.matmul_efficiency)
+    flops = item.flops * scale
+    peak = hw.peak(dtype) if item.kind != "other" else hw.peak(dtype)
+    return max(flops / (peak * eff), nbytes / (hw.memory_bandwidth * hw.memory_efficiency))
+
+
+def _comm_time(c, hw: Hardware, axes: dict, b: float, half: bool) -> float:
+    n = axes.get(c.axis, 1)
+    if n <= 1:
+        return 0.0
+    link = hw.link(level_of(axes, c.axis, hw.devices_per_node))
+    scale = b if c.batch else 1.0
+    full = c.full * scale * (0.5 if half and not c.op.startswith("reduce") and
+                             c.op != "all_reduce" else 1.0)
+    op = c.op
+    if op.startswith("all_gather") or op.startswith("reduce_scatter") or op == "all_to_all":
+        wire, steps = (n - 1) / n * full, n - 1
+    elif op == "all_reduce":
+        wire, steps = 2 * (n - 1) / n * full, 2 * (n - 1)
+    elif op in ("send", "recv"):
+        wire, steps = full, 1
+    else:
+        wire, steps = c.wire * scale, n - 1
+    return steps * link.latency + wire / (link.bandwidth * hw.link_efficiency)
+
+
+def _program_times(costs, hw, axes, b, half, layers: int) -> dict:
+    out = {"compute": 0.0, "act_comm": 0.0, "weight_comm": 0.0, "weight_comm_layer": 0.0,
+           "flops": 0.0}
+    for it in costs.items:
+        k = layers if it.layer else 1
+        out["compute"] += k * _node_time(it, hw, b, half)
+        out["flops"] += k * it.flops * (b if it.batch else 1)
+    for c in costs.comms:
+        k = layers if c.layer else 1
+        t = _comm_time(c, hw, axes, b, half)
+        if c.weight:
+            out["weight_comm"] += k * t
+            if c.layer:
+                out["weight_comm_layer"] += t
+        else:
+            out["act_comm"] += k * t
+    return out
+
+
+def _exposed(p: dict) -> float:
+    hidden = max(p["weight_comm"] - p["compute"], p["weight_comm_layer"], 0.0)
+    return p["act_comm"] + min(hidden, p["weight_comm"])
+
+
+def _peak_live(costs, b: float, fsdp_on: bool, half: bool) -> float:
+    h = 0.5 if half else 1.0
+    return max((lb * b * h + lf + (lg * h if fsdp_on else 0.0) for lb, lf, lg in costs.live),
+               default=0.0)
+
+
+def _saved(costs, b: float, layers: int, half: bool) -> float:
+    h = 0.5 if half else 1.0
+    return sum(v * (b * h if batch else 1.0) * (layers if layer else 1)
+               for (layer, batch), v in costs.saved.items())
+
+
+def estimate(model: torch.nn.Module, mesh: dict, *, hardware="h100", batch: int, seq: int,
+             training: bool = True, mixed_precision=None, optimizer: str = "adamw",
+             sequence_parallel: bool | None = None, microbatches: int = 1,
+             schedule: str = "1f1b", recompute=None, fsdp_reshard_after_forward=True,
+             new_tokens: int = 128, _units: dict | None = None) -> Estimate:
+    """Predict memory per device, step time and tokens/s of training (or serving) ``model``
+    on ``mesh`` (``{axis: size}``, axes nested in the order given, the last innermost) with
+    ``batch`` sequences of ``seq`` tokens per step (see the module docstring for how).
+    ``sequence_parallel`` defaults to on when ``tp > 1``. ``microbatches``/``schedule`` apply
+    with ``pp``. ``recompute``, ``fsdp_reshard_after_forward`` as for
+    :func:`fxshard.parallelize`. Inference: ``training=False`` (prefill of ``batch x seq``
+    and decode steps up to ``seq + new_tokens`` cached positions)."""
+    axes = _mesh_axes(mesh)
+    hw = _hardware(hardware)
+    half = _half(mixed_precision)
+    if optimizer not in _OPTIMIZERS:
+        raise ValueError(f"{_WHERE}: optimizer={optimizer!r}; use one of "
+                         f"{', '.join(_OPTIMIZERS)}")
+    world = math.prod(axes.values())
+    pp = axes.get(PP, 1)
+    data = axes.get(DP, 1) * axes.get(FSDP, 1)
+    m = microbatches if pp > 1 else 1
+    if batch % (data * m):
+        raise ValueError(f"{_WHERE}: batch={batch} does not divide over dp x fsdp x "
+                         f"microbatches = {data} x {m} on mesh {axes}; use a batch that is a "
+                         f"multiple of {data * m}")
+    b = batch // (data * m)
+    cp = axes.get(RING, 1) * axes.get(ULYSSES, 1)
+    unit_seq = 2 * axes.get(RING, 1) * axes.get(ULYSSES, 1) if axes.get(RING, 1) > 1 else cp
+    if seq % unit_seq:
+        raise ValueError(f"{_WHERE}: seq={seq} does not divide over the context-parallel "
+                         f"axes (ring_cp zigzag needs a multiple of 2 x ring_cp x "
+                         f"ulysses_cp = {unit_seq}); use a multiple of {unit_seq}")
+    _, n_layers = layer_stack(model)
+    if pp > n_layers:
+        raise ValueError(f"{_WHERE}: pp={pp} is more stages than the model's {n_layers} "
+                         f"layers; use pp <= {n_layers}")
+    sp = axes.get(TP, 1) > 1 if sequence_parallel is None else sequence_parallel
+    key = (tuple((a, n if a not in (DP, FSDP) else min(n, 2)) for a, n in axes.items()
+                 if a != PP), seq, training, sp, recompute, fsdp_reshard_after_forward)
+    units = {} if _units is None else _units
+    if key not in units:
+        units[key] = build_unit(model, axes, seq=seq, training=training,
+                                sequence_parallel=sp, recompute=recompute,
+                                reshard_after_forward=fsdp_reshard_after_forward)
+    unit = units[key]
+    check_divides(unit, axes)
+    stage_layers = -(-n_layers // pp)
+    options = {"sequence_parallel": sp, "microbatches": m, "schedule": schedule if pp > 1
+               else None, "recompute": recompute,
+               "fsdp_reshard_after_forward": fsdp_reshard_after_forward,
+               "mixed_precision": "bf16" if half else None}
+    notes = [f"costed from one layer's rank programs x {n_layers} layers "
+             f"({stage_layers} on the fullest of {pp} stage{'s' * (pp > 1)})"]
+    if half:
+        notes.append("bf16 mixed precision counted analytically (activations and gathered "
+                     "weights at 2 bytes, parameters/gradients/optimizer state float32)")
+    params = _weight_bytes(unit, axes, stage_layers)
+    capacity = hw.usable_bytes
+    if not training:
+        return _inference(model, unit, hw, axes, b, seq, half, stage_layers, n_layers, params,
+                          capacity, options, notes, batch, new_tokens, world)
+    fwd = _program_times(unit.forward, hw, axes, b, half, stage_layers)
+    bwd = _program_times(unit.backward, hw, axes, b, half, stage_layers)
+    t_f = fwd["compute"] + _exposed(fwd)
+    t_b = bwd["compute"] + _exposed(bwd)
+    p2p = _p2p(model, hw, axes, b, seq, half, sp) if pp > 1 else 0.0
+    total, inflight = _timeline(schedule, pp, m, t_f, t_b, p2p)
+    busy = m * (t_f + t_b)
+    compute = m * (fwd["compute"] + bwd["compute"])
+    exposed = m * (_exposed(fwd) + _exposed(bwd))
+    comm = m * (fwd["act_comm"] + fwd["weight_comm"] + bwd["act_comm"] + bwd["weight_comm"])
+    bubble = max(total - busy, 0.0)
+    grads = params
+    opt = _OPTIMIZERS[optimizer] * params
+    fsdp_on = axes.get(FSDP, 1) > 1
+    saved_mb = _saved(unit.forward, b, stage_layers, half)
+    saved_layer = _saved(unit.forward, b, 1, half) - _saved(unit.forward, b, 0, half)
+    extra = (stage_layers - 1) * saved_layer + (inflight - 1) * saved_mb
+    fwd_peak = _peak_live(unit.forward, b, fsdp_on, half) + extra
+    bwd_peak = _peak_live(unit.backward, b, fsdp_on, half) + saved_mb * inflight
+    acts = max(fwd_peak + (grads if pp > 1 else 0.0), bwd_peak + grads) - grads
+    comm_buf = max((lg for _, _, lg in unit.forward.live + unit.backward.live), default=0.0) \
+        * (0.5 if half else 1.0) * fsdp_on
+    memory = {"parameters": params, "gradients": grads, "optimizer": opt,
+              "activations": max(acts - comm_buf, 0.0), "communication": comm_buf}
+    memory["peak"] = sum(memory.values())
+    memory["capacity"] = capacity
+    tokens = batch * seq
+    flops = m * (fwd["flops"] + bwd["flops"])
+    dtype = torch.bfloat16 if half else torch.float32
+    return Estimate(mesh=axes, options=options, memory=memory,
+                    step_time={"total": total, "compute": compute, "exposed_comm": exposed,
+                               "bubble": bubble, "comm": comm, "p2p": p2p * 2 * m,
+                               "peak_inflight_microbatches": inflight},
+                    tokens_per_second=tokens / total,
+                    tokens_per_second_per_device=tokens / total / world,
+                    fits=memory["peak"] <= capacity, hardware=hw.name, training=True,
+                    flops_per_step=flops, mfu=flops / (total * hw.peak(dtype)), notes=notes)
+
+
+def _p2p(model, hw: Hardware, axes: dict, b: float, seq: int, half: bool, sp: bool) -> float:
+    """One send of a layer's output between stages: ``[b, seq / cp (/ tp with sequence
+    parallelism), hidden]`` (the hidden size from the model's config)."""
+    hidden = getattr(getattr(model, "config", None), "hidden_size", 0)
+    tokens = b * seq / (axes.get(RING, 1) * axes.get(ULYSSES, 1)) / (axes.get(TP, 1) if sp
+                                                                     else 1)
+    nbytes = tokens * hidden * (2 if half else 4)
+    link = hw.link(level_of(axes, PP, hw.devices_per_node))
+    return link.latency + nbytes / (link.bandwidth * hw.link_efficiency)
+
+
+def _timeline(schedule: str, pp: int, m: int, t_f: float, t_b: float, p2p: float
+              ) -> tuple[float, int]:
+    """(step time, most microbatches in flight on one rank) of ``schedule``'s order."""
+    if pp <= 1:
+        return t_f + t_b, 1
+    from ..training.schedules import actions
+    per_rank = actions(schedule, pp, m)
+    done: dict = {}
+    clock = [0.0] * pp
+    pos = [0] * pp
+    inflight = [0] * pp
+    peak = 1
+    remaining = sum(len(a) for a in per_rank)
+    while remaining:
+        progressed = False
+        for r in range(pp):
+            if pos[r] >= len(per_rank[r]):
+                continue
+            kind, stage, i = per_rank[r][pos[r]]
+            if kind == "F":
+                dep = done.get(("F", stage - 1, i), 0.0 if stage == 0 else None)
+            else:
+                dep = done.get(("B", stage + 1, i), None if stage < pp - 1 else
+                               done.get(("F", stage, i)))
+            if dep is None:
+                continue
+            start = max(clock[r], dep + (p2p if (kind == "F" and stage) or
+                                         (kind == "B" and stage < pp - 1) else 0.0))
+            clock[r] = start + (t_f if kind == "F" else t_b)
+            done[(kind, stage, i)] = clock[r]
+            inflight[r] += 1 if kind == "F" else -1
+            peak = max(peak, inflight[r])
+            pos[r] += 1
+            remaining -= 1
+            progressed = True
+        if not progressed:
+            raise ValueError(f"{_WHERE}: schedule {schedule!r} with pp={pp}, microbatches={m} "
+                             f"does not progress")
+    return max(clock), peak
+
+
+def _inference(model, unit, hw, axes, b, seq, half, stage_layers, n_layers, params, capacity,
+               options, notes, batch, new_tokens, world) -> Estimate:
+    fwd = _program_times(unit.forward, hw, axes, b, half, stage_layers)
+    pp = axes.get(PP, 1)
+    prefill = pp * (fwd["compute"] + _exposed(fwd))
+    config = getattr(model, "config", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or \
+        getattr(config, "num_attention_heads", 1)
+    heads = getattr(config, "num_attention_heads", 1)
+    head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // heads
+    bytes_el = 2 if half else 4
+    tp = axes.get(TP, 1) * axes.get(ULYSSES, 1)
+    kv_local = max(kv_heads // tp, 1) if kv_heads >= tp else 1
+    positions = (seq + new_tokens) / axes.get(RING, 1)
+    kv = 2 * stage_layers * kv_local * head_dim * positions * b * bytes_el
+    weights = params * (0.5 if half else 1.0)
+    read = (weights + kv) / (hw.memory_bandwidth * hw.memory_efficiency)
+    step_comm = sum(_comm_time(c, hw, axes, b / seq, half) * (stage_layers if c.layer else 1)
+                    for c in unit.forward.comms if not c.weight)
+    decode = pp * (read + step_comm)
+    acts = _peak_live(unit.forward, b, False, half)
+    memory = {"parameters": weights, "kv_cache": kv, "activations": acts}
+    memory["peak"] = sum(memory.values())
+    memory["capacity"] = capacity
+    notes.append("decode step: weights and KV cache read once per token (memory-bound), the "
+                 "prefill's activation collectives on one token; KV cache from the config")
+    tokens = batch * new_tokens
+    per_seq = prefill + new_tokens * decode
+    return Estimate(mesh=axes, options=options, memory=memory,
+                    step_time={"prefill": prefill, "decode": decode, "total": per_seq},
+                    tokens_per_second=tokens / per_seq, tokens_per_second_per_device=tokens /
+                    per_seq / world, fits=memory["peak"] <= capacity, hardware=hw.name,
+                    training=False, notes=notes)
