@@ -13,6 +13,9 @@ role sets (``BATCH_AXES``, ``SEQUENCE_AXES``, ``TRAINING_AXES``) below::
     ulysses_cp   sequence               all-to-all to heads    yes (with dp, fsdp, ring_cp)
     ring_cp      sequence               ring (K/V around)      yes (with dp, fsdp, tp,
                                                                     ulysses_cp)
+    ep           batch + experts        -                      yes
+                 (whole experts by index; tokens travel to their experts' ranks
+                 by all-to-all: ``passes/expert_parallel.py``)
 
 Ranks are laid out row-major over the mesh shape, as in ``torch.distributed.DeviceMesh``:
 on a ``(dp=2, tp=2)`` mesh rank 3 has coordinates ``(1, 1)``.
@@ -32,10 +35,10 @@ from typing import Sequence
 import torch
 
 __all__ = ["AXIS_NAMES", "AXIS_ROLES", "AxisRole", "BATCH_AXES", "SEQUENCE_AXES",
-           "TRAINING_AXES", "DP", "FSDP", "TP", "PP", "ULYSSES", "RING", "MeshSpec",
+           "TRAINING_AXES", "DP", "FSDP", "TP", "PP", "ULYSSES", "RING", "EP", "MeshSpec",
            "SimulatedMesh", "init_device_mesh", "mesh_spec", "canonical_axis"]
 
-DP, FSDP, TP, PP, ULYSSES, RING = "dp", "fsdp", "tp", "pp", "ulysses_cp", "ring_cp"
+DP, FSDP, TP, PP, ULYSSES, RING, EP = "dp", "fsdp", "tp", "pp", "ulysses_cp", "ring_cp", "ep"
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,8 @@ class AxisRole:
     """What one mesh axis does. ``input_dim``: the dim of the user's inputs it splits (0 the
     batch, 1 the sequence; None: inputs stay whole on it); ``weights``: how it places weights
     (``"whole"``, ``"sharded"`` by the tensor-parallel plan, ``"stored"`` sharded and gathered
-    before use, ``"stages"`` by layer); ``attention``: how attention crosses it (None: locally
+    before use, ``"stages"`` by layer, ``"experts"``: MoE expert weights split by expert index,
+    every other weight whole); ``attention``: how attention crosses it (None: locally
     on every rank); ``trains``: gradients are built for it."""
 
     splits: str
@@ -60,6 +64,7 @@ AXIS_ROLES: dict[str, AxisRole] = {
     PP: AxisRole("layers", None, "stages", None, True),
     ULYSSES: AxisRole("sequence", 1, "whole", "all_to_all", True),
     RING: AxisRole("sequence", 1, "whole", "ring", True),
+    EP: AxisRole("batch, experts", 0, "experts", None, True),
 }
 AXIS_NAMES = tuple(AXIS_ROLES)
 BATCH_AXES = tuple(a for a, r in AXIS_ROLES.items() if r.input_dim == 0)

@@ -50,6 +50,7 @@ from fxshard.ops.collective_args import (bucket_dims, check_peer, checked_backen
                                          gather_bucket_in, gather_bucket_out, gathered_shape,
                                          norm_dim, scatter_bucket_in, scatter_bucket_out,
                                          scattered_shape, size_mismatch)
+from fxshard.ops.experts import EXPERT_OPS
 from fxshard.ops.library import define_op
 from fxshard.runtime.context import CURRENT_BACKEND, current_backend
 
@@ -347,8 +348,9 @@ for _p2p in (_ops.send.default, _ops.recv.default):
 COLLECTIVE_OPS = frozenset({
     _ops.all_gather.default, _ops.all_reduce.default, _ops.reduce_scatter.default,
     _ops.all_to_all.default, _ops.all_gather_bucket.default, _ops.reduce_scatter_bucket.default,
-})
-"""The ops that communicate within a mesh-axis group (``local_shard`` does not)."""
+}) | EXPERT_OPS
+"""The ops that communicate within a mesh-axis group (``local_shard`` does not; the expert
+exchanges of :mod:`fxshard.ops.experts` do)."""
 
 START.update({_ops.all_gather.default: all_gather_start,
               _ops.all_gather_bucket.default: all_gather_bucket_start,

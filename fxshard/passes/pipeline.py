@@ -17,8 +17,8 @@ same ending first). ``emit_pass`` appends the stage's :class:`fxshard.passes.emi
 ``ctx.programs``, which :func:`build_programs` returns (one program per stage). The lists::
 
     FORWARD  = [cleanup, eager_attention, fold_causal_mask, unrepeat_kv, moe_routing, split_loss,
-                propagate, reassociate_partials, vocab_parallel_loss, insert_collectives,
-                lower_attention, localize, split_stages, fsdp_buckets, emit]
+                propagate, reassociate_partials, vocab_parallel_loss, expert_parallel,
+                insert_collectives, lower_attention, localize, split_stages, fsdp_buckets, emit]
     PREFILL  = FORWARD + prefill_cache after lower_attention
     DECODE   = FORWARD + decode_positions after moe_routing, decode_attention before
                lower_attention
@@ -38,6 +38,7 @@ from ..trace import Traced, cleanup_pass, trace
 from . import PassCtx, PassReports
 from .decode_positions import decode_positions_pass
 from .eager_attention import eager_attention_pass
+from .expert_parallel import expert_parallel_pass
 from .emit import Program, emit_pass
 from .fold_mask import fold_causal_mask_pass
 from .fsdp_buckets import fsdp_buckets_pass, layer_stack_for_buckets
@@ -70,8 +71,8 @@ FORWARD: list[GraphPass] = [
     cleanup_pass, eager_attention_pass, fold_causal_mask_pass, unrepeat_kv_pass,
     moe_routing_pass, split_loss_pass, pad_vocab_pass, propagate_pass,
     reassociate_partials_pass,
-    vocab_parallel_loss_pass, insert_collectives_pass, lower_attention_pass, localize_pass,
-    split_stages_pass, fsdp_buckets_pass, emit_pass]
+    vocab_parallel_loss_pass, expert_parallel_pass, insert_collectives_pass, lower_attention_pass,
+    localize_pass, split_stages_pass, fsdp_buckets_pass, emit_pass]
 PREFILL = _with(FORWARD, prefill_cache_pass, after=lower_attention_pass)
 DECODE = _with(_with(FORWARD, decode_attention_pass, before=lower_attention_pass),
                decode_positions_pass, after=moe_routing_pass)

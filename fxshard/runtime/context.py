@@ -63,6 +63,12 @@ class Backend(Protocol):
         ``concat_dim`` in coordinate order."""
         ...
 
+    def all_to_all_single(self, x: torch.Tensor, in_splits: Sequence[int],
+                          out_splits: Sequence[int], axis: str) -> torch.Tensor:
+        """Rows ``in_splits[j]`` of ``x`` go to coordinate j; ``out_splits[s]`` rows come from
+        coordinate s and concatenate on dim 0 in coordinate order (sizes differ per rank)."""
+        ...
+
     def send(self, x: torch.Tensor, axis: str, peer: int) -> None:
         """Send ``x`` to the rank at coordinate ``peer`` along ``axis`` (may return before the
         peer received it)."""

@@ -269,6 +269,18 @@ class DistributedBackend:
             return torch.cat(blocks, concat_dim)
         return self._call("all_to_all", axis, run)
 
+    def all_to_all_single(self, x: torch.Tensor, in_splits: Sequence[int],
+                          out_splits: Sequence[int], axis: str) -> torch.Tensor:
+        """torch.distributed's ``all_to_all_single`` with this rank's split sizes on dim 0."""
+        group = self._group("all_to_all_single", axis)
+
+        def run() -> torch.Tensor:
+            out = x.new_empty((sum(out_splits), *x.shape[1:]))
+            dist.all_to_all_single(out, x.contiguous(), output_split_sizes=list(out_splits),
+                                   input_split_sizes=list(in_splits), group=group)
+            return out
+        return self._call("all_to_all_single", axis, run)
+
     # --- point to point ---------------------------------------------------------------------
 
     def send(self, x: torch.Tensor, axis: str, peer: int) -> None:

@@ -414,6 +414,26 @@ class SimulatedBackend:
         sig = self._sig("all_to_all", x, split_dim=split_dim, concat_dim=concat_dim)
         return self.world._collective(self, sig, axis, x, compute)
 
+    def all_to_all_single(self, x: torch.Tensor, in_splits: Sequence[int],
+                          out_splits: Sequence[int], axis: str) -> torch.Tensor:
+        """Rows ``in_splits[j]`` of ``x`` (in order) go to coordinate j; the rows received,
+        ``out_splits[s]`` from each coordinate s, concatenate on dim 0 in coordinate order.
+        The split sizes differ per rank: they are no part of the signature, but the sizes a
+        rank receives must be those its peers send."""
+        def compute(xs: list, i: int) -> torch.Tensor:
+            parts = []
+            for s, (t, splits) in enumerate(xs):
+                if splits[i] != out_splits[s]:
+                    raise RuntimeError(
+                        f"fxshard.all_to_all_single on axis {axis!r}: "
+                        f"{self.world.describe_rank(self.rank)} expects {out_splits[s]} rows "
+                        f"from coordinate {s}, which sends {splits[i]}; the split sizes of "
+                        f"the group disagree")
+                parts.append(t.narrow(0, sum(splits[:i]), splits[i]))
+            return torch.cat(parts, 0)
+        sig = _Signature("all_to_all_single", (), x.dtype, ("rows", *x.shape[1:]))
+        return self.world._collective(self, sig, axis, (x, list(in_splits)), compute)
+
     def send(self, x: torch.Tensor, axis: str, peer: int) -> None:
         self.world._send(self.rank, self.group(axis)[peer], axis, x)
 

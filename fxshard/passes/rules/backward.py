@@ -41,6 +41,7 @@ import math
 import torch
 import torch.fx as fx
 
+from ...mesh import EP
 from ...placement import P, R, Partial, Shard, StridedShard, shard_dim
 from . import Decision, RuleCtx, rule, tensor_inputs, token_local
 from .linear import fused_out
@@ -289,6 +290,8 @@ def grouped_mm_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision
         # the rows as the region holds them: Shard(0) on a batch axis, the flattened tokens'
         # fused layout (each sequence's zigzag share) on ring_cp
         rows = x if shard_dim(x) == 0 else g
+        if ctx.axis == EP:   # whole experts by index: each holds every row routed to it
+            return Decision(ins=[rows, Shard(0), P, rows], out=[rows, Shard(0)])
         return Decision(ins=[rows, R, P, rows], out=[rows, P])
     if isinstance(w, StridedShard) and w.dim == 2 and not w.whole:     # fused column-parallel
         return Decision(ins=[R, w, R, StridedShard(1, w.parts)], out=[P, w])

@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ...mesh import EP
 from ...placement import P, R, Partial, Shard, StridedShard, shard_dim
 from . import UNDECIDED, Decision, RuleCtx, rule, tensor_inputs, token_local
 from .linear import fused_parts
@@ -57,8 +58,9 @@ def grouped_mm_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         return Decision(ins=[R] * len(ins), out=R)
     x, w = ins[0], ins[1]
     if token_local(node, ctx) and shard_dim(x) == 0:
-        # the rank's own rows, sorted by the rank's own sort: its counts are a partial sum
-        return Decision(ins=[x, R, P], out=x)
+        # the rank's own rows, sorted by the rank's own sort: its counts are a partial sum;
+        # on ep whole experts by index, the rows routed to them (passes/expert_parallel.py)
+        return Decision(ins=[x, Shard(0) if ctx.axis == EP else R, P], out=x)
     if w is UNDECIDED:
         if not ctx.is_tp:
             w = R
