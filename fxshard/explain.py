@@ -39,7 +39,8 @@ Legend
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "local_shard",
                "partial_from_replicate", "send", "recv", "ring_attention", "zigzag_shard",
                "zigzag_gather", "sharded_argmax", "ring_attention_backward",
-               "all_gather_bucket", "reduce_scatter_bucket")
+               "all_gather_bucket", "reduce_scatter_bucket", "expert_counts", "expert_dispatch",
+               "expert_combine")
 
 
 _LOCAL = ("local_shard", "partial_from_replicate", "zigzag_shard")  # no communication
@@ -239,7 +240,8 @@ def _wire(op: str, n: int, in_bytes: int) -> int:
         return 2 * (n - 1) * in_bytes // n
     if op in ("all_gather", "zigzag_gather", "all_gather_bucket"):
         return (n - 1) * in_bytes
-    if op in ("reduce_scatter", "all_to_all", "reduce_scatter_bucket"):
+    if op in ("reduce_scatter", "all_to_all", "reduce_scatter_bucket", "expert_counts",
+              "expert_dispatch", "expert_combine"):   # the experts': under uniform routing
         return (n - 1) * in_bytes // n
     if op in ("send", "recv"):
         return in_bytes
@@ -319,6 +321,8 @@ def collectives_of(graph, mesh) -> list[CollectiveInfo]:
             axis = node.args[-2] if op != "send" else node.args[1]
             size = mesh.axis_size(axis)
             peer = node.args[2] if op == "send" else -1
+        if op == "expert_combine":   # the rows sent back: those dispatched, not the bound
+            shape = (shape[0] // size, *shape[1:])
         nbytes = _numel(shape) * dtype.itemsize
         # the gather of the model's output on dp or a CP axis belongs to no module ("")
         output_gather = (op in ("all_gather", "zigzag_gather") and axis != TP
