@@ -34,6 +34,19 @@ backward ops are one pass over the rank's logits with no collective
 
 Nothing ``[N, V]``-sized moves: per row ``tp`` maxima and one sum (forward), nothing
 (backward; one sum when the log-probabilities have other uses), and the scalar loss.
+
+bf16 / fp16 logits (cast to float32 for the loss, as HF's ``logits.float()``, or not) upcast
+per block: each rank's block is read in its dtype and reduced in float32 a slice of rows at
+a time (``fxshard::vocab_sum_exp``); the loss is ``lse - x[t]`` and the gradient is written in
+the logits' dtype (``fxshard::vocab_cross_entropy_grad``), so no float32 copy of the rank's
+logits is made or saved (``fxshard/ops/loss.py``)::
+
+    before: x = reshape(_to_copy(logits_bf16, float32), [N, V])          # float32 [N, V/tp]
+            logp = _log_softmax(x, 1, False); nll_loss_forward(logp, t, ..)
+    after:  xb = reshape(logits_bf16, [N, V]); m = amax(all_gather(amax(xb)))
+            lse = add(log(all_reduce(vocab_sum_exp(xb, m))), m)           # float32 [N, 1]
+            vocab_nll_loss_forward(xb, t, .., lse, float32)
+    backward: dx = vocab_cross_entropy_grad(g, xb, lse, t, ..)            # bf16, the cast gone
 """
 from __future__ import annotations
 
@@ -148,12 +161,85 @@ def _empty(val, dim: int, size: int):
     return _fake(lambda v: v.new_empty(shape), val)
 
 
+_LOW = (torch.bfloat16, torch.float16)
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _is_cast(n: fx.Node, dtype) -> bool:
+    """``n`` is ``_to_copy(x, dtype=dtype)`` and changes nothing else (layout, device)."""
+    if n.op != "call_function" or n.target is not aten._to_copy.default or n.args[1:]:
+        return False
+    kw = dict(n.kwargs)
+    device = kw.pop("device", None)
+    return kw.pop("dtype", None) == dtype and kw.pop("layout", torch.strided) == torch.strided \
+        and not kw and (device is None or device == n.args[0].meta["val"].device)
+
+
+def _low_precision_source(graph: fx.Graph, x: fx.Node, node: fx.Node) -> fx.Node | None:
+    """The bf16 / fp16 logits ``x`` is (through views) an upcast of, as a node of ``x``'s
+    shape in that dtype (the views repeated on it); ``x`` itself when it is bf16 / fp16;
+    None otherwise (float32 logits: the float32 path)."""
+    if x.meta["val"].dtype in _LOW:
+        return x
+    views, up = [], x
+    while up.op == "call_function" and up.target in _VIEWS:
+        views.append(up)
+        up = up.args[0]
+    if not _is_cast(up, x.meta["val"].dtype):
+        return None
+    low = up.args[0]
+    if low.meta["val"].dtype not in _LOW:
+        return None
+    with graph.inserting_before(node):
+        for v in reversed(views):
+            low = _node(graph, v, v.target, (low, *v.args[1:]),
+                        _fake(lambda a, d=low.meta["val"].dtype: a.to(d), v.meta["val"]),
+                        v.meta.get("fxshard_spec"), v.meta.get("fxshard_need"))
+    return low
+
+
+def _log_softmax_low(graph: fx.Graph, node: fx.Node, ctx: PassCtx, saved: dict, xb: fx.Node,
+                     axes: list[int], dim: int) -> None:
+    """The log-softmax of bf16 / fp16 logits ``xb`` (or their float32 upcast), per block in
+    float32: the maxima in ``xb``'s dtype (exact), the sum of exponentials and ``lse`` in
+    float32 (``[N, 1]``); ``logp`` itself only where something other than the NLL reads it."""
+    from ..ops.loss import vocab_sum_exp
+    spec, xv = node.meta["fxshard_spec"], xb.meta["val"]
+    k = math.prod(ctx.mesh.shape[i] for i in axes)
+    s, sr, sp = spec, _with(spec, axes, R), _with(spec, axes, P)
+    one = _empty(xv, dim, 1)
+    one32 = _fake(lambda v: v.to(torch.float32), one)
+    with graph.inserting_before(node):
+        m_r = _node(graph, node, aten.amax.default, (xb, [dim], True), _empty(xv, dim, k), s, [s])
+        m = _node(graph, node, aten.amax.default, (m_r, [dim], True), one, sr, [sr])
+        se = _node(graph, node, vocab_sum_exp.default, (xb, m), one32, sp, [s, sr])
+        log = _node(graph, node, aten.log.default, (se,), one32, sr, [sr])
+        lse = _node(graph, node, aten.add.Tensor, (log, m), one32, sr, [sr, sr])
+        x32 = node.args[0]
+        if x32 is xb:       # bf16 logits into the log-softmax: its float32 form, if read
+            x32 = _node(graph, node, aten._to_copy.default, (xb,),
+                        _fake(lambda v: v.to(torch.float32), xv), s, [s])
+            x32.kwargs = {"dtype": torch.float32}
+        out = _node(graph, node, aten.sub.Tensor, (x32, lse),
+                    _fake(lambda v: v.to(torch.float32), node.meta["val"]), s, [s, sr])
+        if node.meta["val"].dtype != torch.float32:
+            out = _node(graph, node, aten._to_copy.default, (out,), node.meta["val"], s, [s])
+            out.kwargs = {"dtype": node.meta["val"].dtype}
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    saved[out] = ("low", xb, lse)
+
+
 def _log_softmax(graph: fx.Graph, node: fx.Node, ctx: PassCtx, saved: dict) -> bool:
     dim, spec = log_softmax_dim(node), node.meta.get("fxshard_spec")
     axes = _axes(spec, dim, ctx) if isinstance(spec, tuple) else []
     if not axes or not sharded_dim_ok(node):
         return False
     x, xv = node.args[0], node.args[0].meta["val"]
+    xb = _low_precision_source(graph, x, node)
+    if xb is not None:
+        _log_softmax_low(graph, node, ctx, saved, xb, axes, dim)
+        return True
     k = math.prod(ctx.mesh.shape[i] for i in axes)
     s, sr, sp = spec, _with(spec, axes, R), _with(spec, axes, P)
     one = _empty(xv, dim, 1)
@@ -202,21 +288,28 @@ def _fused_backward(graph: fx.Graph, node: fx.Node, saved: dict) -> bool:
     """``node`` (the log-softmax's backward over the class dim) of the gradient of an NLL only
     (``vocab_nll_loss_backward``, its one user), on rows of a log-softmax this pass rewrote:
     both become ``fxshard::vocab_cross_entropy_backward`` on the forward's ``e`` and ``lse``."""
-    from ..ops.loss import vocab_cross_entropy_backward, vocab_nll_loss_backward
+    from ..ops.loss import (vocab_cross_entropy_backward, vocab_cross_entropy_grad,
+                            vocab_nll_loss_backward)
     g, y = node.args[0], node.args[1]
     while y.target is aten.detach.default and y not in saved:
         y = y.args[0]
     if g.target is not vocab_nll_loss_backward.default or len(g.users) != 1 or y not in saved:
         return False
-    e, lse = saved[y]
+    low = saved[y][0] == "low"
+    e, lse = saved[y][-2:]
     grad, _, target, reduction, ignore, total, names, sizes = g.args
     need = g.meta["fxshard_need"]           # grad, logp, target, total
+    op = vocab_cross_entropy_grad if low else vocab_cross_entropy_backward
+    val = _fake(lambda v: v.to(e.meta["val"].dtype), node.meta["val"]) if low else \
+        node.meta["val"]
     with graph.inserting_before(node):
-        out = _node(graph, node, vocab_cross_entropy_backward.default,
+        out = _node(graph, node, op.default,
                     (grad, e, lse, target, reduction, ignore, total, names, sizes),
-                    node.meta["val"], node.meta["fxshard_spec"],
+                    val, node.meta["fxshard_spec"],
                     [need[0], e.meta["fxshard_spec"], lse.meta["fxshard_spec"], need[2],
                      need[3]])
+        if low:
+            out = _in_dtype(graph, node, out)
     node.replace_all_uses_with(out)
     for dead in (node, g, node.args[1]):
         while dead.op == "call_function" and not dead.users:
@@ -226,6 +319,33 @@ def _fused_backward(graph: fx.Graph, node: fx.Node, saved: dict) -> bool:
                 break
             dead = up
     return True
+
+
+def _in_dtype(graph: fx.Graph, node: fx.Node, grad: fx.Node) -> fx.Node:
+    """``grad`` (the logits' gradient, in their bf16 / fp16) where ``node`` (the float32
+    gradient it replaces) flows, through views, into one device's cast back to that dtype:
+    the views now carry ``grad``'s dtype and the cast goes. Otherwise ``grad`` cast to
+    ``node``'s dtype (what its readers expect)."""
+    dtype, want = grad.meta["val"].dtype, node.meta["val"].dtype
+    if dtype == want:
+        return grad
+    chain, down = [], node
+    while len(down.users) == 1:
+        down = next(iter(down.users))
+        if down.op == "call_function" and down.target in _VIEWS:
+            chain.append(down)
+            continue
+        if _is_cast(down, dtype):
+            for v in chain:
+                v.meta["val"] = _fake(lambda a: a.to(dtype), v.meta["val"])
+            down.replace_all_uses_with(chain[-1] if chain else node)
+            graph.erase_node(down)
+            return grad
+        break
+    cast = _node(graph, node, aten._to_copy.default, (grad,), node.meta["val"],
+                 node.meta["fxshard_spec"], [node.meta["fxshard_spec"]])
+    cast.kwargs = {"dtype": want}
+    return cast
 
 
 def _valid_classes(logp: fx.Node, ctx: PassCtx) -> int | None:
@@ -239,7 +359,7 @@ def _valid_classes(logp: fx.Node, ctx: PassCtx) -> int | None:
     return rows.pop() if rows else None
 
 
-def _nll(node: fx.Node, ctx: PassCtx) -> bool:
+def _nll(node: fx.Node, ctx: PassCtx, saved: dict) -> bool:
     from ..ops.loss import vocab_nll_loss_backward, vocab_nll_loss_forward
     forward = node.target is aten.nll_loss_forward.default
     needs = node.meta.get("fxshard_need") or []
@@ -256,6 +376,13 @@ def _nll(node: fx.Node, ctx: PassCtx) -> bool:
         valid = _valid_classes(logp, ctx)
         if valid is not None:       # a padded vocab: its bound, not the padded width
             node.args = (*node.args, valid)
+        if logp in saved and saved[logp][0] == "low":    # x[t] - lse, in float32
+            _, xb, lse = saved[logp]
+            dtype = node.meta["val"][0].dtype
+            node.args = (xb, t, reduction, ignore, names, sizes,
+                         -1 if valid is None else valid, lse, dtype)
+            node.meta["fxshard_need"] = [xb.meta["fxshard_spec"], needs[1],
+                                         lse.meta["fxshard_spec"]]
     else:
         g, logp, t, _, reduction, ignore, total = node.args
         node.target = vocab_nll_loss_backward.default
@@ -274,6 +401,6 @@ def vocab_parallel_loss_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphMod
         elif node.target is aten._log_softmax_backward_data.default:
             counts["log_softmax_backward"] += _log_softmax_backward(graph, node, ctx, saved)
         elif node.target in (aten.nll_loss_forward.default, aten.nll_loss_backward.default):
-            counts["nll"] += _nll(node, ctx)
+            counts["nll"] += _nll(node, ctx, saved)
     ctx.report("vocab_parallel_loss_pass", **counts)
     return gm
