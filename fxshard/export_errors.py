@@ -19,6 +19,8 @@ import traceback
 
 import torch
 
+from .flex_export import flex_traceable
+
 __all__ = ["export_quietly", "summarise_export_error"]
 
 _NOT_USER = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, contextlib)) + (
@@ -72,7 +74,7 @@ def export_quietly():
     log.setLevel(logging.ERROR)
     held = io.StringIO()
     try:
-        with contextlib.redirect_stderr(held):
+        with contextlib.redirect_stderr(held), flex_traceable():
             yield
         sys.stderr.write(held.getvalue())
     finally:
