@@ -255,4 +255,6 @@ def cleanup_pass(gm: fx.GraphModule, *, ctx) -> fx.GraphModule:
             gm.graph.erase_node(node)
             changed += 1
     ctx.report("cleanup_pass", removed_nodes=changed)
-    return gm
+    # FlexAttention lowered to SDPA / explicit attention (fxshard.passes.lower_flex)
+    from .passes.lower_flex import lower_flex_attention_pass
+    return lower_flex_attention_pass(gm, ctx=ctx)
