@@ -20,6 +20,7 @@ casts, expert parallelism's dispatch) is a new pass in a list, not a branch in t
 from __future__ import annotations
 
 from ..passes.eager_attention import eager_attention_pass
+from ..passes.expert_parallel import expert_parallel_pass
 from ..passes.fold_mask import fold_causal_mask_pass
 from ..passes.fsdp_buckets import fsdp_buckets_pass
 from ..passes.gqa import unrepeat_kv_pass
@@ -45,7 +46,8 @@ TRAIN_FORWARD = [eager_attention_pass, fold_causal_mask_pass, unrepeat_kv_pass, 
                  split_loss_pass, propagate_pass]
 TRAIN_JOINT = [repeat_kv_pass, dedupe_views_pass, split_loss_pass, mark_ulysses_pass,
                tag_fused_slices_pass, joint_propagate_pass, gradient_targets_pass,
-               vocab_parallel_loss_pass, insert_collectives_pass, drop_marks_pass,
+               vocab_parallel_loss_pass, expert_parallel_pass, insert_collectives_pass,
+               drop_marks_pass,
                localize_pass, localize_backward_pass, lower_ring_pass,
                cuda_attention_backward_pass, partition_pass]
 TRAIN_RANK = [fsdp_buckets_pass]
