@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fxshard
+from fxshard.placement import Shard
 from tests.plain_lms import TinyLM, greedy_reference
 from tests.models import model_cache
 
@@ -79,23 +80,47 @@ def _hf_deepseek_v3():
     return DeepseekV3ForCausalLM(cfg).eval()
 
 
-def test_hf_deepseek_v3_generation_says_how_to_pin_its_cache_layout():
-    """Prompt and decode programs that would keep a KV cache in two layouts: a clear error
-    naming the cache, both shapes and the ``plan=`` that pins the projection (it was torch's
-    raw ``index_copy_(): Source/destination tensor must have same slice shapes``); with that
-    plan, and on dp=2, greedy generation equals HF's."""
-    model = _hf_deepseek_v3()
-    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("axes", [dict(tp=2), dict(dp=2, tp=2)], ids=["tp2", "dp2tp2"])
+def test_hf_deepseek_v3_generate_equals_hf_on_tp(axes):
+    """The one-token step adopts the prompt's placement of the weights it would place
+    otherwise, so both programs keep the KV cache in one layout (it was torch's raw
+    ``index_copy_(): Source/destination tensor must have same slice shapes``, then a
+    NotImplementedError asking for ``plan=``): greedy tokens equal HF's."""
+    model = built(_hf_deepseek_v3)
+    ids = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(0))
     want = model.generate(ids, do_sample=False, max_new_tokens=4,
                           attention_mask=torch.ones_like(ids), pad_token_id=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(NotImplementedError, match=r"cache kv\.0\.k as \[2, 2, 65, 24\].*"
-                           r"\[2, 4, 65, 24\].*plan=\{'model\.layers\.\*\.self_attn\.kv_b_proj'"
-                           r": 'colwise'\}"):
-            parallel(model, dict(tp=2)).generate(ids, max_new_tokens=4)
-        mesh = fxshard.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        pm = fxshard.parallelize(model, mesh,
-                                 plan={"model.layers.*.self_attn.kv_b_proj": "colwise"})
-        assert torch.equal(pm.generate(ids, max_new_tokens=4), want)
-        assert torch.equal(parallel(model, dict(dp=2)).generate(ids, max_new_tokens=4), want)
+        pm = parallel(model, axes)
+        got = pm.generate(ids, max_new_tokens=4)
+    decode, prefill = pm.programs.last, [c for (gen, _), c in pm.programs.items()
+                                         if gen[0] == "prefill"][0]
+    pm.close()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    pinned = dict(decode.ctx.pinned)
+    kv_b = "model.layers.0.self_attn.kv_b_proj.weight"
+    assert pinned[kv_b] == Shard(0), pinned          # split by heads, as for the prompt
+    assert decode.program.slots[kv_b].spec == prefill.program.slots[kv_b].spec
+    caches = [{k: s for k, s, _ in c.program.kv_caches} for c in (prefill, decode)]
+    assert caches[0] == caches[1], caches            # one layout for both programs
+    batch = 4 // axes.get("dp", 1)   # layer 0: the rank's 2 of 4 heads
+    assert caches[0]["kv.0.k"] == (batch, 2, 65, 24) and caches[0]["kv.0.v"] == (batch, 2, 65, 16)
+
+
+def test_caches_kept_in_two_layouts_even_when_adopted_are_a_clear_error():
+    """What adopting the prompt's weight placements cannot reconcile stays a clear error naming
+    the cache, both shapes and a plan= that pins the projection."""
+    from types import SimpleNamespace as NS
+    from fxshard.generation.cache import check_same_caches
+    import torch.fx as fx
+    graph = fx.Graph()
+    graph.output(None)
+
+    def c(shape):
+        program = NS(kv_caches=(("kv.0.k", shape, torch.float32),), graph=graph)
+        return NS(programs=[program], program=program)
+    with pytest.raises(NotImplementedError, match=r"cache kv\.0\.k as \[2, 2, 65, 24\] per "
+                       r"rank .* \[2, 4, 65, 24\], even with the prompt's placement .*plan="):
+        check_same_caches(c((2, 2, 65, 24)), c((2, 4, 65, 24)))
+    check_same_caches(c((2, 2, 65, 24)), c((2, 2, 65, 24)))

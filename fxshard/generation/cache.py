@@ -19,9 +19,9 @@ import torch
 
 from ..passes.decode_positions import POSITION
 from ..passes.kv_cache import READ_LEN, WRITE_POS, decode_slots
-from ..mesh import RING
+from ..mesh import RING, TP
 
-__all__ = ["Caches", "capacity", "check_same_caches", "CAPACITY_STEP"]
+__all__ = ["Caches", "capacity", "check_same_caches", "prefill_placements", "CAPACITY_STEP"]
 
 _WHERE = "ParallelModule.generate"
 CAPACITY_STEP = 64
@@ -73,6 +73,37 @@ class Caches:
                                           device=self.device)
 
 
+def _cache_shapes(c) -> dict:
+    return {k: tuple(shape) for p in c.programs for k, shape, _ in p.kv_caches}
+
+
+def prefill_placements(prefill, decode) -> tuple:
+    """``((fqn, tp placement), ...)`` the decode program must adopt from the prefill's so that
+    both keep every KV cache in one layout; ``()`` where they already do.
+
+    The automatic plan places weights by their first consumer, and a one-token step can read
+    a projection differently from the prompt: HF DeepSeek-V3's ``kv_b_proj`` is split by heads
+    for the prompt (its cache holds each rank's heads) but row-parallel for one token (every
+    head on every rank). The prefill wrote the cache first, so its layout stands: every weight
+    the two programs place differently on ``tp`` takes the prefill's placement, and the
+    decode program is built again with them pinned (``PassCtx.pinned``). What still differs
+    after that is :func:`check_same_caches`' error."""
+    shapes = _cache_shapes(prefill)
+    if all(shapes.get(k, shape) == shape for k, shape in _cache_shapes(decode).items()):
+        return ()
+    spec = prefill.ctx.mesh
+    if TP not in spec.axis_names or spec.axis_size(TP) == 1:
+        return ()
+    tp = spec.axis_names.index(TP)
+
+    def placements(c) -> dict:
+        return {fqn: slot.spec[tp] for p in c.programs for fqn, slot in p.slots.items()
+                if slot.kind == "param"}
+    before, now = placements(prefill), placements(decode)
+    return tuple(sorted(((fqn, p) for fqn, p in before.items() if fqn in now and now[fqn] != p),
+                        key=lambda item: item[0]))
+
+
 def check_same_caches(prefill, decode) -> None:
     """The decode program must read every cache the prefill wrote: an attention the decode
     trace did not recognise would attend only the new token."""
@@ -95,8 +126,9 @@ def check_same_caches(prefill, decode) -> None:
                    "plan= naming the projection that makes it 'colwise'")
             raise NotImplementedError(
                 f"{_WHERE}: the prompt's program keeps cache {key} as {list(shape)} per rank "
-                f"but the one-token decode program computes it as {list(shapes[1][key])} "
-                f"(the automatic plan placed its projection differently for one token). "
+                f"but the one-token decode program computes it as {list(shapes[1][key])}, "
+                f"even with the prompt's placement of every weight adopted (an activation "
+                f"between the projection and the cache is placed differently for one token). "
                 f"Pin the projection with {fix} in fxshard.parallelize")
 
 

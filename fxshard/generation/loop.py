@@ -220,9 +220,7 @@ def generate(pm, input_ids: torch.Tensor, *, max_new_tokens: int, do_sample: boo
             c, micro, way = decode_program(pm, nxt[:, None], prompt + t, decode, {},
                                            prefill)
         else:
-            c, micro = programs.get((nxt[:, None],), way.kwargs(batch, prompt + t,
-                                                                input_ids.device),
-                                    generation=decode)
+            c, micro = way.program(pm, nxt[:, None], prompt + t, decode, {})
         if not c.loaded:
             check_same_caches(prefill, c)
             programs.check_loaded(c)

@@ -28,6 +28,8 @@ import inspect
 
 import torch
 
+from .cache import prefill_placements
+
 __all__ = ["DecodePositions", "position_candidates", "decode_program"]
 
 _WHERE = "ParallelModule.generate"
@@ -48,10 +50,17 @@ def position_candidates(model) -> list[str]:
 class DecodePositions:
     """How the decode program takes its position: ``name``, an argument of shape ``[B, 1]``
     (``batched``) or ``[1]``, or ``None`` (derived inside the model from the
-    ``cache_position`` state)."""
+    ``cache_position`` state); and ``pinned``, the prefill's weight placements the program
+    adopts (:func:`fxshard.generation.cache.prefill_placements`; ``()``: its own plan)."""
 
     def __init__(self, name: str | None, batched: bool = True):
         self.name, self.batched = name, batched
+        self.pinned: tuple = ()
+
+    def program(self, pm, tokens: torch.Tensor, position: int, generation: tuple, extra: dict):
+        """The decode program and microbatches for ``tokens`` ``[B, 1]`` at ``position``."""
+        kwargs = {**extra, **self.kwargs(tokens.shape[0], position, tokens.device)}
+        return pm.programs.get((tokens,), kwargs, generation=generation, pinned=self.pinned)
 
     def kwargs(self, batch: int, position: int, device) -> dict:
         if self.name is None:
@@ -80,9 +89,8 @@ def decode_program(pm, tokens: torch.Tensor, position: int, generation: tuple, e
     ways = [DecodePositions(n, b) for n in position_candidates(pm.model) for b in (True, False)]
     for way in ways + [DecodePositions(None)]:
         name = way.name
-        kwargs = {**extra, **way.kwargs(tokens.shape[0], position, tokens.device)}
         try:
-            c, micro = pm.programs.get((tokens,), kwargs, generation=generation)
+            c, micro = way.program(pm, tokens, position, generation, extra)
         except Exception as e:  # noqa: BLE001 - every way is tried, the errors are reported
             failures.append((way, e))
             continue
@@ -92,6 +100,10 @@ def decode_program(pm, tokens: torch.Tensor, position: int, generation: tuple, e
             continue
         if name is None and not found.get("rewritten") and prefill is not None:
             _check_prompt_positions(pm, prefill, position)
+        if prefill is not None:
+            way.pinned = prefill_placements(prefill, c)
+            if way.pinned:   # the prompt's cache layout stands: built again, adopting it
+                c, micro = way.program(pm, tokens, position, generation, extra)
         return c, micro, way
     tried = "; ".join(
         f"{w.describe()}: {type(e).__name__ + ': ' if isinstance(e, Exception) else ''}"

@@ -68,6 +68,9 @@ class PassCtx(PassReports):
     sequence_parallel: bool = False
     strict: bool = False
     plan: dict = field(default_factory=dict)
+    # parameter FQN -> the tp placement it must take (before ``plan``): a decode program
+    # adopts its prefill's where they would keep a KV cache in two layouts (fxshard.generation)
+    pinned: dict = field(default_factory=dict)
     aliases: dict = field(default_factory=dict)   # tied parameter FQN -> its other names
     embedding_style: str = "embed_dim"
     input_specs: dict | None = None       # user input index -> spec (default: input_spec)
@@ -108,6 +111,8 @@ class PassCtx(PassReports):
         tied tensor planned two ways is a ValueError."""
         found = []
         for name in (fqn, *self.aliases.get(fqn, ())):
+            if name in self.pinned:
+                return self.pinned[name]
             module, _, leaf = name.rpartition(".")
             for pattern, style in self.plan.items():
                 if fnmatch.fnmatchcase(module, pattern):
