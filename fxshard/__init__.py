@@ -12,10 +12,11 @@ from .backend import backend
 from .checkpoint import load_safetensors
 from .checkpoint_save import save_safetensors
 from .mesh import SimulatedMesh, init_device_mesh
+from .training.grad_scaler import GradScaler
 from .training.optim import clip_grad_norm_
 from .training.resume import load_training_state, save_training_state
 from .weights import init_empty_weights
 
 __all__ = ["init_device_mesh", "parallelize", "backend", "load_safetensors", "save_safetensors",
            "init_empty_weights", "ParallelModule", "SimulatedMesh", "clip_grad_norm_", "Shard",
-           "Replicate", "Partial", "save_training_state", "load_training_state"]
+           "Replicate", "Partial", "save_training_state", "load_training_state", "GradScaler"]

@@ -68,11 +68,14 @@ _OWNERS = WeakIdKeyDictionary()    # registry: a shard pm.parameters() gave -> i
 def remember_owner(trainer, shards) -> None:
     """``shards`` (what ``pm.parameters()`` returns) belong to ``trainer``, so
     ``clip_grad_norm_(pm.parameters(), ...)`` finds whose gradients to clip, torch's included
-    (:func:`_route_torch_clip`)."""
+    (:func:`_route_torch_clip`), and a ``GradScaler`` over them checks for inf/nan over the
+    whole mesh (:mod:`fxshard.training.grad_scaler`)."""
     for p in shards:
         _OWNERS[p] = trainer
     if not _ROUTED:
         _route_torch_clip()
+    from .grad_scaler import route_torch_scaler
+    route_torch_scaler()    # torch.amp.GradScaler: one inf/nan check over the whole mesh
 
 
 _ROUTED: list = []   # torch's clip_grad_norm_ as it was, once routed
