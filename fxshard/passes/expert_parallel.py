@@ -30,9 +30,9 @@ run time. The expert weights' gradients come out ``Shard(0)``: every row that re
 expert is on its rank, so ``ep`` reduces nothing for them.
 
 What is not routed yet is a NotImplementedError naming the layer: grouped matmuls outside a
-token-local region (the routing gathered), experts that do not divide by ``ep``, a segment op
-that bakes in the row count, and models with no grouped-matmul experts (per-expert loops). A
-batch that leaves the routed rows whole on ``ep`` is a ValueError.
+token-local region (the routing gathered), a segment op that bakes in the row count, and
+models with no grouped-matmul experts (per-expert loops). Experts that ``ep`` does not divide
+and a batch that leaves the routed rows whole on ``ep`` are ValueErrors.
 """
 from __future__ import annotations
 
@@ -133,10 +133,6 @@ def _route(gm: fx.GraphModule, name: str, mms: list[fx.Node], ctx: PassCtx) -> t
             f"fxshard.parallelize: the experts of {layer!r} use two sets of offsets; ep="
             f"{n_ep} routes layers whose grouped matmuls share one. Use dp instead of ep")
     n_experts = offs.meta["val"].shape[0]
-    if n_experts % n_ep:
-        raise NotImplementedError(
-            f"fxshard.parallelize: {layer!r} has {n_experts} experts, which ep={n_ep} cannot "
-            f"split into whole experts per rank; give ep a size that divides {n_experts}")
     rows_on_ep = dict(zip(ctx.mesh.axis_names, mms[0].args[0].meta["fxshard_spec"])).get(EP)
     if rows_on_ep != Shard(0):
         raise ValueError(
@@ -222,6 +218,13 @@ def expert_parallel_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     n_ep = ctx.mesh.axis_size(EP)
     if n_ep == 1:
         return gm
+    for mm in (n for n in gm.graph.nodes if _is_expert_mm(n)):
+        n_experts = mm.args[1].meta["val"].shape[0]
+        if n_experts % n_ep:
+            raise ValueError(
+                f"fxshard.parallelize: {_layer(mm)!r} has {n_experts} experts, which ep={n_ep} "
+                f"(mesh {ctx.mesh.describe()}) cannot split into whole experts per rank; give "
+                f"ep a size that divides {n_experts}")
     loose = [n for n in gm.graph.nodes if _is_expert_mm(n) and n.meta.get(TAG) is None]
     if loose:
         raise NotImplementedError(
