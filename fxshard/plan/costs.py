@@ -66,7 +66,8 @@ class Item:
     bytes: float
     dtype: torch.dtype
     batch: bool          # grows with the local batch
-    layer: bool          # in the repeated layer
+    layer: str           # "layer" (the repeated layer), "pre" (before it: the embedding)
+    #                      or "post" (after it: final norm, head, loss)
 
 
 @dataclass
@@ -81,7 +82,7 @@ class Comm:
     full: float
     wire: float
     batch: bool
-    layer: bool
+    layer: str
     weight: bool         # a weight's gather or a gradient's reduction
 
 
@@ -91,10 +92,10 @@ class Costs:
 
     items: list = field(default_factory=list)
     comms: list = field(default_factory=list)
-    # bytes alive after each node: (batch, fixed, of which fsdp-gathered weights)
+    # bytes alive after each node: (batch, fixed, fsdp-gathered weights, the node's region)
     live: list = field(default_factory=list)
-    saved: dict = field(default_factory=dict)    # (layer?, batch?) -> bytes saved
-    outputs: dict = field(default_factory=dict)  # (layer?, batch?) -> bytes returned
+    saved: dict = field(default_factory=dict)    # (region, batch?) -> bytes saved
+    outputs: dict = field(default_factory=dict)  # (region, batch?) -> bytes returned
     grads: float = 0.0                           # gradient bytes returned (backward)
 
 
@@ -181,17 +182,24 @@ def _flops(node, mesh, name: str) -> float:
         return 0.0     # a formula that does not take this overload's arguments: not counted
 
 
-def _layer_of(graph: fx.Graph) -> dict:
-    """``{node: True}`` for nodes of the repeated layer: their module stack names an indexed
-    module; a node without one (a pass-inserted collective) takes its first input's."""
-    out = {}
+def _layer_of(graph: fx.Graph, backward: bool) -> dict:
+    """``{node: region}``: ``"layer"`` for nodes of the repeated layer (their module stack
+    names an indexed module; a node without one, a pass-inserted collective, takes its first
+    input's), else ``"pre"`` / ``"post"`` by their place before or after the layer's nodes
+    (in a backward, which runs the model in reverse, the other way round)."""
+    inside = {}
     for n in graph.nodes:
         stack = n.meta.get("nn_module_stack") or {}
         layer = any(path and path.rsplit(".", 1)[-1].isdigit() for path, _ in stack.values())
         if not stack and n.op == "call_function":
-            layer = next((out[a] for a in n.all_input_nodes if a in out), False)
-        out[n] = layer
-    return out
+            layer = next((inside[a] for a in n.all_input_nodes if a in inside), False)
+        inside[n] = layer
+    nodes = list(graph.nodes)
+    marks = [i for i, n in enumerate(nodes) if inside[n]]
+    first, last = (marks[0], marks[-1]) if marks else (len(nodes), len(nodes))
+    before, after = ("post", "pre") if backward else ("pre", "post")
+    return {n: "layer" if inside[n] else before if i < first else after if i > last
+            else "layer" for i, n in enumerate(nodes)}
 
 
 def program_costs(gm: fx.GraphModule, mesh, *, weights: set, saved_from: dict | None = None,
@@ -201,7 +209,7 @@ def program_costs(gm: fx.GraphModule, mesh, *, weights: set, saved_from: dict | 
     the rest saved for the backward); a backward: ``backward=True`` and ``saved_from``
     (``{placeholder name: batch?}`` of the values the forward saved)."""
     graph = gm.graph
-    layer = _layer_of(graph)
+    layer = _layer_of(graph, backward)
     nodes = list(graph.nodes)
     out_node = nodes[-1]
     returned = [a for a in out_node.args[0] if isinstance(a, fx.Node)] \
@@ -255,12 +263,12 @@ def program_costs(gm: fx.GraphModule, mesh, *, weights: set, saved_from: dict | 
             next((a.meta["val"].dtype for a in n.all_input_nodes
                   if isinstance(a.meta.get("val"), torch.Tensor)), torch.float32)
         costs.items.append(Item(kind, flops, moved, dtype, batch[n], layer[n]))
-    _walk(costs, nodes, mesh, batch, layer, returned, n_outputs, backward, comms)
+    _walk(costs, nodes, mesh, batch, layer, returned, n_outputs, backward, comms, weights)
     return costs
 
 
 def _walk(costs: Costs, nodes: list, mesh, batch: dict, layer: dict, returned: list,
-          n_outputs, backward: bool, comms: dict) -> None:
+          n_outputs, backward: bool, comms: dict, weights: set) -> None:
     """The bytes alive after each node (module doc); placeholders are held elsewhere
     (weights, saved values: counted by the caller), outputs kept to the end."""
     alias: dict = {}
@@ -279,7 +287,10 @@ def _walk(costs: Costs, nodes: list, mesh, batch: dict, layer: dict, returned: l
     live = {"b": 0.0, "f": 0.0, "g": 0.0}
     free_at: dict = {}
     for i, n in enumerate(nodes):
-        if n.op == "call_function" and n not in alias and not (backward and n in kept):
+        held_input = backward and n.op == "placeholder" and batch.get(n) is not None and \
+            n.name not in weights      # a saved value or a tangent: freed after its last use
+        if held_input or (n.op == "call_function" and n not in alias and
+                          not (backward and n in kept)):
             size = _nbytes(n, mesh)
             c = comms.get(n.name)
             key = "g" if (c is not None and c.axis == "fsdp" and c.op.startswith(
@@ -287,13 +298,13 @@ def _walk(costs: Costs, nodes: list, mesh, batch: dict, layer: dict, returned: l
             live[key] += size
             if n not in kept:
                 free_at.setdefault(last.get(n, i), []).append((key, size))
-        costs.live.append((live["b"], live["f"], live["g"]))
+        costs.live.append((live["b"], live["f"], live["g"], layer.get(n, "pre")))
         for key, size in free_at.pop(i, ()):
             live[key] -= size
     for n in returned:
         root = alias.get(n, n)
         size = _nbytes(n, mesh)
-        key = (layer.get(root, False), batch.get(root, True))
+        key = (layer.get(root, "post"), batch.get(root, True))
         if backward:
             costs.grads += size
         elif n in saved:

@@ -160,17 +160,27 @@ def check_divides(unit: Unit, axes: dict) -> None:
                                  f"does not divide over {axis}={n}")
 
 
-def _weight_bytes(unit: Unit, axes: dict, layers: int) -> float:
-    """Parameter bytes per device of a stage with ``layers`` layers (plus the rest)."""
+def _weight_bytes(unit: Unit, axes: dict, stage: dict) -> float:
+    """Parameter bytes per device of ``stage`` (``{region: count}``: the layers it holds,
+    and whether it holds the embedding ``pre`` and the head ``post``)."""
     from ..mesh import MeshSpec
     target = MeshSpec(tuple(axes[a] if a != PP else 1 for a in unit.mesh.axis_names),
                       unit.mesh.axis_names)
     total = 0.0
-    for _fqn, (shape, spec, dtype, in_layer) in unit.weights.items():
+    for _fqn, (shape, spec, dtype, region) in unit.weights.items():
         local = shape if spec is None else local_shape(tuple(shape), spec, target)
-        nbytes = math.prod(local) * dtype.itemsize
-        total += nbytes * (layers if in_layer else 1)
+        total += math.prod(local) * dtype.itemsize * stage.get(region, 0)
     return total
+
+
+def _stages(n_layers: int, pp: int) -> list[dict]:
+    """Per pipeline stage ``{region: count}`` (earlier stages take the extra layer, the
+    embedding on the first, the head on the last)."""
+    out = []
+    for k in range(pp):
+        layers = n_layers // pp + (1 if k < n_layers % pp else 0)
+        out.append({"layer": layers, "pre": int(k == 0), "post": int(k == pp - 1)})
+    return out
 
 
 def _node_time(item, hw: Hardware, b: float, half: bool) -> float:
@@ -204,19 +214,22 @@ def _comm_time(c, hw: Hardware, axes: dict, b: float, half: bool) -> float:
     return steps * link.latency + wire / (link.bandwidth * hw.link_efficiency)
 
 
-def _program_times(costs, hw, axes, b, half, layers: int) -> dict:
+def _program_times(costs, hw, axes, b, half, stage: dict) -> dict:
     out = {"compute": 0.0, "act_comm": 0.0, "weight_comm": 0.0, "weight_comm_layer": 0.0,
            "flops": 0.0}
     for it in costs.items:
-        k = layers if it.layer else 1
-        out["compute"] += k * _node_time(it, hw, b, half)
-        out["flops"] += k * it.flops * (b if it.batch else 1)
+        k = stage.get(it.layer, 0)
+        if k:
+            out["compute"] += k * _node_time(it, hw, b, half)
+            out["flops"] += k * it.flops * (b if it.batch else 1)
     for c in costs.comms:
-        k = layers if c.layer else 1
+        k = stage.get(c.layer, 0)
+        if not k:
+            continue
         t = _comm_time(c, hw, axes, b, half)
         if c.weight:
             out["weight_comm"] += k * t
-            if c.layer:
+            if c.layer == "layer":
                 out["weight_comm_layer"] += t
         else:
             out["act_comm"] += k * t
@@ -228,16 +241,18 @@ def _exposed(p: dict) -> float:
     return p["act_comm"] + min(hidden, p["weight_comm"])
 
 
-def _peak_live(costs, b: float, fsdp_on: bool, half: bool) -> float:
+def _peak_live(costs, b: float, fsdp_on: bool, half: bool, stage: dict) -> float:
+    """The largest live set of the unit's walk over the nodes of the regions ``stage``
+    runs."""
     h = 0.5 if half else 1.0
-    return max((lb * b * h + lf + (lg * h if fsdp_on else 0.0) for lb, lf, lg in costs.live),
-               default=0.0)
+    return max((lb * b * h + lf + (lg * h if fsdp_on else 0.0)
+                for lb, lf, lg, region in costs.live if stage.get(region, 0)), default=0.0)
 
 
-def _saved(costs, b: float, layers: int, half: bool) -> float:
+def _saved(costs, b: float, stage: dict, half: bool) -> float:
     h = 0.5 if half else 1.0
-    return sum(v * (b * h if batch else 1.0) * (layers if layer else 1)
-               for (layer, batch), v in costs.saved.items())
+    return sum(v * (b * h if batch else 1.0) * stage.get(region, 0)
+               for (region, batch), v in costs.saved.items())
 
 
 def estimate(model: torch.nn.Module, mesh: dict, *, hardware="h100", batch: int, seq: int,
@@ -287,58 +302,70 @@ def estimate(model: torch.nn.Module, mesh: dict, *, hardware="h100", batch: int,
                                 reshard_after_forward=fsdp_reshard_after_forward)
     unit = units[key]
     check_divides(unit, axes)
-    stage_layers = -(-n_layers // pp)
+    stages = _stages(n_layers, pp)
     options = {"sequence_parallel": sp, "microbatches": m, "schedule": schedule if pp > 1
                else None, "recompute": recompute,
                "fsdp_reshard_after_forward": fsdp_reshard_after_forward,
                "mixed_precision": "bf16" if half else None}
-    notes = [f"costed from one layer's rank programs x {n_layers} layers "
-             f"({stage_layers} on the fullest of {pp} stage{'s' * (pp > 1)})"]
+    notes = [f"costed from one layer's rank programs: {n_layers} layers"
+             + (f" on {pp} stages ({', '.join(str(st['layer']) for st in stages)})"
+                if pp > 1 else "")]
     if half:
         notes.append("bf16 mixed precision counted analytically (activations and gathered "
                      "weights at 2 bytes, parameters/gradients/optimizer state float32)")
-    params = _weight_bytes(unit, axes, stage_layers)
     capacity = hw.usable_bytes
     if not training:
-        return _inference(model, unit, hw, axes, b, seq, half, stage_layers, n_layers, params,
-                          capacity, options, notes, batch, new_tokens, world)
-    fwd = _program_times(unit.forward, hw, axes, b, half, stage_layers)
-    bwd = _program_times(unit.backward, hw, axes, b, half, stage_layers)
-    t_f = fwd["compute"] + _exposed(fwd)
-    t_b = bwd["compute"] + _exposed(bwd)
+        return _inference(model, unit, hw, axes, b, seq, half, stages, capacity, options,
+                          notes, batch, new_tokens, world)
+    times = [(_program_times(unit.forward, hw, axes, b, half, st),
+              _program_times(unit.backward, hw, axes, b, half, st)) for st in stages]
+    t_f = [f["compute"] + _exposed(f) for f, _ in times]
+    t_b = [g["compute"] + _exposed(g) for _, g in times]
     p2p = _p2p(model, hw, axes, b, seq, half, sp) if pp > 1 else 0.0
     total, inflight = _timeline(schedule, pp, m, t_f, t_b, p2p)
-    busy = m * (t_f + t_b)
+    slow = max(range(pp), key=lambda k: t_f[k] + t_b[k])
+    fwd, bwd = times[slow]
+    busy = m * (t_f[slow] + t_b[slow])
     compute = m * (fwd["compute"] + bwd["compute"])
     exposed = m * (_exposed(fwd) + _exposed(bwd))
     comm = m * (fwd["act_comm"] + fwd["weight_comm"] + bwd["act_comm"] + bwd["weight_comm"])
     bubble = max(total - busy, 0.0)
-    grads = params
-    opt = _OPTIMIZERS[optimizer] * params
     fsdp_on = axes.get(FSDP, 1) > 1
-    saved_mb = _saved(unit.forward, b, stage_layers, half)
-    saved_layer = _saved(unit.forward, b, 1, half) - _saved(unit.forward, b, 0, half)
-    extra = (stage_layers - 1) * saved_layer + (inflight - 1) * saved_mb
-    fwd_peak = _peak_live(unit.forward, b, fsdp_on, half) + extra
-    bwd_peak = _peak_live(unit.backward, b, fsdp_on, half) + saved_mb * inflight
-    acts = max(fwd_peak + (grads if pp > 1 else 0.0), bwd_peak + grads) - grads
-    comm_buf = max((lg for _, _, lg in unit.forward.live + unit.backward.live), default=0.0) \
-        * (0.5 if half else 1.0) * fsdp_on
-    memory = {"parameters": params, "gradients": grads, "optimizer": opt,
-              "activations": max(acts - comm_buf, 0.0), "communication": comm_buf}
-    memory["peak"] = sum(memory.values())
+    memory = max((_memory(unit, axes, st, b, half, fsdp_on, inflight[k], pp, optimizer)
+                  for k, st in enumerate(stages)), key=lambda mem: mem["peak"])
     memory["capacity"] = capacity
     tokens = batch * seq
-    flops = m * (fwd["flops"] + bwd["flops"])
+    flops = m * sum(f["flops"] + g["flops"] for f, g in times) / pp
     dtype = torch.bfloat16 if half else torch.float32
     return Estimate(mesh=axes, options=options, memory=memory,
                     step_time={"total": total, "compute": compute, "exposed_comm": exposed,
                                "bubble": bubble, "comm": comm, "p2p": p2p * 2 * m,
-                               "peak_inflight_microbatches": inflight},
+                               "peak_inflight_microbatches": max(inflight)},
                     tokens_per_second=tokens / total,
                     tokens_per_second_per_device=tokens / total / world,
                     fits=memory["peak"] <= capacity, hardware=hw.name, training=True,
                     flops_per_step=flops, mfu=flops / (total * hw.peak(dtype)), notes=notes)
+
+
+def _memory(unit: Unit, axes: dict, stage: dict, b: float, half: bool, fsdp_on: bool,
+            inflight: int, pp: int, optimizer: str) -> dict:
+    """Peak bytes of one device of ``stage`` and its parts (module docstring, step 5)."""
+    params = _weight_bytes(unit, axes, stage)
+    grads = params
+    opt = _OPTIMIZERS[optimizer] * params
+    saved_mb = _saved(unit.forward, b, stage, half)
+    saved_layer = _saved(unit.forward, b, {"layer": 1}, half)
+    extra = max(stage.get("layer", 0) - 1, 0) * saved_layer + (inflight - 1) * saved_mb
+    fwd_peak = _peak_live(unit.forward, b, fsdp_on, half, stage) + extra
+    # the backward's walk holds one layer's saved values, freed as it reads them
+    bwd_peak = _peak_live(unit.backward, b, fsdp_on, half, stage) + extra
+    acts = max(fwd_peak + (grads if pp > 1 else 0.0), bwd_peak + grads) - grads
+    comm_buf = max((lg for _, _, lg, _ in unit.forward.live + unit.backward.live),
+                   default=0.0) * (0.5 if half else 1.0) * fsdp_on
+    memory = {"parameters": params, "gradients": grads, "optimizer": opt,
+              "activations": max(acts - comm_buf, 0.0), "communication": comm_buf}
+    memory["peak"] = sum(memory.values())
+    return memory
 
 
 def _p2p(model, hw: Hardware, axes: dict, b: float, seq: int, half: bool, sp: bool) -> float:
@@ -352,18 +379,19 @@ def _p2p(model, hw: Hardware, axes: dict, b: float, seq: int, half: bool, sp: bo
     return link.latency + nbytes / (link.bandwidth * hw.link_efficiency)
 
 
-def _timeline(schedule: str, pp: int, m: int, t_f: float, t_b: float, p2p: float
-              ) -> tuple[float, int]:
-    """(step time, most microbatches in flight on one rank) of ``schedule``'s order."""
+def _timeline(schedule: str, pp: int, m: int, t_f: list, t_b: list, p2p: float
+              ) -> tuple[float, list]:
+    """(step time, per rank the most microbatches it holds at once) of ``schedule``'s order,
+    stage ``k`` taking ``t_f[k]`` per forward and ``t_b[k]`` per backward."""
     if pp <= 1:
-        return t_f + t_b, 1
+        return t_f[0] + t_b[0], [1]
     from ..training.schedules import actions
     per_rank = actions(schedule, pp, m)
     done: dict = {}
     clock = [0.0] * pp
     pos = [0] * pp
     inflight = [0] * pp
-    peak = 1
+    peak = [1] * pp
     remaining = sum(len(a) for a in per_rank)
     while remaining:
         progressed = False
@@ -380,10 +408,10 @@ def _timeline(schedule: str, pp: int, m: int, t_f: float, t_b: float, p2p: float
                 continue
             start = max(clock[r], dep + (p2p if (kind == "F" and stage) or
                                          (kind == "B" and stage < pp - 1) else 0.0))
-            clock[r] = start + (t_f if kind == "F" else t_b)
+            clock[r] = start + (t_f[stage] if kind == "F" else t_b[stage])
             done[(kind, stage, i)] = clock[r]
             inflight[r] += 1 if kind == "F" else -1
-            peak = max(peak, inflight[r])
+            peak[r] = max(peak[r], inflight[r])
             pos[r] += 1
             remaining -= 1
             progressed = True
@@ -393,29 +421,31 @@ def _timeline(schedule: str, pp: int, m: int, t_f: float, t_b: float, p2p: float
     return max(clock), peak
 
 
-def _inference(model, unit, hw, axes, b, seq, half, stage_layers, n_layers, params, capacity,
-               options, notes, batch, new_tokens, world) -> Estimate:
-    fwd = _program_times(unit.forward, hw, axes, b, half, stage_layers)
-    pp = axes.get(PP, 1)
-    prefill = pp * (fwd["compute"] + _exposed(fwd))
+def _inference(model, unit, hw, axes, b, seq, half, stages, capacity, options, notes, batch,
+               new_tokens, world) -> Estimate:
+    progs = [_program_times(unit.forward, hw, axes, b, half, st) for st in stages]
+    prefill = sum(p["compute"] + _exposed(p) for p in progs)
     config = getattr(model, "config", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or \
-        getattr(config, "num_attention_heads", 1)
     heads = getattr(config, "num_attention_heads", 1)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // heads
     bytes_el = 2 if half else 4
-    tp = axes.get(TP, 1) * axes.get(ULYSSES, 1)
-    kv_local = max(kv_heads // tp, 1) if kv_heads >= tp else 1
+    split = axes.get(TP, 1) * axes.get(ULYSSES, 1)
+    kv_local = kv_heads / split if kv_heads >= split else 1   # (replicated beyond KV heads)
     positions = (seq + new_tokens) / axes.get(RING, 1)
-    kv = 2 * stage_layers * kv_local * head_dim * positions * b * bytes_el
-    weights = params * (0.5 if half else 1.0)
-    read = (weights + kv) / (hw.memory_bandwidth * hw.memory_efficiency)
-    step_comm = sum(_comm_time(c, hw, axes, b / seq, half) * (stage_layers if c.layer else 1)
-                    for c in unit.forward.comms if not c.weight)
-    decode = pp * (read + step_comm)
-    acts = _peak_live(unit.forward, b, False, half)
-    memory = {"parameters": weights, "kv_cache": kv, "activations": acts}
-    memory["peak"] = sum(memory.values())
+    decode, memory = 0.0, None
+    for st in stages:
+        weights = _weight_bytes(unit, axes, st) * (0.5 if half else 1.0)
+        kv = 2 * st["layer"] * kv_local * head_dim * positions * b * bytes_el
+        read = (weights + kv) / (hw.memory_bandwidth * hw.memory_efficiency)
+        step_comm = sum(_comm_time(c, hw, axes, b / seq, half) * st.get(c.layer, 0)
+                        for c in unit.forward.comms if not c.weight)
+        decode += read + step_comm
+        mem = {"parameters": weights, "kv_cache": kv,
+               "activations": _peak_live(unit.forward, b, False, half, st)}
+        mem["peak"] = sum(mem.values())
+        if memory is None or mem["peak"] > memory["peak"]:
+            memory = mem
     memory["capacity"] = capacity
     notes.append("decode step: weights and KV cache read once per token (memory-bound), the "
                  "prefill's activation collectives on one token; KV cache from the config")

@@ -128,7 +128,7 @@ def build_unit(model: torch.nn.Module, axes: dict, *, seq: int, training: bool,
                       n.meta["val"].dtype for n in split.forward.graph.nodes
                       if n.op == "placeholder" and n.name in wnames}
             weights = {f: (prog.shapes[f], prog.specs[f], dtypes.get(f, torch.float32),
-                           f.startswith(stack + "."))
+                           _region(small, f, stack))
                        for f in split.weights if f in prog.shapes}
             return Unit(fwd, bwd, weights, mesh, stack)
         from ..api import parallelize
@@ -141,8 +141,18 @@ def build_unit(model: torch.nn.Module, axes: dict, *, seq: int, training: bool,
         for fqn, _spec, shape, _stage in pm.explain().placements:
             if fqn in params:
                 weights[fqn] = (tuple(shape), None, params[fqn].dtype,
-                                fqn.startswith(stack + "."))
+                                _region(small, fqn, stack))
         return Unit(fwd, None, weights, mesh, stack)
+
+
+def _region(model: torch.nn.Module, fqn: str, stack: str) -> str:
+    """``"layer"`` for a weight of the layer stack, ``"pre"`` for one registered before it
+    (the embedding: the first pipeline stage's), ``"post"`` after it (the last stage's)."""
+    if fqn.startswith(stack + "."):
+        return "layer"
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    first = next((i for i, n in enumerate(names) if n.startswith(stack + ".")), len(names))
+    return "pre" if fqn in names and names.index(fqn) < first else "post"
 
 
 def _batch_of(gm, node, wnames: set) -> bool:
