@@ -44,6 +44,7 @@ import torch.utils._pytree as pytree
 from .checks import (check_parallelize_args, inference_only, out_of_vocabulary,
                      unmatched_plan_patterns, warn_training_in_eval_mode)
 from .mesh import MeshSpec, PP, is_simulated, mesh_spec
+from .mixed_precision import autocast_off, cast_inputs, cast_outputs, check_policy
 from .passes import PLAN_STYLES
 from .runtime.agreement import together
 from .runtime.executor import Executor
@@ -80,7 +81,7 @@ class ParallelModule:
     def __init__(self, model: torch.nn.Module, mesh, *, plan: dict, sequence_parallel: bool,
                  microbatches: int, strict: bool, embedding: str, stages=None,
                  ring_zigzag: bool = True, compile: bool = False, recompute=None,
-                 fsdp_reshard_after_forward: bool | str = True):
+                 fsdp_reshard_after_forward: bool | str = True, mixed_precision=None):
         self.model = model
         self.mesh = mesh
         self.spec: MeshSpec = mesh_spec(mesh, where=_WHERE)
@@ -88,7 +89,8 @@ class ParallelModule:
                                microbatches=microbatches, strict=strict, embedding=embedding,
                                stages=stages, ring_zigzag=ring_zigzag, compile=compile,
                                recompute=recompute,
-                               fsdp_reshard_after_forward=fsdp_reshard_after_forward)
+                               fsdp_reshard_after_forward=fsdp_reshard_after_forward,
+                               mixed_precision=mixed_precision)
         materialize_buffers(model)
         self.unmatched_plan: list[str] = []
         self.weights = WeightStore(model, self.spec)
@@ -110,12 +112,16 @@ class ParallelModule:
     def infer(self, *args, **kwargs):
         """The inference program whatever the grad mode (``pm(x)`` under ``torch.no_grad()``);
         with grad enabled a backward through its output is a clear error."""
+        policy = self.options.mixed_precision    # FSDP2's casts of inputs and outputs
+        args, kwargs = cast_inputs(policy, args, kwargs)
         c, micro = self.programs.prepare(args, kwargs)
         try:
-            out = inference_only(self.model, self.executor.run(c, micro))  # a fresh flat list
+            with autocast_off():   # autocast's casts are in the program
+                out = inference_only(self.model, self.executor.run(c, micro))  # fresh list
         except IndexError as e:  # name the token id and the vocabulary, not "out of range"
             raise out_of_vocabulary(self.model, c.traced, args, kwargs, e, where=_WHERE)
-        return out[0] if c.out_leaf else pytree.tree_unflatten(out, c.traced.out_spec)
+        return cast_outputs(policy, out[0] if c.out_leaf else
+                            pytree.tree_unflatten(out, c.traced.out_spec))
 
     def _requires_grad(self) -> bool:
         return any(p.requires_grad for p in self.model.parameters())
@@ -166,7 +172,8 @@ class ParallelModule:
                     stages=o.stages, store=self.weights, sequence_parallel=o.sequence_parallel,
                     plan=o.plan, embedding=o.embedding, strict=o.strict,
                     recompute=o.recompute, compile=o.compile, ring_zigzag=o.ring_zigzag,
-                    fsdp_reshard_after_forward=o.fsdp_reshard_after_forward)
+                    fsdp_reshard_after_forward=o.fsdp_reshard_after_forward,
+                    mixed_precision=o.mixed_precision)
                 return self._trainer
             self._trainer = TrainModule(self.model, self.mesh,
                                         sequence_parallel=o.sequence_parallel, plan=o.plan,
@@ -174,7 +181,8 @@ class ParallelModule:
                                         recompute=o.recompute, store=self.weights,
                                         executor=self.executor, cache=self.programs,
                                         ring_zigzag=o.ring_zigzag, compile=o.compile,
-                                        fsdp_reshard_after_forward=o.fsdp_reshard_after_forward)
+                                        fsdp_reshard_after_forward=o.fsdp_reshard_after_forward,
+                                        mixed_precision=o.mixed_precision)
         return self._trainer
 
     def train_step(self, *args, loss_fn=None, target=None, schedule: str = "1f1b",
@@ -385,7 +393,8 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
                 embedding: str = "embed_dim", stages: list[int] | None = None,
                 ring_zigzag: bool = True, compile: bool = False,
                 recompute: str | None = None,
-                fsdp_reshard_after_forward: bool | str = True) -> ParallelModule:
+                fsdp_reshard_after_forward: bool | str = True,
+                mixed_precision=None) -> ParallelModule:
     """Parallelize an unmodified ``model`` over ``mesh`` by rewriting its traced ATen graph.
 
     Args:
@@ -423,6 +432,11 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
             layer stack's parameters are gathered again; those outside it (the embedding,
             final norm and head) are kept, as FSDP2 keeps its root's when ``fully_shard``
             wraps each layer and the model (a model without a layer stack keeps all).
+        mixed_precision: torch's ``torch.distributed.fsdp.MixedPrecisionPolicy``, as FSDP2
+            reads it: the masters stay in the model's dtype (``pm.parameters()``, optimizer
+            state, checkpoints), every program computes with ``param_dtype`` copies cast in
+            its graph (fsdp gathers them), gradients are reduced in ``reduce_dtype``
+            (:mod:`fxshard.mixed_precision`). ``torch.autocast`` around calls needs no option.
     """
     check_parallelize_args(_WHERE, model=model, example_inputs=example_inputs,
                            example_kwargs=example_kwargs, plan=plan, styles=PLAN_STYLES,
@@ -431,6 +445,7 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
                            ring_zigzag=ring_zigzag, recompute=recompute,
                            fsdp_reshard_after_forward=fsdp_reshard_after_forward)
     spec = mesh_spec(mesh, where=_WHERE)
+    mixed_precision = check_policy(_WHERE, mixed_precision)
     if not isinstance(compile, bool):
         raise TypeError(f"{_WHERE}: compile={compile!r}; pass True (Inductor-compiled rank "
                         f"programs) or False")
@@ -444,7 +459,8 @@ def parallelize(model: torch.nn.Module, mesh, *, example_inputs: tuple | None = 
                         microbatches=microbatches, strict=strict, embedding=embedding,
                         stages=stages, ring_zigzag=ring_zigzag, compile=compile,
                         recompute=recompute,
-                        fsdp_reshard_after_forward=fsdp_reshard_after_forward)
+                        fsdp_reshard_after_forward=fsdp_reshard_after_forward,
+                        mixed_precision=mixed_precision)
     pm.unmatched_plan = unmatched    # globs that matched no module (warned; in explain())
     pm._eval_by_parallelize = was_training
     if example_inputs is not None or example_kwargs is not None:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import torch
 
 __all__ = ["check_parallelize_args", "unmatched_plan_patterns", "check_state_dict_values",
-           "token_ids", "check_no_autocast", "EvalModeWarning", "warn_training_in_eval_mode"]
+           "token_ids", "EvalModeWarning", "warn_training_in_eval_mode"]
 
 
 def token_ids(value):
@@ -25,21 +25,6 @@ def token_ids(value):
     if isinstance(value, torch.Tensor) and value.dim() <= 1 and value.device.type != "meta":
         return value.tolist()
     return value
-
-
-def check_no_autocast(where: str) -> None:
-    """A NotImplementedError for a call under ``torch.autocast``: the rank programs are traced
-    once per input signature in the model's own dtypes, so autocast would be ignored (the
-    inference program) or baked into whichever program was traced under it (training)."""
-    for device in ("cpu", "cuda"):
-        if torch.is_autocast_enabled(device):
-            dtype = torch.get_autocast_dtype(device)
-            raise NotImplementedError(
-                f"{where}: called under torch.autocast(device_type={device!r}, dtype={dtype}), "
-                f"which fxshard does not support yet: its rank programs are traced once in the "
-                f"model's own dtypes, so autocast would be ignored or kept by a cached program "
-                f"when you leave it. Cast the model instead (model.to({dtype}) before "
-                f"fxshard.parallelize), or call it outside autocast")
 
 
 class EvalModeWarning(UserWarning):

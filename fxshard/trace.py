@@ -26,6 +26,8 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from .export_errors import export_quietly, summarise_export_error
+from .mixed_precision import (autocast_forward, autocast_off, inline_autocast, params_in,
+                              traced_autocast)
 
 aten = torch.ops.aten
 
@@ -64,20 +66,14 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
     on_meta = any(p.device.type == "meta" for p in model.parameters())
     meta_args = torch.utils._pytree.tree_map(_fake_like, args)
     meta_kwargs = torch.utils._pytree.tree_map(_fake_like, kwargs)
-    try:
-        if real_inputs and not on_meta:
-            raise _RealInputs()
-        with _buffers_on_meta(model, on_meta), export_quietly():
-            ep = torch.export.export(model, tuple(meta_args), meta_kwargs, strict=False)
-    except Exception as e:  # meta inputs on a model with real weights: export on real inputs
-        if on_meta:
-            raise summarise_export_error(model, e) from None
-        ep = _export_real(model, args, kwargs)
-    if not on_meta and any(isinstance(v, torch.Tensor) and v.device.type == "meta"
-                           for v in ep.constants.values()):
-        # constants the forward makes (torch.tensor([0, 3])) came out on meta: trace for real
-        ep = _export_real(model, args, kwargs)
-    if any(_mutates(n) for n in _all_nodes(ep.graph_module)):
+    # under torch.autocast: the forward entered into it (export ignores one around it), the
+    # rest with it off; under a mixed-precision policy: traced in param_dtype (see
+    # fxshard.mixed_precision)
+    autocast = traced_autocast()
+    with autocast_off(), params_in(model), autocast_forward(model, autocast):
+        ep = _export(model, args, kwargs, meta_args, meta_kwargs, on_meta, real_inputs)
+    if autocast or any(_mutates(n) for n in _all_nodes(ep.graph_module)):
+        # autocast's region (wrap_with_autocast) decomposes into its explicit casts;
         # an update under torch.no_grad() sits in a wrap_with_set_grad_enabled subgraph,
         # which export leaves out of the signature: functionalised, it becomes a
         # BUFFER_MUTATION output (an error below) instead of being silently dropped
@@ -85,7 +81,9 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
             warnings.filterwarnings("ignore", r".*isinstance\(treespec, LeafSpec\)",
                                     FutureWarning)
             try:
-                ep = ep.run_decompositions({})
+                inline_autocast(ep.graph_module)
+                with autocast_off():
+                    ep = ep.run_decompositions({})
             except RuntimeError as e:
                 if "is mutated" not in str(e):
                     raise
@@ -100,6 +98,24 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
                 f"({bad[0].target} at {bad[0].name}); fxshard runs pure inference graphs")
     from .decompose import decompose_custom_ops
     return _from_exported(decompose_custom_ops(ep), model)
+
+
+def _export(model, args, kwargs, meta_args, meta_kwargs, on_meta: bool,
+            real_inputs: bool) -> ExportedProgram:
+    try:
+        if real_inputs and not on_meta:
+            raise _RealInputs()
+        with _buffers_on_meta(model, on_meta), export_quietly():
+            ep = torch.export.export(model, tuple(meta_args), meta_kwargs, strict=False)
+    except Exception as e:  # meta inputs on a model with real weights: export on real inputs
+        if on_meta:
+            raise summarise_export_error(model, e) from None
+        ep = _export_real(model, args, kwargs)
+    if not on_meta and any(isinstance(v, torch.Tensor) and v.device.type == "meta"
+                           for v in ep.constants.values()):
+        # constants the forward makes (torch.tensor([0, 3])) came out on meta: trace for real
+        ep = _export_real(model, args, kwargs)
+    return ep
 
 
 class _RealInputs(Exception):

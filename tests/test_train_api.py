@@ -174,23 +174,46 @@ def test_frozen_parameters_stay_frozen_and_unfreeze_as_on_one_device(axes):
 
 
 @pytest.mark.parametrize("axes", [("dp", "tp"), ("pp", "tp")])
-def test_autocast_is_a_clear_error_not_ignored(axes):
+def test_autocast_runs_what_one_device_runs_under_it(axes):
     """Under ``torch.autocast`` the inference program computed in float32 (the autocast
-    ignored, no error) and a training program traced under it kept bfloat16 after it: each
-    call under autocast is now a NotImplementedError that says what to do instead."""
+    ignored); then each call under it was a NotImplementedError. Now the programs are traced
+    with the forward under the same autocast (its casts become graph nodes) and keyed by the
+    autocast state: the output is bfloat16 and no further from float64 than one device's
+    autocast output (tests/mixed_reference.py), and a call after leaving autocast is float32
+    and equals the model again, with its own program."""
+    from tests.mixed_reference import close_to_float64
     model = _llama(layers=2)
     ids, labels = _data()
+    exact = copy.deepcopy(model).double()
     pm = fxshard.parallelize(model, fxshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=axes),
                              example_inputs=(ids,))
-    calls = [lambda: pm(ids), lambda: pm.generate(ids[:2, :4], max_new_tokens=2)]
-    for grad, call in [(False, calls[0]), (True, calls[0]), (False, calls[1])]:
-        with torch.autocast("cpu", dtype=torch.bfloat16), torch.set_grad_enabled(grad), \
-                pytest.raises(NotImplementedError, match=r"under torch\.autocast\(device_type="
-                              r"'cpu', dtype=torch\.bfloat16\).*model\.to\(torch\.bfloat16\)"):
-            call()
-    with torch.no_grad():   # outside autocast: as before, float32
-        assert pm(ids).dtype == torch.float32
-    # what the error advises: a bfloat16 model trains (gradients to bfloat16's rounding)
+    with torch.no_grad():
+        want64 = exact(ids)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, want = pm(ids), model(ids)
+        assert got.dtype == want.dtype == torch.bfloat16
+        close_to_float64(got, want, want64, f"{axes} logits under autocast")
+        out = pm(ids)    # outside autocast: float32, the model's output
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, model(ids), rtol=1e-5, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):    # training under autocast
+        loss = _loss(pm(ids).float(), labels)
+        want = _loss(model(ids).float(), labels)
+    loss.backward()
+    want.backward()
+    _loss(exact(ids), labels).backward()
+    close_to_float64(loss, want, _loss(exact(ids), labels), "loss")
+    grads = pm.gradients()
+    for name, p in exact.named_parameters():
+        assert grads[name].dtype == torch.float32, name   # autocast keeps fp32 leaves
+        close_to_float64(grads[name], model.get_parameter(name).grad, p.grad, name)
+
+
+
+@pytest.mark.parametrize("axes", [("dp", "tp"), ("pp", "tp")])
+def test_a_bfloat16_model_trains(axes):
+    """A model cast whole to bfloat16 trains (gradients to bfloat16's rounding)."""
+    ids, labels = _data()
     half = _llama(layers=2).to(torch.bfloat16)
     ref = copy.deepcopy(half)
     pm = fxshard.parallelize(half, fxshard.init_device_mesh("cpu", (2, 2), mesh_dim_names=axes),

@@ -3,7 +3,8 @@
     c, micro = cache.prepare(args, kwargs)     # sync weights, build if new, check loaded
     c.programs                                 # one fxshard.passes.emit.Program per pp stage
 
-A signature is the flat inputs' shapes, dtypes and devices (the first microbatch's) and the
+A signature is the flat inputs' shapes, dtypes and devices (the first microbatch's), the
+``torch.autocast`` state (:func:`fxshard.mixed_precision.autocast_state`) and the
 generation key (``None`` for the forward; ``("prefill" | "decode", capacity[, "greedy"])`` for
 :mod:`fxshard.generation`). :func:`compile_program` traces the model and runs the passes;
 :class:`Compiled` holds what is built from it (the programs, and per rank the bound modules the
@@ -23,7 +24,7 @@ from ..passes import PassCtx
 from ..passes.emit import Program
 from ..passes.pipeline import build_programs
 from ..trace import Traced
-from ..checks import check_no_autocast
+from ..mixed_precision import autocast_state, cast_inference_program, policy_scope
 from ..weights import tied_names
 from .agreement import agree
 from .weight_store import WeightStore
@@ -47,6 +48,7 @@ class Options:
     compile: bool = False
     recompute: str | None = None    # training: fxshard.training.recompute
     fsdp_reshard_after_forward: bool | str = True   # training: fsdp's gathers redone in bwd
+    mixed_precision: object = None  # torch's MixedPrecisionPolicy (fxshard.mixed_precision)
 
 
 @dataclass
@@ -120,7 +122,6 @@ class ProgramCache:
                 ) -> tuple[Compiled, list[list]]:
         """What ``pm(*args, **kwargs)`` runs: weights synced, the signature's programs (built
         if new) with every weight loaded, and the flat inputs of each microbatch."""
-        check_no_autocast(_WHERE)
         retrace = self.weights.sync()
         if retrace is not None:
             self.invalidate(retrace=retrace)
@@ -143,9 +144,9 @@ class ProgramCache:
         build must give those parameters (a decode step adopting its prefill's layout)."""
         micro, tree = self.split(args, kwargs)
         # the call's structure (see structure()) and the model's train mode too: dropout's
-        # sites are traced in train mode, none in eval
+        # sites are traced in train mode, none in eval; and the autocast state (its casts)
         key = (generation, (tree,) + signature(micro[0]) + (self.model.training,) +
-               ((pinned,) if pinned else ()))
+               ((pinned,) if pinned else ()) + autocast_state())
         c = self._entries.get(key)
         if c is not None:
             self.last, self.last_mode = c, "infer"
@@ -154,7 +155,8 @@ class ProgramCache:
         _, spec = pytree.tree_flatten((args, kwargs))
         a, k = pytree.tree_unflatten(micro[0], spec)
         try:
-            self._entries[key] = self._build(tuple(a), dict(k), generation, dict(pinned))
+            with policy_scope(self.options.mixed_precision, self.model):
+                self._entries[key] = self._build(tuple(a), dict(k), generation, dict(pinned))
         except ValueError as e:
             if len(micro) == 1:
                 raise
@@ -177,13 +179,14 @@ class ProgramCache:
         tells programs apart in this process, the description is what ranks agree on."""
         flat = pytree.tree_flatten((args, kwargs))[0]
         key = ("train", structure(args, kwargs), signature(flat),
-               None if extra is None else extra[0])
+               None if extra is None else extra[0], autocast_state())
         if key not in self.training:
             agreed = {"generation": "train", "inputs": flat}
             if extra is not None:
                 agreed["loss_fn"] = extra[1]
             agree(self.mesh, self.agreed, _WHERE, agreed)
-            self.training[key] = build(args, kwargs)
+            with policy_scope(self.options.mixed_precision, self.model):
+                self.training[key] = build(args, kwargs)
         self.last_mode = "train"
         return self.training[key]
 
@@ -227,6 +230,8 @@ class ProgramCache:
         c = compile_program(self.model, args, kwargs, ctx, stages=o.stages,
                             buffers=self.weights.buffer_values(), generation=generation)
         self.weights.record_constants(c.traced.constants)
+        for program in c.programs:   # the policy's fp32 masters, cast in the graph
+            cast_inference_program(program)
         return c
 
     def _check_microbatch_outputs(self, c: Compiled, first: list) -> None:

@@ -95,6 +95,9 @@ class _Replay(torch.nn.Module):
                     from ..placement import pad_to
                     p = torch.nn.Parameter(pad_to(p.detach(), shape),
                                            requires_grad=p.requires_grad)
+                if p.dtype != node.meta["val"].dtype:   # traced in a policy's param_dtype
+                    p = torch.nn.Parameter(p.detach().to(node.meta["val"].dtype),
+                                           requires_grad=p.requires_grad)
                 self.register_parameter(f"p{i}", p)
                 self.kinds.append(("param", f"p{i}"))
             elif node.meta.get("fxshard_buffer") is not None:

@@ -28,7 +28,8 @@ import torch.fx as fx
 import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
 
-from ..checks import check_no_autocast
+from ..mixed_precision import (autocast_off, autocast_state, cast_inputs, cast_outputs,
+                               output_cast_loss, policy_scope)
 from ..mesh import MeshSpec, is_simulated, mesh_spec
 from ..passes import PassCtx
 from ..placement import cut_to
@@ -57,12 +58,13 @@ class TrainModule(OutputBlocks):
                  plan: dict | None = None, embedding: str = "embed_dim", strict: bool = False,
                  fsdp_reshard_after_forward: bool | str = True, recompute: str | None = None,
                  store=None, executor=None, cache=None, ring_zigzag: bool = True,
-                 compile: bool = False):
+                 compile: bool = False, mixed_precision=None):
         from ..checks import check_reshard_after_forward
         from .recompute import check_recompute
         check_recompute(_WHERE, recompute)
         check_reshard_after_forward(_WHERE, fsdp_reshard_after_forward)
         self.model = model
+        self.mixed_precision = mixed_precision   # (parallelize's: the cache builds with it)
         self.recompute = recompute
         self.ring_zigzag = ring_zigzag
         self.compile = compile       # both rank programs Inductor-compiled (once each)
@@ -91,7 +93,6 @@ class TrainModule(OutputBlocks):
     def _program(self, args: tuple, kwargs: dict, loss=None) -> TrainProgram:
         """The program of this call signature (``loss``: a traced loss, see
         :meth:`loss_step`), built on first use."""
-        check_no_autocast(_WHERE)
         mode = self.model.training    # train mode traces dropout's sites, eval mode none
         frozen = frozen_names(self.model)   # (traced into the joint graph: no gradient made)
         agree_frozen(self.mesh, self._agreed, frozen)
@@ -107,10 +108,11 @@ class TrainModule(OutputBlocks):
                 self._last = program
                 return program
         flat, _ = pytree.tree_flatten((args, kwargs))
-        key = (mode, extra, frozen, structure(args, kwargs)) + tuple(
+        key = (mode, extra, frozen, structure(args, kwargs), autocast_state()) + tuple(
             (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in flat)
         if key not in self._programs:
-            self._programs[key] = build(args, kwargs)
+            with policy_scope(self.mixed_precision, self.model):
+                self._programs[key] = build(args, kwargs)
         self._last = self._programs[key]
         return self._last
 
@@ -121,7 +123,8 @@ class TrainModule(OutputBlocks):
         module = self.model
         if loss is not None:
             from .with_loss import WithLoss
-            module = WithLoss(self.model, loss, with_target=len(args) == 3)
+            module = WithLoss(self.model, output_cast_loss(self.mixed_precision, loss),
+                              with_target=len(args) == 3)
         program = build_train_program(module, args, kwargs, ctx,
                                       reshard_after_forward=self.fsdp_reshard_after_forward,
                                       recompute=self.recompute, vocab_outputs=True)
@@ -169,7 +172,9 @@ class TrainModule(OutputBlocks):
 
     # -- running -------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        return self._call(args, kwargs)
+        # a mixed-precision policy casts the floating inputs and outputs (FSDP2's hooks)
+        args, kwargs = cast_inputs(self.mixed_precision, args, kwargs)
+        return cast_outputs(self.mixed_precision, self._call(args, kwargs))
 
     def loss_step(self, loss_fn, target, args: tuple, kwargs: dict) -> torch.Tensor:
         """``loss_fn(model(*args, **kwargs), target)`` traced with the model as one program
@@ -177,6 +182,7 @@ class TrainModule(OutputBlocks):
         the logits never gathered); returns the loss, which backpropagates like ``tm(x)``'s
         output. A loss that cannot be traced runs on ``tm(x)``'s output, with a warning."""
         from .with_loss import loss_key, warn_not_traced
+        args, kwargs = cast_inputs(self.mixed_precision, args, kwargs)
         inner = (tuple(args), _without_cache(self.model, dict(kwargs)))
         wrapped = inner + ((target,) if target is not None else ())
         key = loss_key(loss_fn, reads=False)
@@ -190,7 +196,7 @@ class TrainModule(OutputBlocks):
             else:
                 check_loss_differentiable(self._last, loss_fn)
                 return loss
-        out = self._call(args, kwargs)
+        out = cast_outputs(self.mixed_precision, self._call(args, kwargs))
         return loss_fn(out, target) if target is not None else loss_fn(out)
 
     def _sync_frozen(self, frozen: frozenset) -> None:
@@ -271,7 +277,9 @@ class TrainModule(OutputBlocks):
             from ..compile import check_static_inputs, compile_graph
             for gm in (program.split.forward, program.split.backward):   # before either runs
                 check_static_inputs(gm, "fxshard.parallelize")
-            program.compiled[which] = compile_graph(getattr(program.split, which), example())
+            with autocast_off():
+                program.compiled[which] = compile_graph(getattr(program.split, which),
+                                                        example())
         return program.compiled[which]
 
     def _run_forward(self, program: TrainProgram, shards, user) -> tuple[list, list]:
@@ -279,8 +287,8 @@ class TrainModule(OutputBlocks):
         forward = self._fn(program, "forward",
                            lambda: [*self._rank_weights(program, self.ranks[0]), *user])
 
-        def run(rank):
-            with torch.no_grad():
+        def run(rank):   # (autocast's casts are in the program)
+            with torch.no_grad(), autocast_off():
                 return forward(*self._rank_weights(program, rank), *user)
         results = self._world_run(run)
         outs = list(results[self.ranks[0]][:split.n_outputs])
@@ -299,7 +307,7 @@ class TrainModule(OutputBlocks):
             *self._rank_weights(program, first), *saved[first], *tangents(first)])
 
         def run(rank):
-            with torch.no_grad():
+            with torch.no_grad(), autocast_off():
                 return backward(*self._rank_weights(program, rank), *saved[rank],
                                 *tangents(rank))
         results = self._world_run(run)

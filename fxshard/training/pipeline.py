@@ -27,7 +27,8 @@ import torch
 import torch.utils._pytree as pytree
 import torch.fx._pytree as fx_pytree
 
-from ..checks import check_no_autocast
+from ..mixed_precision import (autocast_off, autocast_state, cast_inputs, cast_outputs,
+                               output_cast_loss, policy_scope)
 from ..mesh import PP, SimulatedMesh, is_simulated
 from ..passes import PassCtx, PassReports
 from ..passes.pad_vocab import pad_vocab_pass
@@ -120,15 +121,15 @@ class PipelineTrainer:
 
     def _staged(self, args: tuple, kwargs: dict, virtual: int = 1) -> Staged:
         check_virtual_stages(self.virtual, virtual, _WHERE)
-        check_no_autocast(_WHERE)
         frozen = frozen_names(self.model)
         from .step_checks import agree_frozen    # every rank freezes the same parameters
         agree_frozen(self.mesh, self._agreed, frozen)
-        key = (self.model.training, frozen, structure(args, kwargs)) + tuple(
+        key = (self.model.training, frozen, structure(args, kwargs), autocast_state()) + tuple(
             (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x)
             for x in pytree.tree_leaves((args, kwargs)))
         if key not in self._programs:
-            self._programs[key] = self._build(args, kwargs, virtual)
+            with policy_scope(self.options.get("mixed_precision"), self.model):
+                self._programs[key] = self._build(args, kwargs, virtual)
             self.virtual = virtual
         for tm in self.stage_modules or ():
             tm._sync_frozen(frozen)
@@ -271,7 +272,8 @@ class PipelineTrainer:
         run = StepRun(self, staged, self._micro_flats)
         per_rank = [[a for a in acts if a[0] == "F"]
                     for acts in actions("gpipe", self.pp, self.microbatches, self.virtual)]
-        steps = self._execute(staged, None, per_rank, run)
+        with autocast_off():
+            steps = self._execute(staged, None, per_rank, run)
         self._record("gpipe", steps, run)
         return run.assembled_outputs(), run
 
@@ -292,14 +294,17 @@ class PipelineTrainer:
         return acc
 
     def __call__(self, *args, **kwargs):
+        policy = self.options.get("mixed_precision")   # FSDP2's casts of inputs and outputs
+        args, kwargs = cast_inputs(policy, args, kwargs)
         micro = self._split_inputs(args, kwargs)
         staged = self._staged(*micro[0], virtual=self.virtual or 1)
         self._micro_flats = self._micro(staged, micro)
         params = self.parameters()
         user = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         check_inputs_need_no_grad(_WHERE, user)
-        outs = Pipe.apply(self, staged, len(params), *params, *user)
-        return pytree.tree_unflatten(list(outs), staged.traced.out_spec)
+        with autocast_off():   # (autocast's casts are in the stage programs)
+            outs = Pipe.apply(self, staged, len(params), *params, *user)
+        return cast_outputs(policy, pytree.tree_unflatten(list(outs), staged.traced.out_spec))
 
     def train_step(self, *args, loss_fn=None, target=None, schedule: str = "1f1b",
                    virtual_stages: int | None = None, **kwargs) -> torch.Tensor:
@@ -319,6 +324,9 @@ class PipelineTrainer:
                 raise ValueError(f"{_WHERE}.train_step: pass loss_fn= (a loss of the output and "
                                  f"target=) or HF's labels= (mesh {self.spec.describe()})")
             loss_fn = _MODEL_LOSS
+        policy = self.options.get("mixed_precision")
+        args, kwargs = cast_inputs(policy, args, kwargs)
+        loss_fn = output_cast_loss(policy, loss_fn)
         if virtual_stages is not None and (isinstance(virtual_stages, bool) or not isinstance(
                 virtual_stages, int) or virtual_stages < 1):
             raise ValueError(
@@ -347,7 +355,8 @@ class PipelineTrainer:
         run.weights = pipeline_loss_weights(self, run, target, labels, where=_WHERE)
         per_rank = actions(schedule, self.pp, self.microbatches, v)
         self._acc = {}
-        steps = self._execute(staged, None, per_rank, run)
+        with autocast_off():
+            steps = self._execute(staged, None, per_rank, run)
         self._record(schedule, steps, run)
         self._record_peak(run)
         with torch.no_grad():
