@@ -14,7 +14,8 @@ After::
 
 ``view`` becomes ``reshape``: collectives and fused kernels return tensors whose strides differ
 from those seen at trace time. Factory ops get the mesh's device (a model traced on ``meta`` bakes ``device=meta`` into
-them). A vocab-sharded embedding becomes ``fxshard.vocab_embedding`` (ids outside the rank's rows
+them). Other size arguments (a depthwise conv's ``groups``) are rewritten by the op's entry
+in ``rules/local_args.py``. A vocab-sharded embedding becomes ``fxshard.vocab_embedding`` (ids outside the rank's rows
 give zeros, summed by the following all-reduce). Every tensor's local shape is checked here:
 a dim that does not divide evenly is a ``ValueError`` naming the node, dim, size and axis.
 """
@@ -28,6 +29,7 @@ import torch.fx as fx
 from ..mesh import TP
 from ..placement import Shard, StridedShard, local_shape
 from . import PassCtx
+from .rules.local_args import localize_args
 
 aten = torch.ops.aten
 
@@ -112,6 +114,8 @@ def localize_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
                 changed += 1
         elif node.target is aten.embedding.default:
             changed += _vocab_embedding(node, ctx)
+        elif localize_args(node, lambda n: _local(n, ctx)):   # sizes in arguments (groups, ..)
+            changed += 1
     ctx.report("localize_pass", rewritten_nodes=changed)
     return gm
 

@@ -9,6 +9,11 @@ dim at each transpose::
     w1 [E, F, D] UNDECIDED -> _to_copy(bf16) UNDECIDED -> transpose(-2, -1) [E, D, F]
         -> grouped_mm picks S(2) (column-parallel)
     after: transpose S(2), _to_copy S(1), w1 S(1): each rank holds F/tp of every expert
+
+Squeezing or unsqueezing a size-1 dim is such a view too (a depthwise convolution's
+``conv1d.weight.squeeze(1)`` handed on as ``w.unsqueeze(1)``)::
+
+    w [C, 1, k] -> squeeze(1) [C, k] -> unsqueeze(1) [C, 1, k] -> conv1d picks S(0): w S(0)
 """
 from __future__ import annotations
 
@@ -21,12 +26,15 @@ from ..placement import R, Shard, StridedShard
 from .rules import UNDECIDED, lookup
 from .rules.embedding import embedding_rule
 from .rules.experts import grouped_mm_rule
+from .rules.conv import conv_rule
 from .rules.linear import addmm_rule, linear_rule, matmul_rule
 from .rules.views import permutation
 
-_OWNS_WEIGHTS = (linear_rule, embedding_rule, addmm_rule, grouped_mm_rule, matmul_rule)
+_OWNS_WEIGHTS = (linear_rule, embedding_rule, addmm_rule, grouped_mm_rule, matmul_rule,
+                 conv_rule)
+_SIZE1_VIEWS = (torch.ops.aten.squeeze.dim, torch.ops.aten.unsqueeze.default)
 _WEIGHT_VIEWS = (torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
-                 torch.ops.aten.t.default, torch.ops.aten.numpy_T.default)
+                 torch.ops.aten.t.default, torch.ops.aten.numpy_T.default) + _SIZE1_VIEWS
 _WEIGHT_CASTS = (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype)
 
 
@@ -80,9 +88,16 @@ def _moved(p, dim_map):
 
 def _dim_map(node: fx.Node, src: fx.Node):
     """How ``node`` (a weight view or cast of ``src``) renumbers dims: a permutation or none."""
+    nd = src.meta["val"].dim()
     if _is_weight_cast(node):
-        return list(range(src.meta["val"].dim()))
-    return permutation(node, src.meta["val"].dim())
+        return list(range(nd))
+    if node.target is torch.ops.aten.squeeze.dim:      # out dim -> in dim, the squeezed one gone
+        d = node.args[1] % nd
+        return [i for i in range(nd) if i != d]
+    if node.target is torch.ops.aten.unsqueeze.default:  # the new dim maps to no input dim
+        d = node.args[1] % (nd + 1)
+        return list(range(d)) + [None] + list(range(d, nd))
+    return permutation(node, nd)
 
 
 def _place_through_views(gm: fx.GraphModule, views: dict, param_spec: dict) -> None:

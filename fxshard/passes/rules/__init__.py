@@ -178,3 +178,4 @@ def caller_level() -> int:
 # Import the rule families so that they register themselves.
 from . import (pointwise, views, reductions, linear, embedding, attention, factory,  # noqa: E402,F401
                indexing, experts, complex, loss)
+from . import conv, einsum, split  # noqa: E402,F401

@@ -13,7 +13,7 @@ aten = torch.ops.aten
 
 @rule(aten.arange.default, aten.arange.start, aten.arange.start_step, aten.full.default,
       aten.zeros.default, aten.ones.default, aten.empty.memory_format,
-      aten.scalar_tensor.default, aten.tril.default, aten.triu.default)
+      aten.scalar_tensor.default)
 def factory_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     return Decision(ins=[R] * len(ins), out=R)
 

@@ -141,14 +141,13 @@ def repeat_interleave_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     a contiguous block of ``dim`` (a rank's KV heads) becomes the contiguous block of the output
     that the same rank holds (its query heads): a shard of ``dim`` passes through too. (A
     zigzag shard's two chunks map to the output's two chunks alike.) A shard of any other
-    dim passes; a given ``output_size`` is global and needs ``dim`` whole."""
+    dim passes; a given ``output_size`` becomes the local one (``rules/local_args.py``)."""
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
     p = ins[0]
     if dim is None or not isinstance(p, Shard):
         return Decision(ins=[R], out=R)
     dim %= ctx.ndim(node.args[0])
-    sized = (node.args[3] if len(node.args) > 3 else node.kwargs.get("output_size")) is not None
-    if p.dim != dim or not sized and isinstance(node.args[1], int):
+    if p.dim != dim or isinstance(node.args[1], int):   # (a given output_size: local_args.py)
         return Decision(ins=[p], out=p)
     return Decision(ins=[R], out=R)
 

@@ -146,7 +146,10 @@ def fused_parts(node: fx.Node, dim: int, size: int, whole=frozenset()
                 return None
             iv = split_intervals(u, d) if u.args and u.args[0] is cur else None
             if iv is not None:
-                pieces.update((a * scale, b * scale) for a, b in iv)
+                from .split import nested_pieces   # a part split again (xBC -> x, B, C)
+                nested = nested_pieces(u, d) if scale == 1 else {}
+                for a, b in iv:
+                    pieces.update(nested.get((a, b)) or [(a * scale, b * scale)])
                 continue
             e = _carries(u, cur, d)
             if e is not None:
