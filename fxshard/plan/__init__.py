@@ -3,5 +3,6 @@
 :class:`Hardware` model (datasheet presets or :func:`calibrate` of this machine)."""
 from .estimate import Estimate, estimate
 from .hardware import Hardware, Link, PRESETS
+from .search import Plan, plan
 
-__all__ = ["Estimate", "estimate", "Hardware", "Link", "PRESETS"]
+__all__ = ["Estimate", "estimate", "Hardware", "Link", "PRESETS", "Plan", "plan"]

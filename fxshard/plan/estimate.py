@@ -200,6 +200,8 @@ def _comm_time(c, hw: Hardware, axes: dict, b: float, half: bool) -> float:
         return 0.0
     link = hw.link(level_of(axes, c.axis, hw.devices_per_node))
     scale = b if c.batch else 1.0
+    if c.weight and c.axis == DP:   # HSDP: the dp reduction of an fsdp shard (built at 2)
+        scale = 2 / axes.get(FSDP, 1)
     full = c.full * scale * (0.5 if half and not c.op.startswith("reduce") and
                              c.op != "all_reduce" else 1.0)
     op = c.op
@@ -293,8 +295,8 @@ def estimate(model: torch.nn.Module, mesh: dict, *, hardware="h100", batch: int,
         raise ValueError(f"{_WHERE}: pp={pp} is more stages than the model's {n_layers} "
                          f"layers; use pp <= {n_layers}")
     sp = axes.get(TP, 1) > 1 if sequence_parallel is None else sequence_parallel
-    key = (tuple((a, n if a not in (DP, FSDP) else min(n, 2)) for a, n in axes.items()
-                 if a != PP), seq, training, sp, recompute, fsdp_reshard_after_forward)
+    key = (tuple((a, n) for a, n in axes.items() if a not in (DP, FSDP, PP)), seq, training,
+           sp, recompute, fsdp_reshard_after_forward)
     units = {} if _units is None else _units
     if key not in units:
         units[key] = build_unit(model, axes, seq=seq, training=training,

@@ -3,13 +3,13 @@
 The layers of a stack are alike, so the planner builds a copy of the model with one layer
 (the same modules, the stack cut to its first block; ``config.num_hidden_layers`` set to 1
 where the model has one) and costs ``rest + L * layer`` (:mod:`fxshard.plan.costs`). The copy
-is built on a mesh with the candidate's ``tp``, ``ulysses_cp`` and ``ring_cp`` sizes, at
-most 2 on ``dp`` and ``fsdp`` (a larger size changes only how many ranks share a weight, which
-the costing scales: a gathered weight's bytes and a reduction's wire bytes follow the axis
-size) and no ``pp`` (a stage is a run of the same layers: the schedule is priced from the
+is built on a mesh with the candidate's ``tp``, ``ulysses_cp`` and ``ring_cp`` sizes and 2
+on ``dp`` and ``fsdp`` (another size changes only how many ranks share a weight, which the
+costing scales: a gathered weight's bytes and a reduction's wire bytes follow the axis size;
+size 1 prices their collectives at nothing) and no ``pp`` (a stage is a run of the same layers: the schedule is priced from the
 layer's costs), at one sequence per data-parallel rank (the costs that grow with the batch
-are scaled by it). One program per (tp, cp sizes, dp/fsdp on or off, sequence parallelism,
-recompute, reshard policy, sequence length): a search over meshes builds a handful.
+are scaled by it). One program per (tp, cp sizes, sequence parallelism, recompute, reshard
+policy, sequence length): a search over meshes builds a handful.
 """
 from __future__ import annotations
 
@@ -74,15 +74,12 @@ def one_layer_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def unit_mesh(axes: dict) -> SimulatedMesh:
-    """The mesh a unit is built on (module docstring): same axes in the same order."""
-    shape = []
-    for axis, n in axes.items():
-        if axis in (DP, FSDP):
-            n = min(n, 2)
-        elif axis == PP:
-            n = 1
-        shape.append(n)
-    return SimulatedMesh(tuple(shape), tuple(axes))
+    """The mesh a unit is built on (module docstring): ``dp`` and ``fsdp`` of size 2 (added
+    in front when the candidate lacks them: a candidate without them prices their
+    collectives at size 1, nothing), no ``pp``, the other axes as given, in their order."""
+    names = [a for a in (DP, FSDP) if a not in axes] + list(axes)
+    shape = [2 if a in (DP, FSDP) else 1 if a == PP else axes[a] for a in names]
+    return SimulatedMesh(tuple(shape), tuple(names))
 
 
 def _loss(logits, labels):
