@@ -281,6 +281,11 @@ def _fake_as(val, dtype):
     return val.to(dtype) if isinstance(val, torch.Tensor) else val
 
 
+def _spec_of(node: fx.Node) -> dict:
+    """The placement meta a cast of ``node`` keeps (explain() reads it)."""
+    return {k: v for k, v in node.meta.items() if k == "fxshard_spec"}
+
+
 def _cast_after(graph: fx.Graph, node: fx.Node, master: torch.dtype) -> fx.Node:
     """``node`` (a weight in the working dtype) becomes the master's input, followed by a
     cast to the working dtype that every former use reads."""
@@ -288,7 +293,7 @@ def _cast_after(graph: fx.Graph, node: fx.Node, master: torch.dtype) -> fx.Node:
     with graph.inserting_after(node):
         cast = graph.call_function(aten._to_copy.default, (node,), {"dtype": val.dtype})
     node.replace_all_uses_with(cast, delete_user_cb=lambda u: u is not cast)
-    cast.meta.update({k: v for k, v in node.meta.items() if k in ("val", "fxshard_spec")})
+    cast.meta.update(_spec_of(node), val=val)
     node.meta["val"] = _fake_as(val, master)
     return cast
 
@@ -302,34 +307,50 @@ def _is_reduction(node: fx.Node) -> bool:
 
 
 def _reduce_in(graph: fx.Graph, out: fx.Node, grad: fx.Node, reduce: torch.dtype,
-               master: torch.dtype) -> fx.Node:
+               master: torch.dtype) -> None:
     """The gradient ``grad`` (an output) reduced in ``reduce`` and returned in ``master``:
     the chain of reductions and single-use value-preserving nodes that ends in ``grad`` gets
-    its input cast to ``reduce``, each node of it the dtype, and a cast to ``master`` after."""
+    its input cast to ``reduce``, each node of it the dtype, and a cast to ``master`` after.
+    A gradient of a layer's bucket (``getitem(reduce_scatter_bucket([...]), i)``, fsdp's
+    buckets) has its entry ``i`` of the bucket cast."""
+    import operator
     chain, node = [], grad
-    while isinstance(node, fx.Node) and node.op == "call_function" and \
-            len(node.users) == 1 and (_is_reduction(node) or node.target in _KEEPS_VALUES):
+    while isinstance(node, fx.Node) and node.op == "call_function" and len(node.users) == 1 \
+            and (_is_reduction(node) or node.target in _KEEPS_VALUES):
         chain.append(node)
         node = node.args[0]
     while chain and not _is_reduction(chain[-1]):
         chain.pop()     # (views before the first reduction stay in the working dtype)
-    last = grad
-    if chain and reduce != node.meta["val"].dtype:
+    bucket = grad.args[0] if grad.target is operator.getitem and \
+        _is_reduction(grad.args[0]) else None
+    if bucket is not None and not chain:    # one entry of a bucket of gradients
+        entry = bucket.args[0][grad.args[1]]
+        if entry.meta["val"].dtype != reduce:
+            with graph.inserting_before(bucket):
+                cast = graph.call_function(aten._to_copy.default, (entry,), {"dtype": reduce})
+            cast.meta.update(_spec_of(entry), val=_fake_as(entry.meta["val"], reduce))
+            xs = list(bucket.args[0])
+            xs[grad.args[1]] = cast
+            bucket.update_arg(0, xs)
+            vals = list(bucket.meta["val"])
+            vals[grad.args[1]] = _fake_as(vals[grad.args[1]], reduce)
+            bucket.meta["val"] = vals
+            grad.meta["val"] = _fake_as(grad.meta["val"], reduce)
+    elif chain and reduce != node.meta["val"].dtype:
         first = chain[-1]
         with graph.inserting_before(first):
             cast = graph.call_function(aten._to_copy.default, (first.args[0],),
                                        {"dtype": reduce})
-        cast.meta["val"] = _fake_as(first.args[0].meta["val"], reduce)
+        cast.meta.update(_spec_of(first.args[0]), val=_fake_as(first.args[0].meta["val"],
+                                                               reduce))
         first.replace_input_with(first.args[0], cast)
         for n in chain:
             n.meta["val"] = _fake_as(n.meta["val"], reduce)
-    if last.meta["val"].dtype != master:
-        with graph.inserting_after(last):
-            back = graph.call_function(aten._to_copy.default, (last,), {"dtype": master})
-        back.meta["val"] = _fake_as(last.meta["val"], master)
-        out.replace_input_with(last, back)
-        return back
-    return last
+    if grad.meta["val"].dtype != master:
+        with graph.inserting_after(grad):
+            back = graph.call_function(aten._to_copy.default, (grad,), {"dtype": master})
+        back.meta.update(_spec_of(grad), val=_fake_as(grad.meta["val"], master))
+        out.replace_input_with(grad, back)
 
 
 _KEEPS_VALUES = (aten.view.default, aten.reshape.default, aten.slice.Tensor,

@@ -6,9 +6,9 @@
     forward export ─TRAIN_FORWARD─▶ every weight's placement (the inference program's)
     joint graph    ─TRAIN_JOINT──▶ placed, collectives, local shapes ─partition─▶
                    forward and backward rank programs (``ctx.split``)
-    each program   ─TRAIN_RANK───▶ a mixed-precision policy's casts of the fp32 masters and
-                                   gradients (fxshard.mixed_precision), fsdp's collectives
-                                   grouped per layer
+    each program   ─TRAIN_RANK───▶ fsdp's collectives grouped per layer, a mixed-precision
+                                   policy's casts of the fp32 masters and gradients
+                                   (fxshard.mixed_precision)
 
 What the joint passes need beyond the graph is on a :class:`TrainCtx`
 (:mod:`fxshard.training.train_ctx`: a
@@ -53,4 +53,4 @@ TRAIN_JOINT = [repeat_kv_pass, dedupe_views_pass, split_loss_pass, mark_ulysses_
                drop_marks_pass,
                localize_pass, localize_backward_pass, lower_ring_pass,
                cuda_attention_backward_pass, partition_pass]
-TRAIN_RANK = [cast_weights_pass, fsdp_buckets_pass]
+TRAIN_RANK = [fsdp_buckets_pass, cast_weights_pass]
