@@ -37,7 +37,7 @@ def granitemoehybrid(layers: int):
     cfg = T.GraniteMoeHybridConfig(
         num_hidden_layers=layers, intermediate_size=64, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-        shared_intermediate_size=64, layer_types=types, mamba_n_heads=8, mamba_n_groups=1,
+        shared_intermediate_size=64, layer_types=types, mamba_n_heads=8, mamba_n_groups=2,
         mamba_d_state=8, mamba_d_head=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8,
         **_ids())
     return _make(T.GraniteMoeHybridForCausalLM, cfg)
@@ -48,7 +48,7 @@ def falcon_h1(layers: int):
     cfg = T.FalconH1Config(
         num_hidden_layers=layers, intermediate_size=128, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, mamba_d_ssm=128, mamba_n_heads=8,
-        mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+        mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
         mamba_chunk_size=8, **_ids())
     return _make(T.FalconH1ForCausalLM, cfg)
 

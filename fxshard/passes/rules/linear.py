@@ -109,8 +109,10 @@ def _carries(user: fx.Node, src: fx.Node, dim: int) -> int | None:
             continue
         shp = tuple(t.meta["val"].shape)
         td = e - (len(out_shape) - len(shp))
-        if td >= 0 and shp[td] != 1:
-            return None  # another full-width input: not a plain pass-through
+        if td >= 0 and shp[td] != 1 and t.op != "placeholder":
+            return None  # another full-width activation: not a plain pass-through
+        # (a full-width parameter or buffer, Falcon-H1's ``in_proj(x) * mup_vector``, is
+        # sliced part by part like the projection's output)
     return e
 
 

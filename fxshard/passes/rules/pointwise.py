@@ -79,7 +79,8 @@ def pointwise_decision(node: fx.Node, ins: list, ctx: RuleCtx, tensors: list[fx.
         for t, p in zip(tensors, ins):
             d = _aligned_dim(t, out_shape, od) if od is not None else None
             need.append(R if d is None else replace(strided, dim=d)
-                        if p in (strided, replace(strided, dim=d)) else None)
+                        if p in (strided, replace(strided, dim=d)) or isinstance(p, Replicate)
+                        else None)   # (a whole full-width operand is sliced part by part)
         if od is not None and None not in need:
             return Decision(ins=need, out=replace(strided, dim=od))
         return Decision(ins=[R] * len(ins), out=R)
