@@ -173,3 +173,15 @@ def test_every_token_to_one_expert_and_a_rank_with_none(forced):
         torch.testing.assert_close(pm1(ids).logits, top1(ids).logits, rtol=1e-4, atol=1e-4)
     assert math.isclose(pm1.explain().passes["expert_parallel_pass"]["moe_layers"], 1)
     pm1.close()
+
+
+def test_generate_routes_prefill_and_decode_through_ep():
+    """Greedy generation on ep2 (each decode step's one token per sequence still reaches its
+    experts' ranks) equals one device's."""
+    model = mixtral(2)
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    pm = _parallel(model, dict(ep=2))
+    got = pm.generate(ids, max_new_tokens=5)
+    want = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(got, want), (got, want)
+    pm.close()
