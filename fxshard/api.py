@@ -281,18 +281,10 @@ class ParallelModule:
         """The full state dict by the model's names: the trained parameters once training
         started (assembled from the shards; a real mesh: gathered to every rank, so every
         rank must call it), the model's (or loaded) weights before."""
-        from .placement import R
+        from .runtime.weight_store import full_state_dict
         if self.weights.trained is not None:
             together(self.mesh, "ParallelModule.state_dict", "state_dict()")
-        out = {}
-        for k in self.weights.expected:
-            v = self.weights.values.get(k)
-            out[k] = v.block((R,) * len(self.spec.shape), self.spec, 0) \
-                if hasattr(v, "block") and not hasattr(v, "stale") else v
-        if self.weights.trained is not None:
-            out.update({k: v for k, v in self.weights.trained.state_dict().items()
-                        if k in out})
-        return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+        return full_state_dict(self.weights)   # by the state dict's names (its hooks)
 
     def write_back(self) -> None:
         """Copy the trained weights into the model object (which otherwise keeps its initial

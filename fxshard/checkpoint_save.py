@@ -77,7 +77,7 @@ class _Entry:
     """One tensor of the checkpoint: its name, global shape and dtype, and how to get it."""
 
     def __init__(self, name, shape, dtype, whole=None, shards=None, mesh=None, stage=None,
-                 padded=None):
+                 padded=None, derived=None):
         self.name, self.shape, self.dtype = name, tuple(shape), dtype
         # the shards' global shape where it pads the model's (a vocab padded for tp)
         self.padded = tuple(padded) if padded is not None else self.shape
@@ -85,6 +85,9 @@ class _Entry:
         self.shards = shards      # (spec, {rank: block getter}) of a trained parameter
         self.mesh = mesh          # the mesh of spec's ranks (a pipeline stage's), else None
         self.stage = stage        # with mesh: the stage's pp coordinate
+        # (gather, [entries]): a tensor the model's state-dict hook makes of parameters
+        # (fxshard.state_dict_hooks): those entries, whole, gathered
+        self.derived = derived
 
     def holders(self, whole_mesh) -> list[tuple[int, int]]:
         """``(rank on the saved module's mesh, rank the block is kept by)`` of every block
@@ -106,19 +109,43 @@ class _Entry:
 
 
 def _entries(module) -> list[_Entry]:
+    """The checkpoint's tensors by the state dict's names (the model's hooks followed)."""
+    from .state_dict_hooks import renaming
     from .training import TrainModule
     if isinstance(module, TrainModule):
-        return _train_entries(module)
+        return _saved_names(_train_entries(module), renaming(module.model))
     if not hasattr(module, "weights") or not hasattr(module, "tied_names"):
         raise TypeError(f"{_WHERE}: expected a ParallelModule (fxshard.parallelize) or a "
                         f"TrainModule (fxshard.training.parallelize_for_training), got "
                         f"{type(module).__name__}")
     module.programs.sync_weights()   # the model's own changes since the last call
+    return _saved_names(_parameter_entries(module), module.weights.renaming)
+
+
+def _saved_names(entries: list[_Entry], names) -> list[_Entry]:
+    """``entries`` (by parameter name) as the state dict names them: a tensor a state-dict
+    hook makes of parameters (``names``: a :class:`fxshard.state_dict_hooks.Renaming`) is
+    derived from their entries."""
+    if names is None:
+        return entries
+    by = {e.name: e for e in entries}
+    out = []
+    for name, (shape, dtype) in names.saved.items():
+        g = names.save.get(name)
+        if g is None:
+            if name in by:
+                out.append(by[name])
+        elif all(s in by for s in g.sources):
+            out.append(_Entry(name, shape, dtype, derived=(g, [by[s] for s in g.sources])))
+    return out
+
+
+def _parameter_entries(module) -> list[_Entry]:
     store, out = module.weights, []
     if store.trained is not None:    # training placed shards: they are the weights now
         return _trained_entries(module, store.trained)
     dropped = _tied_duplicates(module.model)
-    for name, (shape, dtype) in store.expected.items():
+    for name, (shape, dtype) in store.internal.items():
         if name in dropped:
             continue
         value = store.values[name]
@@ -131,6 +158,8 @@ def _entries(module) -> list[_Entry]:
 
 
 def _read_whole(value, shape) -> torch.Tensor:
+    if hasattr(value, "whole"):   # loaded through the model's hooks (state_dict_hooks)
+        return value.whole()
     if hasattr(value, "block"):   # a checkpoint source: read the tensor whole
         from safetensors import safe_open
         with safe_open(value.file, framework="pt") as f:
@@ -149,10 +178,14 @@ def _tied_duplicates(model: torch.nn.Module) -> set[str]:
 def _train_entries(tm, mesh=None) -> list[_Entry]:
     """Every tensor of ``tm``'s model: a trained parameter by its shards (``mesh``: the mesh
     the shards' ranks belong to, when it is not the saved module's), the rest as it is."""
+    from .state_dict_hooks import model_tensors
     program = tm._require("save_safetensors")
     dropped = _tied_duplicates(tm.model)
     out = []
-    for name, value in tm.model.state_dict(keep_vars=True).items():
+    values = tm.model.state_dict(keep_vars=True)
+    if set(values) != set(model_tensors(tm.model)):   # a state-dict hook renames: by parameter
+        values = model_tensors(tm.model)
+    for name, value in values.items():
         if name in dropped:
             continue
         spec = tm._specs.get(name)
@@ -184,7 +217,7 @@ def _trained_entries(module, trainer) -> list[_Entry]:
                 found[e.name] = e
     if not is_simulated(module.mesh):
         _stages_elsewhere(module.mesh, trainer.sub, found)
-    order = [n for n in module.model.state_dict() if n in found]
+    order = [n for n in module.weights.internal if n in found]
     return [found[n] for n in order]
 
 
@@ -317,18 +350,14 @@ def save_safetensors(module, directory: str, *, max_shard_size="5GB") -> list[st
             if me != writer:
                 if comm is not None:
                     for e in part:
-                        if e.shards is not None:
-                            comm.send_blocks(e, writer)
+                        for src in e.derived[1] if e.derived is not None else [e]:
+                            if src.shards is not None:
+                                comm.send_blocks(src, writer)
                 continue
             with stage.file(names[k]) as fh:
                 fh.write(_header(part))
                 for e in part:
-                    if e.whole is not None:
-                        t = e.whole()
-                    elif comm is None:
-                        t = _assemble_local(e, mesh)
-                    else:
-                        t = comm.gather_whole(e)
+                    t = _whole(e, mesh, comm)
                     _write_bytes(fh, t, e)
                     del t
             written.append(names[k])
@@ -344,6 +373,17 @@ def save_safetensors(module, directory: str, *, max_shard_size="5GB") -> list[st
                 fh.write(json.dumps(index, indent=2, sort_keys=True).encode())
             written.append(INDEX)
     return [os.path.join(directory, f) for f in written]
+
+
+def _whole(e: _Entry, mesh, comm) -> torch.Tensor:
+    """Entry ``e``'s whole tensor, on its file's writer."""
+    if e.derived is not None:
+        gather, sources = e.derived
+        wholes = {src.name: _whole(src, mesh, comm) for src in sources}
+        return gather.apply(wholes.__getitem__)
+    if e.whole is not None:
+        return e.whole()
+    return _assemble_local(e, mesh) if comm is None else comm.gather_whole(e)
 
 
 class _Comm:

@@ -15,7 +15,8 @@ real, and for a model built entirely on ``meta`` (``with torch.device("meta")``)
 value stays missing, and running the model names it and says how to fix it.
 
 What ``parallelize`` keeps of these weights, and how it notices the user changing the model
-afterwards, is :mod:`fxshard.runtime.weight_store`.
+afterwards, is :mod:`fxshard.runtime.weight_store`; a state dict that names them otherwise (its
+hooks), :mod:`fxshard.state_dict_hooks`.
 """
 from __future__ import annotations
 
@@ -23,8 +24,7 @@ import contextlib
 
 import torch
 
-__all__ = ["check_state_dict_names", "init_empty_weights", "materialize_buffers",
-           "non_persistent_buffers", "tied_names"]
+__all__ = ["init_empty_weights", "materialize_buffers", "non_persistent_buffers", "tied_names"]
 
 
 @contextlib.contextmanager
@@ -108,29 +108,3 @@ def tied_names(model: torch.nn.Module) -> dict[str, list[str]]:
     for name, p in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(p), []).append(name)
     return {n: [m for m in g if m != n] for g in groups.values() if len(g) > 1 for n in g}
-
-
-def check_state_dict_names(model: torch.nn.Module, where: str = "fxshard.parallelize") -> None:
-    """Refuse a model whose ``state_dict()`` names its weights other than its parameters and
-    buffers do (state-dict hooks that split, join or rename them: torchtitan's fused ``wqkv``
-    saved as ``wq`` / ``wk`` / ``wv``). fxshard keeps weights by state-dict name and the
-    programs read them by parameter name: such a model would run on empty weights, and its
-    trained parameters would never reach ``state_dict()`` or a checkpoint."""
-    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    names |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
-    saved = {k for k in model.state_dict(keep_vars=True) if not k.endswith("._extra_state")
-             and k != "_extra_state"}
-    unsaved = sorted(names - saved - set(non_persistent_buffers(model)))
-    renamed = sorted(saved - names)
-    if not unsaved and not renamed:
-        return
-    def few(names: list, n: int) -> str:
-        return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
-    raise NotImplementedError(
-        f"{where}: {type(model).__name__}.state_dict() names its weights unlike its "
-        f"parameters (a state-dict hook): {few(unsaved, 2) or 'nothing'} saved as "
-        f"{few(renamed, 3) or 'nothing'}. fxshard keeps weights by "
-        f"state-dict name and cannot follow such hooks yet: its programs would read empty "
-        f"weights and training would never reach state_dict() or a checkpoint. Build the "
-        f"model without the fused or renamed parameter (torchtitan: fuse_qkv=False), or "
-        f"remove the hook before parallelize")

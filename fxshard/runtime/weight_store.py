@@ -19,9 +19,10 @@ import torch
 from ..checks import check_state_dict_values
 from ..mesh import MeshSpec
 from ..placement import R
-from ..weights import check_state_dict_names, non_persistent_buffers
+from ..state_dict_hooks import model_tensors, renaming
+from ..weights import non_persistent_buffers
 
-__all__ = ["WeightStore", "WeightWatch", "check_model_unchanged"]
+__all__ = ["WeightStore", "WeightWatch", "check_model_unchanged", "full_state_dict"]
 
 _WHERE = "fxshard.parallelize"
 
@@ -92,13 +93,25 @@ class WeightStore:
 
     ``values``: FQN -> tensor or checkpoint source; ``expected``: FQN -> (shape, dtype) of the
     state dict's entries; ``non_persistent``: the same for the buffers no state dict holds;
-    ``buffer_fqns``: every buffer's FQN (a changed buffer may have been folded by the trace)."""
+    ``buffer_fqns``: every buffer's FQN (a changed buffer may have been folded by the trace).
+
+    A model whose state dict renames its weights (``renaming``: torchtitan's fused ``wqkv``
+    saved as ``wq`` / ``wk`` / ``wv``, :mod:`fxshard.state_dict_hooks`) keeps ``values`` by
+    parameter name (``internal``: their shapes and dtypes), as the programs read them, and
+    ``expected`` by the state dict's; :meth:`load` and :meth:`state_dict` translate. For every
+    other model ``internal`` is ``expected``."""
 
     def __init__(self, model: torch.nn.Module, spec: MeshSpec):
         self.spec = spec
-        check_state_dict_names(model)
-        self.values: dict = {k: v for k, v in model.state_dict(keep_vars=True).items()}
-        self.expected = {k: (tuple(v.shape), v.dtype) for k, v in self.values.items()}
+        self.renaming = renaming(model)
+        if self.renaming is None:
+            self.values: dict = dict(model.state_dict(keep_vars=True))
+            self.expected = {k: (tuple(v.shape), v.dtype) for k, v in self.values.items()}
+            self.internal = self.expected
+        else:
+            self.values = dict(model_tensors(model))
+            self.expected = dict(self.renaming.saved)
+            self.internal = dict(self.renaming.internal)
         extra = non_persistent_buffers(model)  # in no state dict or checkpoint
         self.non_persistent = {k: (tuple(v.shape), v.dtype) for k, v in extra.items()}
         self.values.update(extra)
@@ -150,7 +163,7 @@ class WeightStore:
         """A changed buffer, dtype or shape needs a new trace; records the new dtypes/shapes."""
         retrace = False
         for k, v in values.items():
-            table = self.expected if k in self.expected else self.non_persistent
+            table = self.internal if k in self.internal else self.non_persistent
             now = (tuple(v.shape), v.dtype)
             retrace |= k in self.buffer_fqns or table.get(k) != now
             table[k] = now
@@ -220,6 +233,8 @@ class WeightStore:
                 raise ValueError(
                     f"ParallelModule.load_state_dict: {k!r} has shape {got} but the model "
                     f"expects {shape}; load a checkpoint of the same configuration")
+        if self.renaming is not None:   # the model's own load hooks, followed
+            state_dict = self.renaming.to_internal(state_dict, "ParallelModule.load_state_dict")
         if self.trained is not None:   # the trained shards take the values, in place
             self.load_trained(self.trained, state_dict)
             state_dict = {k: v for k, v in state_dict.items()
@@ -227,6 +242,21 @@ class WeightStore:
         self.values.update(state_dict)
         self.seen()
         return any(k in self.buffer_fqns for k in state_dict)
+
+
+def full_state_dict(store: WeightStore) -> dict:
+    """``pm.state_dict()``: whole tensors by the state dict's names (the model's hooks
+    followed), the trained shards' values once training started (assembled; a real mesh:
+    gathered, so every rank must call it)."""
+    out = {}
+    for k in store.internal:
+        v = store.values.get(k)
+        out[k] = v.block((R,) * len(store.spec.shape), store.spec, 0) \
+            if hasattr(v, "block") and not hasattr(v, "stale") else v
+    if store.trained is not None:
+        out.update({k: v for k, v in store.trained.state_dict().items() if k in out})
+    out = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+    return out if store.renaming is None else store.renaming.to_saved(out)
 
 
 def check_model_unchanged(changed: dict) -> None:

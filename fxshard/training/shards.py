@@ -127,4 +127,4 @@ def check_on_device(store, model) -> None:
     if not meta:
         return
     from types import SimpleNamespace
-    store.check_loaded([SimpleNamespace(slots=dict.fromkeys(store.expected))])
+    store.check_loaded([SimpleNamespace(slots=dict.fromkeys(store.internal))])
