@@ -12,6 +12,7 @@ from .backend import backend
 from .checkpoint import load_safetensors
 from .checkpoint_save import save_safetensors
 from .mesh import SimulatedMesh, init_device_mesh
+from .plan import Estimate, Hardware, Plan, calibrate, estimate, plan
 from .training.grad_scaler import GradScaler
 from .training.optim import clip_grad_norm_
 from .training.resume import load_training_state, save_training_state

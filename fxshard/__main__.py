@@ -164,7 +164,10 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--quiet", action="store_true",
                         help="no progress lines on stderr (the tracing and building steps)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                                help="; ".join(f"{k}: {v}" for k, v in _COMMANDS.items()))
+                                help="; ".join(f"{k}: {v}" for k, v in _COMMANDS.items())
+                                + "; plan: rank meshes for a config.json (fxshard.plan)")
+    from fxshard.plan.cli import add_parser
+    add_parser(sub)
     for name, text in _COMMANDS.items():
         p = sub.add_parser(name, parents=[common], help=text, description=text)
         if name == "generate":
@@ -259,6 +262,12 @@ def _plan_option(literal: str) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        from fxshard.plan.cli import run
+        try:
+            return run(args)
+        except (ValueError, NotImplementedError, OSError) as e:
+            parser.exit(2, f"{parser.prog} plan: error: {e}\n")
     sizes = dict(zip(args.mesh[1], args.mesh[0]))
     if args.batch is None:  # fit the mesh: every dp rank and microbatch gets a sequence
         unit = sizes.get(DP, 1) * sizes.get(FSDP, 1) * args.microbatches

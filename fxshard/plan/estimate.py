@@ -298,11 +298,16 @@ def estimate(model: torch.nn.Module, mesh: dict, *, hardware="h100", batch: int,
     key = (tuple((a, n) for a, n in axes.items() if a not in (DP, FSDP, PP)), seq, training,
            sp, recompute, fsdp_reshard_after_forward)
     units = {} if _units is None else _units
-    if key not in units:
-        units[key] = build_unit(model, axes, seq=seq, training=training,
-                                sequence_parallel=sp, recompute=recompute,
-                                reshard_after_forward=fsdp_reshard_after_forward)
+    if key not in units:      # a build fxshard refuses is kept too: asked once
+        try:
+            units[key] = build_unit(model, axes, seq=seq, training=training,
+                                    sequence_parallel=sp, recompute=recompute,
+                                    reshard_after_forward=fsdp_reshard_after_forward)
+        except (ValueError, NotImplementedError) as e:
+            units[key] = e
     unit = units[key]
+    if isinstance(unit, Exception):
+        raise type(unit)(str(unit))
     check_divides(unit, axes)
     stages = _stages(n_layers, pp)
     options = {"sequence_parallel": sp, "microbatches": m, "schedule": schedule if pp > 1

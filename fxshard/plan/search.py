@@ -168,4 +168,5 @@ def plan(model, *, devices: int, hardware="h100", batch: int, seq: int, training
                 rejected.append((mesh, o, f"does not fit: {e.memory['peak'] / gib:.1f} GiB "
                                           f"peak > {e.memory['capacity'] / gib:.1f} GiB usable"))
     fits.sort(key=lambda e: -e.tokens_per_second_per_device)
-    return Plan(fits, rejected, programs_built=len(units), hardware=hw.name)
+    return Plan(fits, rejected, programs_built=sum(not isinstance(u, Exception) for u in
+                                                 units.values()), hardware=hw.name)

@@ -82,7 +82,10 @@ def unit_mesh(axes: dict) -> SimulatedMesh:
     return SimulatedMesh(tuple(shape), tuple(names))
 
 
-def _loss(logits, labels):
+def _loss(out, labels):
+    """Next-token cross-entropy of the model's logits (an HF output's ``.logits``)."""
+    logits = getattr(out, "logits", out)
+    logits = logits[0] if isinstance(logits, tuple) else logits
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
