@@ -200,7 +200,7 @@ def propagate_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
                     ps = param_spec[t.name]
                     if ps[i] is UNDECIDED:
                         ps[i] = d.ins[k]
-                        if a == TP and _column_weight(rule_fn, k, d.ins[k]):
+                        if a == TP and _column_weight(rule_fn, k, d.ins[k], t):
                             fqn = _root(t, views).meta["fxshard_param"]
                             auto_colwise[fqn] = node
             if n_out is not None:
@@ -229,14 +229,14 @@ def propagate_once(gm: fx.GraphModule, ctx: PassCtx, replicate: set[str],
     return auto_colwise
 
 
-def _column_weight(rule_fn, k: int, p) -> bool:
-    """Input ``k`` of a linear/addmm placed ``p`` is a column-parallel weight."""
+def _column_weight(rule_fn, k: int, p, t: fx.Node) -> bool:
+    """Input ``k`` (node ``t``) of a linear/addmm placed ``p`` is a column-parallel weight."""
     if rule_fn is linear_rule and k == 1:
         return shard_dim(p) == 0
     if rule_fn is grouped_mm_rule and k == 1:
         return shard_dim(p) == 2
-    if rule_fn is matmul_rule and k == 1:
-        return shard_dim(p) == 1
+    if rule_fn is matmul_rule and k == 1:   # w[K, N] or experts' w[E, K, N]
+        return shard_dim(p) == t.meta["val"].dim() - 1
     return rule_fn is addmm_rule and k == 2 and shard_dim(p) == 1
 
 

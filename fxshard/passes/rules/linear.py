@@ -297,24 +297,27 @@ def matmul_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     """A 2-D weight ``w[K, N]`` no earlier rule placed as the right operand (``x @ w`` or,
     through a transpose of the parameter, ``x @ w.T``) is placed as ``linear`` places its
     weight: on ``tp`` column-parallel ``w S(1)`` (fused parts strided), out ``S(-1)``, or
-    row-parallel ``w S(0)`` when ``x`` arrives sharded on K, out ``P``."""
+    row-parallel ``w S(0)`` when ``x`` arrives sharded on K, out ``P``. Experts stored as one
+    3-D parameter ``w[E, K, N]`` used through ``bmm(x[E, T, K], w)`` (Llama 4) are placed the
+    same way, every expert at once: ``w S(2)`` (a fused gate/up: ``S(2|I+I)``) or ``w S(1)``."""
     a, b = node.args[0], node.args[1]
     a_nd, b_nd, out_nd = ctx.ndim(a), ctx.ndim(b), ctx.ndim(node)
     if a_nd < 2 or b_nd < 2:
         return Decision(ins=[R if q is UNDECIDED else q for q in ins], out=R)
     x, w = ins
-    if w is UNDECIDED and b_nd == 2 and ctx.is_tp:
-        last = out_nd - 1
+    experts = b_nd == 3 and a_nd == 3 and _weight_of(b) is not None   # w[E, K, N] per expert
+    if w is UNDECIDED and (b_nd == 2 or experts) and ctx.is_tp:
+        last, col, row = out_nd - 1, b_nd - 1, b_nd - 2
         if isinstance(x, Shard) and x.dim == a_nd - 1:
-            return Decision(ins=[x, Shard(0)], out=P)
+            return Decision(ins=[x, Shard(row)], out=P)
         whole = ctx.whole_parts.get(_weight_of(b), frozenset())
         parts = fused_parts(node, last, ctx.size, whole)
         if parts:
-            return Decision(ins=[R, StridedShard(1, parts, whole)],
+            return Decision(ins=[R, StridedShard(col, parts, whole)],
                             out=StridedShard(last, parts, whole))
-        if ctx.shape(b)[1] % ctx.size == 0:
-            return Decision(ins=[R, Shard(1)], out=Shard(last))
-    if isinstance(w, StridedShard) and w.dim == b_nd - 1 and b_nd == 2:
+        if ctx.shape(b)[col] % ctx.size == 0:
+            return Decision(ins=[R, Shard(col)], out=Shard(last))
+    if isinstance(w, StridedShard) and w.dim == b_nd - 1 and (b_nd == 2 or experts):
         return Decision(ins=[R, w], out=replace(w, dim=out_nd - 1))
     la, lb, lo = _matmul_labels(a_nd, b_nd, out_nd)
     return einsum_decision(node, [R if q is UNDECIDED else q for q in ins], [la, lb], lo, ctx)

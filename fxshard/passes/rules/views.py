@@ -200,8 +200,14 @@ def slice_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
         start = node.args[2] if len(node.args) > 2 else None
         end = node.args[3] if len(node.args) > 3 else None
         step = node.args[4] if len(node.args) > 4 else 1
-        whole = (start in (None, 0)) and (end is None or end >= ctx.shape(x)[dim]) and step == 1
-        if not whole:
+        size = ctx.shape(x)[dim]
+        whole = (start in (None, 0)) and (end is None or end >= size) and step == 1
+        # every step-th entry from start < step (gpt-oss's interleaved gate/up, x[..., ::2] and
+        # x[..., 1::2]): local when each rank's block starts at a multiple of the step
+        strided = step > 1 and (start or 0) in range(step) and \
+            (end is None or end >= size) and (size // ctx.chunks) % step == 0 and \
+            size % ctx.chunks == 0
+        if not whole and not strided:
             return Decision(ins=[R], out=R)
     return Decision(ins=[p], out=p)
 
