@@ -1,7 +1,7 @@
 """Pipeline stages: split the annotated graph into one graph per ``pp`` stage.
 
-The model's stack of decoder layers is the container of same-typed blocks holding the most
-parameters: a ``ModuleList`` (``model.layers`` in a Llama, whatever its name elsewhere), a
+The model's stack of decoder layers is the container of blocks (of one class or several: a
+hybrid model's attention and state-space layers) holding the most parameters: a ``ModuleList`` (``model.layers`` in a Llama, whatever its name elsewhere), a
 ``ModuleDict`` (torchtitan's ``layers``, keyed ``"0"``, ``"1"``, ...; any keys, in the dict's
 order) or a ``Sequential``. A node belongs to the layer whose path (``stack.key``) its
 ``nn_module_stack`` names. Layers go to stages with
@@ -62,14 +62,18 @@ _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
 
 def find_layer_stack(model: torch.nn.Module) -> tuple[str, tuple[str, ...]]:
     """(FQN, the blocks' names in order) of the container (ModuleList, ModuleDict or
-    Sequential) of repeated same-typed blocks with the most parameters."""
+    Sequential) of blocks with the most parameters. The blocks may be of several classes
+    (Jamba's list alternates attention and Mamba layers; a hybrid's ``layer_types``), but not
+    containers themselves (a ``Sequential(embedding, ModuleList(layers), head)`` is not a
+    stack: its ``ModuleList`` is)."""
     best, best_params = None, 0
     for name, mod in model.named_modules():
         if not isinstance(mod, _CONTAINERS):
             continue
         children = list(mod.named_children())
-        if not children or len({type(m) for _, m in children}) != 1 or \
-                len(children) != len(mod._modules):
+        if not children or len(children) != len(mod._modules) or \
+                len({type(m) for _, m in children}) > 1 and (
+                    len(children) < 2 or any(isinstance(m, _CONTAINERS) for _, m in children)):
             continue
         n = sum(p.numel() for p in mod.parameters())
         if n > best_params:
@@ -83,7 +87,7 @@ def find_layer_stack(model: torch.nn.Module) -> tuple[str, tuple[str, ...]]:
     if best is None:
         raise ValueError(
             f"fxshard.parallelize: found no stack of repeated layers (a ModuleList, ModuleDict "
-            f"or Sequential of blocks of one type, holding parameters) in "
+            f"or Sequential of blocks, holding parameters) in "
             f"{type(model).__name__} to split over the pp axis; keep the layers in such a "
             f"container, or drop the pp axis")
     return best
