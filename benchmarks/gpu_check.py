@@ -35,7 +35,12 @@
    single-device model (fp32, TF32 off); the backward program calls the Triton backward.
    ``--training-only`` runs it alone.
 
-``--device cpu`` runs steps 3, 4, 6's check and 7 on the CPU (4 and 6 with the torch path), to try
+8. Training rows (:mod:`benchmarks.gpu_train_checks`): an HF Llama of ~1B parameters on a
+   simulated fsdp=2 x tp=2 mesh on the GPU in bf16 mixed precision, eager and
+   ``compile=True``, 20 steps against one device's autocast: loss, tokens/s, peak memory; the
+   table is written to ``benchmarks/RESULTS.md``. ``--train-rows-only`` runs it alone (~5-8 min).
+
+``--device cpu`` runs steps 3, 4, 6's check, 7 and 8 (a tiny config) on the CPU (4 and 6 with the torch path), to try
 the script without a GPU.
 Prints PASS/FAIL lines; exits non-zero if a correctness check fails. Steps 1 and 4 are
 :mod:`benchmarks.gpu_kernel_checks`, steps 2, 3 and 7 :mod:`benchmarks.gpu_model_checks`; step 6
@@ -57,6 +62,7 @@ from benchmarks.gpu_kernel_checks import (decode_checks, decode_reference,  # no
                                           kernel_checks, reference)
 from benchmarks.gpu_model_checks import (compile_backend_check, generate_check,  # noqa: E402
                                          hf_checks, model_check, training_check)
+from benchmarks.gpu_train_checks import train_rows_check  # noqa: E402
 
 
 # ---------------------------------------------------------------- the attention backward
@@ -294,7 +300,12 @@ def main() -> int:
                     help="only the attention backward's check and tables (~1-2 min)")
     ap.add_argument("--training-only", action="store_true",
                     help="only step 7, training on simulated meshes (~1 min)")
+    ap.add_argument("--train-rows-only", action="store_true",
+                    help="only step 8, the ~1B Llama bf16 training rows (~5-8 min on a GPU)")
     args = ap.parse_args()
+    results = ROOT / "benchmarks" / "RESULTS.md"
+    if args.device == "cpu" and args.train_rows_only:
+        return 0 if train_rows_check("cpu") else 1
     if args.device == "cpu":
         if args.decode_only:
             return 0 if decode_checks("cpu") else 1
@@ -303,7 +314,8 @@ def main() -> int:
         if args.training_only:
             return 0 if training_check("cpu") else 1
         ok = hf_checks("cpu") & compile_backend_check("cpu") & decode_checks("cpu") & \
-            generate_check("cpu") & backward_checks("cpu") & training_check("cpu")
+            generate_check("cpu") & backward_checks("cpu") & training_check("cpu") & \
+            train_rows_check("cpu")
         return 0 if ok else 1
     if not torch.cuda.is_available():
         print("benchmarks/gpu_check.py: no CUDA GPU; nothing to check")
@@ -318,6 +330,8 @@ def main() -> int:
         return 0 if ok else 1
     if args.training_only:
         return 0 if training_check("cuda") else 1
+    if args.train_rows_only:
+        return 0 if train_rows_check("cuda", results) else 1
     if args.backward_only:
         ok = backward_checks("cuda")
         backward_report(Path(args.out))
@@ -336,6 +350,7 @@ def main() -> int:
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode.py"), "--json",
                     str(Path(args.out) / "decode.json")], check=False)
     backward_report(Path(args.out))
+    ok &= train_rows_check("cuda", results)
     return 0 if ok else 1
 
 
