@@ -27,7 +27,10 @@ def batch_of(args):
 
 def reference(model, args) -> tuple[list[float], list[float]]:
     """The single-device model's losses and gradient norms over ``--check-steps`` AdamW steps on
-    the whole batch."""
+    the whole batch (``--mixed bf16``: under bf16 autocast, float32 weights and AdamW)."""
+    if getattr(args, "mixed", None) == "bf16":
+        from benchmarks.train_step_mixed import reference_mixed
+        return reference_mixed(model, args, batch_of, adamw)
     m = copy.deepcopy(model).train()
     opt = adamw(m.parameters(), args)
     ids, labels = batch_of(args)
@@ -64,6 +67,11 @@ def build(name: str, model, mesh, args):
         t = torch.tensor([loss], dtype=torch.float64)
         dist.all_reduce(t, group=dp_group)
         return t.item() / mesh["fsdp"].size()
+
+    if getattr(args, "mixed", None) == "bf16":     # benchmarks/train_step_mixed.py
+        from benchmarks.train_step_mixed import build_mixed
+        return build_mixed(name, model, mesh, args, batch_of=batch_of, adamw=adamw,
+                           local_batch=(ids, labels)), mean_over_fsdp
 
     if name == "megatron":
         m = MegatronLlama(model, mesh["tp"].get_local_rank(), mesh["tp"].size(),
