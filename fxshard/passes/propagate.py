@@ -48,7 +48,7 @@ from ..placement import Partial, R, Replicate, Shard, StridedShard, shard_dim, s
 from . import PassCtx
 from .fsdp import fsdp_storage_pass
 from .propagate_refine import (gathered_beside_whole_weights, gathered_for_routing, reduced_twice,
-                               spec_of, untag_moved_regions)
+                               spec_of, untag_moved_regions, warn_sequence_gathers)
 from .rules import (UNDECIDED, Decision, RuleCtx, fallback, lookup, tensor_inputs,
                     warn_fallback)
 from .rules.experts import grouped_mm_rule
@@ -363,6 +363,7 @@ def propagate_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     if tp is not None and mesh.shape[tp] > 1:
         _list_replicated(gm, ctx, tp, why)
         _report_experts(gm, ctx, tp)
+    warn_sequence_gathers(gm, ctx)
     fsdp_storage_pass(gm, ctx=ctx)
     sharded = sum(1 for n in gm.graph.nodes
                   if isinstance(n.meta.get("fxshard_spec"), tuple)

@@ -11,6 +11,9 @@ returns ``(node name, mesh axis index)`` keys the next sweep hands over differen
     gathered_beside_whole_weights   a token shard a whole-on-tp matmul reads beside a gather
     untag_moved_regions             routing regions in which a collective would move rows
 
+and, once propagation is done, :func:`warn_sequence_gathers` says where a context-parallel axis
+gathers the sequence (an attention fxshard does not recognise, a scan along the sequence).
+
 Before (tp=2, a post-norm block)::   o = mm(a, w_o)          # P
                                      pow(o) needs R; mul(o, .) keeps P   (reduced twice)
 After::                              o: handed R to both     (one all-reduce)
@@ -30,7 +33,7 @@ from .rules import held, tensor_inputs
 from .weight_views import _WEIGHT_VIEWS
 
 __all__ = ["spec_of", "reduced_twice", "gathered_for_routing", "gathered_beside_whole_weights",
-           "untag_moved_regions"]
+           "untag_moved_regions", "warn_sequence_gathers"]
 
 
 def spec_of(node: fx.Node, param_spec: dict) -> object:
@@ -226,3 +229,42 @@ def _moved_inside_region(gm: fx.GraphModule, ctx: PassCtx) -> set[str]:
                     continue
                 bad.add(region)
     return bad
+
+
+def warn_sequence_gathers(gm: fx.GraphModule, ctx: PassCtx) -> None:
+    """One warning per context-parallel axis that gathers a sequence-sharded activation to
+    compute a node whole (listing each layer pattern with the first such node): correct, but
+    that layer runs on the whole sequence on every rank of the axis (gpt-oss's attention with
+    sinks, a state-space scan). The model's output, gathered anyway, does not count."""
+    import warnings
+    from ..mesh import SEQUENCE_AXES
+    from .rules import caller_level, lookup
+    from .rules.conv import SequenceGatherWarning
+    for i, (axis, n) in enumerate(zip(ctx.mesh.axis_names, ctx.mesh.shape)):
+        if n == 1 or axis not in SEQUENCE_AXES:
+            continue
+        found: dict[str, str] = {}
+        for u in gm.graph.nodes:
+            if u.op != "call_function":
+                continue
+            for t, nd in zip(tensor_inputs(u), u.meta.get("fxshard_need") or []):
+                have = held(t)
+                if not isinstance(have, tuple) or shard_dim(have[i]) is None or \
+                        not isinstance(nd[i], Replicate) or t.meta["val"].dim() < 3:
+                    continue
+                stack = list((u.meta.get("nn_module_stack") or {}).values())
+                layer = ".".join("*" if p.isdigit() else p
+                                 for p in (stack[-1][0] if stack else u.name).split("."))
+                why = "it has no sharding rule" if lookup(u.target) is None else \
+                    "its rule needs the whole sequence"
+                found.setdefault(layer, f"{u.name} ({u.target}): {why}")
+                break
+        if found:
+            lines = "\n".join(f"  {layer}: before {what}" for layer, what in found.items())
+            warnings.warn(
+                f"fxshard: mesh axis {axis!r} of size {n} (mesh {ctx.mesh.describe()}) gathers "
+                f"the whole sequence in {len(found)} place(s); each runs on every token on "
+                f"every {axis} rank (correct, but not context-parallel there):\n{lines}\n"
+                f"Attention that fxshard recognises (SDPA, or matmul -> softmax -> matmul) "
+                f"runs as ring or Ulysses attention; other mixing along the sequence does not.",
+                SequenceGatherWarning, stacklevel=caller_level())
