@@ -39,6 +39,11 @@ def _few(names, n: int = 3) -> str:
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
+def _said(e: Exception) -> str:
+    """An exception on one line, at most 300 characters of its message."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
 def strided_form(index: torch.Tensor) -> tuple[list[int], list[int], int] | None:
     """``(size, stride, offset)`` such that ``flat.as_strided(size, stride, offset)`` read in
     order is ``flat[index.reshape(-1)]``, or None (not a strided view with strides >= 0)."""
@@ -264,11 +269,9 @@ def _gathers(results: dict, spans: list, total: int, what: str) -> dict:
     for k, (_, first, n) in enumerate(spans):
         owner[first:first + n] = k
     for name, got in results.items():
-        ids = got.detach().reshape(-1)
-        if ids.numel() and (not torch.equal(ids, ids.round()) or ids.min() < 0 or
-                            ids.max() >= total):
+        if not _numbers(got, total):
             raise ValueError(f"{what} {name!r} holds values no weight element had")
-        ids = ids.long()
+        ids = got.detach().reshape(-1).long()
         used = sorted(set(owner[ids].tolist())) if ids.numel() else []
         base, local = 0, torch.empty_like(ids)
         for k in used:
@@ -278,6 +281,13 @@ def _gathers(results: dict, spans: list, total: int, what: str) -> dict:
             base += n
         out[name] = Gather(tuple(spans[k][0] for k in used), tuple(got.shape), local)
     return out
+
+
+def _numbers(t: torch.Tensor, total: int) -> bool:
+    """``t`` holds element numbers (whole numbers in ``[0, total)``) in float64."""
+    t = t.detach()
+    return t.dtype == torch.float64 and (not t.numel() or bool(
+        torch.equal(t, t.round()) and t.min() >= 0 and t.max() < total))
 
 
 def _check_moves(g: Gather, random: dict, got: torch.Tensor) -> bool:
@@ -301,10 +311,14 @@ def _probe(prefix: str, module: torch.nn.Module, model_name: str):
         with torch.no_grad():
             saved = _with_probes(module, numbered).state_dict()
         saved = {k: v for k, v in saved.items() if isinstance(v, torch.Tensor)}
-        save = _gathers(saved, spans, total, "its state dict's")
     except Exception as e:  # noqa: BLE001 - the model's own hook, whatever it raises
         raise NotImplementedError(f"{where} saves its state dict through code fxshard cannot "
-                                  f"follow ({type(e).__name__}: {e}). {fix}") from e
+                                  f"follow ({_said(e)}). {fix}") from e
+    computed = [k for k, v in saved.items() if not _numbers(v, total)]
+    if computed:
+        raise NotImplementedError(f"{where} computes the values of {_few(computed)} in its "
+                                  f"state dict, not only their names and layout. {fix}")
+    save = _gathers(saved, spans, total, "its state dict's")
     random = {k: torch.randn(s, dtype=torch.float64, generator=torch.Generator().manual_seed(
         len(k))) for k, s in shapes.items()}
     with torch.no_grad():
@@ -329,8 +343,8 @@ def _probe_load(module, shapes: dict, saved_shapes: dict, save: dict, where: str
             _with_probes(module, targets).load_state_dict(numbered, strict=True)
         load = _gathers(targets, spans, total, "its loaded parameter")
     except Exception as e:  # noqa: BLE001 - the model's own hook, whatever it raises
-        return {}, (f"{why} ({type(e).__name__}: {str(e)[:300]}); add a load hook that undoes "
-                    f"the save hook, or build the model without the renaming hook")
+        return {}, (f"{why} ({_said(e)}); add a load hook that undoes the save hook, or "
+                    f"build the model without the renaming hook")
     # loading what saving wrote must give every parameter back
     numbered_internal, _ = _numbered(shapes)
     saved_now = {k: (save[k].apply(numbered_internal.__getitem__) if k in save
