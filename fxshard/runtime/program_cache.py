@@ -24,7 +24,8 @@ from ..passes import PassCtx
 from ..passes.emit import Program
 from ..passes.pipeline import build_programs
 from ..trace import Traced
-from ..mixed_precision import autocast_state, cast_inference_program, policy_scope
+from ..mixed_precision import autocast_state, policy_scope
+from ..passes.cast_params import cast_inference_program
 from ..weights import tied_names
 from .agreement import agree
 from .weight_store import WeightStore

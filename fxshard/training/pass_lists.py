@@ -21,7 +21,7 @@ casts, expert parallelism's dispatch) is a new pass in a list, not a branch in t
 """
 from __future__ import annotations
 
-from ..mixed_precision import cast_weights_pass
+from ..passes.cast_params import cast_weights_pass
 from ..passes.eager_attention import eager_attention_pass
 from ..passes.expert_parallel import expert_parallel_pass
 from ..passes.fold_mask import fold_causal_mask_pass
