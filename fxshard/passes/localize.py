@@ -92,6 +92,8 @@ def localize_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
             continue
         if node.op == "call_function" and node.target in (aten.mean.dim, aten.mean.default):
             changed += _partial_mean(gm.graph, node, ctx)
+        if localize_args(node, lambda n: _local(n, ctx)):   # sizes in arguments (groups, ..)
+            changed += 1
         if node.op != "call_function" or local is None:
             continue
         val = node.meta["val"]
@@ -114,8 +116,6 @@ def localize_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
                 changed += 1
         elif node.target is aten.embedding.default:
             changed += _vocab_embedding(node, ctx)
-        elif localize_args(node, lambda n: _local(n, ctx)):   # sizes in arguments (groups, ..)
-            changed += 1
     ctx.report("localize_pass", rewritten_nodes=changed)
     return gm
 

@@ -14,10 +14,15 @@ shard to the channels instead (an all-to-all on ``ulysses_cp``; on ``ring_cp``, 
 blocks are not contiguous, the sequence is gathered and each rank keeps its channels) and says
 so with a :class:`SequenceGatherWarning`. A convolution that mixes channels (``groups < C``)
 contracts them: a channel shard of ``x`` and of the weight's input channels gives a partial sum.
+
+``convolution_backward(grad, x, w, ..)`` of the depthwise conv follows the forward: channels
+sharded, ``grad_x``, ``grad_w`` and ``grad_b`` are the rank's channels; a batch shard gives
+``grad_x`` on the batch and partial ``grad_w``, ``grad_b`` (summed over the batch).
 """
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import torch
 import torch.fx as fx
@@ -42,6 +47,8 @@ def conv_groups_arg(node: fx.Node) -> int | None:
         return 6
     if node.target is aten.convolution.default:
         return 8
+    if node.target is aten.convolution_backward.default:
+        return 9
     return None
 
 
@@ -54,9 +61,12 @@ def _groups(node: fx.Node) -> int:
 
 def _depthwise(node: fx.Node, ctx: RuleCtx) -> bool:
     x, w = tensor_inputs(node)[:2]
+    if node.target is aten.convolution_backward.default:
+        x, w = tensor_inputs(node)[1:3]
     c = ctx.shape(x)[1]
     return ctx.ndim(x) == 3 and _groups(node) == c and ctx.shape(w)[:2] == (c, 1) and \
-        not (node.target is aten.convolution.default and node.args[6])
+        not (node.target is aten.convolution.default and node.args[6]) and \
+        not (node.target is aten.convolution_backward.default and node.args[7])
 
 
 def warn_sequence_gather(node: fx.Node, ctx: RuleCtx, what: str) -> None:
@@ -105,7 +115,26 @@ def conv_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     return decide(R, R, R, R)
 
 
-@local_args(aten.conv1d.default, aten.convolution.default)
+@rule(aten.convolution_backward.default)
+def conv_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    g, x, w = ins[:3]
+    outs = node.meta["val"]
+    depthwise = _depthwise(node, ctx)
+
+    def on(p):   # the placement of each returned gradient that is computed (mask True)
+        return [p[k] if outs[k] is not None else R for k in range(3)]
+    if isinstance(x, Shard) and x.dim == 0 or isinstance(g, Shard) and g.dim == 0:
+        return Decision(ins=[Shard(0), Shard(0), R], out=on([Shard(0), P, P]))
+    for p in (w, x, g):
+        if depthwise and isinstance(p, (Shard, StridedShard)) and \
+                p.dim == (0 if p is w else 1):
+            chan = Shard(1) if isinstance(p, Shard) else replace(p, dim=1)
+            wp = Shard(0) if isinstance(p, Shard) else replace(p, dim=0)
+            return Decision(ins=[chan, chan, wp], out=on([chan, wp, wp]))
+    return Decision(ins=[R, R, R], out=on([R, R, R]))
+
+
+@local_args(aten.conv1d.default, aten.convolution.default, aten.convolution_backward.default)
 def local_conv_groups(node: fx.Node, local_in) -> bool:
     """Set a depthwise conv's ``groups`` to the rank's channel count (``localize``)."""
     i = conv_groups_arg(node)
@@ -116,7 +145,7 @@ def local_conv_groups(node: fx.Node, local_in) -> bool:
     c = node.args[0].meta["val"].shape[1]
     if groups != c or local_in[1] == c:
         return False
-    args = list(node.args)
+    args = list(node.args)   # (a depthwise conv's gradient has the input's channels too)
     defaults = [None, None, None, 1, 0, 1, 1] if node.target is aten.conv1d.default else []
     while len(args) <= i:
         args.append(defaults[len(args)])

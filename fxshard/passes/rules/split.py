@@ -30,7 +30,8 @@ from .linear import fused_out, split_intervals
 
 aten = torch.ops.aten
 
-__all__ = ["tensor_split_rule", "pad_rule", "nested_pieces", "tensor_split_intervals"]
+__all__ = ["tensor_split_rule", "pad_rule", "nested_pieces", "tensor_split_intervals",
+           "flip_rule", "softplus_backward_rule"]
 
 _PERMUTES = (aten.transpose.int, aten.permute.default)
 
@@ -103,6 +104,28 @@ def pad_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
     if isinstance(p, (Shard, StridedShard)) and mode != "constant" and padded:
         return Decision(ins=[R], out=R)   # reflect / replicate read along the padded dims only
     return Decision(ins=[p], out=p)
+
+
+@rule(aten.flip.default)
+def flip_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``flip(x, dims)`` (the gradient of a ``cumsum``): a shard of a dim not flipped passes,
+    a partial sum stays partial; a flipped dim must be whole."""
+    p = ins[0]
+    nd = ctx.ndim(node.args[0])
+    flipped = {d % nd for d in node.args[1]}
+    if isinstance(p, Partial):
+        return Decision(ins=[P], out=P)
+    if isinstance(p, (Shard, StridedShard)) and p.dim not in flipped:
+        return Decision(ins=[p], out=p)
+    return Decision(ins=[R], out=R)
+
+
+@rule(aten.softplus_backward.default)
+def softplus_backward_rule(node: fx.Node, ins: list, ctx: RuleCtx) -> Decision:
+    """``softplus_backward(grad, x, beta, threshold)``: elementwise, without torch's tag."""
+    from .pointwise import pointwise_decision
+    from . import tensor_inputs
+    return pointwise_decision(node, ins, ctx, tensor_inputs(node))
 
 
 def _follow(u: fx.Node, cur: fx.Node, d: int) -> int | None:
