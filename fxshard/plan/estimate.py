@@ -164,7 +164,7 @@ def _weight_bytes(unit: Unit, axes: dict, stage: dict) -> float:
     """Parameter bytes per device of ``stage`` (``{region: count}``: the layers it holds,
     and whether it holds the embedding ``pre`` and the head ``post``)."""
     from ..mesh import MeshSpec
-    target = MeshSpec(tuple(axes[a] if a != PP else 1 for a in unit.mesh.axis_names),
+    target = MeshSpec(tuple(axes.get(a, 1) if a != PP else 1 for a in unit.mesh.axis_names),
                       unit.mesh.axis_names)
     total = 0.0
     for _fqn, (shape, spec, dtype, region) in unit.weights.items():

@@ -92,8 +92,6 @@ def _loss(out, labels):
 def build_unit(model: torch.nn.Module, axes: dict, *, seq: int, training: bool,
                sequence_parallel: bool, recompute=None, reshard_after_forward=True) -> Unit:
     """Build and cost the one-layer programs of ``model`` for mesh ``axes`` (module doc)."""
-    from ..passes import PassCtx
-    from ..weights import tied_names
     small = one_layer_model(model)
     stack, _ = layer_stack(model)
     mesh = unit_mesh(axes)
@@ -102,35 +100,49 @@ def build_unit(model: torch.nn.Module, axes: dict, *, seq: int, training: bool,
     ids = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if training:
-            from ..training.program import build_train_program
-            from ..training.with_loss import WithLoss
-            ctx = PassCtx(mesh=mesh, sequence_parallel=sequence_parallel,
-                          aliases=tied_names(small))
-            module = WithLoss(small.train(False), _loss, with_target=True)
-            prog = build_train_program(module, ((ids,), {}, ids), {}, ctx,
-                                       reshard_after_forward=reshard_after_forward,
-                                       recompute=recompute, vocab_outputs=True)
-            split = prog.split
-            names = {n.name for n in split.forward.graph.nodes if n.op == "placeholder"}
-            wnames = {n.name for n in split.forward.graph.nodes
-                      if n.op == "placeholder" and (n.meta.get("fxshard_param") or
-                                                     n.meta.get("fxshard_buffer"))}
-            fwd = program_costs(split.forward, mesh, weights=wnames,
-                                n_outputs=split.n_outputs)
-            outs = split.forward.graph.output_node().args[0]
-            saved = {}
-            for a in outs[split.n_outputs:]:
-                saved[f"saved_{a.name}"] = _batch_of(split.forward, a, wnames)
-            bwd = program_costs(split.backward, mesh, weights=wnames & names,
-                                saved_from=saved, backward=True)
-            dtypes = {n.meta.get("fxshard_param") or n.meta.get("fxshard_buffer"):
-                      n.meta["val"].dtype for n in split.forward.graph.nodes
-                      if n.op == "placeholder" and n.name in wnames}
-            weights = {f: (prog.shapes[f], prog.specs[f], dtypes.get(f, torch.float32),
-                           _region(small, f, stack))
-                       for f in split.weights if f in prog.shapes}
-            return Unit(fwd, bwd, weights, mesh, stack)
+        if training:     # (the joint graph is traced with grad enabled, as pm(x) trains)
+            with torch.enable_grad():
+                return _train_unit(small, mesh, stack, ids, sequence_parallel, recompute,
+                                   reshard_after_forward)
+        return _inference_unit(small, mesh, stack, ids, sequence_parallel)
+
+
+def _train_unit(small, mesh, stack, ids, sequence_parallel, recompute, reshard_after_forward
+                ) -> Unit:
+    from ..passes import PassCtx
+    from ..weights import tied_names
+    from ..training.program import build_train_program
+    from ..training.with_loss import WithLoss
+    ctx = PassCtx(mesh=mesh, sequence_parallel=sequence_parallel,
+                  aliases=tied_names(small))
+    module = WithLoss(small.train(False), _loss, with_target=True)
+    prog = build_train_program(module, ((ids,), {}, ids), {}, ctx,
+                               reshard_after_forward=reshard_after_forward,
+                               recompute=recompute, vocab_outputs=True)
+    split = prog.split
+    names = {n.name for n in split.forward.graph.nodes if n.op == "placeholder"}
+    wnames = {n.name for n in split.forward.graph.nodes
+              if n.op == "placeholder" and (n.meta.get("fxshard_param") or
+                                             n.meta.get("fxshard_buffer"))}
+    fwd = program_costs(split.forward, mesh, weights=wnames,
+                        n_outputs=split.n_outputs)
+    outs = split.forward.graph.output_node().args[0]
+    saved = {}
+    for a in outs[split.n_outputs:]:
+        saved[f"saved_{a.name}"] = _batch_of(split.forward, a, wnames)
+    bwd = program_costs(split.backward, mesh, weights=wnames & names,
+                        saved_from=saved, backward=True)
+    dtypes = {n.meta.get("fxshard_param") or n.meta.get("fxshard_buffer"):
+              n.meta["val"].dtype for n in split.forward.graph.nodes
+              if n.op == "placeholder" and n.name in wnames}
+    weights = {f: (prog.shapes[f], prog.specs[f], dtypes.get(f, torch.float32),
+                   _region(small, f, stack))
+               for f in split.weights if f in prog.shapes}
+    return Unit(fwd, bwd, weights, mesh, stack)
+
+
+def _inference_unit(small, mesh, stack, ids, sequence_parallel) -> Unit:
+    with torch.no_grad():
         from ..api import parallelize
         pm = parallelize(small, mesh, example_inputs=(ids,),
                          sequence_parallel=sequence_parallel)
