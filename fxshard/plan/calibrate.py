@@ -5,6 +5,7 @@ Measures, with torch's own kernels on the CPU:
 - matmul flop/s per dtype (float32, bfloat16): the best of a few ``n x n @ n x n`` matmuls,
   with ``torch.get_num_threads()`` threads (set it as the ranks will run, e.g. 1);
 - memory bandwidth: a large tensor copied (read + write bytes over the time);
+- the time of one small op (the dispatch overhead every node of a program pays);
 - gloo latency and bandwidth: an all-reduce between two local processes at a small and a
   large message size (``latency`` = the small one's time per ring step, ``bandwidth`` from the
   large one's wire bytes); skipped with ``links=False`` (then the links are taken as memory
@@ -46,6 +47,18 @@ def _bandwidth(nbytes: int, repeat: int) -> float:
     dst = torch.empty_like(src)
     dst.copy_(src)
     return 2 * nbytes / _best(lambda: dst.copy_(src), repeat)
+
+
+def _op_latency(repeat: int) -> float:
+    """Seconds per small op (the dispatch overhead a program pays per node)."""
+    a = torch.ones(64, device="cpu")
+    b = torch.ones(64, device="cpu")
+
+    def ops():
+        for _ in range(200):
+            torch.add(a, b)
+    ops()
+    return _best(ops, repeat) / 200
 
 
 def _gloo_worker(rank: int, path: str, sizes: list, repeat: int, queue) -> None:
@@ -99,6 +112,7 @@ def calibrate(*, ranks: int = 2, size: int = 1024, repeat: int = 5, links: bool 
     except RuntimeError:
         pass
     bw = _bandwidth(64 * 2 ** 20, repeat)
+    op = _op_latency(repeat)
     latency, link_bw = (_gloo(repeat) if links else (1e-6, bw / 2))
     if memory_bytes is None:
         from ..runtime.memory import available_bytes
@@ -109,7 +123,8 @@ def calibrate(*, ranks: int = 2, size: int = 1024, repeat: int = 5, links: bool 
                     flops=flops, memory_bytes=int(memory_bytes), memory_bandwidth=bw,
                     links={INTRA: link, INTER: link}, devices_per_node=max(ranks, 1),
                     matmul_efficiency=1.0, attention_efficiency=1.0, memory_efficiency=1.0,
-                    link_efficiency=1.0, usable_memory=1.0,
+                    link_efficiency=1.0, usable_memory=1.0, op_latency=op,
                     source="fxshard.calibrate() on this machine",
                     measured={"matmul_flops": dict(flops), "copy_bandwidth": bw,
+                              "op_latency": op,
                               "gloo_latency": latency, "gloo_bandwidth": link_bw})

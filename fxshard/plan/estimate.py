@@ -190,8 +190,9 @@ def _node_time(item, hw: Hardware, b: float, half: bool) -> float:
     eff = {"matmul": hw.matmul_efficiency, "attention": hw.attention_efficiency}.get(
         item.kind, hw.matmul_efficiency)
     flops = item.flops * scale
-    peak = hw.peak(dtype) if item.kind != "other" else hw.peak(dtype)
-    return max(flops / (peak * eff), nbytes / (hw.memory_bandwidth * hw.memory_efficiency))
+    peak = hw.peak(dtype)
+    return hw.op_latency + max(flops / (peak * eff),
+                               nbytes / (hw.memory_bandwidth * hw.memory_efficiency))
 
 
 def _comm_time(c, hw: Hardware, axes: dict, b: float, half: bool) -> float:

@@ -24,6 +24,7 @@ every GPU preset and were fixed before any comparison with published training re
 - ``memory_efficiency = 0.80``: streaming kernels reach 80-90% of HBM bandwidth.
 - ``link_efficiency = 0.75``: NCCL's all-reduce bus bandwidth reaches about 75-85% of the
   NVLink per-direction peak and of a 400 Gb/s NIC for large messages.
+- ``op_latency = 4 us``: a CUDA kernel launch from eager PyTorch, added per computing node.
 
 ``fxshard.calibrate()`` measures this machine instead (CPU: matmul flop/s, gloo latency and
 bandwidth) and sets every efficiency to 1.0 (the measured rate is what is achieved).
@@ -64,6 +65,7 @@ class Hardware:
     link_efficiency: float = 0.75
     usable_memory: float = 0.90         # of memory_bytes: what the allocator can hand out
     #                                     (runtime context, fragmentation: 10% held back)
+    op_latency: float = 4e-6            # s per computing node: a kernel launch (eager)
     source: str = ""
     measured: dict = field(default_factory=dict)   # calibrate(): the raw measurements
 
