@@ -202,7 +202,19 @@ def _explicit(b: _Builder, q, k, v, score_gm, idx, mask, scale, buffers, gqa: in
                   float("-inf"))
     probs = b.op(aten._safe_softmax.default, masked, -1)
     out = b.op(aten.matmul.default, cast(probs, qv.dtype), cast(v, qv.dtype))
-    return out, masked
+    return _strided_like(b, out, qv), masked
+
+
+def _strided_like(b: _Builder, out: fx.Node, qv: torch.Tensor) -> fx.Node:
+    """``out`` laid out in memory as the query is (flex_attention's output is: a caller's
+    ``out.transpose(1, 2).view(B, S, -1)`` relies on it)."""
+    order = sorted(range(qv.dim()), key=lambda d: -qv.stride(d))
+    if order == list(range(qv.dim())):
+        return out
+    inverse = [order.index(d) for d in range(qv.dim())]
+    dense = b.op(aten.clone.default, b.op(aten.permute.default, out, order),
+                 memory_format=torch.contiguous_format)
+    return b.op(aten.permute.default, dense, inverse)
 
 
 def _lse(b: _Builder, masked: fx.Node) -> fx.Node:
