@@ -80,8 +80,9 @@ def test_logits_equal_one_device_with_whole_experts_per_rank(build, axes, batch,
     ep = axes["ep"]
     _expert_layers_checked(pm, model, ep, layers)
     e = pm.explain()
-    assert e.passes["expert_parallel_pass"] == {"moe_layers": layers, "dispatches": layers,
-                                               "combines": layers}, e.passes
+    assert e.passes["expert_parallel_pass"] == {
+        "moe_layers": layers, "dispatches": layers, "combines": layers,
+        "experts_per_rank": 4 // ep}, e.passes
     for rank in range(pm.spec.world_size):
         on_ep = Counter(c.op for c in e.collectives[rank] if c.axis == "ep")
         # per MoE layer: one counts exchange, the rows out and back; on ep the only gather

@@ -42,10 +42,10 @@ import torch
 import torch.fx as fx
 
 from ..mesh import EP
-from ..placement import Shard
+from ..placement import Shard, StridedShard
 from . import PassCtx
 from .moe_routing import TAG, _grouped_mm_backward
-from .rules import lookup
+from .rules import lookup, tensor_inputs
 from .rules.experts import grouped_mm_rule
 
 __all__ = ["expert_parallel_pass", "expert_layers"]
@@ -105,6 +105,16 @@ def _rows(t: fx.Node) -> int | None:
 def _weight_grad(node: fx.Node) -> bool:
     return node.target is operator.getitem and _grouped_mm_backward(node.args[0]) and \
         node.args[1] == 1
+
+
+def _plain(spec):
+    """A rows spec in the experts' order: a fused layout of the rows (``ring_cp``'s zigzag
+    share, ``StridedShard`` on dim 0) is only the count there, ``Shard(0)``."""
+    if isinstance(spec, list):
+        return [_plain(s) for s in spec]
+    if not isinstance(spec, tuple):
+        return spec
+    return tuple(Shard(0) if isinstance(p, StridedShard) and p.dim == 0 else p for p in spec)
 
 
 def _bound(val, n: int, n_ep: int):
@@ -185,7 +195,7 @@ def _route(gm: fx.GraphModule, name: str, mms: list[fx.Node], ctx: PassCtx) -> t
                     dispatched[t] = _new(graph, ops.expert_dispatch.default,
                                          (t, offs, counts, EP, n_ep),
                                          val.new_empty((n_ep * n, *val.shape[1:])),
-                                         spec, [spec, offs_spec, offs_spec], t)
+                                         _plain(spec), [spec, offs_spec, offs_spec], t)
             s.replace_input_with(t, dispatched[t])
     combines = 0
     for s in sorted(segment, key=order.get):
@@ -197,17 +207,24 @@ def _route(gm: fx.GraphModule, name: str, mms: list[fx.Node], ctx: PassCtx) -> t
         spec, val = s.meta["fxshard_spec"], s.meta["val"]
         with graph.inserting_after(s):
             back = _new(graph, ops.expert_combine.default, (s, offs, counts, EP, n_ep), val,
-                        spec, [spec, offs_spec, offs_spec], s)
+                        spec, [_plain(spec), offs_spec, offs_spec], s)
         for u in outside:
             u.replace_input_with(s, back)
         combines += 1
-    for s in segment:   # the segment's rows: the bound n_ep * n
+    inside = segment | set(dispatched.values())
+    for s in segment:   # the segment's rows: the bound n_ep * n, in the experts' order
         val = s.meta["val"]
         if _weight_grad(s):
             continue
+        s.meta["fxshard_need"] = [_plain(q) if t in inside else q for t, q in
+                                  zip(tensor_inputs(s), s.meta["fxshard_need"])]
         if _grouped_mm_backward(s):
+            spec = s.meta["fxshard_spec"]
+            s.meta["fxshard_spec"] = [_plain(spec[0]), *spec[1:]]
             s.meta["val"] = (_bound(val[0], n, n_ep), val[1])
-        elif isinstance(val, (list, tuple)):
+            continue
+        s.meta["fxshard_spec"] = _plain(s.meta["fxshard_spec"])
+        if isinstance(val, (list, tuple)):
             s.meta["val"] = type(val)(_bound(v, n, n_ep) for v in val)
         else:
             s.meta["val"] = _bound(val, n, n_ep)
@@ -239,9 +256,11 @@ def expert_parallel_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
             f"no grouped-matmul MoE experts that fxshard routes (models whose experts are a "
             f"loop of per-expert Linear layers are not routed yet); use dp instead of ep")
     dispatches = combines = 0
+    per_rank = set()
     for name, mms in layers.items():
         d, c = _route(gm, name, mms, ctx)
         dispatches, combines = dispatches + d, combines + c
+        per_rank.add(mms[0].args[1].meta["val"].shape[0] // n_ep)
     ctx.report("expert_parallel_pass", moe_layers=len(layers), dispatches=dispatches,
-               combines=combines)
+               combines=combines, experts_per_rank=min(per_rank))
     return gm
