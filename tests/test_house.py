@@ -126,9 +126,9 @@ def test_axis_names_are_spelled_only_in_the_axis_roles_table():
     import io
     import tokenize
     from fxshard.mesh import AXIS_NAMES, AXIS_ROLES, BATCH_AXES, SEQUENCE_AXES, TRAINING_AXES
-    assert AXIS_NAMES == tuple(AXIS_ROLES) and set(BATCH_AXES) == {"dp", "fsdp"}
+    assert AXIS_NAMES == tuple(AXIS_ROLES) and set(BATCH_AXES) == {"dp", "fsdp", "ep"}
     assert set(SEQUENCE_AXES) == {"ulysses_cp", "ring_cp"}
-    assert set(TRAINING_AXES) == {"dp", "fsdp", "tp", "pp", "ulysses_cp", "ring_cp"}
+    assert set(TRAINING_AXES) == {"dp", "fsdp", "tp", "pp", "ulysses_cp", "ring_cp", "ep"}
     literals = {repr(a) for a in AXIS_NAMES} | {f'"{a}"' for a in AXIS_NAMES}
     found = []
     for path in sorted((ROOT / "fxshard").rglob("*.py")):

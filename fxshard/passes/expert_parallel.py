@@ -234,6 +234,8 @@ def _route(gm: fx.GraphModule, name: str, mms: list[fx.Node], ctx: PassCtx) -> t
 def expert_parallel_pass(gm: fx.GraphModule, *, ctx: PassCtx) -> fx.GraphModule:
     n_ep = ctx.mesh.axis_size(EP)
     if n_ep == 1:
+        ctx.report("expert_parallel_pass", moe_layers=0, dispatches=0, combines=0,
+                   experts_per_rank=0)
         return gm
     for mm in (n for n in gm.graph.nodes if _is_expert_mm(n)):
         n_experts = mm.args[1].meta["val"].shape[0]
