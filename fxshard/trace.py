@@ -96,8 +96,32 @@ def trace(model: torch.nn.Module, args: tuple, kwargs: dict | None = None, *,
             raise NotImplementedError(
                 f"fxshard.parallelize: {type(model).__name__}'s forward mutates state in place "
                 f"({bad[0].target} at {bad[0].name}); fxshard runs pure inference graphs")
+        _dropout_again(ep.graph_module)
     from .decompose import decompose_custom_ops
     return _from_exported(decompose_custom_ops(ep), model)
+
+
+def _dropout_again(gm: fx.GraphModule) -> int:
+    """``run_decompositions`` turns ``aten.dropout`` into ``native_dropout`` and its output
+    0; fxshard's dropout sites (:mod:`fxshard.training.dropout`) are ``aten.dropout``: where
+    only the output is read (the mask is not), put it back. Returns how many."""
+    import operator
+    n = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.native_dropout.default or \
+                any(u.target is not operator.getitem or u.args[1] != 0 for u in node.users):
+            continue
+        with gm.graph.inserting_before(node):
+            plain = gm.graph.call_function(aten.dropout.default, tuple(node.args[:3]))
+        for user in list(node.users):
+            plain.meta.update(user.meta)
+            user.replace_all_uses_with(plain)
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+        n += 1
+    if n:
+        gm.recompile()
+    return n
 
 
 def _export(model, args, kwargs, meta_args, meta_kwargs, on_meta: bool,
