@@ -9,7 +9,6 @@ no load hook undoes, is a clear error.
 """
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
