@@ -202,12 +202,43 @@ def _layer_of(graph: fx.Graph, backward: bool) -> dict:
             else "layer" for i, n in enumerate(nodes)}
 
 
+def _weight_region(node, regions: dict, grads: list | None) -> str | None:
+    """The region of the weight a weight-only collective moves (its parameter's, through its
+    first inputs) or of the gradient a reduction makes (the output it feeds), from
+    ``regions`` (FQN -> region); None where neither is found."""
+    n = node
+    while isinstance(n, fx.Node):
+        fqn = n.meta.get("fxshard_param") or n.meta.get("fxshard_buffer")
+        if fqn in regions:
+            return regions[fqn]
+        n = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    if grads is None:
+        return None
+    todo, seen = list(node.users), set()
+    while todo:
+        u = todo.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if u.op == "output":
+            outs = list(u.args[0])
+            for i, a in enumerate(outs):
+                if a in seen or a is node:
+                    return regions.get(grads[i]) if i < len(grads) else None
+            return None
+        todo.extend(u.users)
+    return None
+
+
 def program_costs(gm: fx.GraphModule, mesh, *, weights: set, saved_from: dict | None = None,
-                  n_outputs: int | None = None, backward: bool = False) -> Costs:
+                  n_outputs: int | None = None, backward: bool = False,
+                  regions: dict | None = None, grads: list | None = None) -> Costs:
     """The costs of rank program ``gm`` built on ``mesh``. ``weights``: the placeholder names
     that are weights. A training forward: ``n_outputs`` (its first outputs are the model's,
     the rest saved for the backward); a backward: ``backward=True`` and ``saved_from``
-    (``{placeholder name: batch?}`` of the values the forward saved)."""
+    (``{placeholder name: batch?}`` of the values the forward saved). ``regions``: weight
+    FQN -> region, so a weight's collective counts where its weight lives (a backward places
+    the head's gather wherever it is needed); ``grads``: the backward's output FQNs."""
     graph = gm.graph
     layer = _layer_of(graph, backward)
     nodes = list(graph.nodes)
@@ -243,8 +274,11 @@ def program_costs(gm: fx.GraphModule, mesh, *, weights: set, saved_from: dict | 
                 full = c.tensor_bytes * c.size
             else:
                 full = c.tensor_bytes
+            region = layer[n]
+            if weight and regions:    # a weight's gather or gradient's reduction: its own
+                region = _weight_region(n, regions, grads if backward else None) or region
             costs.comms.append(Comm(op, c.axis, c.tensor_bytes, full, c.wire_bytes,
-                                    batch[n] and not weight, layer[n], weight))
+                                    batch[n] and not weight, region, weight))
             continue
         if name in _FREE or name.startswith("fxshard."):
             if name in _ATTENTION_FWD or name in _ATTENTION_BWD:

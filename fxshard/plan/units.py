@@ -124,14 +124,15 @@ def _train_unit(small, mesh, stack, ids, sequence_parallel, recompute, reshard_a
     wnames = {n.name for n in split.forward.graph.nodes
               if n.op == "placeholder" and (n.meta.get("fxshard_param") or
                                              n.meta.get("fxshard_buffer"))}
+    regions = {f: _region(small, f, stack) for f in split.weights}
     fwd = program_costs(split.forward, mesh, weights=wnames,
-                        n_outputs=split.n_outputs)
+                        n_outputs=split.n_outputs, regions=regions)
     outs = split.forward.graph.output_node().args[0]
     saved = {}
     for a in outs[split.n_outputs:]:
         saved[f"saved_{a.name}"] = _batch_of(split.forward, a, wnames)
     bwd = program_costs(split.backward, mesh, weights=wnames & names,
-                        saved_from=saved, backward=True)
+                        saved_from=saved, backward=True, regions=regions, grads=split.grads)
     dtypes = {n.meta.get("fxshard_param") or n.meta.get("fxshard_buffer"):
               n.meta["val"].dtype for n in split.forward.graph.nodes
               if n.op == "placeholder" and n.name in wnames}
