@@ -192,6 +192,9 @@ def _check_options(options: dict) -> None:
     if not isinstance(values["compile"], bool):
         raise TypeError(f"{_WHERE}: compile={values['compile']!r}; pass True (Inductor-compiled "
                         f"rank programs, the default here) or False")
+    from .mixed_precision import check_policy
+    check_policy(_WHERE, values["mixed_precision"])
     check_parallelize_args(_WHERE, model=torch.nn.Module(), example_inputs=None,
                            example_kwargs=None, styles=PLAN_STYLES,
-                           **{n: v for n, v in values.items() if n != "compile"})
+                           **{n: v for n, v in values.items()
+                              if n not in ("compile", "mixed_precision")})

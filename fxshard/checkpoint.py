@@ -316,16 +316,20 @@ def load_safetensors(pm, path: str) -> None:
         for t in twins:
             if t not in src and name in src:
                 src[t] = src[name]
-    _cast_as_parameters(src, getattr(getattr(pm, "weights", None), "expected", {}))
+    # under a mixed-precision policy the masters keep the model's dtype (bf16 files too)
+    masters = getattr(getattr(pm, "options", None), "mixed_precision", None) is not None
+    _cast_as_parameters(src, getattr(getattr(pm, "weights", None), "expected", {}), masters)
     pm.load_state_dict(src)
 
 
-def _cast_as_parameters(src: dict, expected: dict) -> None:
+def _cast_as_parameters(src: dict, expected: dict, masters: bool = False) -> None:
     """A tensor stored as an integer (or bool) for a floating weight, or the other way round,
     is read as the model's dtype: what ``model.load_state_dict`` does on one device (it copies
-    into the parameter). Floating dtypes are left as stored, as before."""
+    into the parameter). Floating dtypes are left as stored, as before, except for the
+    ``masters`` of a mixed-precision policy: read as the model's dtype (fp32 from bf16)."""
     for name, s in src.items():
         want = expected.get(name, (None, None))[1]
         if want is not None and s.stored is None and s.dtype != want and \
-                (s.dtype.is_floating_point != want.is_floating_point):
+                (s.dtype.is_floating_point != want.is_floating_point or
+                 masters and s.dtype.is_floating_point):
             src[name] = dataclasses.replace(s, dtype=want, stored=s.dtype, reads=[])

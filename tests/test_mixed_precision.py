@@ -158,3 +158,37 @@ def test_a_bad_policy_is_a_clear_error():
         fxshard.parallelize(model, _mesh({"tp": 2}), mixed_precision=MixedPrecisionPolicy(
             reduce_dtype=torch.float32))
 
+
+
+def test_meta_model_loads_bf16_safetensors_into_fp32_masters(tmp_path):
+    """A model built on meta in fp32, parallelized under the policy, loads a bf16 safetensors
+    file (as HF ships them) into fp32 masters (they were left bf16: the optimizer would step
+    bf16 weights), and its first step is the policy's."""
+    from safetensors.torch import save_file
+    from fxshard.models.llama import LlamaForCausalLM
+    model, (ids, labels) = _llama(layers=1), _ids()
+    with torch.no_grad():    # values a bf16 file holds exactly
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    path = str(tmp_path / "model.safetensors")
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()},
+              path)
+    with fxshard.init_empty_weights():
+        meta = LlamaForCausalLM(model.config)
+    pm = fxshard.parallelize(meta, _mesh({"fsdp": 2, "tp": 2}), mixed_precision=BF16)
+    fxshard.load_safetensors(pm, path)
+    loss = _loss_of(ids, labels)(pm, None)
+    loss.backward()
+    assert {p.dtype for p in pm.parameters()} == {torch.float32}
+    assert {v.dtype for v in pm.state_dict().values()} == {torch.float32}
+    ref = PolicyReference(model, BF16)
+    want = _loss_of(ids, labels)(ref.working(), None)
+    want.backward()
+    ref.grads_to_masters()
+    exact = copy.deepcopy(model).double()
+    want64 = _loss_of(ids, labels)(exact, torch.float64)
+    want64.backward()
+    close_to_float64(loss, want, want64, "loss")
+    grads = pm.gradients()
+    for name, p in exact.named_parameters():
+        close_to_float64(grads[name], ref.masters.get_parameter(name).grad, p.grad, name)
