@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .passes.cast_params import working_copy_bytes
 from .placement import Shard, local_shape, shard_slices, short_spec
 from .mesh import TP
 
@@ -173,11 +174,8 @@ class Explanation:
                           for (op, axis), (n, tb, wb) in sorted(agg.items())] or ["    (none)"]
         if self.train_memory:
             lines += ["", "Training memory per rank (bytes: parameters, gradients, AdamW state "
-                          "= 2x parameters, activations saved for the backward in their "
-                          "dtypes; a mixed-precision policy: parameters, gradients and AdamW "
-                          "state are the masters', param_dtype_copies the working copies at "
-                          "the forward's peak, the largest fsdp gather plus those not "
-                          "gathered)"]
+                          "= 2x parameters, activations saved for the backward in their dtypes;"
+                          " param_dtype_copies: a mixed-precision policy's at the peak)"]
             same: dict[tuple, list] = {}
             for r, m in self.train_memory.items():
                 same.setdefault(tuple(m.items()), []).append(r)
@@ -448,13 +446,11 @@ def explain_training(pm, tm) -> Explanation:
             shape = local_shape(tuple(v.shape), n.meta["fxshard_spec"], mesh)
             saved += int(torch.Size(shape).numel()) * v.element_size()
     measured = getattr(tm, "_saved_bytes", None) or {}
-    from .passes.cast_params import working_copy_bytes
     copies = working_copy_bytes(program.split.forward, mesh)   # a mixed-precision policy's
     for r in range(mesh.world_size):
         ex.backward[r] = backward
         p = ex.param_bytes[r]
         ex.train_memory[r] = {"parameters": p, "gradients": p, "adamw_state": 2 * p,
-                              "saved": measured.get(r, saved)}
-        if copies:
-            ex.train_memory[r]["param_dtype_copies"] = copies
+                              "saved": measured.get(r, saved),
+                              **({"param_dtype_copies": copies} if copies else {})}
     return ex
