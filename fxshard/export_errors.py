@@ -54,6 +54,12 @@ def summarise_export_error(model: torch.nn.Module, exc: BaseException, *,
                 f"fxshard traces one graph per input shape, so Python control flow may depend "
                 f"on shapes only: write the branch with torch.where (or torch.cond), or move it "
                 f"out of forward")
+    elif "BlockMask" in str(exc) and "Unsupported input type" in str(exc):
+        what = ("a FlexAttention BlockMask is passed to forward (torchtitan's attention_masks); "
+                "its mask_mod closes over this batch's tensors (document ids), which a traced "
+                "program would keep as constants. Build the mask in forward instead: pass the "
+                "tensors it reads (positions or document ids) as inputs and call "
+                "create_block_mask there (see docs/flex_attention.md)")
     else:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         what = (f"{type(exc).__name__}{at}: {first[:300]}. Check that the model runs eagerly "

@@ -27,13 +27,13 @@ ordinary ATen ops, with the semantics of PyTorch's own reference implementation
   GPU) as for any SDPA;
 - with a ``score_mod`` (a bias, a soft-cap, ALiBi) the scores are explicit:
   ``softmax(where(mask, score_mod(q @ k^T * scale), -inf)) @ v`` in float32 (float64 for
-  float64 inputs), as PyTorch's reference computes them; eager_attention recognises the
-  forms it knows (a tanh soft-cap), the rest run through the ordinary rules;
+  float64 inputs), as PyTorch's reference computes them, through the ordinary rules (heads
+  split on tp and Ulysses; on ring_cp K and V are gathered around them: no ring attention);
 - the block sparsity tensors (``kv_num_blocks``, ``kv_indices``, ...) and the dense mask
   ``create_block_mask`` computed to find them have no user left and are removed. The blocks
   are an optimisation of the fused kernel; as in PyTorch's reference, the ``mask_mod``
-  defines which keys are seen. A ``BlockMask`` built from blocks alone
-  (``BlockMask.from_kv_blocks`` with no ``mask_mod``) is a ``NotImplementedError``.
+  defines which keys are seen (a ``BlockMask`` made from blocks alone, with no
+  ``mask_mod``, is read as all keys, as that reference reads it).
 
 Backward: the lowered graph is ordinary ATen (SDPA or matmul/softmax), so aot_autograd
 differentiates it on any device. Before::
