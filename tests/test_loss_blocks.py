@@ -141,3 +141,29 @@ def test_the_check_sees_float32_logits():
     tm(torch.randn(2, 6, 8), torch.randint(0, 20, (2, 6))).backward()
     for which in ("forward", "backward"):
         assert _float32_logits_nodes(tm.rank_module(0, which), 12, 20), which
+
+
+@pytest.mark.grad
+def test_cross_entropy_on_bf16_blocks_upcasts_a_slice_of_rows_at_a_time(monkeypatch):
+    """``F.cross_entropy`` on a vocab-sharded bf16 output of ``pm(x)`` (the eager blocks of
+    ``fxshard.training.vocab_output``): float32 inside, 2 rows at a time, the gradient in
+    bf16; the loss and gradients no further from float64 than the joined tensor's
+    ``F.cross_entropy(x.float())`` rounded alike (loss to bf16, its gradient to bf16)."""
+    from tests.test_vocab_output import _pair
+    widths = [5, 9, 3]
+    monkeypatch.setattr(loss_ops, "_SLICE_ELEMENTS", 2 * max(widths))
+    blocks, x, joined = _pair(widths, lead=(11,), dtype=torch.bfloat16, seed=4)
+    target = torch.arange(11) * 5 % sum(widths)
+    target[2] = -100
+    exact = joined.detach().double().requires_grad_()
+    got = F.cross_entropy(x, target)
+    assert got.dtype == torch.bfloat16 and not x.gathered
+    one = F.cross_entropy(joined.float(), target)
+    ref = F.cross_entropy(exact, target)
+    for t in (got, one, ref):
+        t.backward()
+    _no_further({"loss": got.detach()}, {"loss": one.detach().bfloat16()},
+                {"loss": ref.detach()})
+    grad = torch.cat([b.grad for b in blocks], -1)
+    assert grad.dtype == torch.bfloat16
+    _no_further({"grad": grad}, {"grad": joined.grad}, {"grad": exact.grad})

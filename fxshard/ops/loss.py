@@ -202,7 +202,7 @@ def vocab_sum_exp(x, m):
     the rows' maxima ``m`` ``[N, 1]``, a slice of rows at a time (no float32 ``[N, C]``)."""
     out = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
     for lo, hi in _row_slices(x):
-        z = x[lo:hi].float().sub_(m[lo:hi].float()).exp_()
+        z = torch.sub(x[lo:hi], m[lo:hi].float()).exp_()     # float32 (promoted)
         torch.sum(z, 1, keepdim=True, out=out[lo:hi])
     return out
 
@@ -226,7 +226,7 @@ def vocab_cross_entropy_grad(grad, x, lse, target, reduction: int, ignore_index:
     at_target = torch.where(mine, -w, torch.zeros_like(w))
     out = torch.empty_like(x)
     for lo, hi in _row_slices(x):
-        d = x[lo:hi].float().sub_(lse[lo:hi]).exp_().mul_(w[lo:hi].unsqueeze(1))
+        d = torch.sub(x[lo:hi], lse[lo:hi]).exp_().mul_(w[lo:hi].unsqueeze(1))   # float32
         d.scatter_add_(1, local[lo:hi].unsqueeze(1), at_target[lo:hi].unsqueeze(1))
         out[lo:hi].copy_(d)
     return out

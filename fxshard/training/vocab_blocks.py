@@ -330,24 +330,19 @@ class CrossEntropyRows(torch.autograd.Function):
                              f"cross_entropy over the vocab blocks of pm(x)'s output "
                              f"({blocks.describe()})")
         widths = blocks.valid_widths(list(xs))
-        xf = [x.float() for x in xs]
-        top = blocks.max([x.narrow(-1, 0, w).amax(-1, keepdim=True) if w else
-                          x.new_full((*x.shape[:-1], 1), float("-inf"))
-                          for x, w in zip(xf, widths)])
+        # the maxima in the blocks' dtype (exact), everything after in float32 a slice of
+        # rows at a time: no float32 copy of a bf16 block (fxshard/ops/loss.py's slices)
+        top = blocks.max([x.narrow(-1, 0, w).amax(-1, keepdim=True).float() if w else
+                          x.new_full((*x.shape[:-1], 1), float("-inf"), dtype=torch.float32)
+                          for x, w in zip(xs, widths)])
         top = [torch.where(torch.isfinite(t), t, torch.zeros_like(t)) for t in top]
-        sums = []
-        for x, t, w in zip(xf, top, widths):
-            z = (x - t).exp_()            # the forward's one [rows, V/tp] temporary
-            z.narrow(-1, w, z.shape[-1] - w).zero_()
-            sums.append(z.sum(-1, keepdim=True))
-            del z
-        sums = blocks.sum(sums)
+        sums = blocks.sum([_sum_exp(x.narrow(-1, 0, w), t) for x, t, w in zip(xs, top, widths)])
         lse = [t + s.log() for t, s in zip(top, sums)]
         parts = []
-        for x, index, lo, w in zip(xf, indices, starts, widths):
+        for x, index, lo, w in zip(xs, indices, starts, widths):
             local = index - lo
             inside = (local >= 0) & (local < w)
-            picked = x.gather(-1, local.clamp(0, x.shape[-1] - 1))
+            picked = x.gather(-1, local.clamp(0, x.shape[-1] - 1)).float()
             parts.append(torch.where(inside, picked, torch.zeros_like(picked)))
         picked = blocks.sum(parts)
         ctx.blocks, ctx.indices, ctx.starts, ctx.widths = blocks, indices, starts, widths
@@ -367,11 +362,34 @@ class CrossEntropyRows(torch.autograd.Function):
                 grads.append(torch.zeros_like(x))
                 continue
             g = g.float().unsqueeze(-1)
-            dx = torch.sub(x.float(), lse).exp_().mul_(g)   # the backward's one new buffer
-            dx.narrow(-1, w, dx.shape[-1] - w).zero_()      # (a padded vocab's columns)
             local = index - lo
             inside = (local >= 0) & (local < w)
-            dx.scatter_add_(-1, local.clamp(0, x.shape[-1] - 1),
-                            torch.where(inside, -g, torch.zeros_like(g)))
-            grads.append(dx.to(x.dtype))
+            at = torch.where(inside, -g, torch.zeros_like(g))
+            dx = torch.empty_like(x)      # the backward's one new buffer, in x's dtype
+            for r0, r1 in _slices(x):
+                d = torch.sub(x[r0:r1], lse[r0:r1]).exp_().mul_(g[r0:r1])   # float32 (promoted)
+                d.narrow(-1, w, d.shape[-1] - w).zero_()    # (a padded vocab's columns)
+                d.scatter_add_(-1, local[r0:r1].clamp(0, x.shape[-1] - 1), at[r0:r1])
+                dx[r0:r1].copy_(d)
+            grads.append(dx)
         return (None, None, None, *grads)
+
+
+def _slices(x: torch.Tensor) -> list[tuple[int, int]]:
+    """Ranges of ``x``'s rows (dim 0) whose float32 copy holds at most
+    ``fxshard.ops.loss._SLICE_ELEMENTS`` values (all of them for a 1-d ``x``)."""
+    from ..ops import loss
+    if x.dim() < 2:
+        return [(0, x.shape[0])] if x.dim() else [(0, 1)]
+    step = max(1, loss._SLICE_ELEMENTS // max(1, x[0].numel()))
+    return [(r, min(r + step, x.shape[0])) for r in range(0, x.shape[0], step)]
+
+
+def _sum_exp(x: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """``sum(exp(x - top), -1, keepdim=True)`` in float32, a slice of rows at a time."""
+    out = torch.zeros((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    if x.shape[-1] == 0 or x.dim() < 2:
+        return out if x.shape[-1] == 0 else torch.sub(x, top).exp_().sum(-1, keepdim=True)
+    for r0, r1 in _slices(x):
+        torch.sum(torch.sub(x[r0:r1], top[r0:r1]).exp_(), -1, keepdim=True, out=out[r0:r1])
+    return out
