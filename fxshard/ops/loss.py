@@ -94,7 +94,8 @@ def _local_targets(target, ignore_index: int, start: int, classes: int):
 
 @define_op("fxshard::vocab_nll_loss_forward",
            "(Tensor logp, Tensor target, int reduction, int ignore_index, str[] axes, "
-           "int[] sizes, int valid=-1, Tensor? lse=None, ScalarType? dtype=None) -> (Tensor, Tensor)")
+           "int[] sizes, int valid=-1, Tensor? lse=None, ScalarType? dtype=None) "
+           "-> (Tensor, Tensor)")
 def vocab_nll_loss_forward(logp, target, reduction: int, ignore_index: int, axes, sizes,
                            valid: int = -1, lse=None, dtype=None):
     """``valid``: the classes of a vocab padded for tp (``passes/pad_vocab``; -1: every
