@@ -44,7 +44,8 @@ import torch.utils._pytree as pytree
 from .checks import (check_parallelize_args, inference_only, out_of_vocabulary,
                      unmatched_plan_patterns, warn_training_in_eval_mode)
 from .mesh import MeshSpec, PP, is_simulated, mesh_spec
-from .mixed_precision import autocast_off, cast_inputs, cast_outputs, check_policy
+from .mixed_precision import (autocast_off, caller_autocast, cast_inputs, cast_outputs,
+                              check_policy)
 from .passes import PLAN_STYLES
 from .runtime.agreement import together
 from .runtime.executor import Executor
@@ -309,10 +310,11 @@ class ParallelModule:
         argument (any name) or, derived inside it, start at the cache position
         (:mod:`fxshard.generation.positions`)."""
         from .generation import generate
-        return generate(self, input_ids, max_new_tokens=max_new_tokens, do_sample=do_sample,
-                        temperature=temperature, top_k=top_k, top_p=top_p,
-                        eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                        generator=generator)
+        with caller_autocast():   # its programs keyed and traced by it, run with it off
+            return generate(self, input_ids, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                            temperature=temperature, top_k=top_k, top_p=top_p,
+                            eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                            generator=generator)
 
     # -- inspection --------------------------------------------------------------------
     def rank_module(self, rank: int, which: str | None = None) -> fx.GraphModule:

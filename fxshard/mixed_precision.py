@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-__all__ = ["check_policy", "autocast_state", "autocast_off", "autocast_forward", "inline_autocast",
+__all__ = ["check_policy", "autocast_state", "caller_autocast", "autocast_off", "autocast_forward", "inline_autocast",
            "policy_scope", "current_policy", "traced_autocast", "params_in", "cast_inputs",
            "cast_outputs", "output_cast_loss", "masters"]
 
@@ -78,11 +78,32 @@ def check_policy(where: str, policy):
 
 
 # -- autocast ---------------------------------------------------------------------------
+# the caller's autocast state, held while autocast itself is off (:func:`caller_autocast`)
+_CALLER: contextvars.ContextVar = contextvars.ContextVar("fxshard_caller_autocast",
+                                                         default=None)
+
+
 def autocast_state() -> tuple:
-    """``((device_type, dtype), ...)`` of every device type autocast is on for (cpu, cuda):
-    part of every program's cache key."""
+    """``((device_type, dtype), ...)`` of every device type autocast is on for (cpu, cuda),
+    or the caller's held by :func:`caller_autocast`: part of every program's cache key."""
+    held = _CALLER.get()
+    if held is not None:
+        return held
     return tuple((d, torch.get_autocast_dtype(d)) for d in _DEVICES
                  if torch.is_autocast_enabled(d))
+
+
+@contextlib.contextmanager
+def caller_autocast():
+    """The caller's autocast state kept for the programs' keys and traces while autocast is
+    off for everything else (a loop that builds and runs programs: ``generate``)."""
+    state = autocast_state()
+    token = _CALLER.set(state)
+    try:
+        with autocast_off(state):
+            yield
+    finally:
+        _CALLER.reset(token)
 
 
 @contextlib.contextmanager
