@@ -27,6 +27,10 @@ keep it there, and ``index_put(zeros, [perm // k], gx, True)`` / ``[perm]`` (or 
 of the add-back's token index) bring it back to the rank's own tokens. The joint
 propagation checks those regions like ``propagate_pass``.
 
+On ``ep`` (whole experts by index per rank) the tagged region is where
+``passes/expert_parallel.py`` cuts the experts out of the rank's sorted order: the rows go to
+their experts' ranks and back by all-to-all, forward and backward alike.
+
 This pass tags the region's nodes with ``node.meta["fxshard_token_local"]`` (the sort's name)
 after checking that everything between the sort and the un-permuting index is row-wise; the
 rules of ``sort``, ``index``, ``index_put``, ``cumsum`` and ``grouped_mm`` read the tag (it
