@@ -147,9 +147,9 @@ class Rearranged:
         return torch.device("cpu")
 
     def whole(self) -> torch.Tensor:
-        from .mesh import MeshSpec
+        from .mesh import TP, MeshSpec
         from .placement import R
-        one = MeshSpec((1,), ("tp",))
+        one = MeshSpec((1,), (TP,))
 
         def read(name):
             s = self.sources[name]
