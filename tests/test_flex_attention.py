@@ -325,3 +325,17 @@ def test_log_sum_exp_output_ring_cp2():
     grads = pm.gradients()
     for name, p in ref.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_mask_mod_folds_to_causal_ring_attention():
+    """A plain causal mask_mod becomes is_causal (no mask tensor): zigzag ring attention."""
+    ids, _ = _data()
+    model = _model("causal")
+    with torch.no_grad():
+        want = model(ids, DOCS)
+    pm = fxshard.parallelize(copy.deepcopy(model), _mesh(ring_cp=2))
+    with torch.no_grad():
+        torch.testing.assert_close(pm(ids, DOCS), want, rtol=1e-5, atol=1e-5)
+    ring = [n for n in pm.rank_module(0).graph.nodes
+            if n.target is torch.ops.fxshard.ring_attention.default]
+    assert len(ring) == 1 and ring[0].args[3] is True and len(ring[0].args) == 11, ring
