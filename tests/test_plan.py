@@ -78,3 +78,24 @@ def test_memory_within_10_percent_of_measured(mesh):
                   options={"sequence_parallel": False})
     e = estimate(_meta(), mesh, hardware=BIG, batch=4, seq=256, sequence_parallel=False)
     assert abs(e.memory["peak"] - got["memory"]) / got["memory"] < 0.10, (e.memory, got)
+
+
+def test_cli_plan_prints_ranked_and_ruled_out(tmp_path, capsys):
+    import json
+    from fxshard.__main__ import main
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**CFG, "model_type": "llama",
+                                "architectures": ["LlamaForCausalLM"]}))
+    assert main(["plan", "--config", str(path), "--devices", "4", "--seq", "64",
+                 "--batch", "4", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "configurations fit" in out and "Ruled out" in out
+    assert "tp=4 beyond the 2 KV heads" in out and "tokens/s" in out
+
+
+def test_inference_estimate_has_kv_cache_and_latencies():
+    e = estimate(_meta(), {"tp": 2}, hardware=BIG, batch=2, seq=64, training=False,
+                 new_tokens=16)
+    kv = 2 * 2 * 1 * 64 * (64 + 16) * 2 * 4      # 2 x layers x local KV heads x dim x pos x b
+    assert e.memory["kv_cache"] == kv
+    assert 0 < e.step_time["decode"] < e.step_time["prefill"]

@@ -11,7 +11,6 @@ table: the best configurations and those ruled out, with why.
 """
 from __future__ import annotations
 
-import argparse
 import json
 
 __all__ = ["add_parser", "run"]
@@ -20,17 +19,20 @@ __all__ = ["add_parser", "run"]
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="rank meshes for a config.json by predicted tokens/s per "
                                     "device (fxshard.plan)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description="Build the model of a HuggingFace config.json on meta (no "
+                                   "weights) and print fxshard.plan's table: the best "
+                                   "configurations, then those ruled out and why.")
     p.add_argument("--config", required=True, help="a HuggingFace config.json")
-    p.add_argument("--devices", type=int, required=True)
+    p.add_argument("--devices", type=int, required=True, help="devices to plan for")
     p.add_argument("--hardware", default="h100", help="h100, h200, a100 or mi300x")
-    p.add_argument("--seq", type=int, required=True)
+    p.add_argument("--seq", type=int, required=True, help="tokens per sequence")
     p.add_argument("--batch", type=int, required=True, help="sequences per step")
     p.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
     p.add_argument("--inference", action="store_true", help="serving: prefill and decode")
-    p.add_argument("--top", type=int, default=10)
-    p.add_argument("--max-tp", type=int, default=None)
-    p.add_argument("--max-pp", type=int, default=None)
+    p.add_argument("--top", type=int, default=10, help="configurations shown (default 10)")
+    p.add_argument("--max-tp", type=int, default=None,
+                   help="largest tp (default: a node's devices)")
+    p.add_argument("--max-pp", type=int, default=None, help="largest pp (default: the layers)")
     p.add_argument("--svg", default=None, help="draw the best configuration's plan (needs "
                                                "matplotlib)")
 

@@ -27,7 +27,6 @@ search builds a handful (``Plan.programs_built``) however many meshes it prices.
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 from ..mesh import DP, FSDP, PP, RING, TP, ULYSSES
