@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 
 from ..mixed_precision import current_policy
+from ..mesh import FSDP
 
 __all__ = ["cast_weights_pass", "cast_inference_program", "working_copy_bytes"]
 
@@ -187,9 +188,9 @@ def working_copy_bytes(gm: fx.GraphModule, mesh) -> int:
         mine = int(torch.Size(local_shape(tuple(val.shape), node.meta["fxshard_spec"],
                                           mesh)).numel()) * val.element_size()
         users = list(node.users)
-        if len(users) == 1 and "fsdp" in users[0].args and \
+        if len(users) == 1 and FSDP in users[0].args and \
                 getattr(users[0].target, "__name__", "").startswith("all_gather"):
-            size = mesh.axis_size("fsdp")
+            size = mesh.axis_size(FSDP)
             gathered = max(gathered, _gathered(users[0], mesh, size))
         else:
             kept += mine
