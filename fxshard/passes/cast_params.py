@@ -26,8 +26,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..mixed_precision import current_policy
 from ..mesh import FSDP
+from ..mixed_precision import current_policy
 
 __all__ = ["cast_weights_pass", "cast_inference_program", "working_copy_bytes"]
 
