@@ -71,9 +71,11 @@ def run(args) -> int:
         best = p[0]
         mesh = fxshard.init_device_mesh("cpu", tuple(best.mesh.values()),
                                         mesh_dim_names=tuple(best.mesh))
-        from fxshard.plan.units import one_layer_model
         import torch
-        ids = torch.zeros((max(best.mesh.get("dp", 1) * best.mesh.get("fsdp", 1), 1),
+
+        from fxshard.mesh import DP, FSDP
+        from fxshard.plan.units import one_layer_model
+        ids = torch.zeros((max(best.mesh.get(DP, 1) * best.mesh.get(FSDP, 1), 1),
                            args.seq), dtype=torch.long)
         pm = fxshard.parallelize(one_layer_model(model), mesh, example_inputs=(ids,))
         pm.explain().save(args.svg)

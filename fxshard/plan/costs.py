@@ -32,6 +32,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
 from ..explain import collectives_of, data_dependent
+from ..mesh import FSDP
 from ..placement import local_shape
 
 __all__ = ["Costs", "Item", "Comm", "program_costs"]
@@ -327,7 +328,7 @@ def _walk(costs: Costs, nodes: list, mesh, batch: dict, layer: dict, returned: l
                           not (backward and n in kept)):
             size = _nbytes(n, mesh)
             c = comms.get(n.name)
-            key = "g" if (c is not None and c.axis == "fsdp" and c.op.startswith(
+            key = "g" if (c is not None and c.axis == FSDP and c.op.startswith(
                 "all_gather") and not batch[n]) else ("b" if batch[n] else "f")
             live[key] += size
             if n not in kept:
