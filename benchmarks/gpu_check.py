@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_kernel_checks import (decode_checks, decode_reference,  # noqa: E402,F401
-                                          kernel_checks, reference)
+                                          format_table, kernel_checks, reference)
 from benchmarks.gpu_model_checks import (compile_backend_check, generate_check,  # noqa: E402
                                          hf_checks, model_check, training_check)
 from benchmarks.gpu_train_checks import train_rows_check  # noqa: E402
@@ -147,23 +147,6 @@ def backward_flops(batch, heads, seq, head_dim, head_dim_v, causal) -> float:
 def forward_flops(batch, heads, seq, head_dim, head_dim_v, causal) -> float:
     flops = 2.0 * batch * heads * seq * seq * (head_dim + head_dim_v)
     return flops / 2 if causal else flops
-
-
-def format_table(rows: list, columns: list) -> str:
-    """A fixed-width table of ``rows`` (dicts); floats with 2 decimals, missing as '-', a
-    row's ``error`` after its cells."""
-    def cell(value):
-        if value is None:
-            return "-"
-        return f"{value:.2f}" if isinstance(value, float) else str(value)
-    cells = [[cell(r.get(c)) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(line[i]) for line in cells)) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths)),
-             "  ".join("-" * w for w in widths)]
-    for r, line in zip(rows, cells):
-        text = "  ".join(x.rjust(w) for x, w in zip(line, widths))
-        lines.append(text + (f"  {r['error']}" if r.get("error") else ""))
-    return "\n".join(lines)
 
 
 def _bench(fn) -> float:

@@ -163,3 +163,20 @@ def decode_graph_check() -> bool:
     print(f"{'PASS' if good else 'FAIL'} decode kernel in a CUDA graph, replayed with new lengths "
           f"and queries: max err {err}", flush=True)
     return good
+
+
+def format_table(rows: list, columns: list) -> str:
+    """A fixed-width table of ``rows`` (dicts); floats with 2 decimals, missing as '-', a
+    row's ``error`` after its cells."""
+    def cell(value):
+        if value is None:
+            return "-"
+        return f"{value:.2f}" if isinstance(value, float) else str(value)
+    cells = [[cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(line[i]) for line in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths)),
+             "  ".join("-" * w for w in widths)]
+    for r, line in zip(rows, cells):
+        text = "  ".join(x.rjust(w) for x, w in zip(line, widths))
+        lines.append(text + (f"  {r['error']}" if r.get("error") else ""))
+    return "\n".join(lines)

@@ -202,7 +202,7 @@ def write_results(rows: list, text: str, path: Path) -> None:
 def train_rows_check(device: str, results: Path | None = None) -> bool:
     """Run :func:`training_rows`, print the table and PASS/FAIL; on CUDA write the table to
     ``results`` (``benchmarks/RESULTS.md``)."""
-    from benchmarks.gpu_check import format_table
+    from benchmarks.gpu_kernel_checks import format_table
     where = torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run, tiny config)"
     print(f"\ntraining rows: HF Llama, fsdp=2 x tp=2 simulated on one {where}, bf16 mixed "
           f"precision vs one device's autocast", flush=True)

@@ -46,63 +46,21 @@ layers, KV heads and head size (``2 * layers * kv_heads * head_dim * positions``
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 
 from ..mesh import AXIS_NAMES, DP, FSDP, PP, RING, TP, ULYSSES, canonical_axis
-from ..placement import local_shape, Shard
-from .hardware import INTER, INTRA, Hardware
+from ..placement import Shard
+from .hardware import Hardware
+from .prices import _exposed, _peak_live, _program_times, _saved, _weight_bytes, \
+    level_of
+from .result import Estimate
 from .units import Unit, build_unit, layer_stack
 
 __all__ = ["Estimate", "estimate"]
 
 _WHERE = "fxshard.estimate"
 _OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
-
-
-@dataclass
-class Estimate:
-    """One configuration's prediction (see :func:`estimate`)."""
-
-    mesh: dict
-    options: dict
-    memory: dict                      # bytes per device: peak and its parts
-    step_time: dict                   # seconds: total, compute, exposed_comm, bubble, ...
-    tokens_per_second: float          # the whole mesh
-    tokens_per_second_per_device: float
-    fits: bool
-    hardware: str
-    training: bool = True
-    flops_per_step: float = 0.0       # counted FLOPs per device per step
-    mfu: float = 0.0                  # model FLOPs / (step time * bf16 or fp32 peak)
-    notes: list = field(default_factory=list)
-
-    def __str__(self) -> str:
-        mesh = ", ".join(f"{a}={n}" for a, n in self.mesh.items())
-        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
-        gib = 2 ** 30
-        m, t = self.memory, self.step_time
-        lines = [f"fxshard.estimate on {self.hardware}: mesh ({mesh}); {opts}",
-                 f"  memory per device: {m['peak'] / gib:.2f} GiB peak "
-                 f"({'fits' if self.fits else 'DOES NOT FIT'} in "
-                 f"{m['capacity'] / gib:.1f} GiB usable)",
-                 "    " + ", ".join(f"{k} {v / gib:.2f}" for k, v in m.items()
-                                    if k not in ("peak", "capacity"))]
-        if self.training:
-            lines.append(f"  step time: {t['total'] * 1e3:.1f} ms = compute "
-                         f"{t['compute'] * 1e3:.1f} + exposed communication "
-                         f"{t['exposed_comm'] * 1e3:.1f} + pipeline bubble "
-                         f"{t['bubble'] * 1e3:.1f} (communication in all "
-                         f"{t['comm'] * 1e3:.1f})")
-        else:
-            lines.append(f"  prefill: {t['prefill'] * 1e3:.1f} ms, decode step: "
-                         f"{t['decode'] * 1e3:.2f} ms")
-        lines.append(f"  tokens/s: {self.tokens_per_second:,.0f} "
-                     f"({self.tokens_per_second_per_device:,.1f} per device)"
-                     + (f", MFU {self.mfu:.1%}" if self.training else ""))
-        lines += [f"  note: {n}" for n in self.notes]
-        return "\n".join(lines)
 
 
 def _mesh_axes(mesh) -> dict:
@@ -139,14 +97,6 @@ def _half(mixed_precision) -> bool:
                      f"policy with param_dtype=torch.bfloat16")
 
 
-def level_of(axes: dict, axis: str, devices_per_node: int) -> str:
-    """``intra_node`` when a group of ``axis`` fits in one node (axes nest in the order
-    given, the last innermost: a group's ranks are ``stride`` apart)."""
-    names = list(axes)
-    stride = math.prod(axes[a] for a in names[names.index(axis) + 1:])
-    return INTRA if stride * axes[axis] <= devices_per_node else INTER
-
-
 def check_divides(unit: Unit, axes: dict) -> None:
     """A ValueError naming the weight, dim and axis when the candidate's dp/fsdp size does
     not divide a dim the unit shards on it (the unit was built with at most 2)."""
@@ -160,19 +110,6 @@ def check_divides(unit: Unit, axes: dict) -> None:
                                  f"does not divide over {axis}={n}")
 
 
-def _weight_bytes(unit: Unit, axes: dict, stage: dict) -> float:
-    """Parameter bytes per device of ``stage`` (``{region: count}``: the layers it holds,
-    and whether it holds the embedding ``pre`` and the head ``post``)."""
-    from ..mesh import MeshSpec
-    target = MeshSpec(tuple(axes.get(a, 1) if a != PP else 1 for a in unit.mesh.axis_names),
-                      unit.mesh.axis_names)
-    total = 0.0
-    for _fqn, (shape, spec, dtype, region) in unit.weights.items():
-        local = shape if spec is None else local_shape(tuple(shape), spec, target)
-        total += math.prod(local) * dtype.itemsize * stage.get(region, 0)
-    return total
-
-
 def _stages(n_layers: int, pp: int) -> list[dict]:
     """Per pipeline stage ``{region: count}`` (earlier stages take the extra layer, the
     embedding on the first, the head on the last)."""
@@ -181,81 +118,6 @@ def _stages(n_layers: int, pp: int) -> list[dict]:
         layers = n_layers // pp + (1 if k < n_layers % pp else 0)
         out.append({"layer": layers, "pre": int(k == 0), "post": int(k == pp - 1)})
     return out
-
-
-def _node_time(item, hw: Hardware, b: float, half: bool) -> float:
-    scale = b if item.batch else 1.0
-    dtype = torch.bfloat16 if half and item.dtype == torch.float32 else item.dtype
-    nbytes = item.bytes * scale * (0.5 if half and item.dtype == torch.float32 else 1.0)
-    eff = {"matmul": hw.matmul_efficiency, "attention": hw.attention_efficiency}.get(
-        item.kind, hw.matmul_efficiency)
-    flops = item.flops * scale
-    peak = hw.peak(dtype)
-    return hw.op_latency + max(flops / (peak * eff),
-                               nbytes / (hw.memory_bandwidth * hw.memory_efficiency))
-
-
-def _comm_time(c, hw: Hardware, axes: dict, b: float, half: bool) -> float:
-    n = axes.get(c.axis, 1)
-    if n <= 1:
-        return 0.0
-    link = hw.link(level_of(axes, c.axis, hw.devices_per_node))
-    scale = b if c.batch else 1.0
-    if c.weight and c.axis == DP:   # HSDP: the dp reduction of an fsdp shard (built at 2)
-        scale = 2 / axes.get(FSDP, 1)
-    full = c.full * scale * (0.5 if half and not c.op.startswith("reduce") and
-                             c.op != "all_reduce" else 1.0)
-    op = c.op
-    if op.startswith("all_gather") or op.startswith("reduce_scatter") or op == "all_to_all":
-        wire, steps = (n - 1) / n * full, n - 1
-    elif op == "all_reduce":
-        wire, steps = 2 * (n - 1) / n * full, 2 * (n - 1)
-    elif op in ("send", "recv"):
-        wire, steps = full, 1
-    else:
-        wire, steps = c.wire * scale, n - 1
-    return steps * link.latency + wire / (link.bandwidth * hw.link_efficiency)
-
-
-def _program_times(costs, hw, axes, b, half, stage: dict) -> dict:
-    out = {"compute": 0.0, "act_comm": 0.0, "weight_comm": 0.0, "weight_comm_layer": 0.0,
-           "flops": 0.0}
-    for it in costs.items:
-        k = stage.get(it.layer, 0)
-        if k:
-            out["compute"] += k * _node_time(it, hw, b, half)
-            out["flops"] += k * it.flops * (b if it.batch else 1)
-    for c in costs.comms:
-        k = stage.get(c.layer, 0)
-        if not k:
-            continue
-        t = _comm_time(c, hw, axes, b, half)
-        if c.weight:
-            out["weight_comm"] += k * t
-            if c.layer == "layer":
-                out["weight_comm_layer"] += t
-        else:
-            out["act_comm"] += k * t
-    return out
-
-
-def _exposed(p: dict) -> float:
-    hidden = max(p["weight_comm"] - p["compute"], p["weight_comm_layer"], 0.0)
-    return p["act_comm"] + min(hidden, p["weight_comm"])
-
-
-def _peak_live(costs, b: float, fsdp_on: bool, half: bool, stage: dict) -> float:
-    """The largest live set of the unit's walk over the nodes of the regions ``stage``
-    runs."""
-    h = 0.5 if half else 1.0
-    return max((lb * b * h + lf + (lg * h if fsdp_on else 0.0)
-                for lb, lf, lg, region in costs.live if stage.get(region, 0)), default=0.0)
-
-
-def _saved(costs, b: float, stage: dict, half: bool) -> float:
-    h = 0.5 if half else 1.0
-    return sum(v * (b * h if batch else 1.0) * stage.get(region, 0)
-               for (region, batch), v in costs.saved.items())
 
 
 def estimate(model: torch.nn.Module, mesh: dict, *, hardware="h100", batch: int, seq: int,

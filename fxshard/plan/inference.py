@@ -9,8 +9,8 @@ the one quantity here not read from a program).
 from __future__ import annotations
 
 from ..mesh import RING, TP, ULYSSES
-from .estimate import Estimate, _comm_time, _exposed, _peak_live, _program_times, \
-    _weight_bytes
+from .prices import _comm_time, _exposed, _peak_live, _program_times, _weight_bytes
+from .result import Estimate
 
 __all__ = ["inference_estimate"]
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from .shard_owners import OWNERS as _OWNERS
+
 __all__ = ["GradScaler", "route_torch_scaler"]
 
 _ROUTED: list = []      # torch's GradScaler._unscale_grads_ as it was, once routed
@@ -36,7 +38,6 @@ _ROUTED: list = []      # torch's GradScaler._unscale_grads_ as it was, once rou
 def _real_owner(optimizer):
     """The ``torchrun`` trainer whose shards ``optimizer`` holds (None: a simulated mesh's,
     or no fxshard shards at all)."""
-    from .optim import _OWNERS
     params = [p for g in optimizer.param_groups for p in g["params"]]
     owners = {id(_OWNERS[p]): _OWNERS[p] for p in params if p in _OWNERS}
     real = [tm for tm in owners.values() if not getattr(tm, "_simulated", True)]

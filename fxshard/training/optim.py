@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .shard_owners import OWNERS
+
 __all__ = ["clip_grad_norm_", "watch_model_parameters", "remember_owner"]
 
 # registry: a trained model's parameter -> (its name, the mesh), while the parameter lives
@@ -62,7 +64,7 @@ def _check_optimizer(optimizer, args, kwargs) -> None:
         f"Build the optimizer over the shards: opt = torch.optim.{kind}(pm.parameters(), ...)")
 
 
-_OWNERS = WeakIdKeyDictionary()    # registry: a shard pm.parameters() gave -> its trainer
+_OWNERS = OWNERS    # registry (training/shard_owners.py): a shard pm.parameters() gave -> its trainer
 
 
 def remember_owner(trainer, shards) -> None:
