@@ -256,7 +256,8 @@ def _numbered(shapes: dict) -> tuple[dict, list]:
     out, spans, start = {}, [], 0
     for name, shape in shapes.items():
         n = int(torch.Size(shape).numel())
-        out[name] = torch.arange(start, start + n, dtype=torch.float64).reshape(shape)
+        out[name] = torch.arange(start, start + n, dtype=torch.float64,
+                                 device="cpu").reshape(shape)
         spans.append((name, start, n))
         start += n
     return out, spans
@@ -265,7 +266,7 @@ def _numbered(shapes: dict) -> tuple[dict, list]:
 def _gathers(results: dict, spans: list, total: int, what: str) -> dict:
     """``{name: Gather}`` from tensors holding element numbers (``results``)."""
     out = {}
-    owner = torch.empty(total, dtype=torch.long)
+    owner = torch.empty(total, dtype=torch.long, device="cpu")
     for k, (_, first, n) in enumerate(spans):
         owner[first:first + n] = k
     for name, got in results.items():
@@ -319,8 +320,9 @@ def _probe(prefix: str, module: torch.nn.Module, model_name: str):
         raise NotImplementedError(f"{where} computes the values of {_few(computed)} in its "
                                   f"state dict, not only their names and layout. {fix}")
     save = _gathers(saved, spans, total, "its state dict's")
-    random = {k: torch.randn(s, dtype=torch.float64, generator=torch.Generator().manual_seed(
-        len(k))) for k, s in shapes.items()}
+    random = {k: torch.randn(s, dtype=torch.float64, device="cpu",
+                              generator=torch.Generator().manual_seed(len(k)))
+              for k, s in shapes.items()}
     with torch.no_grad():
         again = _with_probes(module, random).state_dict()
     changed = [k for k, g in save.items() if not _check_moves(g, random, again[k])]
@@ -337,7 +339,7 @@ def _probe_load(module, shapes: dict, saved_shapes: dict, save: dict, where: str
     total = sum(n for _, _, n in spans)
     why = (f"{where.split(': ', 1)[1]}: its own load_state_dict cannot take what its "
            f"state_dict() gives")
-    targets = {k: torch.full(s, -1.0, dtype=torch.float64) for k, s in shapes.items()}
+    targets = {k: torch.full(s, -1.0, dtype=torch.float64, device="cpu") for k, s in shapes.items()}
     try:
         with torch.no_grad():
             _with_probes(module, targets).load_state_dict(numbered, strict=True)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import fxshard
 from fxshard.passes.rules import FallbackWarning
+from fxshard.passes.rules.conv import SequenceGatherWarning
 from tests.models import hf_llama, our_llama
 
 MESHES = [dict(dp=2), dict(tp=2), dict(ring_cp=2), dict(dp=2, tp=2), dict(ulysses_cp=2)]
@@ -95,15 +96,20 @@ CASES = [(CloneThenInPlace, lambda: (torch.randn(4, 8, 8),)),
 
 def run_parallel(model, m, *args, **kwargs):
     """``parallelize(model, m)(*args, **kwargs)`` with its warnings checked instead of printed:
-    only FallbackWarnings, each about an op ``explain()`` lists as run replicated."""
+    only FallbackWarnings, each about an op ``explain()`` lists as run replicated, and
+    SequenceGatherWarnings (a CP axis gathering the sequence for a node: MaskedHead's
+    ``y[:, 0] = 0`` writes one position, Attention3d's SDPA has no heads dim)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pm = fxshard.parallelize(model, m)
         out = pm(*args, **kwargs)
-    others = [str(w.message) for w in caught if not issubclass(w.category, FallbackWarning)]
+    others = [str(w.message) for w in caught
+              if not issubclass(w.category, (FallbackWarning, SequenceGatherWarning))]
     assert not others, others
+    gathers = [w for w in caught if issubclass(w.category, SequenceGatherWarning)]
+    assert all(re.search(r"mesh axis '(ring_cp|ulysses_cp)'", str(w.message)) for w in gathers)
     warned = {re.search(r"\((\w+)\) ", str(w.message)).group(1)
-              for w in caught}
+              for w in caught if issubclass(w.category, FallbackWarning)}
     assert warned <= {f.split(":")[0] for f in pm.explain().fallbacks}
     return out
 

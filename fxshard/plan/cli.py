@@ -76,7 +76,7 @@ def run(args) -> int:
         from fxshard.mesh import DP, FSDP
         from fxshard.plan.units import one_layer_model
         ids = torch.zeros((max(best.mesh.get(DP, 1) * best.mesh.get(FSDP, 1), 1),
-                           args.seq), dtype=torch.long)
+                           args.seq), dtype=torch.long, device="cpu")
         pm = fxshard.parallelize(one_layer_model(model), mesh, example_inputs=(ids,))
         pm.explain().save(args.svg)
         print(f"\nbest configuration's plan (one layer) drawn to {args.svg}")

@@ -97,7 +97,8 @@ def build_unit(model: torch.nn.Module, axes: dict, *, seq: int, training: bool,
     mesh = unit_mesh(axes)
     rows = mesh.axis_size(DP) * mesh.axis_size(FSDP)
     vocab = getattr(getattr(model, "config", None), "vocab_size", 2)
-    ids = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, vocab, (rows, seq), generator=torch.Generator().manual_seed(0),
+                        device="cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if training:     # (the joint graph is traced with grad enabled, as pm(x) trains)
