@@ -44,8 +44,8 @@ import torch.utils._pytree as pytree
 from .checks import (check_parallelize_args, inference_only, out_of_vocabulary,
                      unmatched_plan_patterns, warn_training_in_eval_mode)
 from .mesh import MeshSpec, PP, is_simulated, mesh_spec
-from .mixed_precision import (autocast_off, caller_autocast, cast_inputs, cast_outputs,
-                              check_policy)
+from .mixed_precision import (autocast_off, autocast_state, caller_autocast, cast_inputs,
+                              cast_outputs, check_policy)
 from .passes import PLAN_STYLES
 from .runtime.agreement import together
 from .runtime.executor import Executor
@@ -114,15 +114,20 @@ class ParallelModule:
         """The inference program whatever the grad mode (``pm(x)`` under ``torch.no_grad()``);
         with grad enabled a backward through its output is a clear error."""
         policy = self.options.mixed_precision    # FSDP2's casts of inputs and outputs
-        args, kwargs = cast_inputs(policy, args, kwargs)
-        c, micro = self.programs.prepare(args, kwargs)
+        if policy is not None:
+            args, kwargs = cast_inputs(policy, args, kwargs)
+        state = autocast_state()
+        c, micro = self.programs.prepare(args, kwargs, autocast=state)
         try:
-            with autocast_off():   # autocast's casts are in the program
+            if state:
+                with autocast_off(state):   # autocast's casts are in the program
+                    out = inference_only(self.model, self.executor.run(c, micro))
+            else:
                 out = inference_only(self.model, self.executor.run(c, micro))  # fresh list
         except IndexError as e:  # name the token id and the vocabulary, not "out of range"
             raise out_of_vocabulary(self.model, c.traced, args, kwargs, e, where=_WHERE)
-        return cast_outputs(policy, out[0] if c.out_leaf else
-                            pytree.tree_unflatten(out, c.traced.out_spec))
+        out = out[0] if c.out_leaf else pytree.tree_unflatten(out, c.traced.out_spec)
+        return out if policy is None else cast_outputs(policy, out)
 
     def _requires_grad(self) -> bool:
         return any(p.requires_grad for p in self.model.parameters())

@@ -83,12 +83,18 @@ _CALLER: contextvars.ContextVar = contextvars.ContextVar("fxshard_caller_autocas
                                                          default=None)
 
 
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled",
+                        lambda: any(torch.is_autocast_enabled(d) for d in _DEVICES))
+
+
 def autocast_state() -> tuple:
     """``((device_type, dtype), ...)`` of every device type autocast is on for (cpu, cuda),
     or the caller's held by :func:`caller_autocast`: part of every program's cache key."""
     held = _CALLER.get()
     if held is not None:
         return held
+    if not _any_autocast():          # the common case: one call (pm(x)'s per-call budget)
+        return ()
     return tuple((d, torch.get_autocast_dtype(d)) for d in _DEVICES
                  if torch.is_autocast_enabled(d))
 

@@ -119,14 +119,15 @@ class ProgramCache:
         return self._entries.items()
 
     # -- the per-call path ------------------------------------------------------------
-    def prepare(self, args: tuple, kwargs: dict, generation: tuple | None = None
-                ) -> tuple[Compiled, list[list]]:
+    def prepare(self, args: tuple, kwargs: dict, generation: tuple | None = None,
+                autocast: tuple | None = None) -> tuple[Compiled, list[list]]:
         """What ``pm(*args, **kwargs)`` runs: weights synced, the signature's programs (built
-        if new) with every weight loaded, and the flat inputs of each microbatch."""
+        if new) with every weight loaded, and the flat inputs of each microbatch.
+        ``autocast``: the caller's :func:`autocast_state`, where it has it already."""
         retrace = self.weights.sync()
         if retrace is not None:
             self.invalidate(retrace=retrace)
-        c, micro = self.get(args, kwargs, generation)
+        c, micro = self.get(args, kwargs, generation, autocast=autocast)
         if not c.loaded:
             self.check_loaded(c)
         return c, micro
@@ -139,7 +140,7 @@ class ProgramCache:
             self.invalidate(retrace=retrace)
 
     def get(self, args: tuple, kwargs: dict, generation: tuple | None = None,
-            pinned: tuple = ()) -> tuple[Compiled, list[list]]:
+            pinned: tuple = (), autocast: tuple | None = None) -> tuple[Compiled, list[list]]:
         """The programs of this signature (built on first use) and the microbatches' flat
         inputs; no weight sync, no load check. ``pinned``: ``((fqn, tp placement), ...)`` the
         build must give those parameters (a decode step adopting its prefill's layout)."""
@@ -147,7 +148,8 @@ class ProgramCache:
         # the call's structure (see structure()) and the model's train mode too: dropout's
         # sites are traced in train mode, none in eval; and the autocast state (its casts)
         key = (generation, (tree,) + signature(micro[0]) + (self.model.training,) +
-               ((pinned,) if pinned else ()) + autocast_state())
+               ((pinned,) if pinned else ()) +
+               (autocast_state() if autocast is None else autocast))
         c = self._entries.get(key)
         if c is not None:
             self.last, self.last_mode = c, "infer"
