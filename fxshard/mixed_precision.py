@@ -242,21 +242,15 @@ def params_in(model: torch.nn.Module):
     if policy is None or not cast:
         yield
         return
-    swapped, made = [], {}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is None or not p.dtype.is_floating_point or p.dtype == policy.param_dtype:
-                continue
-            if id(p) not in made:
-                made[id(p)] = torch.nn.Parameter(p.detach().to(policy.param_dtype),
-                                                 requires_grad=p.requires_grad)
-            swapped.append((module, name, p))
-            module._parameters[name] = made[id(p)]
-    try:
+    from .weights import parameters_swapped
+
+    def copy(p):
+        if not p.dtype.is_floating_point or p.dtype == policy.param_dtype:
+            return None
+        return torch.nn.Parameter(p.detach().to(policy.param_dtype),
+                                  requires_grad=p.requires_grad)
+    with parameters_swapped(model, copy):
         yield
-    finally:
-        for module, name, p in swapped:
-            module._parameters[name] = p
 
 
 def cast_inputs(policy, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

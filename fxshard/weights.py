@@ -108,3 +108,26 @@ def tied_names(model: torch.nn.Module) -> dict[str, list[str]]:
     for name, p in model.named_parameters(remove_duplicate=False):
         groups.setdefault(id(p), []).append(name)
     return {n: [m for m in g if m != n] for g in groups.values() if len(g) > 1 for n in g}
+
+
+@contextlib.contextmanager
+def parameters_swapped(model: torch.nn.Module, replace):
+    """Inside: each parameter ``p`` of ``model`` for which ``replace(p)`` gives a tensor stands
+    replaced by it (called once per parameter object, so tied ones stay tied); the originals
+    are put back afterwards (a trace with meta parameters made real, or cast copies)."""
+    swapped, made = [], {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in made:
+                made[id(p)] = replace(p)
+            if made[id(p)] is None:
+                continue
+            swapped.append((module, name, p))
+            module._parameters[name] = made[id(p)]
+    try:
+        yield
+    finally:
+        for module, name, p in swapped:
+            module._parameters[name] = p

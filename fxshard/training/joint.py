@@ -34,6 +34,7 @@ from ..passes import PassReports
 from ..passes.rules.linear import split_intervals
 from ..trace import Traced, cleanup_pass, trace
 from ..trace import without_cache as _without_cache
+from ..weights import parameters_swapped
 from .dropout import add_dropout_sites, pack_seed
 from .dynamic_sizes import export_joint
 
@@ -260,21 +261,14 @@ def _placeholders_for_meta(model: torch.nn.Module, args: tuple, kwargs: dict | N
     import torch.utils._pytree as pytree
     device = next((t.device for t in pytree.tree_leaves((args, kwargs))
                    if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    swapped, made = [], {}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None and p.device.type == "meta":
-                if id(p) not in made:
-                    made[id(p)] = torch.nn.Parameter(
-                        torch.empty(p.shape, dtype=p.dtype, device=device),
-                        requires_grad=p.requires_grad)
-                swapped.append((module, name, p))
-                module._parameters[name] = made[id(p)]
-    try:
+
+    def real(p):
+        if p.device.type != "meta":
+            return None
+        return torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                  requires_grad=p.requires_grad)
+    with parameters_swapped(model, real):
         yield
-    finally:
-        for module, name, p in swapped:
-            module._parameters[name] = p
 
 
 def _joint_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None, ctx=None) -> Joint:
